@@ -1,0 +1,163 @@
+"""Model configuration read from a Hugging Face `config.json`.
+
+`ModelConfig` keeps HF's field names so that an architecture file reads like the
+checkpoint's own config. Keys an architecture needs but the dataclass does not name stay in
+`extra` (the raw dict), so quirks live in the architecture file, not here.
+
+Errors: a missing or unreadable file, a missing required key or a value of the wrong type
+raises `ConfigError` naming the key and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REQUIRED_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+)
+
+
+class ConfigError(ValueError):
+    """A model's config.json is missing, unreadable or lacks something Kestrel needs."""
+
+
+@dataclass
+class RopeParameters:
+    """RoPE settings merged from `rope_theta`, `rope_scaling` (transformers 4) and
+    `rope_parameters` (transformers 5): both spellings exist on the Hub."""
+
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass
+class ModelConfig:
+    architectures: list[str]
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    rope: RopeParameters = field(default_factory=RopeParameters)
+    sliding_window: int | None = None
+    quantization_config: dict[str, Any] | None = None
+    source: str = "<memory>"
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def architecture(self) -> str:
+        return self.architectures[0]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not Path(model_dir).is_dir():
+            raise ConfigError(f"model directory not found: {model_dir}")
+        if not path.is_file():
+            raise ConfigError(f"no config.json in {model_dir}")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read {path}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object at the top level")
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "<memory>") -> ModelConfig:
+        # Multimodal checkpoints (Gemma 3, Llava) nest the language model's config.
+        cfg = dict(raw)
+        if "text_config" in cfg and "hidden_size" not in cfg:
+            cfg = {**cfg["text_config"], "architectures": cfg.get("architectures", [])}
+
+        for key in REQUIRED_KEYS:
+            if key not in cfg:
+                raise ConfigError(f"{source}: required key '{key}' is missing")
+        ints = {key: _int(cfg, key, source) for key in REQUIRED_KEYS}
+        architectures = cfg.get("architectures") or []
+        if not isinstance(architectures, list) or not architectures:
+            raise ConfigError(f"{source}: required key 'architectures' is missing or empty")
+
+        heads = ints["num_attention_heads"]
+        kv_heads = _int(cfg, "num_key_value_heads", source, default=heads)
+        if kv_heads <= 0 or heads % kv_heads:
+            raise ConfigError(
+                f"{source}: num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        head_dim = cfg.get("head_dim") or ints["hidden_size"] // heads
+        eos = cfg.get("eos_token_id")
+        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+        return cls(
+            architectures=list(architectures),
+            num_key_value_heads=kv_heads,
+            head_dim=int(head_dim),
+            max_position_embeddings=_int(cfg, "max_position_embeddings", source, default=2048),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act=str(cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos_list,
+            rope=_rope_parameters(cfg, source),
+            sliding_window=cfg.get("sliding_window"),
+            quantization_config=cfg.get("quantization_config"),
+            source=source,
+            extra=cfg,
+            **ints,
+        )
+
+
+def _int(cfg: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{source}: '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope_parameters(cfg: dict[str, Any], source: str) -> RopeParameters:
+    merged: dict[str, Any] = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        value = cfg.get(key)
+        if isinstance(value, dict):
+            merged.update(value)
+        elif value is not None:
+            raise ConfigError(f"{source}: '{key}' must be an object, got {value!r}")
+    theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    known = set(RopeParameters.__dataclass_fields__)
+    params = {k: v for k, v in merged.items() if k in known}
+    params["rope_theta"] = float(theta)
+    params["rope_type"] = str(rope_type)
+    params.setdefault("partial_rotary_factor", float(cfg.get("partial_rotary_factor", 1.0)))
+    return RopeParameters(**params)

@@ -1,0 +1,167 @@
+"""The engine object: a loaded model, its KV cache and its tokenizer.
+
+`Engine.load(model_dir, options)` runs the load flow; `forward(...)` runs one batched
+forward over sequences that hold pages of the cache. The generator drives it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.cache import ForwardBatch, PagedKVCache, Sequence
+from engine.config import ModelConfig
+from engine.loading import load_causal_lm, resolve_device, resolve_dtype
+from engine.tokenizer import Tokenizer
+
+DEFAULT_MAX_SEQ_LEN = 8192  # caps a 128k-context config so the cache fits a consumer GPU
+CACHE_TYPES = ("fp16",)
+
+
+class ContextLengthError(ValueError):
+    """A prompt (plus the tokens asked for) does not fit the model's context."""
+
+
+@dataclass
+class EngineOptions:
+    device: str | None = None
+    dtype: str | None = None
+    max_seq_len: int | None = None
+    cache_type: str = "fp16"
+    cache_tokens: int | None = None  # total cache size; default max_seq_len (one sequence)
+    page_size: int = 256
+    rope_alpha: float = 1.0
+    prefill_chunk: int = 2048
+
+
+class Engine:
+    def __init__(
+        self,
+        config: ModelConfig,
+        model: torch.nn.Module,
+        cache: PagedKVCache,
+        tokenizer: Tokenizer,
+        options: EngineOptions,
+        model_dir: Path,
+        load_seconds: float,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.options = options
+        self.model_dir = model_dir
+        self.max_seq_len = options.max_seq_len or DEFAULT_MAX_SEQ_LEN
+        self.load_seconds = load_seconds
+
+    @classmethod
+    def load(cls, model_dir: str | Path, options: EngineOptions | None = None) -> Engine:
+        options = options or EngineOptions()
+        started = time.perf_counter()
+        model_dir = Path(model_dir)
+        config = ModelConfig.from_dir(model_dir)
+        if options.cache_type not in CACHE_TYPES:
+            raise ValueError(
+                f"cache_type '{options.cache_type}' is not supported yet "
+                f"(available: {', '.join(CACHE_TYPES)})"
+            )
+        device = resolve_device(options.device)
+        dtype = resolve_dtype(options.dtype, device)
+        max_seq_len = options.max_seq_len or min(
+            config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN
+        )
+        if max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        tokenizer = Tokenizer.from_dir(model_dir)
+        model = load_causal_lm(model_dir, device=device, dtype=dtype, config=config)
+        model.setup_rotary(max_seq_len, rope_alpha=options.rope_alpha)
+        cache_tokens = options.cache_tokens or max_seq_len
+        cache = PagedKVCache(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            num_pages=-(-cache_tokens // options.page_size),
+            page_size=options.page_size,
+            dtype=dtype,
+            layer_devices=model.layer_devices,
+        )
+        options = EngineOptions(**{**options.__dict__, "max_seq_len": max_seq_len})
+        return cls(
+            config, model, cache, tokenizer, options, model_dir, time.perf_counter() - started
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.model.embed_tokens.weight.dtype
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return list(dict.fromkeys(self.model.layer_devices))
+
+    def check_length(self, prompt_tokens: int, new_tokens: int = 0) -> None:
+        if prompt_tokens == 0:
+            raise ContextLengthError("the prompt is empty: at least one token is needed")
+        if prompt_tokens + new_tokens > self.max_seq_len:
+            raise ContextLengthError(
+                f"the prompt has {prompt_tokens} tokens"
+                + (f" and {new_tokens} new tokens were asked for" if new_tokens else "")
+                + f"; the context holds {self.max_seq_len} (max_seq_len)"
+            )
+
+    def forward(
+        self, sequences: list[Sequence], new_tokens: list[list[int]], *, all_logits: bool = False
+    ) -> torch.Tensor:
+        batch = ForwardBatch.build(self.cache, sequences, new_tokens, all_logits=all_logits)
+        return self.model(batch, self.cache)
+
+    def prefill(self, seq: Sequence, token_ids: list[int], *, all_logits: bool = False):
+        """Feed a prompt in chunks; returns the last token's logits (or every token's)."""
+        chunk = self.options.prefill_chunk
+        outputs = []
+        for start in range(0, len(token_ids), chunk):
+            logits = self.forward([seq], [token_ids[start : start + chunk]], all_logits=all_logits)
+            outputs.append(logits)
+        return torch.cat(outputs) if all_logits else outputs[-1]
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len, vocab] (float32, CPU) of a whole sequence, without keeping its cache."""
+        self.check_length(len(token_ids))
+        seq = Sequence()
+        try:
+            return self.prefill(seq, token_ids, all_logits=True).cpu()
+        finally:
+            seq.release(self.cache)
+
+    @property
+    def logits_device(self) -> torch.device:
+        return self.model.lm_head_device
+
+    def open_session(self) -> EngineSession:
+        return EngineSession(self)
+
+    def unload(self) -> None:
+        self.model = None  # type: ignore[assignment]
+        self.cache = None  # type: ignore[assignment]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class EngineSession:
+    """One sequence of the engine's cache, for the single-job generation loop."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.sequence = Sequence()
+
+    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+        return self.engine.prefill(self.sequence, token_ids)[-1]
+
+    def step(self, token_id: int) -> torch.Tensor:
+        return self.engine.forward([self.sequence], [[token_id]])[-1]
+
+    def close(self) -> None:
+        if self.engine.cache is not None:
+            self.sequence.release(self.engine.cache)

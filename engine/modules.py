@@ -1,0 +1,147 @@
+"""Building blocks of decoder-only transformers, shared by the architecture files.
+
+Module attribute names mirror the checkpoint's tensor names (`self_attn.q_proj`,
+`mlp.gate_proj`, `input_layernorm`, ...), so a parameter's qualified name is the tensor's
+name in the safetensors file and loading needs no mapping table.
+
+Every forward works on flat token rows: hidden states are [T, hidden] for the T new tokens
+of all sequences in a `ForwardBatch`; the batch says where each sequence's rows are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from engine.cache import ForwardBatch, PagedKVCache
+from kernels.paged_attention import paged_attention
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class Linear(nn.Module):
+    """A dense FP16/BF16/FP32 linear layer; y = x W^T + b with W [out, in] as HF stores it.
+
+    Quantized formats replace this module at load time with one of the same interface
+    (`in_features`, `out_features`, `forward(x)`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, *, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset  # Gemma stores w - 1 and multiplies by (1 + w)
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
+
+
+@dataclass
+class Rotary:
+    """cos/sin tables [max_pos, R/2] (float32) on one device."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass
+class AttentionSpec:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    scale: float | None = None  # default head_dim ** -0.5
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: AttentionSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+        s = spec
+        self.q_proj = Linear(s.hidden_size, s.num_heads * s.head_dim, s.qkv_bias)
+        self.k_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, s.qkv_bias)
+        self.v_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, s.qkv_bias)
+        self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden_size, s.o_bias)
+        self.scale = s.scale if s.scale is not None else s.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
+    ) -> torch.Tensor:
+        s = self.spec
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
+        q, k = kernels.apply_rope(q, k, batch.positions, rotary.cos, rotary.sin)
+        cache.write(self.layer_idx, batch.slots, k, v)
+        out = paged_attention(
+            q,
+            cache.k[self.layer_idx],
+            cache.v[self.layer_idx],
+            batch.cu_seqlens,
+            batch.context_lens,
+            batch.page_table,
+            scale=self.scale,
+            sliding_window=s.sliding_window,
+            softcap=s.softcap,
+        )
+        return self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU for Llama, GeGLU for Gemma."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation '{act}' is not supported ({', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[act]
+        self.gate_proj = Linear(hidden, intermediate, bias)
+        self.up_proj = Linear(hidden, intermediate, bias)
+        self.down_proj = Linear(intermediate, hidden, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h += attn(norm(h)); h += mlp(norm(h))."""
+
+    def __init__(self, attn: Attention, mlp: nn.Module, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = mlp
+
+    def forward(
+        self, h: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, cache, rotary)
+        return h + self.mlp(self.post_attention_layernorm(h))

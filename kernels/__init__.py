@@ -1,0 +1,13 @@
+"""Compute kernels: each op is a Triton kernel, a pure-torch reference and a dispatcher.
+
+`kernels.<op>(..., backend="auto")` runs Triton on CUDA tensors and the reference otherwise
+(see kernels.backend). The reference and Triton functions live in the op's module, e.g.
+`from kernels.rms_norm import rms_norm_reference` (the package attribute `kernels.rms_norm`
+is the op itself, which shadows the module of the same name).
+"""
+
+from kernels.backend import Backend
+from kernels.rms_norm import rms_norm
+from kernels.rope import apply_rope
+
+__all__ = ["Backend", "apply_rope", "rms_norm"]

@@ -1,0 +1,183 @@
+"""RMSNorm over the last dimension.
+
+Contract (x [..., D] in float32/float16/bfloat16, weight [D], any leading shape):
+
+    x32 = x.float()
+    y = x32 * rsqrt(mean(x32**2, -1) + eps)
+    unit_offset=False (Llama):  weight * y.to(x.dtype)      # dtype: promote(x, weight)
+    unit_offset=True  (Gemma):  (y * (1 + weight.float())).to(x.dtype)
+
+These are the cast orders of transformers' LlamaRMSNorm and GemmaRMSNorm. The Triton kernel
+repeats them step for step: it rounds y to x.dtype before the weight multiply, and that
+multiply of two 16-bit floats is exact in float32, so its outputs differ from the reference
+only where rsqrt or the row sum round differently (a few float32 ulps before the final cast).
+
+`rms_norm` dispatches: Triton on CUDA tensors, the reference otherwise (see kernels.backend).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import (
+    Backend,
+    cast_rtne,
+    device_guard,
+    is_interpreted,
+    resolve_backend,
+)
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Rows up to this many elements are held in registers (one read of x); longer rows loop over
+# D twice (sum of squares, then scale) and read x twice. 16384 covers every common hidden
+# size, including Llama-3-405B's.
+_MAX_SINGLE_PASS_D = 16384
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    if not weight.is_floating_point():
+        raise ValueError(f"weight must be a floating tensor, got {weight.dtype}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must have shape ({x.shape[-1]},), got {tuple(weight.shape)}")
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor, unit_offset: bool) -> torch.dtype:
+    # Llama multiplies after the cast, so torch type promotion decides the result dtype.
+    return x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False
+) -> torch.Tensor:
+    """RMSNorm in plain torch, with transformers' cast order (see the module docstring)."""
+    _check_args(x, weight)
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (y * (1.0 + weight.float())).to(x.dtype)
+    return weight * y.to(x.dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    x_row_stride,
+    out_row_stride,
+    D,
+    eps,
+    UNIT_OFFSET: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    # One program per row. int64 row offsets: rows * stride passes 2**31 in long prefills.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    out_row = out_ptr + row * out_row_stride
+    x_dtype = x_ptr.dtype.element_ty
+    out_dtype = out_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_D)
+
+    if SINGLE_PASS:
+        mask = cols < D
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = x * rstd
+        if UNIT_OFFSET:
+            out = y * (1.0 + w)
+        else:
+            out = w * cast_rtne(y, x_dtype, EMULATE_BF16).to(tl.float32)
+        tl.store(out_row + cols, cast_rtne(out, out_dtype, EMULATE_BF16), mask=mask)
+    else:
+        # Per-lane partial sums, reduced once at the end: fewer cross-warp reductions.
+        # The trip count is a constexpr, not range(0, D, BLOCK_D): Triton 3.6's interpreter
+        # fails on runtime loop bounds under numpy >= 2.4 (triton-lang/triton#9171).
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for block in range(N_BLOCKS):
+            start = block * BLOCK_D
+            mask = start + cols < D
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / D + eps)
+        for block in range(N_BLOCKS):
+            start = block * BLOCK_D
+            mask = start + cols < D
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            y = x * rstd
+            if UNIT_OFFSET:
+                out = y * (1.0 + w)
+            else:
+                out = w * cast_rtne(y, x_dtype, EMULATE_BF16).to(tl.float32)
+            tl.store(out_row + start + cols, cast_rtne(out, out_dtype, EMULATE_BF16), mask=mask)
+
+
+# Triton 3.6's interpreter truncates float32 -> bfloat16: see kernels.backend.cast_rtne.
+_INTERPRETED = is_interpreted(_rms_norm_kernel)
+
+
+def _num_warps(block_d: int) -> int:
+    # About 16 row elements per thread (32 for the widest single-pass rows): the row stays in
+    # registers without spills, and short rows don't leave most of a program's threads idle.
+    return max(1, min(16, block_d // 512))
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False
+) -> torch.Tensor:
+    """RMSNorm through the Triton kernel; same contract as `rms_norm_reference`."""
+    _check_args(x, weight)
+    D = x.shape[-1]
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight, unit_offset), device=x.device)
+    x2d = x.reshape(-1, D)  # [N, D]; a view where possible, rows may be strided
+    if x2d.shape[0] == 0 or D == 0:
+        return out
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    weight = weight.contiguous()
+    out2d = out.view(-1, D)  # [N, D]
+
+    single_pass = D <= _MAX_SINGLE_PASS_D
+    block_d = triton.next_power_of_2(D) if single_pass else 4096
+    with device_guard(x):
+        _rms_norm_kernel[(x2d.shape[0],)](
+            x2d,
+            weight,
+            out2d,
+            x2d.stride(0),
+            out2d.stride(0),
+            D,
+            float(eps),
+            UNIT_OFFSET=unit_offset,
+            SINGLE_PASS=single_pass,
+            BLOCK_D=block_d,
+            N_BLOCKS=triton.cdiv(D, block_d),
+            EMULATE_BF16=_INTERPRETED,
+            num_warps=_num_warps(block_d),
+        )
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    unit_offset: bool = False,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """RMSNorm of x [..., D] with weight [D]; Triton on CUDA, the torch reference otherwise."""
+    if resolve_backend(backend, x, weight) == "triton":
+        return rms_norm_triton(x, weight, eps, unit_offset=unit_offset)
+    return rms_norm_reference(x, weight, eps, unit_offset=unit_offset)

@@ -1,0 +1,322 @@
+"""Rotary position embedding, NeoX / transformers "rotate_half" layout, partial rotary allowed.
+
+Contract (out of place; outputs are new contiguous tensors in the input dtype):
+
+    q [T, Hq, D], k [T, Hk, D]      float32/float16/bfloat16, same dtype; rows may be strided
+                                     (e.g. views into a fused QKV output), the last dim dense
+    positions [T]                   int32/int64, each in [0, max_pos)
+    cos, sin [max_pos, R/2]         float tables (float32 from engine.rope), R = 2 * R/2 <= D
+
+For token t with angles row p = positions[t] and h = R/2, per head:
+
+    c = cat(cos[p], cos[p]).to(x.dtype);  s = cat(sin[p], sin[p]).to(x.dtype)
+    x[:R] = x[:R] * c + rotate_half(x[:R]) * s      # rotate_half(a, b) = (-b, a), halves of R
+    x[R:] unchanged
+
+with every product and the sum in x.dtype, which is what transformers' apply_rotary_pos_emb
+computes. The Triton kernel does its math in float32 but rounds where the reference rounds
+(the tables to x.dtype, each product, the sum): products of two float16/bfloat16 values are
+exact in float32, so for those dtypes it matches the reference bit for bit; in float32 the
+two can differ by rounding (a fused multiply-add on the GPU), about one ulp of the terms.
+
+Positions outside the tables are an error in the reference (checked there, which syncs on
+a GPU); the Triton kernel does not check them (only under TRITON_DEBUG), as a check would
+cost a device sync per call.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import (
+    Backend,
+    cast_rtne,
+    device_guard,
+    is_interpreted,
+    resolve_backend,
+)
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Elements per half-rotation tile, [heads, R/2]: 16 heads of Llama's 64 (D=128) per program.
+_TILE_ELEMENTS = 1024
+
+
+def _check_args(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q and k must be [T, H, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype:
+        raise ValueError(
+            f"q and k must share one of float32/float16/bfloat16, got {q.dtype} and {k.dtype}"
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same T, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k head dims differ: {q.shape[2]} and {k.shape[2]}")
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"positions must be a 1-D int32/int64 tensor, got {positions.dtype} "
+            f"{tuple(positions.shape)}"
+        )
+    if positions.shape[0] != q.shape[0]:
+        raise ValueError(f"positions has {positions.shape[0]} entries for T={q.shape[0]}")
+    if cos.dim() != 2 or cos.shape != sin.shape:
+        raise ValueError(
+            f"cos and sin must both be [max_pos, R/2], got {tuple(cos.shape)} and "
+            f"{tuple(sin.shape)}"
+        )
+    if not (cos.is_floating_point() and sin.is_floating_point()):
+        raise ValueError(f"cos and sin must be floating tables, got {cos.dtype} and {sin.dtype}")
+    # R = 2 * cos.shape[-1] is even by construction; it must fit in the head.
+    rotary_dims = 2 * cos.shape[1]
+    if rotary_dims > q.shape[2]:
+        raise ValueError(f"rotary dims R={rotary_dims} exceed the head dim D={q.shape[2]}")
+
+
+def _rotate_reference(
+    x: torch.Tensor, cos_full: torch.Tensor, sin_full: torch.Tensor
+) -> torch.Tensor:
+    # x [T, H, D]; cos_full, sin_full [T, 1, R] in x.dtype
+    rotary_dims = cos_full.shape[-1]
+    half = rotary_dims // 2
+    x_rot, x_pass = x[..., :rotary_dims], x[..., rotary_dims:]
+    rotated_half = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    return torch.cat([x_rot * cos_full + rotated_half * sin_full, x_pass], dim=-1)
+
+
+def apply_rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE in plain torch with transformers' numerics; returns new (q_rot, k_rot)."""
+    _check_args(q, k, positions, cos, sin)
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+        raise ValueError(
+            f"positions must lie in [0, {cos.shape[0]}), got "
+            f"[{int(positions.min())}, {int(positions.max())}]"
+        )
+    index = positions.long()
+    cos_rows, sin_rows = cos[index], sin[index]  # [T, R/2]
+    cos_full = torch.cat([cos_rows, cos_rows], dim=-1).to(q.dtype)[:, None, :]  # [T, 1, R]
+    sin_full = torch.cat([sin_rows, sin_rows], dim=-1).to(q.dtype)[:, None, :]  # [T, 1, R]
+    return _rotate_reference(q, cos_full, sin_full), _rotate_reference(k, cos_full, sin_full)
+
+
+@triton.jit
+def _rope_heads(
+    x_ptr,  # token t's row of q or k
+    out_ptr,  # token t's row of the output
+    x_head_stride,
+    out_head_stride,
+    first_head,
+    n_heads,
+    cos,  # [1, BLOCK_HALF] float32, already rounded to the activation dtype
+    sin,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    x_dtype = x_ptr.dtype.element_ty
+    heads = first_head + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+    head_mask = heads < n_heads
+    cols = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
+    mask = head_mask & (cols < HALF)
+    x_head = x_ptr + heads * x_head_stride
+    out_head = out_ptr + heads * out_head_stride
+
+    x1 = tl.load(x_head + cols, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_head + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    # Round each product and the sum to the activation dtype, as the reference does.
+    x1_cos = cast_rtne(x1 * cos, x_dtype, EMULATE_BF16).to(tl.float32)
+    x2_sin = cast_rtne(x2 * sin, x_dtype, EMULATE_BF16).to(tl.float32)
+    x2_cos = cast_rtne(x2 * cos, x_dtype, EMULATE_BF16).to(tl.float32)
+    x1_sin = cast_rtne(x1 * sin, x_dtype, EMULATE_BF16).to(tl.float32)
+    tl.store(out_head + cols, cast_rtne(x1_cos - x2_sin, x_dtype, EMULATE_BF16), mask=mask)
+    tl.store(out_head + HALF + cols, cast_rtne(x2_cos + x1_sin, x_dtype, EMULATE_BF16), mask=mask)
+
+    if PASS > 0:
+        # Out of place, so the dims past R must be copied too.
+        pass_cols = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
+        pass_mask = head_mask & (pass_cols < 2 * HALF + PASS)
+        tl.store(out_head + pass_cols, tl.load(x_head + pass_cols, mask=pass_mask), mask=pass_mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_token_stride,
+    q_head_stride,
+    k_token_stride,
+    k_head_stride,
+    q_out_token_stride,
+    q_out_head_stride,
+    k_out_token_stride,
+    k_out_head_stride,
+    cos_row_stride,
+    sin_row_stride,
+    n_q_heads,
+    n_k_heads,
+    max_pos,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    # Grid: (T, q head blocks + k head blocks). q and k share one launch and one table read
+    # per program; int64 token offsets because T * stride passes 2**31 in long prefills.
+    token = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    x_dtype = q_ptr.dtype.element_ty
+
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    tl.device_assert((position >= 0) & (position < max_pos), "position outside the rope tables")
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    table_mask = cols < HALF
+    cos = tl.load(cos_ptr + position * cos_row_stride + cols, mask=table_mask, other=0.0)
+    sin = tl.load(sin_ptr + position * sin_row_stride + cols, mask=table_mask, other=0.0)
+    # transformers casts the float32 tables to the activation dtype before multiplying.
+    cos = cast_rtne(cos.to(tl.float32), x_dtype, EMULATE_BF16).to(tl.float32)
+    sin = cast_rtne(sin.to(tl.float32), x_dtype, EMULATE_BF16).to(tl.float32)
+
+    n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
+    if head_block < n_q_blocks:
+        _rope_heads(
+            q_ptr + token * q_token_stride,
+            q_out_ptr + token * q_out_token_stride,
+            q_head_stride,
+            q_out_head_stride,
+            head_block * BLOCK_H,
+            n_q_heads,
+            cos,
+            sin,
+            HALF,
+            PASS,
+            BLOCK_H,
+            BLOCK_HALF,
+            BLOCK_PASS,
+            EMULATE_BF16,
+        )
+    else:
+        _rope_heads(
+            k_ptr + token * k_token_stride,
+            k_out_ptr + token * k_out_token_stride,
+            k_head_stride,
+            k_out_head_stride,
+            (head_block - n_q_blocks) * BLOCK_H,
+            n_k_heads,
+            cos,
+            sin,
+            HALF,
+            PASS,
+            BLOCK_H,
+            BLOCK_HALF,
+            BLOCK_PASS,
+            EMULATE_BF16,
+        )
+
+
+# Triton 3.6's interpreter truncates float32 -> bfloat16: see kernels.backend.cast_rtne.
+_INTERPRETED = is_interpreted(_rope_kernel)
+
+
+def apply_rope_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE through the Triton kernel; same contract as `apply_rope_reference`."""
+    _check_args(q, k, positions, cos, sin)
+    T, n_q_heads, D = q.shape
+    n_k_heads = k.shape[1]
+    q_out = torch.empty((T, n_q_heads, D), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((T, n_k_heads, D), dtype=k.dtype, device=k.device)
+    if T == 0 or D == 0 or n_q_heads + n_k_heads == 0:
+        return q_out, k_out
+    # The kernel indexes the last dim densely; heads and tokens may be strided.
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if cos.stride(-1) != 1:
+        cos = cos.contiguous()
+    if sin.stride(-1) != 1:
+        sin = sin.contiguous()
+    positions = positions.contiguous()
+
+    half = cos.shape[1]
+    n_pass = D - 2 * half
+    block_half = triton.next_power_of_2(max(half, 1))
+    block_h = min(
+        triton.next_power_of_2(max(n_q_heads, n_k_heads)),
+        max(1, _TILE_ELEMENTS // block_half),
+    )
+    grid = (T, triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h))
+    with device_guard(q):
+        _rope_kernel[grid](
+            q,
+            k,
+            q_out,
+            k_out,
+            positions,
+            cos,
+            sin,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            q_out.stride(0),
+            q_out.stride(1),
+            k_out.stride(0),
+            k_out.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            n_q_heads,
+            n_k_heads,
+            cos.shape[0],
+            HALF=half,
+            PASS=n_pass,
+            BLOCK_H=block_h,
+            BLOCK_HALF=block_half,
+            BLOCK_PASS=triton.next_power_of_2(max(n_pass, 1)),
+            EMULATE_BF16=_INTERPRETED,
+            num_warps=4,
+        )
+    return q_out, k_out
+
+
+def apply_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] by the table rows at positions [T].
+
+    Returns new tensors; Triton on CUDA, the torch reference otherwise.
+    """
+    if resolve_backend(backend, q, k, positions, cos, sin) == "triton":
+        return apply_rope_triton(q, k, positions, cos, sin)
+    return apply_rope_reference(q, k, positions, cos, sin)

@@ -1,0 +1,110 @@
+"""The public model interface that the UI, the API, extensions and TGW use.
+
+`LoadedModel` is what `loader.load(...)` returns, whatever loader made it. Loaders
+implement the abstract methods; sampling, stop handling and streaming are shared
+(engine/generator.py), so every loader streams the same way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.generator import GenerationBackend, generate
+from engine.sampling_settings import SamplingSettings
+
+
+class LoaderError(ValueError):
+    """A loader cannot load this model with these options; the message says why."""
+
+
+class UnsupportedFeatureError(LoaderError):
+    """The chosen loader does not offer a feature (yet)."""
+
+
+@dataclass
+class Chunk:
+    """One piece of a streamed completion."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" on the last chunk
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    seed: int | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.generate_seconds if self.generate_seconds else 0.0
+
+
+class LoadedModel(ABC):
+    loader_name: str = ""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    # -- what each loader provides ------------------------------------------------------
+    @property
+    @abstractmethod
+    def backend(self) -> GenerationBackend:
+        """The generation backend (tokenizer, sessions) that stream() drives."""
+
+    @abstractmethod
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits [len(ids), vocab] as float32 on the CPU."""
+
+    @abstractmethod
+    def info(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def unload(self) -> None: ...
+
+    # -- shared behaviour ---------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return self.backend.tokenizer.encode(text, add_bos=add_bos)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.tokenizer.decode(ids)
+
+    def stream(
+        self, prompt: str | list[int], settings: SamplingSettings | Mapping[str, Any] | None = None
+    ) -> Iterator[Chunk]:
+        settings = SamplingSettings.from_any(settings)
+        ids = (
+            list(prompt)
+            if isinstance(prompt, list)
+            else self.encode(prompt, add_bos=settings.add_bos_token)
+        )
+        for event in generate(self.backend, ids, settings):
+            yield Chunk(**event.__dict__)
+
+    def generate(
+        self, prompt: str | list[int], settings: SamplingSettings | Mapping[str, Any] | None = None
+    ) -> str:
+        return "".join(chunk.text for chunk in self.stream(prompt, settings))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        return self.backend.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def load_lora(self, path: str | Path, name: str | None = None) -> str:
+        raise UnsupportedFeatureError(
+            f"loader '{self.loader_name}' does not load LoRA adapters yet"
+        )
+
+    def set_loras(self, scales: Mapping[str, float]) -> None:
+        raise UnsupportedFeatureError(
+            f"loader '{self.loader_name}' does not load LoRA adapters yet"
+        )
+
+    def unload_lora(self, name: str) -> None:
+        raise UnsupportedFeatureError(
+            f"loader '{self.loader_name}' does not load LoRA adapters yet"
+        )

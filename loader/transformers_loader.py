@@ -1,0 +1,154 @@
+"""The `transformers` loader: Hugging Face AutoModelForCausalLM behind the same interface.
+
+It is the reference Kestrel is tested against and a fallback for architectures Kestrel's
+engine does not run. Tokenization and sampling are Kestrel's own (shared with the engine),
+so both loaders stream identically for the same logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.engine import ContextLengthError
+from engine.generator import GenerationBackend
+from engine.loading import resolve_device, resolve_dtype
+from engine.tokenizer import Tokenizer
+from loader.base import LoadedModel, LoaderError
+
+NAME = "transformers"
+
+
+def can_load(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def load(
+    path: Path,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    max_seq_len: int | None = None,
+    cache_type: str = "fp16",
+    gpu_split: list[float] | None = None,
+    autosplit: bool = False,
+    tensor_parallel: bool = False,
+    **options: Any,
+) -> TransformersModel:
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise LoaderError("the transformers loader needs the 'transformers' package") from e
+    if gpu_split or autosplit or tensor_parallel or cache_type != "fp16":
+        raise LoaderError(
+            "the transformers loader takes no gpu_split/autosplit/tensor_parallel/cache_type"
+        )
+    if options:
+        raise LoaderError(f"unknown option(s) for the transformers loader: {sorted(options)}")
+    resolved_device = resolve_device(device)
+    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    tokenizer = Tokenizer.from_dir(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=resolved_dtype, use_safetensors=True
+        )
+    except (OSError, ValueError, KeyError) as e:
+        raise LoaderError(f"transformers could not load {path}: {e}") from e
+    model.to(resolved_device).eval()
+    context = max_seq_len or getattr(model.config, "max_position_embeddings", 2048)
+    return TransformersModel(path, _Backend(model, tokenizer, context, resolved_device))
+
+
+class _Session:
+    def __init__(self, backend: _Backend) -> None:
+        from transformers import DynamicCache
+
+        self.backend = backend
+        self.cache = DynamicCache()
+        self.length = 0
+
+    @torch.inference_mode()
+    def _run(self, ids: list[int]) -> torch.Tensor:
+        input_ids = torch.tensor([ids], device=self.backend.device)
+        out = self.backend.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
+        self.length += len(ids)
+        return out.logits[0, -1].float()
+
+    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+        return self._run(token_ids)
+
+    def step(self, token_id: int) -> torch.Tensor:
+        return self._run([token_id])
+
+    def close(self) -> None:
+        self.cache = None
+
+
+class _Backend:
+    def __init__(self, model: Any, tokenizer: Tokenizer, max_seq_len: int, device: torch.device):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.device = device
+
+    @property
+    def logits_device(self) -> torch.device:
+        return self.device
+
+    def check_length(self, prompt_tokens: int, new_tokens: int = 0) -> None:
+        if prompt_tokens == 0:
+            raise ContextLengthError("the prompt is empty: at least one token is needed")
+        if prompt_tokens + new_tokens > self.max_seq_len:
+            raise ContextLengthError(
+                f"the prompt has {prompt_tokens} tokens; the context holds {self.max_seq_len}"
+            )
+
+    def open_session(self) -> _Session:
+        return _Session(self)
+
+
+class TransformersModel(LoadedModel):
+    loader_name = NAME
+
+    def __init__(self, path: Path, backend: _Backend) -> None:
+        super().__init__(path)
+        self._backend: _Backend | None = backend
+
+    @property
+    def backend(self) -> GenerationBackend:
+        if self._backend is None:
+            raise LoaderError(f"the model {self.path} was unloaded")
+        return self._backend
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        backend = self._backend
+        if backend is None:
+            raise LoaderError(f"the model {self.path} was unloaded")
+        backend.check_length(len(ids))
+        input_ids = torch.tensor([list(ids)], device=backend.device)
+        return backend.model(input_ids=input_ids).logits[0].float().cpu()
+
+    def info(self) -> dict[str, Any]:
+        backend = self._backend
+        if backend is None:
+            raise LoaderError(f"the model {self.path} was unloaded")
+        dtype = next(backend.model.parameters()).dtype
+        return {
+            "loader": NAME,
+            "path": str(self.path),
+            "arch": (backend.model.config.architectures or ["?"])[0],
+            "bits": torch.finfo(dtype).bits,
+            "dtype": str(dtype).removeprefix("torch."),
+            "context": backend.max_seq_len,
+            "devices": [str(backend.device)],
+            "vram_gib": {},
+            "loras": {},
+        }
+
+    def unload(self) -> None:
+        self._backend = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

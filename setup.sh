@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates .venv beside this file and installs Kestrel's dependencies into it. Idempotent:
+# a second run only checks. KESTREL_DEV=1 also installs the test tools.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "creating .venv"
+    "$PY" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        echo "installing torch (CUDA build) and triton"
+        "${PIP[@]}" "torch>=2.6"
+    else
+        # No GPU: the CPU path and the Triton interpreter. 2.13.0 is the release CI uses.
+        echo "installing torch 2.13.0 and triton 3.6.0 (no NVIDIA GPU found: CPU mode)"
+        "${PIP[@]}" "torch==2.13.0" "triton==3.6.0"
+    fi
+fi
+"${PIP[@]}" -r requirements.txt
+if [ "${KESTREL_DEV:-0}" = "1" ]; then
+    "${PIP[@]}" -r requirements-dev.txt
+fi
+.venv/bin/python -c "import torch, triton; print(f'ready: torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.cuda.is_available()}')"
