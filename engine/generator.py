@@ -75,7 +75,9 @@ def generate(
     if not settings.ban_eos_token:
         stop_ids |= set(engine.tokenizer.eos_token_ids)
     sampler = Sampler(settings, device=device, eos_token_ids=engine.tokenizer.eos_token_ids)
-    decoder = IncrementalDecoder(engine.tokenizer, skip_special=settings.skip_special_tokens)
+    decoder = IncrementalDecoder(
+        engine.tokenizer, skip_special=settings.skip_special_tokens, context_ids=prompt_ids
+    )
     stops = StopMatcher(settings.stop)
     context = torch.tensor(prompt_ids, dtype=torch.int64, device=device)
     session = engine.open_session()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 import re
 from collections.abc import Sequence
 from functools import lru_cache
@@ -88,13 +89,8 @@ def _token_text(value: Any) -> str | None:
 
 
 def _id_list(value: Any) -> list[int]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
+    # config files hold an id, a list of ids, or null
+    return [v for v in (value if isinstance(value, list) else [value]) if type(v) is int]
 
 
 @lru_cache(maxsize=1)
@@ -110,17 +106,6 @@ def _unicode_to_byte() -> dict[str, int]:
     return table
 
 
-def _decoder_types(spec: Any) -> set[str]:
-    if isinstance(spec, dict):
-        found = {spec["type"]} if isinstance(spec.get("type"), str) else set()
-        if spec.get("type") == "Replace" and _SPACE_MARK in json.dumps(spec, ensure_ascii=False):
-            found.add("ReplaceSpaceMark")
-        for child in spec.get("decoders") or ():
-            found |= _decoder_types(child)
-        return found
-    return set()
-
-
 class _HFBackend:
     """A `tokenizers` tokenizer.json."""
 
@@ -134,9 +119,10 @@ class _HFBackend:
         self._plain_tok: Any = None
         self.added = {t["id"]: t["content"] for t in spec.get("added_tokens") or ()}
         self.special_ids = {t["id"] for t in spec.get("added_tokens") or () if t.get("special")}
-        kinds = _decoder_types(spec.get("decoder"))
-        self.byte_level = "ByteLevel" in kinds
-        self.space_mark = bool(kinds & {"ByteFallback", "Metaspace", "ReplaceSpaceMark"})
+        # The decoder says how pieces map to bytes: GPT-2 byte-level, or '▁' + <0xAB> fallback.
+        decoder = json.dumps(spec.get("decoder"), ensure_ascii=False)
+        self.byte_level = '"ByteLevel"' in decoder
+        self.space_mark = any(k in decoder for k in ('"ByteFallback"', '"Metaspace"', _SPACE_MARK))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, text: str) -> int | None:
@@ -176,6 +162,9 @@ class _HFBackend:
             return piece.replace(_SPACE_MARK, " ").encode()
         return piece.encode()
 
+    def default_id(self, name: str) -> int | None:
+        return None
+
     def adds_bos(self, bos_id: int) -> bool:
         # Ask the post-processor itself rather than parsing its many JSON forms.
         with_specials = self.tok.encode("a", add_special_tokens=True).ids
@@ -203,6 +192,7 @@ class _SPBackend:
                 self.added[int(key)] = text
                 if isinstance(entry, dict) and entry.get("special", True):
                     self.special_ids.add(int(key))
+        # Several ids may share a text (e.g. "<s>" twice); the lowest id wins.
         self.by_text = {text: i for i, text in sorted(self.added.items(), reverse=True)}
         self._split_all = self._splitter(self.added)
         plain_added = {i: t for i, t in self.added.items() if i not in self.special_ids}
@@ -215,6 +205,13 @@ class _SPBackend:
         self._marker = self.sp.id_to_piece(unk) if unk >= 0 else "<unk>"
         self._marker_len = len(self.sp.encode(self._marker))
         self._bytes: dict[int, bytes] = {}
+
+    def default_id(self, name: str) -> int | None:
+        found = {"bos": self.sp.bos_id(), "eos": self.sp.eos_id(), "pad": self.sp.pad_id()}[name]
+        return found if found >= 0 else None
+
+    def adds_bos(self, bos_id: int) -> bool:
+        return True  # sentencepiece models (Llama 1/2, Mistral) are trained with BOS
 
     @staticmethod
     def _splitter(tokens: dict[int, str]) -> re.Pattern[str] | None:
@@ -288,45 +285,65 @@ class _SPBackend:
 
 
 class Tokenizer:
-    """A model's tokenizer: encode/decode, special-token ids, token bytes and chat template."""
+    """A model's tokenizer: encode/decode, special-token ids, token bytes and chat template.
+
+    BOS: tokenizer_config `bos_token` when that key is present (null means "no BOS", as for
+    Qwen), else config.json then generation_config.json `bos_token_id`, else the SentencePiece
+    model's own; PAD likewise. EOS: the union of generation_config, config.json and
+    tokenizer_config, in that order. `add_bos_default`: tokenizer_config `add_bos_token`, else
+    whether tokenizer.json's post-processor adds BOS; True for SentencePiece.
+    """
 
     def __init__(
         self,
         backend: _HFBackend | _SPBackend,
-        *,
-        bos_token_id: int | None,
-        eos_token_ids: list[int],
-        pad_token_id: int | None,
-        add_bos_default: bool,
-        chat_template: ChatTemplate | None,
-        special_tokens: dict[str, str],
+        tok_config: dict[str, Any],
+        config: dict[str, Any],
+        gen_config: dict[str, Any],
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self._backend = backend
-        self.bos_token_id = bos_token_id
-        self.eos_token_ids = eos_token_ids
-        self.pad_token_id = pad_token_id
-        self.add_bos_default = add_bos_default
-        self.chat_template = chat_template
-        self.special_tokens = special_tokens
         self.vocab_size: int = backend.vocab_size
         self.special_ids: frozenset[int] = frozenset(backend.special_ids)
+        self.chat_template = chat_template
+
+        def token_id(name: str) -> int | None:
+            if f"{name}_token" in tok_config:
+                text = _token_text(tok_config[f"{name}_token"])
+                return None if text is None else backend.token_to_id(text)
+            ids = _id_list(config.get(f"{name}_token_id"))
+            ids = ids or _id_list(gen_config.get(f"{name}_token_id"))
+            return ids[0] if ids else backend.default_id(name)
+
+        self.bos_token_id = token_id("bos")
+        self.pad_token_id = token_id("pad")
+        eos = _id_list(gen_config.get("eos_token_id")) + _id_list(config.get("eos_token_id"))
+        eos_text = _token_text(tok_config.get("eos_token"))
+        eos.append(backend.token_to_id(eos_text) if eos_text is not None else None)
+        eos = [i for i in eos if i is not None] or [backend.default_id("eos")]
+        self.eos_token_ids: list[int] = [i for i in dict.fromkeys(eos) if i is not None]
+        add_bos = tok_config.get("add_bos_token")
+        if not isinstance(add_bos, bool):
+            add_bos = self.bos_token_id is not None and backend.adds_bos(self.bos_token_id)
+        self.add_bos_default: bool = add_bos
+
+        # The strings chat templates see as bos_token, eos_token, ... (transformers' names).
+        self.special_tokens: dict[str, str] = {}
+        fallback = {"bos": self.bos_token_id, "eos": (self.eos_token_ids or [None])[0]}
+        for name in _NAMED_SPECIALS:
+            text = _token_text(tok_config.get(f"{name}_token"))
+            if f"{name}_token" not in tok_config and fallback.get(name) is not None:
+                text = backend.piece(fallback[name])
+            if text is not None:
+                self.special_tokens[f"{name}_token"] = text
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load a Hugging Face model directory.
-
-        BOS: tokenizer_config `bos_token` when the key is present (null means "no BOS", as for
-        Qwen), else config.json then generation_config.json `bos_token_id`, else the
-        SentencePiece model's own. EOS: the union of generation_config, config.json and
-        tokenizer_config, in that order. `add_bos_default`: tokenizer_config `add_bos_token`,
-        else whether tokenizer.json's post-processor adds BOS; True for SentencePiece.
-        """
+        """Load a Hugging Face model directory (tokenizer.json, else tokenizer.model)."""
         model_dir = Path(path)
         tokenizer_json = model_dir / "tokenizer.json"
         sp_model = model_dir / "tokenizer.model"
         tok_config = _read_json(model_dir / "tokenizer_config.json")
-        config = _read_json(model_dir / "config.json")
-        gen_config = _read_json(model_dir / "generation_config.json")
         backend: _HFBackend | _SPBackend
         if tokenizer_json.is_file():
             try:
@@ -342,55 +359,12 @@ class Tokenizer:
             raise TokenizerFilesNotFound(
                 f"no tokenizer in {model_dir}: looked for tokenizer.json and tokenizer.model"
             )
-
-        def token_id(key: str, id_key: str) -> int | None:
-            if key in tok_config:
-                text = _token_text(tok_config[key])
-                return None if text is None else backend.token_to_id(text)
-            for source in (config, gen_config):
-                ids = _id_list(source.get(id_key))
-                if ids:
-                    return ids[0]
-            return None
-
-        sp = backend.sp if isinstance(backend, _SPBackend) else None
-        bos = token_id("bos_token", "bos_token_id")
-        if bos is None and sp is not None and "bos_token" not in tok_config and sp.bos_id() >= 0:
-            bos = sp.bos_id()
-        pad = token_id("pad_token", "pad_token_id")
-        if pad is None and sp is not None and "pad_token" not in tok_config and sp.pad_id() >= 0:
-            pad = sp.pad_id()
-        eos_text = _token_text(tok_config.get("eos_token"))
-        eos_ids = _id_list(gen_config.get("eos_token_id")) + _id_list(config.get("eos_token_id"))
-        if eos_text is not None and backend.token_to_id(eos_text) is not None:
-            eos_ids.append(backend.token_to_id(eos_text))
-        if not eos_ids and sp is not None and sp.eos_id() >= 0:
-            eos_ids.append(sp.eos_id())
-
-        add_bos = tok_config.get("add_bos_token")
-        if not isinstance(add_bos, bool):
-            if isinstance(backend, _HFBackend):
-                add_bos = bos is not None and backend.adds_bos(bos)
-            else:
-                add_bos = bos is not None
-
-        special_tokens = {}
-        for name in _NAMED_SPECIALS:
-            text = _token_text(tok_config.get(f"{name}_token"))
-            if text is None and f"{name}_token" not in tok_config:
-                known = {"bos": bos, "eos": eos_ids[0] if eos_ids else None, "pad": pad}
-                if known.get(name) is not None:
-                    text = backend.piece(known[name])
-            if text is not None:
-                special_tokens[f"{name}_token"] = text
         return cls(
             backend,
-            bos_token_id=bos,
-            eos_token_ids=list(dict.fromkeys(eos_ids)),
-            pad_token_id=pad,
-            add_bos_default=add_bos,
-            chat_template=load_chat_template(model_dir, tok_config),
-            special_tokens=special_tokens,
+            tok_config,
+            _read_json(model_dir / "config.json"),
+            _read_json(model_dir / "generation_config.json"),
+            load_chat_template(model_dir, tok_config),
         )
 
     def encode(self, text: str, *, add_bos: bool | None = True, special: bool = True) -> list[int]:
@@ -498,13 +472,8 @@ class IncrementalDecoder:
         if text.startswith(self._prefix_text):
             return text[len(self._prefix_text) :]
         # Only reachable if the context ends inside a character; emit from where they differ.
-        common = 0
-        for a, b in zip(text, self._prefix_text, strict=False):
-            if a != b:
-                break
-            common += 1
         self._held = 0
-        return text[common:]
+        return text[len(os.path.commonprefix([text, self._prefix_text])) :]
 
     def _advance(self, new: str) -> str:
         out = new[self._held :]
