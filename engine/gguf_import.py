@@ -23,8 +23,8 @@ Contract:
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import shutil
 import sys
 import time
@@ -80,7 +80,9 @@ def import_gguf(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    _say(progress, f"imported {gguf_path.name} → {out_dir} in {time.perf_counter() - started:.0f} s")
+    _say(
+        progress, f"imported {gguf_path.name} → {out_dir} in {time.perf_counter() - started:.0f} s"
+    )
     return out_dir
 
 
@@ -170,6 +172,9 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> 
         model.generation_config.save_pretrained(out)
     model.config.save_pretrained(out)
     _fix_config(out / "config.json", architecture=type(model).__name__, dtype=dtype)
+    # safetensors creates its file owner-only (0600); give it the mode the other files got
+    # from the umask, so a shared models/ directory stays readable.
+    shutil.copymode(out / "config.json", out / "model.safetensors")
 
 
 def _dequantize_option() -> dict[str, Any]:

