@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_factory import make_tiny_llama
 
 import loader
+
+from model_factory import make_tiny_llama
 
 ROPE_VARIANTS = {
     "default": {},

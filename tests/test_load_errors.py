@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_factory import make_tiny_llama
 from safetensors.torch import load_file, save_file
 
 import loader
 from engine.config import ConfigError
 from engine.engine import ContextLengthError
 from engine.weights import WeightError
+
+from model_factory import make_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import loader  # noqa: E402
+
 from model_factory import make_tiny_llama  # noqa: E402
 from test_llama_parity import ROPE_VARIANTS, SHAPES, _prompt, _rel_err  # noqa: E402
 
