@@ -76,10 +76,11 @@ def load_causal_lm(
     with torch.device("meta"):
         model = cls(config)
     model.layer_devices = [device] * config.num_hidden_layers
-    _reject_unsupported_formats(model, store)
+    quantized = _load_quantized_linears(model, store, config, device, progress)
 
     params = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)]
-    tied = config.tie_word_embeddings
+    # A quantized head (EXL2 always writes one) wins over tying it to the embeddings.
+    tied = config.tie_word_embeddings and "lm_head" not in quantized
     for i, (name, param) in enumerate(params):
         if tied and name == "lm_head.weight":
             continue
@@ -107,19 +108,31 @@ def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(module, leaf, nn.Parameter(tensor, requires_grad=False))
 
 
-def _reject_unsupported_formats(model: nn.Module, store: WeightStore) -> None:
+def _load_quantized_linears(
+    model: nn.Module,
+    store: WeightStore,
+    config: ModelConfig,
+    device: torch.device,
+    progress: Callable[[int, int], None] | None,
+) -> set[str]:
+    """Swap every Linear stored as EXL2/GPTQ for a QuantizedLinear; returns their names."""
     from engine.modules import Linear
+    from engine.quantized_linear import linear_format, load_quantized_linear
 
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear):
+    quantized: set[str] = set()
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+    for name, module in linears:
+        if linear_format(store, name) == "dense":
             continue
-        if f"{name}.q_weight" in store:
-            raise WeightError(
-                f"'{name}' is stored as EXL2 ({name}.q_weight); this version of Kestrel "
-                "loads FP16/BF16/FP32 weights only"
-            )
-        if f"{name}.qweight" in store:
-            raise WeightError(
-                f"'{name}' is stored as GPTQ ({name}.qweight); this version of Kestrel "
-                "loads FP16/BF16/FP32 weights only"
-            )
+        replacement = load_quantized_linear(
+            store,
+            name,
+            in_features=module.in_features,
+            out_features=module.out_features,
+            device=device,
+            quantization_config=config.quantization_config,
+        )
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, replacement)
+        quantized.add(name)
+    return quantized

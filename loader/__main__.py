@@ -1,4 +1,6 @@
-"""Command-line generation: `python -m loader MODEL_DIR -p "prompt"`.
+"""Command-line generation: `python -m loader [MODEL_DIR] -p "prompt"`.
+
+Without MODEL_DIR the default model (SmolLM2-135M-Instruct) is prepared on first use.
 
 Prints the completion as it streams, then tokens/s. `--chat` wraps the prompt in the
 model's chat template.

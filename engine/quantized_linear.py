@@ -1,0 +1,95 @@
+"""Per-linear weight-format detection and the quantized linear module.
+
+Formats are detected from tensor names, as exllamav2 does: `<name>.q_weight` → EXL2,
+`<name>.qweight` → GPTQ, `<name>.weight` → dense. A quantized linear is repacked at load
+time into the runtime layout of docs/quant_layout.md and runs through
+`kernels.quant_matmul` (Triton on a GPU, dequantize + matmul on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.quant.exl2 import Exl2Tensors, exl2_to_runtime
+from engine.quant.gptq import GptqTensors, gptq_to_runtime
+from engine.weights import WeightStore
+from kernels.quant_matmul import QuantizedWeight
+from kernels.quant_matmul_triton import quant_matmul
+
+EXL2_TENSORS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm", "bias")
+GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "bias")
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W + b with W held quantized; same interface as engine.modules.Linear."""
+
+    def __init__(self, weight: QuantizedWeight, out_features: int, fmt: str) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.in_features = weight.in_features
+        # EXL2 pads n to a multiple of 32; the model sees only its own out_features.
+        self.out_features = out_features
+        self.format = fmt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = quant_matmul(x, self.qweight)
+        if y.shape[-1] != self.out_features:
+            y = y[..., : self.out_features]
+        return y
+
+    @property
+    def storage_bits(self) -> int:
+        """Bits stored for this linear (codes, scales, zeros, permutation, groups)."""
+        qw = self.qweight
+        total = sum(p.packed.numel() * 32 for s in qw.segments for p in s.planes)
+        total += (qw.scales.numel() + qw.zeros.numel()) * 16 + qw.row_group.numel() * 32
+        return total + (qw.perm.numel() * 32 if qw.perm is not None else 0)
+
+    def extra_repr(self) -> str:
+        bits = "/".join(str(s.bits) for s in self.qweight.segments)
+        return f"{self.format}, in={self.in_features}, out={self.out_features}, bits={bits}"
+
+
+def linear_format(store: WeightStore, name: str) -> str:
+    if f"{name}.q_weight" in store:
+        return "exl2"
+    if f"{name}.qweight" in store:
+        return "gptq"
+    return "dense"
+
+
+def load_quantized_linear(
+    store: WeightStore,
+    name: str,
+    *,
+    in_features: int,
+    out_features: int,
+    device: torch.device,
+    quantization_config: dict[str, Any] | None,
+) -> QuantizedLinear:
+    """Read, validate and repack one quantized linear; errors name the tensor."""
+    fmt = linear_format(store, name)
+    prefix = f"{name}."
+    if fmt == "exl2":
+        tensors = {n: store.get(prefix + n) for n in EXL2_TENSORS if prefix + n in store}
+        exl2 = Exl2Tensors.from_dict(tensors)
+        exl2.validate(name, in_features, out_features)
+        runtime = exl2_to_runtime(exl2)
+    elif fmt == "gptq":
+        tensors = {n: store.get(prefix + n) for n in GPTQ_TENSORS if prefix + n in store}
+        qcfg = quantization_config or {}
+        checkpoint_format = str(qcfg.get("checkpoint_format", "gptq"))
+        bits = qcfg.get("bits")
+        if bits is None:  # infer from shapes: qweight packs 32/bits rows per int32
+            bits = tensors["qweight"].shape[0] * 32 // in_features
+        gptq = GptqTensors.from_dict(tensors, bits=int(bits), checkpoint_format=checkpoint_format)
+        gptq.validate(name, in_features, out_features)
+        runtime = gptq_to_runtime(gptq)
+    else:
+        raise ValueError(f"'{name}' is not quantized")
+    runtime = runtime.to(device)
+    runtime.validate()
+    return QuantizedLinear(runtime, out_features, fmt)

@@ -1,0 +1,160 @@
+"""Whole models stored as EXL2 or GPTQ: Kestrel's logits equal those of transformers running
+the same model with the dequantized weights; corrupt packed tensors fail at load by name."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from model_factory import make_tiny_llama
+from safetensors.torch import load_file, save_file
+
+import loader
+from engine.quant.checks import QuantFormatError
+from engine.quant.exl2 import Exl2Tensors, dequantize_exl2
+from engine.quant.exl2_writer import quantize_rtn_exl2
+from engine.quant.gptq import GptqTensors, dequantize_gptq, quantize_rtn_gptq
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _exl2_bits(k: int) -> list[int]:
+    """A mixed, non-increasing bit list over 32-row groups."""
+    widths = [8, 6, 5, 4, 3, 2]
+    groups = -(-k // 32)
+    return [widths[min(i * len(widths) // groups, len(widths) - 1)] for i in range(groups)]
+
+
+def _quantize_model(
+    src: Path, dst: Path, quantize: Callable[[str, torch.Tensor], tuple[dict, torch.Tensor]]
+) -> torch.nn.Module:
+    """Quantize every linear (and the head) of the checkpoint in `src` into `dst`; returns
+    the HF model with the dequantized weights put back, the reference."""
+    from transformers import LlamaForCausalLM
+
+    dst.mkdir()
+    tensors = load_file(src / "model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and (module.split(".")[-1] in LINEARS or module == "lm_head"):
+            packed, w = quantize(module, t)
+            out.update({f"{module}.{k}": v for k, v in packed.items()})
+            dequantized[name] = w
+        else:
+            out[name] = t
+    save_file(out, dst / "model.safetensors")
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    ref = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
+    state = ref.state_dict()
+    state.update(dequantized)
+    ref.load_state_dict(state)
+    return ref.eval()
+
+
+def _exl2(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    k = w.shape[1]
+    g = torch.Generator().manual_seed(hash(module) % 1000)
+    perm = torch.randperm(k, generator=g)
+    packed = quantize_rtn_exl2(w, _exl2_bits(k), 32, perm=perm)
+    return packed, dequantize_exl2(Exl2Tensors.from_dict(packed)).t()
+
+
+def _gptq(bits: int, group: int, sym: bool, act_order: bool, v2: bool):
+    def quantize(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        packed = quantize_rtn_gptq(w, bits, group, sym=sym, act_order=act_order, v2=v2)
+        t = GptqTensors.from_dict(packed, bits=bits, checkpoint_format="gptq_v2" if v2 else "gptq")
+        return packed, dequantize_gptq(t).t()
+
+    return quantize
+
+
+def _ids(n: int = 48) -> list[int]:
+    return torch.randint(3, 384, (n,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+@pytest.fixture(scope="module")
+def fp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("fp")
+    make_tiny_llama(path)
+    return path
+
+
+def test_exl2_model_matches_dequantized_reference(fp_model: Path, tmp_path: Path, device: str):
+    ref = _quantize_model(fp_model, tmp_path / "exl2", _exl2)
+    m = loader.load(tmp_path / "exl2", "kestrel", device=device, dtype="float32")
+    ids = _ids()
+    expected = ref(torch.tensor([ids])).logits[0]
+    got = m.logits(ids)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-4
+    assert "QuantizedLinear" in repr(m.engine.model.model.layers[0].mlp.down_proj.__class__)
+
+
+@pytest.mark.parametrize(
+    "bits,group,sym,act_order,v2",
+    [(4, 32, True, True, False), (4, -1, False, False, True), (8, 64, False, True, False)],
+)
+def test_gptq_model_matches_dequantized_reference(
+    fp_model: Path, tmp_path: Path, bits: int, group: int, sym: bool, act_order: bool, v2: bool
+):
+    ref = _quantize_model(fp_model, tmp_path / "gptq", _gptq(bits, group, sym, act_order, v2))
+    cfg_path = tmp_path / "gptq" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": bits,
+        "group_size": group,
+        "desc_act": act_order,
+        "sym": sym,
+        "checkpoint_format": "gptq_v2" if v2 else "gptq",
+    }
+    cfg_path.write_text(json.dumps(cfg))
+    m = loader.load(tmp_path / "gptq", "kestrel", device="cpu", dtype="float32")
+    ids = _ids()
+    expected = ref(torch.tensor([ids])).logits[0]
+    assert ((m.logits(ids) - expected).abs().max() / expected.abs().max()).item() < 1e-4
+    assert m.generate(ids[:8], {"max_new_tokens": 4, "temperature": 0}) is not None
+
+
+def _corrupt(path: Path, name: str, value: torch.Tensor) -> None:
+    tensors = load_file(path / "model.safetensors")
+    tensors[name] = value
+    save_file(tensors, path / "model.safetensors")
+
+
+def test_corrupt_exl2_tensors_fail_at_load_by_name(fp_model: Path, tmp_path: Path):
+    _quantize_model(fp_model, tmp_path / "q", _exl2)
+    path = tmp_path / "q"
+    original = load_file(path / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj"
+
+    groups = original[f"{name}.q_groups"].clone()
+    groups[0], groups[2] = groups[2].item(), groups[0].item()  # bits no longer non-increasing
+    _corrupt(path, f"{name}.q_groups", groups)
+    with pytest.raises(QuantFormatError, match=f"{name}"):
+        loader.load(path, "kestrel", device="cpu")
+
+    _corrupt(path, f"{name}.q_groups", original[f"{name}.q_groups"])
+    invperm = original[f"{name}.q_invperm"].clone()
+    invperm[0] = invperm[1]
+    _corrupt(path, f"{name}.q_invperm", invperm)
+    with pytest.raises(QuantFormatError, match=f"{name}.q_invperm"):
+        loader.load(path, "kestrel", device="cpu")
+
+    _corrupt(path, f"{name}.q_invperm", original[f"{name}.q_invperm"])
+    _corrupt(path, f"{name}.q_weight", original[f"{name}.q_weight"][:-1])
+    with pytest.raises(QuantFormatError, match=rf"{name}\.q_\w+: .*q_weight has 11 rows"):
+        loader.load(path, "kestrel", device="cpu")
+
+    _corrupt(path, f"{name}.q_weight", original[f"{name}.q_weight"])
+    groups = original[f"{name}.q_groups"].clone()
+    groups[0] = 7
+    _corrupt(path, f"{name}.q_groups", groups)
+    with pytest.raises(QuantFormatError, match=f"{name}.q_groups"):
+        loader.load(path, "kestrel", device="cpu")
