@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_factory import make_tiny_llama
 from safetensors.torch import load_file, save_file
 
 import loader
@@ -17,6 +16,8 @@ from engine.quant.checks import QuantFormatError
 from engine.quant.exl2 import Exl2Tensors, dequantize_exl2
 from engine.quant.exl2_writer import quantize_rtn_exl2
 from engine.quant.gptq import GptqTensors, dequantize_gptq, quantize_rtn_gptq
+
+from model_factory import make_tiny_llama
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
