@@ -96,6 +96,8 @@ class ForwardBatch:
     context_lens: torch.Tensor  # [B] int32, cache length after this forward
     page_table: torch.Tensor  # [B, max_pages] int32
     logits_indices: torch.Tensor  # [N] int64, rows of T whose logits are returned
+    max_query_len: int = 0  # host-side bounds, so kernels pick grids without a GPU sync
+    max_context_len: int = 0
     _on_device: dict[torch.device, ForwardBatch] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -145,6 +147,8 @@ class ForwardBatch:
             context_lens=torch.tensor(lens, dtype=torch.int32),
             page_table=table,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+            max_query_len=max((len(t) for t in new_tokens), default=0),
+            max_context_len=max(lens, default=0),
         )
 
     def on(self, device: torch.device) -> ForwardBatch:
@@ -160,5 +164,7 @@ class ForwardBatch:
                 context_lens=self.context_lens.to(device),
                 page_table=self.page_table.to(device),
                 logits_indices=self.logits_indices.to(device),
+                max_query_len=self.max_query_len,
+                max_context_len=self.max_context_len,
             )
         return self._on_device[device]

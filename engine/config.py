@@ -46,6 +46,8 @@ class RopeParameters:
     attention_factor: float | None = None
     truncate: bool = True
     partial_rotary_factor: float = 1.0
+    short_factor: list[float] | None = None  # longrope (Phi-3): per-frequency divisors
+    long_factor: list[float] | None = None
 
 
 @dataclass
@@ -67,9 +69,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     rope: RopeParameters = field(default_factory=RopeParameters)
+    # transformers 5 writes per-layer-type RoPE (Gemma 3: "full_attention" and
+    # "sliding_attention") as nested `rope_parameters`; `rope` is then the full-attention one.
+    rope_by_layer_type: dict[str, RopeParameters] = field(default_factory=dict)
     sliding_window: int | None = None
     quantization_config: dict[str, Any] | None = None
     source: str = "<memory>"
+    model_dir: str | None = None  # set by from_dir; architectures may look at tensor names
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -89,7 +95,9 @@ class ModelConfig:
             raise ConfigError(f"cannot read {path}: {e}") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object at the top level")
-        return cls.from_dict(raw, source=str(path))
+        config = cls.from_dict(raw, source=str(path))
+        config.model_dir = str(model_dir)
+        return config
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "<memory>") -> ModelConfig:
@@ -130,6 +138,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_list,
             rope=_rope_parameters(cfg, source),
+            rope_by_layer_type=_rope_by_layer_type(cfg, source),
             sliding_window=cfg.get("sliding_window"),
             quantization_config=cfg.get("quantization_config"),
             source=source,
@@ -145,7 +154,31 @@ def _int(cfg: dict[str, Any], key: str, source: str, default: int | None = None)
     return value
 
 
+def _nested_rope(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """`rope_parameters` keyed by layer type ({"full_attention": {...}, ...}), else None."""
+    value = cfg.get("rope_parameters")
+    if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+        return value
+    return None
+
+
+def _rope_by_layer_type(cfg: dict[str, Any], source: str) -> dict[str, RopeParameters]:
+    nested = _nested_rope(cfg)
+    if nested is None:
+        return {}
+    return {
+        layer_type: _rope_parameters(
+            {**cfg, "rope_scaling": None, "rope_parameters": params}, source
+        )
+        for layer_type, params in nested.items()
+    }
+
+
 def _rope_parameters(cfg: dict[str, Any], source: str) -> RopeParameters:
+    nested = _nested_rope(cfg)
+    if nested is not None:
+        params = nested.get("full_attention", next(iter(nested.values())))
+        cfg = {**cfg, "rope_scaling": None, "rope_parameters": params}
     merged: dict[str, Any] = {}
     for key in ("rope_scaling", "rope_parameters"):
         value = cfg.get(key)

@@ -74,7 +74,7 @@ def load_causal_lm(
     cls = architecture_class(config.architecture, source=config.source)
     store = WeightStore(model_dir)
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, tensor_names=set(store.names()))
     model.layer_devices = [device] * config.num_hidden_layers
     quantized = _load_quantized_linears(model, store, config, device, progress)
 

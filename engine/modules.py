@@ -76,6 +76,12 @@ class AttentionSpec:
     scale: float | None = None  # default head_dim ** -0.5
     sliding_window: int | None = None
     softcap: float | None = None
+    # One `qkv_proj` whose output is [q | k | v] (Phi-3) instead of q_proj/k_proj/v_proj.
+    fused_qkv: bool = False
+    # Per-head RMSNorm of q and k before RoPE (`q_norm`, `k_norm` over head_dim: Qwen3, Gemma 3).
+    qk_norm: bool = False
+    norm_eps: float = 1e-6
+    norm_unit_offset: bool = False  # Gemma's (1 + w) norms
 
 
 class Attention(nn.Module):
@@ -84,20 +90,43 @@ class Attention(nn.Module):
         self.spec = spec
         self.layer_idx = layer_idx
         s = spec
-        self.q_proj = Linear(s.hidden_size, s.num_heads * s.head_dim, s.qkv_bias)
-        self.k_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, s.qkv_bias)
-        self.v_proj = Linear(s.hidden_size, s.num_kv_heads * s.head_dim, s.qkv_bias)
-        self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden_size, s.o_bias)
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        if s.fused_qkv:
+            # Kept fused (not split at load) so a quantized qkv_proj loads as one linear.
+            self.qkv_proj = Linear(s.hidden_size, q_size + 2 * kv_size, s.qkv_bias)
+        else:
+            self.q_proj = Linear(s.hidden_size, q_size, s.qkv_bias)
+            self.k_proj = Linear(s.hidden_size, kv_size, s.qkv_bias)
+            self.v_proj = Linear(s.hidden_size, kv_size, s.qkv_bias)
+        self.o_proj = Linear(q_size, s.hidden_size, s.o_bias)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.norm_eps, unit_offset=s.norm_unit_offset)
+            self.k_norm = RMSNorm(s.head_dim, s.norm_eps, unit_offset=s.norm_unit_offset)
         self.scale = s.scale if s.scale is not None else s.head_dim**-0.5
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hk, D] of the new rows (views into a fused output)."""
+        s = self.spec
+        num_tokens = x.shape[0]
+        if s.fused_qkv:
+            q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (
+            q.view(num_tokens, s.num_heads, s.head_dim),
+            k.view(num_tokens, s.num_kv_heads, s.head_dim),
+            v.view(num_tokens, s.num_kv_heads, s.head_dim),
+        )
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
     ) -> torch.Tensor:
         s = self.spec
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, s.num_heads, s.head_dim)
-        k = self.k_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(num_tokens, s.num_kv_heads, s.head_dim)
+        q, k, v = self.project(x)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope(q, k, batch.positions, rotary.cos, rotary.sin)
         cache.write(self.layer_idx, batch.slots, k, v)
         out = paged_attention(
@@ -110,6 +139,8 @@ class Attention(nn.Module):
             scale=self.scale,
             sliding_window=s.sliding_window,
             softcap=s.softcap,
+            max_query_len=batch.max_query_len,
+            max_context_len=batch.max_context_len,
         )
         return self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim))
 
@@ -130,18 +161,39 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm residual block: h += attn(norm(h)); h += mlp(norm(h))."""
+class FusedGatedMLP(nn.Module):
+    """GatedMLP with gate and up in one `gate_up_proj` whose output is [gate | up] (Phi-3)."""
 
-    def __init__(self, attn: Attention, mlp: nn.Module, hidden: int, eps: float) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"activation '{act}' is not supported ({', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[act]
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias)
+        self.down_proj = Linear(intermediate, hidden, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h += attn(norm(h)); h += mlp(norm(h)).
+
+    `mlp_name` is the feed-forward's checkpoint name (`mlp`; Mixtral's `block_sparse_moe`)."""
+
+    def __init__(
+        self, attn: Attention, mlp: nn.Module, hidden: int, eps: float, *, mlp_name: str = "mlp"
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
         self.self_attn = attn
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.mlp = mlp
+        self.mlp_name = mlp_name
+        setattr(self, mlp_name, mlp)
 
     def forward(
         self, h: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), batch, cache, rotary)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))

@@ -4,13 +4,21 @@
 (float32, attention scaling folded in) that `kernels.apply_rope` indexes by position.
 The inverse frequencies follow transformers' `modeling_rope_utils` so logits match it.
 
-Scaling types: default, linear, dynamic (NTK), yarn, llama3; plus NTK-alpha (`rope_alpha`,
-exllamav2's `alpha_value`), which raises the base for every position.
+Scaling types: default, linear, dynamic (NTK), yarn, llama3, longrope (Phi-3); plus
+NTK-alpha (`rope_alpha`, exllamav2's `alpha_value`), which raises the base for every position.
+Every function takes an optional `rope` that replaces `config.rope`, for architectures
+whose layers use different settings (Gemma 3's local and global layers).
 
 Dynamic NTK in transformers recomputes the base for every forward from the current length.
 A KV cache holds keys rotated once, so Kestrel fixes the base for the engine's context
 length instead (what llama.cpp and exllamav2 also do): identical to transformers up to the
 original context, the same family of frequencies beyond it.
+
+Longrope likewise: transformers switches from the short to the long factors once a sequence
+grows past `original_max_position_embeddings`. Kestrel picks one set for the engine's
+context length (the long factors when `max_seq_len` exceeds the original context, as
+exllamav2 does), so cached keys never mix the two; identical to transformers whenever both
+stay on the same side of the original context.
 """
 
 from __future__ import annotations
@@ -21,19 +29,23 @@ import torch
 
 from engine.config import ModelConfig, RopeParameters
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
-def rotary_dim(config: ModelConfig) -> int:
-    return int(config.head_dim * config.rope.partial_rotary_factor)
+def rotary_dim(config: ModelConfig, rope: RopeParameters | None = None) -> int:
+    return int(config.head_dim * (rope or config.rope).partial_rotary_factor)
 
 
 def inv_frequencies(
-    config: ModelConfig, *, max_seq_len: int | None = None, rope_alpha: float = 1.0
+    config: ModelConfig,
+    *,
+    max_seq_len: int | None = None,
+    rope_alpha: float = 1.0,
+    rope: RopeParameters | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [R/2] (float32) and the attention scaling for cos/sin."""
-    rope: RopeParameters = config.rope
-    dim = rotary_dim(config)
+    rope = rope or config.rope
+    dim = rotary_dim(config, rope)
     base = rope.rope_theta
     if rope_alpha != 1.0:
         base *= rope_alpha ** (dim / (dim - 2))
@@ -53,7 +65,9 @@ def inv_frequencies(
             dim / (dim - 2)
         )
     if rope_type == "yarn":
-        return _yarn(config, base, dim)
+        return _yarn(config, rope, base, dim)
+    if rope_type == "longrope":
+        return _longrope(config, rope, base, dim, max_seq_len)
 
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base**exponents)
@@ -79,8 +93,33 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeParameters, max_pos: int) -> torch
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn(config: ModelConfig, base: float, dim: int) -> tuple[torch.Tensor, float]:
-    rope = config.rope
+def _longrope(
+    config: ModelConfig, rope: RopeParameters, base: float, dim: int, max_seq_len: int | None
+) -> tuple[torch.Tensor, float]:
+    original = rope.original_max_position_embeddings or config.max_position_embeddings
+    # Phi-3 gives no factor: the ratio of the extended to the original context stands in.
+    factor = rope.factor if rope.factor is not None else config.max_position_embeddings / original
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    use_long = max_seq_len is not None and max_seq_len > original
+    factors = rope.long_factor if use_long else rope.short_factor
+    which = "long_factor" if use_long else "short_factor"
+    if factors is None or len(factors) != dim // 2:
+        raise ValueError(
+            f"{config.source}: rope type 'longrope' needs '{which}' with {dim // 2} entries, "
+            f"got {None if factors is None else len(factors)}"
+        )
+    ext = torch.tensor(factors, dtype=torch.float32)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * base**exponents), float(attention_factor)
+
+
+def _yarn(
+    config: ModelConfig, rope: RopeParameters, base: float, dim: int
+) -> tuple[torch.Tensor, float]:
     original = rope.original_max_position_embeddings or config.max_position_embeddings
     factor = rope.factor if rope.factor is not None else config.max_position_embeddings / original
 
@@ -121,9 +160,12 @@ def rope_tables(
     *,
     rope_alpha: float = 1.0,
     device: torch.device | str = "cpu",
+    rope: RopeParameters | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_seq_len, R/2] in float32 with attention scaling applied."""
-    inv_freq, scaling = inv_frequencies(config, max_seq_len=max_seq_len, rope_alpha=rope_alpha)
+    inv_freq, scaling = inv_frequencies(
+        config, max_seq_len=max_seq_len, rope_alpha=rope_alpha, rope=rope
+    )
     positions = torch.arange(max_seq_len, dtype=torch.float32)
     angles = positions[:, None] * inv_freq[None, :]  # [P, R/2]
     cos, sin = angles.cos() * scaling, angles.sin() * scaling

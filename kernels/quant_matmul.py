@@ -61,12 +61,13 @@ def pack_plane(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per_word = 32 // bits
     rows, n = codes.shape
     words = -(-rows // per_word)
-    padded = torch.zeros(words * per_word, n, dtype=torch.int64, device=codes.device)
+    padded = torch.zeros(words * per_word, n, dtype=codes.dtype, device=codes.device)
     padded[:rows] = codes
     padded = padded.view(words, per_word, n)
+    # int64 so that the top code of a word can reach bit 31; one position widened at a time.
     acc = torch.zeros(words, n, dtype=torch.int64, device=codes.device)
     for j in range(per_word):
-        acc |= (padded[:, j] & ((1 << bits) - 1)) << (j * bits)
+        acc |= (padded[:, j].long() & ((1 << bits) - 1)) << (j * bits)
     return _to_int32_words(acc)
 
 
@@ -200,8 +201,12 @@ class QuantizedWeight:
             return None if t is None else t.to(device)
 
         segments = [
-            Segment(s.bits, s.row_start, s.row_end, [Plane(p.bits, p.shift, p.packed.to(device))
-                                                     for p in s.planes])
+            Segment(
+                s.bits,
+                s.row_start,
+                s.row_end,
+                [Plane(p.bits, p.shift, p.packed.to(device)) for p in s.planes],
+            )
             for s in self.segments
         ]
         return QuantizedWeight(

@@ -99,3 +99,53 @@ def make_tiny_llama(path: Path, seed: int = 0, dtype: torch.dtype = torch.float3
     model.to(dtype).save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
     return model.float().eval()
+
+
+TINY_SHAPE: dict[str, Any] = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=1,
+)
+
+
+def make_tiny_model(
+    path: Path,
+    config_cls: Any,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    save_original_format: bool = True,
+    **overrides: Any,
+):
+    """Save a random-weight causal LM of any architecture (and a tokenizer) to `path`.
+
+    `config_cls` is a transformers config class (Qwen2Config, Gemma2Config, ...); the model
+    class comes from AutoModelForCausalLM. Returns the HF model in float32 on the CPU, in
+    eval mode with the eager attention (soft-capping and sliding windows need it).
+    `save_original_format=False` writes transformers 5's internal layout (fused MoE experts).
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = config_cls(**{**TINY_SHAPE, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    # Gemma stores norms as w - 1 (it multiplies by 1 + w), so its "one" is zero.
+    norm_center = 0.0 if "gemma" in config.model_type else 1.0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(norm_center - 0.2, norm_center + 0.2)
+            else:
+                p.normal_(0, 0.08)
+    # Passed only when asked for: older transformers 5 releases may not know the keyword.
+    layout = {} if save_original_format else {"save_original_format": False}
+    model.to(dtype).save_pretrained(path, safe_serialization=True, **layout)
+    write_tokenizer(path)
+    return model.float().eval()

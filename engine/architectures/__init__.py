@@ -7,9 +7,25 @@ Llama" on a guess.
 from __future__ import annotations
 
 from engine.architectures.base import CausalLM
+from engine.architectures.gemma2 import Gemma2ForCausalLM
+from engine.architectures.gemma3 import Gemma3ForCausalLM
 from engine.architectures.llama import LlamaForCausalLM
+from engine.architectures.mixtral import MixtralForCausalLM
+from engine.architectures.phi3 import Phi3ForCausalLM
+from engine.architectures.qwen2 import Qwen2ForCausalLM
+from engine.architectures.qwen3 import Qwen3ForCausalLM
+from engine.architectures.qwen3_moe import Qwen3MoeForCausalLM
 
-_CLASSES: list[type[CausalLM]] = [LlamaForCausalLM]
+_CLASSES: list[type[CausalLM]] = [
+    LlamaForCausalLM,
+    MixtralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+    Phi3ForCausalLM,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+]
 ARCHITECTURES: dict[str, type[CausalLM]] = {
     name: cls for cls in _CLASSES for name in cls.architectures
 }

@@ -3,62 +3,168 @@
 An architecture file subclasses `CausalLM`, builds `self.model.layers` from the shared
 modules in engine/modules.py (its quirks stay in that file) and names itself in
 `architectures`. Parameters are created on the meta device and replaced at load time.
+
+Hooks an architecture may override or set:
+
+- `build_layers(config)`: the decoder layers (required);
+- `embed(token_ids)`: scaled embeddings (Gemma);
+- `layer_rope(i)`: the RoPE settings of layer i (Gemma 3's local layers use another base);
+  layers with equal settings on one device share one cos/sin table;
+- `unit_offset_norm`: the final norm multiplies by (1 + w) (Gemma);
+- `final_logit_softcap`: logits become cap * tanh(logits / cap) (Gemma 2).
+
+`tensor_names` gives the checkpoint's tensor names to architectures whose module layout
+depends on how the checkpoint was saved (MoE experts stored per expert or fused).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
 
 from engine.cache import ForwardBatch, PagedKVCache
-from engine.config import ModelConfig
+from engine.config import ConfigError, ModelConfig, RopeParameters
 from engine.modules import Linear, RMSNorm, Rotary
 from engine.rope import rope_tables
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
 
 class DecoderStack(nn.Module):
-    def __init__(self, config: ModelConfig, layers: list[nn.Module]) -> None:
+    def __init__(
+        self, config: ModelConfig, layers: list[nn.Module], *, unit_offset_norm: bool = False
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=unit_offset_norm)
 
 
 class CausalLM(nn.Module):
     # HF architecture names this class serves (config.json "architectures").
     architectures: tuple[str, ...] = ()
+    unit_offset_norm: bool = False
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, tensor_names: Collection[str] | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, self.build_layers(config))
+        self._tensor_names = tensor_names
+        self.final_logit_softcap: float | None = None
+        self.model = DecoderStack(
+            config, self.build_layers(config), unit_offset_norm=self.unit_offset_norm
+        )
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        self._rotary: dict[torch.device, Rotary] = {}
+        self._layer_rotary: list[Rotary] = []
         self.layer_devices: list[torch.device] = []
 
     def build_layers(self, config: ModelConfig) -> list[nn.Module]:
         raise NotImplementedError
 
+    @property
+    def tensor_names(self) -> Collection[str]:
+        """The checkpoint's tensor names: as given, else read from config.model_dir's headers."""
+        if self._tensor_names is None:
+            from engine.weights import WeightStore
+
+            model_dir = self.config.model_dir
+            self._tensor_names = set(WeightStore(model_dir).names()) if model_dir else set()
+        return self._tensor_names
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Scaled-embedding architectures (Gemma) override this."""
         return self.model.embed_tokens(token_ids)
 
+    def layer_rope(self, layer_idx: int) -> RopeParameters:
+        """RoPE settings of one layer; the config's for every layer unless overridden."""
+        return self.config.rope
+
     def setup_rotary(self, max_seq_len: int, *, rope_alpha: float = 1.0) -> None:
-        cos, sin = rope_tables(self.config, max_seq_len, rope_alpha=rope_alpha)
-        self._rotary = {d: Rotary(cos.to(d), sin.to(d)) for d in dict.fromkeys(self.layer_devices)}
+        distinct: list[RopeParameters] = []
+        tables: list[tuple[torch.Tensor, torch.Tensor]] = []
+        on_device: dict[tuple[int, torch.device], Rotary] = {}
+        self._layer_rotary = []
+        for i, device in enumerate(self.layer_devices):
+            rope = self.layer_rope(i)
+            if rope not in distinct:
+                distinct.append(rope)
+                tables.append(
+                    rope_tables(self.config, max_seq_len, rope_alpha=rope_alpha, rope=rope)
+                )
+            key = (distinct.index(rope), device)
+            if key not in on_device:
+                cos, sin = tables[key[0]]
+                on_device[key] = Rotary(cos.to(device), sin.to(device))
+            self._layer_rotary.append(on_device[key])
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in float32, on the last layer's device."""
         first = self.model.embed_tokens.weight.device
         h = self.embed(batch.on(first).token_ids)
-        for layer, device in zip(self.model.layers, self.layer_devices, strict=True):
-            h = layer(h.to(device), batch.on(device), cache, self._rotary[device])
+        for layer, device, rotary in zip(
+            self.model.layers, self.layer_devices, self._layer_rotary, strict=True
+        ):
+            h = layer(h.to(device), batch.on(device), cache, rotary)
         device = self.lm_head_device
         h = h.to(device)[batch.on(device).logits_indices]
-        return self.lm_head(self.model.norm(h)).float()
+        logits = self.lm_head(self.model.norm(h))
+        if self.final_logit_softcap is not None:
+            # In the activation dtype, as transformers caps them.
+            cap = self.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     @property
     def lm_head_device(self) -> torch.device:
         return self.model.norm.weight.device
+
+
+def extra_int(config: ModelConfig, *keys: str, default: int | None = None) -> int:
+    """A positive integer the config holds under the first of `keys` it has (spellings
+    differ between the Hub and transformers 5), else `default`."""
+    for key in keys:
+        value = config.extra.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{config.source}: '{key}' must be a positive integer, got {value!r}")
+        return value
+    if default is None:
+        raise ConfigError(f"{config.source}: required key '{keys[0]}' is missing")
+    return default
+
+
+def layer_types(config: ModelConfig, default: Callable[[int], str]) -> list[str]:
+    """Each layer's attention type ("full_attention" / "sliding_attention").
+
+    transformers 5 writes `layer_types` into config.json; older configs leave it out and
+    the architecture's rule (`default(layer_idx)`) applies, as transformers' config does."""
+    types = config.extra.get("layer_types")
+    if types is None:
+        return [default(i) for i in range(config.num_hidden_layers)]
+    if (
+        not isinstance(types, list)
+        or len(types) != config.num_hidden_layers
+        or any(t not in LAYER_TYPES for t in types)
+    ):
+        raise ConfigError(
+            f"{config.source}: 'layer_types' must list one of {', '.join(LAYER_TYPES)} per "
+            f"layer ({config.num_hidden_layers}), got {types!r}"
+        )
+    return list(types)
+
+
+def layer_windows(config: ModelConfig, types: list[str]) -> list[int | None]:
+    """The sliding window of each layer: config.sliding_window on sliding layers."""
+    window = config.sliding_window
+    if any(t == "sliding_attention" for t in types) and not (
+        isinstance(window, int) and window > 0
+    ):
+        raise ConfigError(
+            f"{config.source}: sliding-attention layers need a positive 'sliding_window', "
+            f"got {window!r}"
+        )
+    return [window if t == "sliding_attention" else None for t in types]

@@ -1,0 +1,471 @@
+"""Triton decode attention over the paged KV cache (flash-decoding), and the tile helpers that
+the prefill kernel (kernels.paged_attention_prefill) shares.
+
+Contract: `kernels.paged_attention`'s (see its module docstring), restricted to batches where
+every sequence has at most one new token. Callers validate the arguments; this module only
+launches. Shapes as there: q [T, Hq, D], caches [P, S, Hk, D], cu_seqlens [B+1],
+context_lens [B], page_table [B, maxpages]; output [T, Hq, D] in q's dtype.
+
+Design. Grid (B, Hk, splits): a program takes one sequence, one kv head and one contiguous
+chunk of that sequence's keys, and computes all G = Hq/Hk query heads of the group at once,
+so every K/V byte is read once per step. Long contexts at small batch are split into
+chunks ("split-K") so that B * Hk * splits programs fill the GPU; each split writes its
+output over its own keys (float32) and their log-sum-exp, and a second small kernel merges
+the splits weighted by their log-sum-exps. With one split the first kernel writes the
+output itself. Scores are kept in log2 units (exp2 is the fast path).
+
+Query tiles: G rows of D. For G >= `DECODE_DOT_MIN_GROUP` the rows are padded to 16 and
+multiplied with tl.dot (tensor cores; the padding costs nothing in a memory-bound kernel);
+below that a broadcast-multiply-and-sum in float32 avoids a mostly empty MMA.
+
+The K/V load is `load_kv_tile`: the one place that knows how the cache stores a token, so
+that a quantized storage type (fp8, q8, q6, q4) is added by changing that helper (and the
+arguments that reach it: scales), not the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import cast_rtne, device_guard, is_interpreted
+
+LOG2E = 1.4426950408889634
+
+# Groups at least this large use tl.dot with rows padded to 16; smaller ones (MHA, G=2) the
+# float32 broadcast product. Measure G=4/8 both ways on the GPU (`dot=` of decode_attention).
+DECODE_DOT_MIN_GROUP = 4
+# Fewest keys per split: below this the partial write and the merge cost more than the
+# parallelism gains.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 128
+# Programs aimed for, per SM: enough resident programs to hide the gather latency.
+PROGRAMS_PER_SM = 3
+# Splits merged per step of the merge kernel's loop.
+_MERGE_CHUNK = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared tile helpers (also used by the prefill kernel).
+
+
+@triton.jit
+def kv_token_offsets(
+    page_table_row,  # pointer to this sequence's page ids
+    key_pos,  # [BLOCK_N] int32 token positions
+    key_mask,  # [BLOCK_N] positions that exist (others must not touch the page table)
+    stride_page,
+    stride_slot,
+    PAGE_SIZE: tl.constexpr,
+):
+    """Element offset of each key's slot in the cache ([BLOCK_N] int64), head 0, dim 0.
+
+    One page-table read per key rather than per block: a block may span pages of any size,
+    and the repeated ids hit L1.
+    """
+    page = tl.load(page_table_row + key_pos // PAGE_SIZE, mask=key_mask, other=0)
+    # int64: a 40 GB cache has more elements than int32 can address.
+    return page.to(tl.int64) * stride_page + (key_pos % PAGE_SIZE).to(tl.int64) * stride_slot
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, token_offsets, dims, mask, COMPUTE_DTYPE: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] tile of K or V in COMPUTE_DTYPE (q's dtype); masked entries are 0.
+
+    `cache_ptr` points at the kv head's dim 0. The storage hook: for fp16/bf16/fp32 caches
+    this is a plain gather; a quantized cache dequantizes here.
+    """
+    tile = tl.load(cache_ptr + token_offsets[:, None] + dims[None, :], mask=mask, other=0.0)
+    return tile.to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp: exact limits (exp overflow gives 1, underflow -1), absolute error
+    # ~1e-7, and no libdevice dependency (the interpreter runs it too).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def scores_log2(qk, score_scale, softcap_log2, SOFTCAP: tl.constexpr):
+    """Raw q.k (float32) to logits in log2 units.
+
+    Without softcap `score_scale` = scale * log2(e); with it `score_scale` = scale / cap and
+    `softcap_log2` = cap * log2(e), so cap * tanh(scale * qk / cap) comes out in log2 units.
+    """
+    if SOFTCAP:
+        return softcap_log2 * _tanh(qk * score_scale)
+    else:
+        return qk * score_scale
+
+
+@triton.jit
+def mma(a, b, F32_OPERANDS: tl.constexpr):
+    """a @ b accumulated in float32.
+
+    F32_OPERANDS: float32 inputs, or any inputs in the interpreter (whose dot multiplies
+    bfloat16's raw uint16 storage as integers in Triton 3.6). On the GPU float32 goes
+    through "tf32x3" (three tf32 MMAs, float32 accuracy, tensor cores): "ieee" tiles of
+    this size spill registers heavily on sm_90.
+    """
+    if F32_OPERANDS:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
+    else:
+        return tl.dot(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode kernels.
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,  # [T, Hq, D] when not SPLIT
+    part_out_ptr,  # [B, Hq, splits, D] float32 when SPLIT
+    part_lse_ptr,  # [B, Hq, splits] float32 when SPLIT
+    cu_seqlens_ptr,
+    context_lens_ptr,
+    page_table_ptr,
+    stride_q_tok,
+    stride_q_head,
+    stride_out_tok,
+    stride_out_head,
+    stride_kv_page,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_pt_seq,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    score_scale,
+    softcap_log2,
+    window,
+    split_tokens,  # keys per split, a multiple of BLOCK_N
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    F32_OPERANDS: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_row = tl.load(cu_seqlens_ptr + seq)
+    n_new = tl.load(cu_seqlens_ptr + seq + 1) - q_row
+    if n_new > 0:
+        dtype = q_ptr.dtype.element_ty
+        ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
+        # The one query sits at ctx - 1, so the window is a range of keys, not a mask.
+        lo = 0
+        if WINDOW:
+            lo = tl.maximum(ctx - window, 0)
+        start = lo + split * split_tokens
+        end = tl.minimum(start + split_tokens, ctx)
+        if split == tl.num_programs(2) - 1:
+            # The last split takes whatever is left, so an underestimated max_context_len
+            # costs speed, never keys.
+            end = ctx
+
+        g = tl.arange(0, BLOCK_G)
+        heads = kv_head * GROUP + g
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < HEAD_DIM
+        q_mask = (g < GROUP)[:, None] & dim_mask[None, :]
+        q_ptrs = q_ptr + q_row.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
+        q = tl.load(q_ptrs + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_G, BLOCK_D]
+        if not USE_DOT:
+            q = q.to(tl.float32)
+
+        page_table_row = page_table_ptr + seq.to(tl.int64) * stride_pt_seq
+        k_head_ptr = k_cache_ptr + kv_head * stride_kv_head
+        v_head_ptr = v_cache_ptr + kv_head * stride_kv_head
+        # A finite start: rows that have seen only masked keys get weights 0, not NaN.
+        row_max = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+        row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        for block_start in range(start, end, BLOCK_N):
+            key_pos = block_start + tl.arange(0, BLOCK_N)
+            key_mask = key_pos < end
+            offsets = kv_token_offsets(
+                page_table_row, key_pos, key_mask, stride_kv_page, stride_kv_slot, PAGE_SIZE
+            )
+            kv_mask = key_mask[:, None] & dim_mask[None, :]
+            k = load_kv_tile(k_head_ptr, offsets, dims, kv_mask, dtype)  # [BLOCK_N, BLOCK_D]
+            if USE_DOT:
+                qk = mma(q, tl.trans(k), F32_OPERANDS)
+            else:
+                qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            s = scores_log2(qk, score_scale, softcap_log2, SOFTCAP)
+            s = tl.where(key_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+
+            max_new = tl.maximum(row_max, tl.max(s, axis=1))
+            alpha = tl.exp2(row_max - max_new)
+            p = tl.exp2(s - max_new[:, None])
+            row_sum = row_sum * alpha + tl.sum(p, axis=1)
+            v = load_kv_tile(v_head_ptr, offsets, dims, kv_mask, dtype)
+            if USE_DOT:
+                # P is rounded to V's dtype for the tensor cores, as flash attention does.
+                p_lo = cast_rtne(p, dtype, EMULATE_BF16)
+                acc = acc * alpha[:, None] + mma(p_lo, v, F32_OPERANDS)
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+                acc = acc * alpha[:, None] + pv
+            row_max = max_new
+
+        safe_sum = tl.where(row_sum > 0.0, row_sum, 1.0)
+        out = acc / safe_sum[:, None]
+        if SPLIT:
+            # Every split writes, empty ones too (lse = -inf), so the merge needs no count.
+            lse = tl.where(row_sum > 0.0, row_max + tl.log2(safe_sum), float("-inf"))
+            part_row = seq.to(tl.int64) * stride_po_seq + heads * stride_po_head
+            part_ptrs = part_out_ptr + (part_row + split * stride_po_split)[:, None]
+            tl.store(part_ptrs + dims[None, :], out, mask=q_mask)
+            lse_ptrs = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head
+            tl.store(lse_ptrs + split, lse, mask=g < GROUP)
+        else:
+            out_ptrs = out_ptr + q_row.to(tl.int64) * stride_out_tok
+            out_ptrs += heads[:, None] * stride_out_head + dims[None, :]
+            tl.store(out_ptrs, cast_rtne(out, dtype, EMULATE_BF16), mask=q_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    cu_seqlens_ptr,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    stride_out_tok,
+    stride_out_head,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
+    CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    # Grid (B, Hq): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max).
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(cu_seqlens_ptr + seq)
+    n_new = tl.load(cu_seqlens_ptr + seq + 1) - q_row
+    if n_new > 0:
+        lse_row = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + head * stride_pl_head
+        splits = tl.arange(0, BLOCK_S)
+        lse_all = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))
+        lse_max = tl.max(lse_all, axis=0)
+        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        total = tl.sum(tl.exp2(lse_all - lse_max), axis=0)
+
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < HEAD_DIM
+        part_row = part_out_ptr + seq.to(tl.int64) * stride_po_seq + head * stride_po_head
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for chunk_start in range(0, num_splits, CHUNK):
+            chunk = chunk_start + tl.arange(0, CHUNK)
+            chunk_mask = chunk < num_splits
+            lse = tl.load(lse_row + chunk, mask=chunk_mask, other=float("-inf"))
+            weight = tl.exp2(lse - lse_max)  # [CHUNK]; empty splits weigh 0
+            o_ptrs = part_row + chunk[:, None] * stride_po_split + dims[None, :]
+            o = tl.load(o_ptrs, mask=chunk_mask[:, None] & dim_mask[None, :], other=0.0)
+            acc += tl.sum(weight[:, None] * o, axis=0)
+        out = acc / tl.where(total > 0.0, total, 1.0)
+        out_ptrs = out_ptr + q_row.to(tl.int64) * stride_out_tok + head * stride_out_head
+        dtype = out_ptr.dtype.element_ty
+        tl.store(out_ptrs + dims, cast_rtne(out, dtype, EMULATE_BF16), mask=dim_mask)
+
+
+# Triton 3.6's interpreter truncates float32 -> bfloat16 and multiplies bfloat16 dots as
+# integers: see cast_rtne and mma.
+INTERPRETED = is_interpreted(_decode_kernel)
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # the interpreter: few programs keep CPU runs short
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def plan_splits(
+    batch: int, num_kv_heads: int, key_span: int, num_sms: int, block_n: int
+) -> tuple[int, int]:
+    """(splits, keys per split) for a decode step.
+
+    `key_span` bounds the keys any sequence attends to (its context, or the window). Splits
+    are added until batch * kv heads * splits reaches PROGRAMS_PER_SM programs per SM, but no
+    split gets fewer than MIN_SPLIT_TOKENS keys.
+    """
+    key_span = max(key_span, 1)
+    base = max(batch * num_kv_heads, 1)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, base)
+    splits = max(1, min(wanted, triton.cdiv(key_span, MIN_SPLIT_TOKENS), MAX_SPLITS))
+    return _splits_of(key_span, triton.cdiv(key_span, splits), block_n)
+
+
+def _splits_of(key_span: int, split_tokens: int, block_n: int) -> tuple[int, int]:
+    # Whole key blocks per split, and no split longer than the span (keeps it in int32).
+    split_tokens = min(max(split_tokens, 1), key_span)
+    split_tokens = triton.cdiv(split_tokens, block_n) * block_n
+    return triton.cdiv(key_span, split_tokens), split_tokens
+
+
+def _decode_config(
+    group: int, block_d: int, use_dot: bool, dtype: torch.dtype
+) -> tuple[int, int, int]:
+    """(BLOCK_G, BLOCK_N, num_warps)."""
+    if use_dot:
+        # tl.dot needs 16 rows; 64 keys of 128 dims keep 32 KB of K+V in flight per step.
+        # float32's tf32x3 dots need half the keys to stay clear of register spills.
+        block_n = (64 if block_d <= 128 else 32) // (2 if dtype == torch.float32 else 1)
+        return max(16, triton.next_power_of_2(group)), block_n, 4
+    block_g = triton.next_power_of_2(group)
+    # The broadcast product is a [BLOCK_G, BLOCK_N, BLOCK_D] float32 tile: keep it in
+    # registers (8192 elements is 64 per thread at 4 warps).
+    block_n = max(16, min(64, 8192 // (block_g * block_d)))
+    return block_g, block_n, 4
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    max_context_len: int,
+    split_tokens: int | None = None,
+    dot: bool | None = None,
+) -> torch.Tensor:
+    """Decode attention (at most one new token per sequence); arguments already validated.
+
+    `max_context_len` bounds every context length (an upper bound is fine: only the split
+    plan depends on it, not correctness). `split_tokens` forces keys per split (tests,
+    benchmarks; a huge value disables split-K); `dot` forces the tl.dot or the broadcast
+    path.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    batch = context_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0 or batch == 0:
+        return out
+
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    use_dot = group >= DECODE_DOT_MIN_GROUP if dot is None else dot
+    block_g, block_n, num_warps = _decode_config(group, block_d, use_dot, q.dtype)
+    key_span = max_context_len if sliding_window is None else min(max_context_len, sliding_window)
+    if split_tokens is None:
+        num_splits, split_tokens = plan_splits(
+            batch, num_kv_heads, key_span, _num_sms(q.device), block_n
+        )
+    else:
+        num_splits, split_tokens = _splits_of(max(key_span, 1), split_tokens, block_n)
+    split = num_splits > 1
+
+    if split:
+        part_out = torch.empty(
+            (batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device
+        )
+    else:
+        part_out = part_lse = out  # unused
+    score_scale, softcap_log2 = score_constants(scale, softcap)
+    with device_guard(q):
+        _decode_kernel[(batch, num_kv_heads, num_splits)](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            part_out,
+            part_lse,
+            cu_seqlens,
+            context_lens,
+            page_table,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            page_table.stride(0),
+            part_out.stride(0) if split else 0,
+            part_out.stride(1) if split else 0,
+            part_out.stride(2) if split else 0,
+            part_lse.stride(0) if split else 0,
+            part_lse.stride(1) if split else 0,
+            score_scale,
+            softcap_log2,
+            sliding_window or 0,
+            split_tokens,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            PAGE_SIZE=page_size,
+            BLOCK_G=block_g,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            USE_DOT=use_dot,
+            SPLIT=split,
+            WINDOW=sliding_window is not None,
+            SOFTCAP=softcap is not None,
+            F32_OPERANDS=INTERPRETED or q.dtype == torch.float32,
+            EMULATE_BF16=INTERPRETED,
+            num_warps=num_warps,
+            num_stages=2,
+        )
+        if split:
+            _merge_splits_kernel[(batch, num_q_heads)](
+                part_out,
+                part_lse,
+                out,
+                cu_seqlens,
+                part_out.stride(0),
+                part_out.stride(1),
+                part_out.stride(2),
+                part_lse.stride(0),
+                part_lse.stride(1),
+                out.stride(0),
+                out.stride(1),
+                num_splits,
+                HEAD_DIM=head_dim,
+                BLOCK_S=triton.next_power_of_2(num_splits),
+                CHUNK=_MERGE_CHUNK,
+                BLOCK_D=block_d,
+                EMULATE_BF16=INTERPRETED,
+                num_warps=1 if block_d <= 128 else 2,
+            )
+    return out
+
+
+def score_constants(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(score_scale, softcap_log2) for `scores_log2`."""
+    if softcap is None:
+        return float(scale) * LOG2E, 0.0
+    return float(scale) / float(softcap), float(softcap) * LOG2E
