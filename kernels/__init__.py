@@ -8,7 +8,8 @@ is the op itself, which shadows the module of the same name).
 
 from kernels.backend import Backend
 from kernels.paged_attention import paged_attention
+from kernels.quant_matmul_triton import quant_matmul
 from kernels.rms_norm import rms_norm
 from kernels.rope import apply_rope
 
-__all__ = ["Backend", "apply_rope", "paged_attention", "rms_norm"]
+__all__ = ["Backend", "apply_rope", "paged_attention", "quant_matmul", "rms_norm"]

@@ -6,7 +6,7 @@ Contract (docs/quant_layout.md; k = in_features, n = out_features):
       perm       int32 [k] or None   the kernel reads x[:, perm[i]] as its row i (act-order)
       segments   list[Segment]       row ranges of one bit width covering 0..k-1, in order
       scales     fp16 [G, n]
-      zeros      fp16 [G, n]         zero * scale, so w = code * scale - zero
+      zeros      fp16 [G, n]         zero points in code units, so w = (code - zero) * scale
       row_group  int32 [k]           group of each permuted row, non-decreasing
       bias       fp16 [n] or None
     Segment: bits in {2, 3, 4, 5, 6, 8}, rows [row_start, row_end), planes per PLANE_SPLITS
@@ -229,8 +229,9 @@ def dequantize_reference(qw: QuantizedWeight) -> torch.Tensor:
     for seg in qw.segments:
         g = group[seg.row_start : seg.row_end]
         codes = seg.codes().float()
-        # code * scale and the zero are both exact in fp32 (at most 8 + 11 significant bits).
-        w_perm[seg.row_start : seg.row_end] = codes * qw.scales[g].float() - qw.zeros[g].float()
+        # code - zero is an exact small number and its product with an fp16 scale is exact in
+        # fp32 (at most 9 + 11 significant bits): the true (q - z) * s of GPTQ and EXL2.
+        w_perm[seg.row_start : seg.row_end] = (codes - qw.zeros[g].float()) * qw.scales[g].float()
     if qw.perm is None:
         return w_perm
     w = torch.empty_like(w_perm)

@@ -223,9 +223,9 @@ def exl2_to_runtime(t: Exl2Tensors, out_features: int | None = None) -> Quantize
     identity = bool((perm == torch.arange(k, device=perm.device)).all())
 
     scales = exl2_scales(t.q_scale, t.q_scale_max, t.width)[:, :n].contiguous()
-    # 2^(bits-1) * scale is exact in fp16 (a power-of-two multiple).
+    # The zero point in code units, 2^(bits-1): exact in fp16.
     zero_codes = torch.tensor([2.0 ** (g.bits - 1) for g in groups], device=scales.device)
-    zeros = (scales.float() * zero_codes[:, None]).to(torch.float16)
+    zeros = zero_codes[:, None].expand(-1, scales.shape[1]).to(torch.float16).contiguous()
     rows_per_group = torch.tensor([g.row_end - g.row_start for g in groups], device=scales.device)
     row_group = torch.repeat_interleave(
         torch.arange(len(groups), dtype=torch.int32, device=scales.device), rows_per_group

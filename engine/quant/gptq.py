@@ -18,9 +18,8 @@ smallest power of two with size * G >= k), falling back to k / G when that does 
 G groups. Symmetric GPTQ (AutoGPTQ) stores zero 2^(b-1), i.e. v1 nibbles 7 (0x77777777).
 
 The runtime layout sorts rows by group (perm = stable argsort(g_idx)) so that groups are
-contiguous, as exllamav2's make_sequential does, and folds zeros as fp16(zero * scale).
-That product is rounded to fp16, so for asymmetric zeros the runtime weight differs from
-the reference by at most half an fp16 ulp of zero * scale (exact for symmetric zeros).
+contiguous, as exllamav2's make_sequential does, and keeps the zero points themselves
+(exact in fp16), so the runtime weight (q - z) * s equals the reference exactly.
 """
 
 from __future__ import annotations
@@ -150,11 +149,11 @@ def dequantize_gptq(t: GptqTensors) -> torch.Tensor:
 
 
 def gptq_to_runtime(t: GptqTensors) -> QuantizedWeight:
-    """Convert to the runtime layout: rows sorted by group, one Segment, fp16 zero*scale."""
+    """Convert to the runtime layout: rows sorted by group, one Segment, fp16 zero points."""
     k, n = t.in_features, t.out_features
     g = t.group_index()
     scales = t.scales.to(torch.float16).contiguous()
-    zeros = (t.zero_points().float() * scales.float()).to(torch.float16)
+    zeros = t.zero_points().to(torch.float16)  # zero points (0..256) are exact in fp16
     if bool((g[1:] >= g[:-1]).all()):
         perm = None
         # The qweight stream at 4 or 8 bits is already the plane layout.

@@ -1,0 +1,1004 @@
+"""Quantized matmul y = x @ W + bias over Kestrel's runtime layout, as Triton kernels.
+
+Contract (docs/quant_layout.md is the layout; kernels/quant_matmul.py holds the dataclasses
+and the torch references; k = in_features, n = out_features):
+
+    quant_matmul(x [..., k] float16/bfloat16/float32, qw) -> [..., n] in x.dtype
+    quant_matmul_triton(x, qw, *, path="auto") -> the same through the kernels
+    dequantize_triton(qw, *, dtype=float16, permuted=False) -> W [k, n] in dtype,
+        original row order (as dequantize_reference) unless permuted=True
+
+`quant_matmul` runs the kernels on CUDA tensors and `quant_matmul_reference` otherwise
+(kernels.backend.resolve_backend); `quant_matmul_triton` forces the kernels and lets tests
+and benchmarks pick a path. Every path accumulates in float32 and rounds once to x.dtype.
+
+Paths, by the number of activation rows M (tuning constants below, to be set on the GPU):
+
+* M <= _GEMV_MAX_M (decode): `_gemv_kernel`, a fused dequantizing GEMV. It is bound by
+  memory and, nearly as much, by instructions per byte, so each packed int32 word is loaded
+  once (coalesced along n, 16 bytes per load) and each code costs about two instructions
+  per row of x: a chunk of 32 rows is a [words, rows per word, BLOCK_N] tile held by the
+  thread that owns the column (lanes and warps lie only along n, so sums over rows stay in
+  registers), and codes are masked in place and used as float32 denormals (see
+  `_gemv_plane`). The planes of a segment are separate bit matrices: code = sum of
+  plane << shift, so each adds its own dot product. Scale and zero apply once per chunk and
+  column: sum_r x_r (c_r s - z) = s * sum_r x_r c_r - z * sum_r x_r, which needs every
+  chunk inside one row group. That holds for EXL2 and GPTQ (groups of 32k rows, bit widths
+  changing only at group boundaries) and is checked once per weight on the host
+  (`_chunks_in_groups`); other groupings take a per-row path. x is gathered through perm
+  in the kernel. The grid is (column tiles, split-K slices) with about
+  _GEMV_PROGRAMS_PER_SM programs per SM, so n = k = 4096 still fills 132 SMs.
+* _GEMV_MAX_M < M < _DEQUANT_MIN_M (batched decode, speculative verification, short
+  prefill chunks): `_dot_kernel`, the same split-K structure with a [BLOCK_M, BLOCK_K] x
+  tile and a [BLOCK_K, BLOCK_N] code tile on the tensor cores (tl.dot, wgmma on Hopper,
+  float32 accumulation, software-pipelined loads). Codes (< 256) are exact in fp16/bf16,
+  so the tensor cores see no rounding of W: acc += ((x @ codes) - rowsum(x) * z) * s.
+* M >= _DEQUANT_MIN_M (prefill): `dequantize_triton` writes W in the *original* row order
+  (row i lands at perm[i]: whole rows, so no cost), then cuBLAS does x @ W + bias: no
+  gathered copy of x. W is a fresh tensor from torch's caching allocator, which hands the
+  same block back on the next call of that size (a reusable scratch without a global).
+
+Reduction: split-K partials and the segments are summed with relaxed float32 atomic adds
+into one [M, n] float32 buffer. One launch per Segment (at most 6; the plane layout is a
+compile-time constant of the unpacking code), all adding into the same buffer; the first
+one adds the bias. Atomics rather than a second reduction pass: the partials stay in L2
+(no [splits, M, n] buffer written and read back) and there is no extra launch. The price:
+the summation order varies from run to run, which can flip the last float32 bit and,
+rarely, the rounding to 16 bits. Launches per linear: a zero-fill, one per segment, a cast.
+Decode is meant to run as a CUDA graph, where launches cost no host time; their GPU-side
+gaps are the first thing to measure (see _launch_gemv for the next step).
+
+Loops have constexpr trip counts: Triton 3.6's interpreter fails on runtime loop bounds
+under numpy >= 2.4 (triton-lang/triton#9171), and the tests run the kernels there.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Literal
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import (
+    Backend,
+    cast_rtne,
+    device_guard,
+    is_interpreted,
+    resolve_backend,
+)
+from kernels.quant_matmul import QuantizedWeight, Segment, quant_matmul_reference
+
+Path = Literal["auto", "gemv", "dot", "dequant"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_PLANE_BITS = (1, 2, 4, 8)
+
+# --- tuning knobs (measure on the GPU; see the module docstring) -----------------------------
+# Path thresholds on M, the number of activation rows.
+_GEMV_MAX_M = 2
+_GEMV_LIMIT_M = 4  # the GEMV unrolls one accumulator per row of x: its hard limit
+_DEQUANT_MIN_M = 256
+# Split-K: programs per SM to aim for, counted over all segments: enough resident warps to
+# keep ~32 KB of loads in flight per SM, few enough that the float32 atomics (n per split)
+# stay cheap next to the weight bytes.
+_GEMV_PROGRAMS_PER_SM = 4
+_DOT_PROGRAMS_PER_SM = 2
+# GEMV tile: lanes and warps only along n, so the sums over rows never leave a thread.
+# Columns per thread by M: every row of x is loaded (gathered through perm) by every thread,
+# so more columns per thread share that cost, until the registers run out (M codes * x).
+_GEMV_COLS_PER_THREAD = {1: 16, 2: 8, 3: 4, 4: 4}
+_GEMV_NUM_WARPS = 2
+_GEMV_BLOCK_K = 32  # rows per chunk: the least group size of EXL2, one group per chunk
+_GEMV_MAX_ITERS = 8  # chunks per program (a loop, not unrolled)
+# Tensor-core tile of the mid-M path.
+_DOT_BLOCK_N = 128
+_DOT_MAX_BLOCK_M = 64
+_DOT_MAX_BLOCK_K = 64
+_DOT_MAX_ITERS = 16
+_DOT_NUM_WARPS = 4
+_DOT_NUM_STAGES = 3
+# Dequantization tile (elementwise: stores dominate).
+_DEQUANT_BLOCK_K = 32
+_DEQUANT_BLOCK_N = 128
+_DEQUANT_NUM_WARPS = 4
+# The interpreter has no SMs; a small count keeps CPU tests fast while still splitting K.
+_INTERPRETER_SMS = 2
+
+
+_FLOAT_MAGIC = 0x4B000000  # the bits of 2^23 as float32
+
+# --- kernels ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _unpack_rows(plane_ptr, plane_stride, word_rows, shifts, cols, mask, BITS: tl.constexpr):
+    """Codes of one plane: word_rows selects the int32 row, shifts the bit offset in it."""
+    words = tl.load(plane_ptr + word_rows * plane_stride + cols, mask=mask, other=0)
+    # Arithmetic shift: the mask drops the sign bits an 8-bit top code drags in.
+    return (words >> shifts) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _segment_codes_2d(
+    p0_ptr,
+    p0_stride,
+    p1_ptr,
+    p1_stride,
+    rows,
+    cols,
+    mask,
+    NUM_PLANES: tl.constexpr,
+    P0_BITS: tl.constexpr,
+    P0_SHIFT: tl.constexpr,
+    P1_BITS: tl.constexpr,
+    P1_SHIFT: tl.constexpr,
+):
+    """Codes [K, N] of segment-relative rows [K, 1] and columns [1, N].
+
+    The word of each row is gathered separately (rows of one word hit L1): the tile goes to
+    tl.dot or to memory in this 2-D layout, and its cost is shared by BLOCK_M rows of x.
+    """
+    RPW0: tl.constexpr = 32 // P0_BITS
+    codes = _unpack_rows(
+        p0_ptr, p0_stride, rows // RPW0, (rows % RPW0) * P0_BITS, cols, mask, P0_BITS
+    )
+    codes = codes << P0_SHIFT
+    if NUM_PLANES == 2:
+        RPW1: tl.constexpr = 32 // P1_BITS
+        codes1 = _unpack_rows(
+            p1_ptr, p1_stride, rows // RPW1, (rows % RPW1) * P1_BITS, cols, mask, P1_BITS
+        )
+        codes = codes | (codes1 << P1_SHIFT)
+    return codes
+
+
+@triton.jit
+def _codes_to_f32(codes):
+    """int32 codes (< 2^23) -> exact float32 without an int-to-float conversion (a
+    quarter-rate instruction): OR-ed into the mantissa of 2^23 they read as 2^23 + code."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _dot_f32(a, b, acc, INTERPRETED: tl.constexpr):
+    """acc + a @ b with float32 accumulation, for operands of one dtype (fp16, bf16, fp32)."""
+    if a.dtype == tl.float32:
+        # float32 activations ask for float32 accuracy: tf32x3 (three TF32 products, errors
+        # near 2^-22) keeps the tensor cores; an "ieee" dot runs on the FMA units and spills.
+        return tl.dot(a, b, acc, input_precision="tf32x3")
+    elif INTERPRETED and a.dtype == tl.bfloat16:
+        # Triton 3.6's interpreter multiplies bfloat16 operands wrongly; widening is exact.
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gemv_plane_row(values, row_factor, x_ptrs, row_ok):
+    """sum over the chunk's rows of values * x * row_factor, for one row of x -> [N]."""
+    xv = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32) * row_factor  # [W, RPW, 1]
+    return tl.sum(tl.sum(values * xv, axis=1), axis=0)
+
+
+@triton.jit
+def _gemv_plane(
+    plane_ptr,
+    plane_stride,
+    x_ptr,
+    stride_xm,
+    x_row_offset,  # perm_ptr + row_start (HAS_PERM) or row_start
+    row_group_ptr,
+    scales_ptr,
+    sz_stride,
+    row_start,
+    r0,
+    k_end,
+    cols,
+    col_ok,
+    float_magic,
+    BITS: tl.constexpr,
+    SHIFT: tl.constexpr,
+    HAS_PERM: tl.constexpr,
+    GROUPED: tl.constexpr,
+    M_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One plane's share of the chunk of rows [r0, r0 + BLOCK_K), for up to 4 rows of x.
+
+    The chunk is a [W, RPW, N] tile: W words of RPW rows, all in the thread that owns the
+    column, so the sums over rows stay in registers. Codes are read in place, which matters
+    because the GEMV needs about as many instructions per byte as an SM can issue at full
+    memory bandwidth: the word (or its top half, shifted down once per word) masked to the
+    code's bits at position q (q + BITS <= 16) is, as a float32 bit pattern, the denormal
+    code * 2^(q - 149), exactly. GPUs multiply denormals at full rate and Triton does not
+    flush them, so one LOP3 and one FFMA per code and row of x do the work: x is scaled by
+    2^(101 + SHIFT - q) per row (exact; finite for |x| < 2^23), the products
+    x * code * 2^(SHIFT - 48) are normal floats (for |x| > 2^-78), and the caller multiplies
+    the sum by 2^48 with the scale. No shift and no int-to-float conversion (a quarter-rate
+    instruction) per code.
+
+    Without GROUPED the per-row scale multiplies each code, and a denormal product would
+    lose bits: there the code is OR-ed into the mantissa of 2^23 instead (2^23 + code * 2^q
+    exactly, minus 2^23: one more instruction per code).
+
+    Returns per row m of x the plane's sum_r code[r, c] * 2^SHIFT * x[m, r], times 2^-48
+    (GROUPED) or with the per-row scale applied ([N] each). Rows m >= M_ROWS are copies.
+    """
+    RPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = BLOCK_K // RPW
+    word = tl.arange(0, W)[:, None, None]  # [W, 1, 1]
+    lane = tl.arange(0, RPW)[None, :, None]  # [1, RPW, 1]
+    rows = r0 + word * RPW + lane  # [W, RPW, 1], segment-relative
+    row_ok = rows < k_end
+    cols3 = cols[None, None, :]
+    col_ok3 = col_ok[None, None, :]
+    # r0 is a multiple of 32, hence of RPW: word w of the chunk is word r0 / RPW + w.
+    words = tl.load(
+        plane_ptr + (r0 // RPW + word) * plane_stride + cols3,
+        mask=(r0 + word * RPW < k_end) & col_ok3,
+        other=0,
+    )  # [W, 1, N]
+    position = lane * BITS
+    q = position % 16
+    # Codes never straddle bit 16 (BITS divides 16); an arithmetic shift's sign copies land
+    # at bit 16 and above, outside every mask.
+    code_bits = (words >> (position - q)) & (((1 << BITS) - 1) << q)
+    if GROUPED:
+        values = code_bits.to(tl.float32, bitcast=True)  # code * 2^(q - 149), a denormal
+        # 2^(101 + SHIFT - q) from its exponent bits (127 + 101 = 228): exact, constant.
+        row_factor = ((228 + SHIFT - q) << 23).to(tl.float32, bitcast=True)
+    else:
+        # float_magic is 0x4B000000 passed at run time: as a register operand, the AND of
+        # the code mask and this OR fuse into one LOP3 (an instruction takes one immediate).
+        values = (code_bits | float_magic).to(tl.float32, bitcast=True) - 8388608.0
+        group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
+        row_scale = tl.load(
+            scales_ptr + group * sz_stride + cols3, mask=row_ok & col_ok3, other=0.0
+        )
+        values = values * row_scale.to(tl.float32)  # code * 2^q * scale
+        row_factor = ((127 + SHIFT - q) << 23).to(tl.float32, bitcast=True)  # 2^(SHIFT - q)
+
+    if HAS_PERM:
+        x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
+    else:
+        x_ptrs = x_ptr + x_row_offset + rows
+    part0 = _gemv_plane_row(values, row_factor, x_ptrs, row_ok)
+    part1 = part0
+    part2 = part0
+    part3 = part0
+    if M_ROWS > 1:
+        part1 = _gemv_plane_row(values, row_factor, x_ptrs + stride_xm, row_ok)
+    if M_ROWS > 2:
+        part2 = _gemv_plane_row(values, row_factor, x_ptrs + 2 * stride_xm, row_ok)
+    if M_ROWS > 3:
+        part3 = _gemv_plane_row(values, row_factor, x_ptrs + 3 * stride_xm, row_ok)
+    return part0, part1, part2, part3
+
+
+@triton.jit
+def _gemv_zero_term(
+    x_ptrs, row_ok, zero, group_offsets, zeros_ptr, scales_ptr, cols, col_ok, GROUPED
+):
+    """What the zeros take off one row of x's dot products: [N]. `zero` (GROUPED) is
+    already zero point * scale; otherwise each row's zero point and scale are loaded."""
+    xv = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+    if GROUPED:
+        return tl.sum(xv, axis=0) * zero
+    else:
+        offsets = group_offsets[:, None] + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        row_zero = tl.load(zeros_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        row_scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        return tl.sum(row_zero * row_scale * xv[:, None], axis=0)
+
+
+@triton.jit(do_not_specialize=["add_bias"])
+def _gemv_kernel(
+    x_ptr,  # [M, k], unit column stride
+    out_ptr,  # float32 [M, n], contiguous, accumulated atomically
+    p0_ptr,
+    p1_ptr,
+    scales_ptr,
+    zeros_ptr,
+    row_group_ptr,
+    perm_ptr,
+    bias_ptr,
+    n,
+    stride_xm,
+    p0_stride,
+    p1_stride,
+    sz_stride,
+    row_start,  # the segment's first (permuted) row
+    seg_rows,
+    rows_per_split,  # ITERS * BLOCK_K
+    add_bias,  # 1 for the first segment's launch of a weight with a bias (run time: one
+    # compiled kernel serves every segment)
+    float_magic,  # 0x4B000000 (see _gemv_plane)
+    HAS_PERM: tl.constexpr,
+    GROUPED: tl.constexpr,  # every chunk lies in one group (checked on the host)
+    NUM_PLANES: tl.constexpr,
+    P0_BITS: tl.constexpr,
+    P0_SHIFT: tl.constexpr,
+    P1_BITS: tl.constexpr,
+    P1_SHIFT: tl.constexpr,
+    M_ROWS: tl.constexpr,  # 1..4: one accumulator each, unrolled
+    ITERS: tl.constexpr,  # chunks per split (a constexpr: see the loop)
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of 32
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # The hint keeps every [.., N] load at 4 elements per thread: the int32 words (16 bytes),
+    # and the fp16 scales in the same register layout, so no tile changes layout per chunk.
+    cols = tl.max_contiguous(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), 4)
+    col_ok = cols < n
+    offs_k = tl.arange(0, BLOCK_K)
+    if HAS_PERM:
+        x_row_offset = perm_ptr + row_start
+    else:
+        x_row_offset = row_start
+
+    acc0 = tl.zeros([BLOCK_N], tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    k_begin = pid_k * rows_per_split
+    k_end = tl.minimum(k_begin + rows_per_split, seg_rows)
+    # A constexpr trip count: Triton 3.6's interpreter fails on runtime loop bounds under
+    # numpy >= 2.4 (triton-lang/triton#9171). Not unrolled: one chunk's codes already fill
+    # the registers. Chunks past k_end (the tail of a segment's last split) are masked out:
+    # their codes and x read as 0.
+    for it in range(ITERS):
+        r0 = k_begin + it * BLOCK_K
+        a0, a1, a2, a3 = _gemv_plane(
+            p0_ptr,
+            p0_stride,
+            x_ptr,
+            stride_xm,
+            x_row_offset,
+            row_group_ptr,
+            scales_ptr,
+            sz_stride,
+            row_start,
+            r0,
+            k_end,
+            cols,
+            col_ok,
+            float_magic,
+            P0_BITS,
+            P0_SHIFT,
+            HAS_PERM,
+            GROUPED,
+            M_ROWS,
+            BLOCK_K,
+        )
+        if NUM_PLANES == 2:
+            b0, b1, b2, b3 = _gemv_plane(
+                p1_ptr,
+                p1_stride,
+                x_ptr,
+                stride_xm,
+                x_row_offset,
+                row_group_ptr,
+                scales_ptr,
+                sz_stride,
+                row_start,
+                r0,
+                k_end,
+                cols,
+                col_ok,
+                float_magic,
+                P1_BITS,
+                P1_SHIFT,
+                HAS_PERM,
+                GROUPED,
+                M_ROWS,
+                BLOCK_K,
+            )
+            a0 += b0
+            a1 += b1
+            a2 += b2
+            a3 += b3
+
+        # Scale and zero: per column once per chunk when the chunk is one group.
+        rows = r0 + offs_k
+        row_ok = rows < k_end
+        if HAS_PERM:
+            x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
+        else:
+            x_ptrs = x_ptr + x_row_offset + rows
+        if GROUPED:
+            group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
+            sz = group * sz_stride + cols
+            # 2^48 undoes the scaling of the denormal-code trick (see _gemv_plane).
+            raw_scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
+            scale = raw_scale * 2.0**48
+            # zero point * scale: exact in fp32 (a small integer times an fp16 value)
+            zero = tl.load(zeros_ptr + sz, mask=col_ok, other=0.0).to(tl.float32) * raw_scale
+            group_offsets = offs_k  # unused
+        else:
+            scale = 1.0
+            zero = 0.0
+            group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
+            group_offsets = group * sz_stride
+        acc0 += a0 * scale - _gemv_zero_term(
+            x_ptrs, row_ok, zero, group_offsets, zeros_ptr, scales_ptr, cols, col_ok, GROUPED
+        )
+        if M_ROWS > 1:
+            acc1 += a1 * scale - _gemv_zero_term(
+                x_ptrs + stride_xm,
+                row_ok,
+                zero,
+                group_offsets,
+                zeros_ptr,
+                scales_ptr,
+                cols,
+                col_ok,
+                GROUPED,
+            )
+        if M_ROWS > 2:
+            acc2 += a2 * scale - _gemv_zero_term(
+                x_ptrs + 2 * stride_xm,
+                row_ok,
+                zero,
+                group_offsets,
+                zeros_ptr,
+                scales_ptr,
+                cols,
+                col_ok,
+                GROUPED,
+            )
+        if M_ROWS > 3:
+            acc3 += a3 * scale - _gemv_zero_term(
+                x_ptrs + 3 * stride_xm,
+                row_ok,
+                zero,
+                group_offsets,
+                zeros_ptr,
+                scales_ptr,
+                cols,
+                col_ok,
+                GROUPED,
+            )
+
+    # Split 0 of the first segment adds the bias (bias_ptr is a dummy when there is none).
+    bias = tl.load(bias_ptr + cols, mask=col_ok & (pid_k == 0) & (add_bias != 0), other=0.0)
+    bias = bias.to(tl.float32)
+    acc0 += bias
+    acc1 += bias
+    acc2 += bias
+    acc3 += bias
+    tl.atomic_add(out_ptr + cols, acc0, mask=col_ok, sem="relaxed")
+    if M_ROWS > 1:
+        tl.atomic_add(out_ptr + n + cols, acc1, mask=col_ok, sem="relaxed")
+    if M_ROWS > 2:
+        tl.atomic_add(out_ptr + 2 * n + cols, acc2, mask=col_ok, sem="relaxed")
+    if M_ROWS > 3:
+        tl.atomic_add(out_ptr + 3 * n + cols, acc3, mask=col_ok, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["add_bias"])
+def _dot_kernel(
+    x_ptr,  # [M, k], unit column stride
+    out_ptr,  # float32 [M, n], accumulated atomically
+    p0_ptr,
+    p1_ptr,
+    scales_ptr,
+    zeros_ptr,
+    row_group_ptr,
+    perm_ptr,
+    bias_ptr,
+    M,
+    n,
+    stride_xm,
+    p0_stride,
+    p1_stride,
+    sz_stride,
+    row_start,
+    seg_rows,
+    rows_per_split,  # ITERS * BLOCK_K
+    add_bias,  # 1 for the first segment's launch of a weight with a bias
+    HAS_PERM: tl.constexpr,
+    GROUPED: tl.constexpr,  # every chunk lies in one group (checked on the host)
+    NUM_PLANES: tl.constexpr,
+    P0_BITS: tl.constexpr,
+    P0_SHIFT: tl.constexpr,
+    P1_BITS: tl.constexpr,
+    P1_SHIFT: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    ITERS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    x_dtype = x_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    zero_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_begin = pid_k * rows_per_split
+    k_end = tl.minimum(k_begin + rows_per_split, seg_rows)
+    # A constexpr trip count (Triton 3.6's interpreter fails on runtime loop bounds under
+    # numpy >= 2.4, triton-lang/triton#9171) and no branch in the body, so that the loads
+    # can be software-pipelined. Chunks past k_end (a segment's last split) are masked out.
+    for it in range(ITERS):
+        rows = k_begin + it * BLOCK_K + offs_k  # [BLOCK_K], segment-relative
+        row_ok = rows < k_end
+        codes = _segment_codes_2d(
+            p0_ptr,
+            p0_stride,
+            p1_ptr,
+            p1_stride,
+            rows[:, None],
+            cols[None, :],
+            row_ok[:, None] & col_ok[None, :],
+            NUM_PLANES,
+            P0_BITS,
+            P0_SHIFT,
+            P1_BITS,
+            P1_SHIFT,
+        )
+        if HAS_PERM:
+            x_cols = tl.load(perm_ptr + row_start + rows, mask=row_ok, other=0)
+        else:
+            x_cols = row_start + rows
+        # Masked rows of x are 0, which cancels whatever the padded codes dequantize to.
+        x_tile = tl.load(x_rows + x_cols[None, :], mask=m_ok[:, None] & row_ok[None, :], other=0.0)
+        values = _codes_to_f32(codes)
+        if GROUPED:
+            # Codes (< 256) are exact in fp16/bf16: the tensor cores see no rounding of W.
+            part = _dot_f32(x_tile, values.to(x_dtype), zero_acc, EMULATE_BF16)
+            group = tl.load(
+                row_group_ptr + row_start + tl.minimum(k_begin + it * BLOCK_K, k_end - 1)
+            )
+            sz = group * sz_stride + cols
+            scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
+            zero = tl.load(zeros_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
+            x_sum = tl.sum(x_tile.to(tl.float32), axis=1)
+            acc += (part - x_sum[:, None] * zero[None, :]) * scale[None, :]
+        else:
+            group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
+            row_sz = group[:, None] * sz_stride + cols[None, :]
+            sz_mask = row_ok[:, None] & col_ok[None, :]
+            row_scale = tl.load(scales_ptr + row_sz, mask=sz_mask, other=0.0)
+            row_zero = tl.load(zeros_ptr + row_sz, mask=sz_mask, other=0.0)
+            w = (values - row_zero.to(tl.float32)) * row_scale.to(tl.float32)
+            acc = _dot_f32(x_tile, cast_rtne(w, x_dtype, EMULATE_BF16), acc, EMULATE_BF16)
+
+    bias = tl.load(bias_ptr + cols, mask=col_ok & (pid_k == 0) & (add_bias != 0), other=0.0)
+    acc += bias.to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * n + cols[None, :]
+    tl.atomic_add(out_ptrs, acc, mask=m_ok[:, None] & col_ok[None, :], sem="relaxed")
+
+
+@triton.jit
+def _dequant_kernel(
+    out_ptr,  # [k, n]
+    p0_ptr,
+    p1_ptr,
+    scales_ptr,
+    zeros_ptr,
+    row_group_ptr,
+    perm_ptr,
+    n,
+    out_stride,
+    p0_stride,
+    p1_stride,
+    sz_stride,
+    row_start,
+    seg_rows,
+    SCATTER: tl.constexpr,  # write permuted row i to its original row perm[i]
+    NUM_PLANES: tl.constexpr,
+    P0_BITS: tl.constexpr,
+    P0_SHIFT: tl.constexpr,
+    P1_BITS: tl.constexpr,
+    P1_SHIFT: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok = rows < seg_rows
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols < n)[None, :]
+    codes = _segment_codes_2d(
+        p0_ptr,
+        p0_stride,
+        p1_ptr,
+        p1_stride,
+        rows[:, None],
+        cols[None, :],
+        mask,
+        NUM_PLANES,
+        P0_BITS,
+        P0_SHIFT,
+        P1_BITS,
+        P1_SHIFT,
+    )
+    group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
+    sz_offsets = group[:, None] * sz_stride + cols[None, :]
+    scale = tl.load(scales_ptr + sz_offsets, mask=mask, other=0.0).to(tl.float32)
+    zero = tl.load(zeros_ptr + sz_offsets, mask=mask, other=0.0).to(tl.float32)
+    # (code - zero) * scale is exact in float32 (9 x 11 significant bits): one rounding at
+    # the final cast, like the reference's float32 math.
+    w = (codes.to(tl.float32) - zero) * scale
+    if SCATTER:
+        out_rows = tl.load(perm_ptr + row_start + rows, mask=row_ok, other=0)
+    else:
+        out_rows = row_start + rows
+    out_ptrs = out_ptr + out_rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(out_ptrs, cast_rtne(w, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+
+
+# Triton 3.6's interpreter truncates float32 -> bfloat16: see kernels.backend.cast_rtne.
+_INTERPRETED = is_interpreted(_dequant_kernel)
+
+
+# --- host side -------------------------------------------------------------------------------
+
+
+def _weight_tensors(qw: QuantizedWeight) -> list[torch.Tensor]:
+    tensors = [qw.scales, qw.zeros, qw.row_group]
+    tensors += [t for t in (qw.perm, qw.bias) if t is not None]
+    tensors += [plane.packed for segment in qw.segments for plane in segment.planes]
+    return tensors
+
+
+def _check_args(x: torch.Tensor, qw: QuantizedWeight) -> None:
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (its last one is k)")
+    if x.shape[-1] != qw.in_features:
+        raise ValueError(
+            f"x's last dimension ({x.shape[-1]}) must equal the weight's in_features "
+            f"k={qw.in_features} (out_features n={qw.out_features})"
+        )
+    weight_devices = {t.device for t in _weight_tensors(qw)}
+    if len(weight_devices) > 1:
+        names = ", ".join(sorted(str(d) for d in weight_devices))
+        raise ValueError(f"the quantized weight's tensors are on several devices: {names}")
+    if weight_devices and x.device not in weight_devices:
+        raise ValueError(
+            f"x is on {x.device} but the quantized weight is on {next(iter(weight_devices))}"
+        )
+    # The kernels index these with one stride (scales and zeros share theirs); a weight that
+    # passed QuantizedWeight.validate() always qualifies.
+    named = {"scales": qw.scales, "zeros": qw.zeros, "row_group": qw.row_group}
+    named.update({"perm": qw.perm, "bias": qw.bias})
+    for name, t in named.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"the quantized weight's {name} must be contiguous")
+
+
+def _plane_meta(segment: Segment) -> dict[str, int]:
+    """The constexprs describing a segment's planes (at most 2: widths 3, 5 and 6 use 2)."""
+    planes = segment.planes
+    if not 1 <= len(planes) <= 2:
+        raise ValueError(f"a segment must have 1 or 2 planes, got {len(planes)}")
+    for plane in planes:
+        if plane.bits not in _PLANE_BITS:
+            raise ValueError(f"plane bits must be one of {_PLANE_BITS}, got {plane.bits}")
+        if plane.packed.dtype != torch.int32:
+            raise ValueError(f"packed planes must be int32, got {plane.packed.dtype}")
+    second = planes[1] if len(planes) == 2 else planes[0]
+    return {
+        "NUM_PLANES": len(planes),
+        "P0_BITS": planes[0].bits,
+        "P0_SHIFT": planes[0].shift,
+        "P1_BITS": second.bits,
+        "P1_SHIFT": second.shift,
+    }
+
+
+def _plane_args(segment: Segment) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    planes = [_unit_col_stride(plane.packed) for plane in segment.planes]
+    second = planes[1] if len(planes) == 2 else planes[0]
+    return planes[0], second, planes[0].stride(0), second.stride(0)
+
+
+def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return _cuda_sm_count(device.index if device.index is not None else 0)
+
+
+def _pow2_floor(value: int) -> int:
+    return 1 << (max(value, 1).bit_length() - 1)
+
+
+def _chunk_rows(qw: QuantizedWeight, least: int, most: int) -> int:
+    """BLOCK_K: a power of two in [least, most] that divides the typical group size, so
+    that chunks lie in one group (see _chunks_in_groups). The group size is guessed from
+    the shapes (k // G): no device sync."""
+    groups = max(qw.scales.shape[0], 1)
+    return max(least, min(most, _pow2_floor(qw.in_features // groups)))
+
+
+# (id of row_group, its data pointer, segment starts, BLOCK_K) -> every chunk in one group.
+_GROUPED_CACHE: dict[tuple[int, int, tuple[int, ...], int], bool] = {}
+
+
+def _chunks_in_groups(qw: QuantizedWeight, block_k: int) -> bool:
+    """Whether every chunk of block_k rows (from each segment's start) lies in one group.
+
+    Then the kernels load scales and zeros once per chunk and column (GROUPED); otherwise
+    per row. True for EXL2 and GPTQ whenever block_k divides the group size, since their
+    bit widths change only at group boundaries. Computed once per weight (one device sync)
+    and cached; during CUDA graph capture, where a sync is not allowed, an uncached weight
+    takes the per-row path (correct, slower): call the op once before capturing.
+    """
+    starts = tuple(segment.row_start for segment in qw.segments)
+    row_group = qw.row_group
+    key = (id(row_group), row_group.data_ptr(), starts, block_k)
+    cached = _GROUPED_CACHE.get(key)
+    if cached is not None:
+        return cached
+    if row_group.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    firsts, lasts = [], []
+    for segment in qw.segments:
+        for first in range(segment.row_start, segment.row_end, block_k):
+            firsts.append(first)
+            lasts.append(min(first + block_k, segment.row_end) - 1)
+    index = torch.tensor(firsts + lasts, dtype=torch.long).to(row_group.device)
+    groups = row_group[index].view(2, -1)
+    result = bool((groups[0] == groups[1]).all())
+    _GROUPED_CACHE[key] = result
+    weakref.finalize(row_group, _GROUPED_CACHE.pop, key, None)
+    return result
+
+
+def _split(
+    rows: int, tiles: int, block_k: int, programs_per_sm: int, max_iters: int, device: torch.device
+) -> int:
+    """Chunks (of block_k rows) per split-K slice: about programs_per_sm programs per SM,
+    counted over all segments (each takes ceil(its rows / slice) slices), at most max_iters.
+
+    A power of two: it is a constexpr (see the module docstring), and every distinct value
+    is one more compiled kernel per segment layout.
+    """
+    target = programs_per_sm * _sm_count(device)
+    splits = max(1, min(triton.cdiv(target, tiles), triton.cdiv(rows, block_k)))
+    return min(max_iters, _pow2_floor(triton.cdiv(triton.cdiv(rows, splits), block_k)))
+
+
+def _gemv_block_n(M: int, n: int, grouped: bool) -> int:
+    """BLOCK_N of the GEMV: _GEMV_COLS_PER_THREAD[M] columns on every lane of every warp
+    (2 on the per-row scale path, whose gathered scales fill the registers), or less for a
+    narrow n."""
+    cols_per_thread = _GEMV_COLS_PER_THREAD[M] if grouped else 2
+    return min(cols_per_thread * 32 * _GEMV_NUM_WARPS, max(128, triton.next_power_of_2(n)))
+
+
+def _launch_gemv(x2d: torch.Tensor, qw: QuantizedWeight, out32: torch.Tensor) -> None:
+    """Add x2d [M <= 4, k] @ W (+ bias) into out32 [M, n]: one launch per segment.
+
+    If the GPU-side gaps between these launches show in decode profiles, the next step is
+    one launch per linear: the split-K axis spanning all segments, with a branch per segment
+    (its plane layout as constexprs), and a self-resetting float32 workspace whose last
+    program per column tile adds the bias and writes x.dtype (no zero-fill, no cast).
+    """
+    M, n, k = x2d.shape[0], qw.out_features, qw.in_features
+    block_k = _GEMV_BLOCK_K
+    grouped = _chunks_in_groups(qw, block_k)
+    block_n = _gemv_block_n(M, n, grouped)
+    n_tiles = triton.cdiv(n, block_n)
+    iters = _split(k, n_tiles, block_k, _GEMV_PROGRAMS_PER_SM, _GEMV_MAX_ITERS, x2d.device)
+    rows_per_split = iters * block_k
+    perm = qw.perm if qw.perm is not None else qw.row_group  # dummy pointer when absent
+    bias = qw.bias if qw.bias is not None else qw.scales
+    first = True
+    for segment in qw.segments:
+        seg_rows = segment.row_end - segment.row_start
+        if seg_rows <= 0:
+            continue
+        p0, p1, p0_stride, p1_stride = _plane_args(segment)
+        grid = (n_tiles, triton.cdiv(seg_rows, rows_per_split))
+        _gemv_kernel[grid](
+            x2d,
+            out32,
+            p0,
+            p1,
+            qw.scales,
+            qw.zeros,
+            qw.row_group,
+            perm,
+            bias,
+            n,
+            x2d.stride(0),
+            p0_stride,
+            p1_stride,
+            qw.scales.stride(0),
+            segment.row_start,
+            seg_rows,
+            rows_per_split,
+            int(first and qw.bias is not None),
+            _FLOAT_MAGIC,
+            HAS_PERM=qw.perm is not None,
+            GROUPED=grouped,
+            **_plane_meta(segment),
+            M_ROWS=M,
+            ITERS=iters,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=_GEMV_NUM_WARPS,
+        )
+        first = False
+
+
+def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, out32: torch.Tensor) -> None:
+    M, n, k = x2d.shape[0], qw.out_features, qw.in_features
+    block_m = min(_DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(M)))
+    block_n = min(_DOT_BLOCK_N, max(16, triton.next_power_of_2(n)))
+    block_k = _chunk_rows(qw, 16, _DOT_MAX_BLOCK_K)  # tl.dot's least K
+    m_tiles, n_tiles = triton.cdiv(M, block_m), triton.cdiv(n, block_n)
+    iters = _split(k, m_tiles * n_tiles, block_k, _DOT_PROGRAMS_PER_SM, _DOT_MAX_ITERS, x2d.device)
+    rows_per_split = iters * block_k
+    grouped = _chunks_in_groups(qw, block_k)
+    perm = qw.perm if qw.perm is not None else qw.row_group
+    bias = qw.bias if qw.bias is not None else qw.scales
+    first = True
+    for segment in qw.segments:
+        seg_rows = segment.row_end - segment.row_start
+        if seg_rows <= 0:
+            continue
+        p0, p1, p0_stride, p1_stride = _plane_args(segment)
+        grid = (m_tiles, n_tiles, triton.cdiv(seg_rows, rows_per_split))
+        _dot_kernel[grid](
+            x2d,
+            out32,
+            p0,
+            p1,
+            qw.scales,
+            qw.zeros,
+            qw.row_group,
+            perm,
+            bias,
+            M,
+            n,
+            x2d.stride(0),
+            p0_stride,
+            p1_stride,
+            qw.scales.stride(0),
+            segment.row_start,
+            seg_rows,
+            rows_per_split,
+            int(first and qw.bias is not None),
+            HAS_PERM=qw.perm is not None,
+            GROUPED=grouped,
+            **_plane_meta(segment),
+            EMULATE_BF16=_INTERPRETED,
+            ITERS=iters,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            num_warps=_DOT_NUM_WARPS,
+            num_stages=_DOT_NUM_STAGES,
+        )
+        first = False
+
+
+def dequantize_triton(
+    qw: QuantizedWeight, *, dtype: torch.dtype = torch.float16, permuted: bool = False
+) -> torch.Tensor:
+    """W [k, n] in `dtype`: original row order by default (as `dequantize_reference`, so
+    y = x @ W + bias), or permuted order (row i is the kernel's row i) with permuted=True.
+
+    Computed in float32 and rounded once (round to nearest even) to `dtype`.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+    k, n = qw.in_features, qw.out_features
+    out = torch.empty((k, n), dtype=dtype, device=qw.scales.device)
+    if k == 0 or n == 0:
+        return out
+    perm = qw.perm if qw.perm is not None else qw.row_group
+    with device_guard(out):
+        for segment in qw.segments:
+            seg_rows = segment.row_end - segment.row_start
+            if seg_rows <= 0:
+                continue
+            p0, p1, p0_stride, p1_stride = _plane_args(segment)
+            grid = (triton.cdiv(seg_rows, _DEQUANT_BLOCK_K), triton.cdiv(n, _DEQUANT_BLOCK_N))
+            _dequant_kernel[grid](
+                out,
+                p0,
+                p1,
+                qw.scales,
+                qw.zeros,
+                qw.row_group,
+                perm,
+                n,
+                out.stride(0),
+                p0_stride,
+                p1_stride,
+                qw.scales.stride(0),
+                segment.row_start,
+                seg_rows,
+                SCATTER=qw.perm is not None and not permuted,
+                **_plane_meta(segment),
+                EMULATE_BF16=_INTERPRETED,
+                BLOCK_K=_DEQUANT_BLOCK_K,
+                BLOCK_N=_DEQUANT_BLOCK_N,
+                num_warps=_DEQUANT_NUM_WARPS,
+            )
+    return out
+
+
+def _choose_path(M: int) -> Path:
+    if M <= _GEMV_MAX_M:
+        return "gemv"
+    if M < _DEQUANT_MIN_M:
+        return "dot"
+    return "dequant"
+
+
+def quant_matmul_triton(
+    x: torch.Tensor, qw: QuantizedWeight, *, path: Path = "auto"
+) -> torch.Tensor:
+    """x [..., k] @ W + bias through the Triton kernels; same contract as
+    `quant_matmul_reference`. `path`: "gemv" (M <= _GEMV_LIMIT_M), "dot", "dequant", or
+    "auto" to choose by M (see the module docstring).
+    """
+    _check_args(x, qw)
+    if path not in ("auto", "gemv", "dot", "dequant"):
+        raise ValueError(f"path must be 'auto', 'gemv', 'dot' or 'dequant', got {path!r}")
+    k, n = qw.in_features, qw.out_features
+    lead = x.shape[:-1]
+    x2d = _unit_col_stride(x.reshape(-1, k))  # [M, k]
+    M = x2d.shape[0]
+    if path == "auto":
+        path = _choose_path(M)
+    if M == 0 or n == 0:
+        return torch.empty((*lead, n), dtype=x.dtype, device=x.device)
+
+    with device_guard(x):
+        if path == "dequant":
+            w = dequantize_triton(qw, dtype=x.dtype)  # original row order: x needs no gather
+            if qw.bias is None:
+                out = x2d @ w
+            else:
+                out = torch.addmm(qw.bias.to(x.dtype), x2d, w)
+            return out.reshape(*lead, n)
+
+        if path == "gemv" and M > _GEMV_LIMIT_M:
+            raise ValueError(f"path='gemv' takes at most {_GEMV_LIMIT_M} rows of x, got {M}")
+        out32 = torch.zeros((M, n), dtype=torch.float32, device=x.device)  # atomics add here
+        if path == "gemv":
+            _launch_gemv(x2d, qw, out32)
+        else:
+            _launch_dot(x2d, qw, out32)
+    return out32.to(x.dtype).reshape(*lead, n)
+
+
+def quant_matmul(
+    x: torch.Tensor, qw: QuantizedWeight, *, backend: Backend = "auto"
+) -> torch.Tensor:
+    """y [..., n] = x [..., k] @ W + bias in x's dtype; Triton on CUDA, the reference otherwise."""
+    _check_args(x, qw)
+    if resolve_backend(backend, x, *_weight_tensors(qw)) == "triton":
+        return quant_matmul_triton(x, qw)
+    return quant_matmul_reference(x, qw)

@@ -1,0 +1,377 @@
+"""kernels.quant_matmul_triton against kernels.quant_matmul's torch references.
+
+Every Triton path (the GEMV, the tensor-core split-K kernel and dequantize + matmul) is
+checked on fresh random weights: each segment width, mixed widths in one matrix, with and
+without act-order permutation and bias, regular, short and irregular groups, odd shapes,
+M = 1, 3 and 17, x in float16, bfloat16 and float32. On CPU the kernels run in the Triton
+interpreter, so shapes stay tiny; with CUDA the same tests run on the GPU, plus Llama-8B
+shapes.
+
+Tolerance: ||out - ref|| / ||ref|| below 1e-3 for float16 outputs (float32 math rounded once)
+and 5e-3 for bfloat16; float32 outputs differ only by summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import pytest
+import torch
+
+from engine.quant.bitpack import make_segment
+from kernels.quant_matmul import (
+    QuantizedWeight,
+    dequantize_reference,
+    quant_matmul_reference,
+)
+from kernels.quant_matmul_triton import dequantize_triton, quant_matmul, quant_matmul_triton
+
+# The module, for monkeypatching its tuning constants (the functions are imported above).
+qmt = importlib.import_module("kernels.quant_matmul_triton")
+
+WIDTHS = [2, 3, 4, 5, 6, 8]
+TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 5e-3, torch.float32: 1e-5}
+
+
+def _require_triton(device: str) -> None:
+    # One process is either interpreted or compiled (triton.jit decides at import): on a GPU
+    # machine the interpreter is off, so the Triton path cannot take CPU tensors there.
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 (unset on GPU machines)")
+
+
+def _split_even(items: list[int], parts: int) -> list[list[int]]:
+    """`items` cut into `parts` contiguous, non-empty runs of near-equal length."""
+    assert 1 <= parts <= len(items)
+    bounds = [round(i * len(items) / parts) for i in range(parts + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+
+def make_weight(
+    k: int,
+    n: int,
+    widths: list[int],
+    *,
+    group_size: int = 32,
+    group_sizes: list[int] | None = None,
+    perm: bool = True,
+    bias: bool = True,
+    seed: int = 0,
+    device: str = "cpu",
+) -> QuantizedWeight:
+    """A random QuantizedWeight: codes packed by engine.quant.bitpack, fp16 scales and zeros.
+
+    Groups are `group_sizes` (rows each, summing to k) or `group_size` rows with a short
+    last one; the segments (one per entry of `widths`, in that order) take whole groups,
+    as EXL2 does. Scales are about 2^(1 - bits) and zeros about half the code range times
+    the scale, so that every width gives weights of order one.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if group_sizes is None:
+        group_sizes = [group_size] * (k // group_size) + (
+            [k % group_size] if k % group_size else []
+        )
+    assert sum(group_sizes) == k
+    group_ids = list(range(len(group_sizes)))
+    starts = [sum(group_sizes[:g]) for g in group_ids]
+
+    segments = []
+    scales = torch.empty(len(group_sizes), n)
+    zeros = torch.empty(len(group_sizes), n)
+    for bits, groups in zip(widths, _split_even(group_ids, len(widths)), strict=True):
+        row_start = starts[groups[0]]
+        rows = sum(group_sizes[g] for g in groups)
+        codes = torch.randint(0, 1 << bits, (rows, n), generator=generator)
+        segments.append(make_segment(codes, bits, row_start))
+        scale = (0.5 + torch.rand(len(groups), n, generator=generator)) * 2.0 ** (1 - bits)
+        half_range = 2 ** (bits - 1) + torch.randn(len(groups), n, generator=generator)
+        scales[groups] = scale
+        zeros[groups] = half_range * scale
+    row_group = torch.repeat_interleave(
+        torch.arange(len(group_sizes)), torch.tensor(group_sizes)
+    ).to(torch.int32)
+    qw = QuantizedWeight(
+        in_features=k,
+        out_features=n,
+        perm=torch.randperm(k, generator=generator).to(torch.int32) if perm else None,
+        segments=segments,
+        scales=scales.half(),
+        zeros=zeros.half(),
+        row_group=row_group,
+        bias=torch.randn(n, generator=generator).half() if bias else None,
+    )
+    qw.validate()
+    return qw.to(device)
+
+
+def _x(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(device, dtype)
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    err = (out.float() - ref.float()).norm() / ref.float().norm()
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}"
+
+
+def _check(
+    qw: QuantizedWeight, M: int, dtype: torch.dtype, device: str, path: str, seed: int = 1
+) -> None:
+    x = _x((M, qw.in_features), dtype, device, seed)
+    out = quant_matmul_triton(x, qw, path=path)
+    _assert_close(out, quant_matmul_reference(x, qw), dtype)
+
+
+# --- dequantization --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("widths", [[w] for w in WIDTHS] + [WIDTHS], ids=str)
+@pytest.mark.parametrize("perm", [True, False], ids=["perm", "no_perm"])
+def test_dequantize_matches_reference(device: str, widths: list[int], perm: bool) -> None:
+    _require_triton(device)
+    qw = make_weight(200, 96, widths, perm=perm, device=device)
+    ref = dequantize_reference(qw)
+    # code * scale - zero is exact-then-rounded-once in float32 on both sides.
+    torch.testing.assert_close(dequantize_triton(qw, dtype=torch.float32), ref, rtol=0, atol=0)
+    if perm:
+        permuted = dequantize_triton(qw, dtype=torch.float32, permuted=True)
+        torch.testing.assert_close(permuted, ref[qw.perm.long()], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequantize_rounds_like_torch(device: str, dtype: torch.dtype) -> None:
+    _require_triton(device)
+    qw = make_weight(160, 64, [8, 4, 3], device=device)
+    expected = dequantize_reference(qw).to(dtype)
+    torch.testing.assert_close(dequantize_triton(qw, dtype=dtype), expected, rtol=0, atol=0)
+
+
+# --- the matmul paths ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("path,M", [("gemv", 1), ("dot", 17)])
+def test_each_width(device: str, width: int, path: str, M: int) -> None:
+    _require_triton(device)
+    qw = make_weight(200, 96, [width], seed=width, device=device)
+    _check(qw, M, torch.float16, device, path)
+
+
+# Mixed widths (all six in one matrix), k and n off every block size, a short last group.
+MIXED_CASES = [
+    ("gemv", 1, torch.float16),
+    ("gemv", 3, torch.bfloat16),
+    ("gemv", 1, torch.float32),
+    ("dot", 3, torch.float16),
+    ("dot", 17, torch.bfloat16),
+    ("dot", 17, torch.float32),
+    ("dequant", 17, torch.float16),
+    ("dequant", 3, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("path,M,dtype", MIXED_CASES, ids=str)
+def test_mixed_segments(device: str, path: str, M: int, dtype: torch.dtype) -> None:
+    _require_triton(device)
+    qw = make_weight(200, 96, WIDTHS, device=device)
+    _check(qw, M, dtype, device, path)
+
+
+@pytest.mark.parametrize("perm", [True, False], ids=["perm", "no_perm"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("path,M", [("gemv", 3), ("dot", 17), ("dequant", 17)])
+def test_perm_and_bias(device: str, perm: bool, bias: bool, path: str, M: int) -> None:
+    _require_triton(device)
+    qw = make_weight(136, 80, [5, 4], perm=perm, bias=bias, device=device)
+    _check(qw, M, torch.float16, device, path)
+
+
+@pytest.mark.parametrize(
+    "group_size,group_sizes,grouped",
+    [
+        (32, None, True),
+        (128, None, True),  # 256 = 2 groups: the tensor-core path takes 64-row chunks
+        (0, [48, 48, 64, 80, 16], False),  # sizes off 32: chunks straddle groups
+    ],
+    ids=["g32", "g128", "irregular"],
+)
+@pytest.mark.parametrize("path,M", [("gemv", 1), ("dot", 17)])
+def test_group_layouts(
+    device: str,
+    group_size: int,
+    group_sizes: list[int] | None,
+    grouped: bool,
+    path: str,
+    M: int,
+) -> None:
+    _require_triton(device)
+    qw = make_weight(256, 64, [4, 3], group_size=group_size, group_sizes=group_sizes, device=device)
+    # Chunks of one group take the per-chunk scale path, the others the per-row one.
+    assert qmt._chunks_in_groups(qw, 32) is grouped
+    _check(qw, M, torch.float16, device, path)
+
+
+@pytest.mark.parametrize("path,M", [("gemv", 2), ("dot", 17)])
+def test_several_column_tiles_and_chunks_per_program(
+    device: str, path: str, M: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One program per SM wanted: each split-K slice walks several chunks. Two columns per
+    # thread: n = 200 spans two column tiles (128 + a partial one) on both paths.
+    _require_triton(device)
+    monkeypatch.setattr(qmt, "_GEMV_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(qmt, "_DOT_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(qmt, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(qmt, "_GEMV_COLS_PER_THREAD", dict.fromkeys(range(1, 5), 2))
+    qw = make_weight(256, 200, [6], device=device)
+    assert qmt._split(256, 2, 32, 1, 8, torch.device(device)) == 8  # chunks per program
+    _check(qw, M, torch.float16, device, path)
+
+
+def test_gemv_every_row_count(device: str) -> None:
+    # One accumulator per row of x is unrolled in the kernel: check all eight.
+    _require_triton(device)
+    qw = make_weight(64, 32, [4], device=device)
+    for M in range(1, qmt._GEMV_LIMIT_M + 1):
+        _check(qw, M, torch.float16, device, "gemv", seed=M)
+
+
+def test_leading_dims_and_empty_rows(device: str) -> None:
+    _require_triton(device)
+    qw = make_weight(72, 40, [4], device=device)
+    x = _x((2, 3, 72), torch.float16, device)
+    out = quant_matmul_triton(x, qw)
+    assert out.shape == (2, 3, 40)
+    _assert_close(out, quant_matmul_reference(x, qw), torch.float16)
+    empty = quant_matmul_triton(x[:0], qw)
+    assert empty.shape == (0, 3, 40) and empty.dtype == torch.float16
+
+
+# --- dispatch --------------------------------------------------------------------------------
+
+
+def test_path_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert qmt._choose_path(1) == "gemv"
+    assert qmt._choose_path(qmt._GEMV_MAX_M) == "gemv"
+    assert qmt._choose_path(qmt._GEMV_MAX_M + 1) == "dot"
+    assert qmt._choose_path(qmt._DEQUANT_MIN_M) == "dequant"
+    assert qmt._GEMV_MAX_M <= qmt._GEMV_LIMIT_M
+    monkeypatch.setattr(qmt, "_GEMV_MAX_M", 2)
+    monkeypatch.setattr(qmt, "_DEQUANT_MIN_M", 16)
+    assert [qmt._choose_path(M) for M in (1, 3, 17)] == ["gemv", "dot", "dequant"]
+
+
+def test_dispatcher_routes_by_rows(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The public op with backend="triton": M = 1, 3, 17 take the three paths once the
+    # thresholds are lowered; each path is spied on (wrapped, not replaced).
+    _require_triton(device)
+    monkeypatch.setattr(qmt, "_GEMV_MAX_M", 2)
+    monkeypatch.setattr(qmt, "_DEQUANT_MIN_M", 16)
+    taken: list[str] = []
+    for name in ("_launch_gemv", "_launch_dot", "dequantize_triton"):
+        original = getattr(qmt, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            taken.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(qmt, name, spy)
+    qw = make_weight(96, 48, [6, 4], device=device)
+    for M in (1, 3, 17):
+        x = _x((M, 96), torch.bfloat16, device, seed=M)
+        _assert_close(quant_matmul(x, qw, backend="triton"), quant_matmul_reference(x, qw), x.dtype)
+    assert taken == ["_launch_gemv", "_launch_dot", "dequantize_triton"]
+
+
+def test_auto_and_torch_backends_use_the_reference_on_cpu() -> None:
+    qw = make_weight(64, 32, [4, 3])
+    x = _x((3, 64), torch.float16, "cpu")
+    ref = quant_matmul_reference(x, qw)
+    torch.testing.assert_close(quant_matmul(x, qw), ref, rtol=0, atol=0)
+    torch.testing.assert_close(quant_matmul(x, qw, backend="torch"), ref, rtol=0, atol=0)
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def test_rejects_wrong_in_features() -> None:
+    qw = make_weight(64, 32, [4])
+    with pytest.raises(ValueError, match=r"\(65\).*k=64"):
+        quant_matmul(torch.zeros(2, 65, dtype=torch.float16), qw, backend="torch")
+
+
+def test_rejects_unsupported_dtype() -> None:
+    qw = make_weight(64, 32, [4])
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        quant_matmul(torch.zeros(2, 64, dtype=torch.float64), qw)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        quant_matmul_triton(torch.zeros(2, 64, dtype=torch.int32), qw)
+    with pytest.raises(ValueError, match="dtype must be"):
+        dequantize_triton(qw, dtype=torch.int8)
+
+
+def test_rejects_device_mismatch() -> None:
+    qw = make_weight(64, 32, [4])
+    x = torch.zeros(2, 64, dtype=torch.float16, device="meta")
+    with pytest.raises(ValueError, match="x is on meta but the quantized weight is on cpu"):
+        quant_matmul(x, qw)
+
+
+def test_rejects_unknown_path() -> None:
+    _require_triton("cpu")
+    qw = make_weight(64, 32, [4])
+    with pytest.raises(ValueError, match="path must be"):
+        quant_matmul_triton(torch.zeros(1, 64, dtype=torch.float16), qw, path="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at most"):
+        quant_matmul_triton(torch.zeros(9, 64, dtype=torch.float16), qw, path="gemv")
+
+
+# --- real shapes on a GPU --------------------------------------------------------------------
+
+LLAMA_8B_MLP = [(4096, 14336), (14336, 4096)]  # up/gate (k, n) and down
+
+
+@functools.cache
+def _gpu_weight(
+    k: int, n: int, widths: tuple[int, ...], group_size: int, perm: bool
+) -> QuantizedWeight:
+    # Packing 58M codes takes seconds on the CPU: build each weight once per session.
+    return make_weight(k, n, list(widths), group_size=group_size, perm=perm, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", LLAMA_8B_MLP, ids=["up", "down"])
+@pytest.mark.parametrize("M", [1, 64])
+@pytest.mark.parametrize(
+    "widths,group_size,perm",
+    [((4,), 128, False), ((6, 5, 4, 3), 32, True)],
+    ids=["gptq4", "exl2_mixed"],
+)
+def test_llama_8b_shapes_on_gpu(
+    k: int, n: int, M: int, widths: tuple[int, ...], group_size: int, perm: bool
+) -> None:
+    qw = _gpu_weight(k, n, widths, group_size, perm)
+    x = _x((M, k), torch.float16, "cuda")
+    ref = quant_matmul_reference(x, qw)
+    _assert_close(quant_matmul(x, qw), ref, torch.float16)
+    for path in ("gemv", "dot", "dequant") if M <= qmt._GEMV_LIMIT_M else ("dot", "dequant"):
+        _assert_close(quant_matmul_triton(x, qw, path=path), ref, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8])
+def test_cuda_graph_capture(M: int) -> None:
+    # Decode runs as a CUDA graph: after one eager call (which caches the per-weight group
+    # check, a device sync) the op must capture, and replays must follow new inputs.
+    qw = _gpu_weight(4096, 1024, (6, 4), 32, True)
+    x = _x((M, 4096), torch.bfloat16, "cuda")
+    quant_matmul(x, qw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = quant_matmul(x, qw)
+    for seed in (2, 3):
+        x.copy_(_x((M, 4096), torch.bfloat16, "cuda", seed=seed))
+        graph.replay()
+        _assert_close(out, quant_matmul_reference(x, qw), torch.bfloat16)
