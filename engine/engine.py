@@ -14,6 +14,7 @@ import torch
 
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.config import ModelConfig
+from engine.cuda_graph import DecodeGraphs
 from engine.loading import load_causal_lm, resolve_device, resolve_dtype
 from engine.tokenizer import Tokenizer
 
@@ -35,6 +36,7 @@ class EngineOptions:
     page_size: int = 256
     rope_alpha: float = 1.0
     prefill_chunk: int = 2048
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (single-GPU engines)
 
 
 class Engine:
@@ -56,6 +58,7 @@ class Engine:
         self.model_dir = model_dir
         self.max_seq_len = options.max_seq_len or DEFAULT_MAX_SEQ_LEN
         self.load_seconds = load_seconds
+        self.graphs: DecodeGraphs | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path, options: EngineOptions | None = None) -> Engine:
@@ -79,19 +82,24 @@ class Engine:
         model = load_causal_lm(model_dir, device=device, dtype=dtype, config=config)
         model.setup_rotary(max_seq_len, rope_alpha=options.rope_alpha)
         cache_tokens = options.cache_tokens or max_seq_len
+        use_graphs = options.cuda_graphs and device.type == "cuda"
         cache = PagedKVCache(
             num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
-            num_pages=-(-cache_tokens // options.page_size),
+            # one more page for the decode graphs' padding rows
+            num_pages=-(-cache_tokens // options.page_size) + int(use_graphs),
             page_size=options.page_size,
             dtype=dtype,
             layer_devices=model.layer_devices,
         )
         options = EngineOptions(**{**options.__dict__, "max_seq_len": max_seq_len})
-        return cls(
+        engine = cls(
             config, model, cache, tokenizer, options, model_dir, time.perf_counter() - started
         )
+        if use_graphs:
+            engine.graphs = DecodeGraphs(model, cache, max_seq_len)
+        return engine
 
     @property
     def dtype(self) -> torch.dtype:
@@ -114,6 +122,13 @@ class Engine:
     def forward(
         self, sequences: list[Sequence], new_tokens: list[list[int]], *, all_logits: bool = False
     ) -> torch.Tensor:
+        if (
+            self.graphs is not None
+            and not all_logits
+            and all(len(t) == 1 for t in new_tokens)
+            and self.graphs.bucket(len(sequences)) is not None
+        ):
+            return self.graphs.decode(sequences, [t[0] for t in new_tokens])
         batch = ForwardBatch.build(self.cache, sequences, new_tokens, all_logits=all_logits)
         return self.model(batch, self.cache)
 
@@ -143,6 +158,9 @@ class Engine:
         return EngineSession(self)
 
     def unload(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         self.model = None  # type: ignore[assignment]
         self.cache = None  # type: ignore[assignment]
         if torch.cuda.is_available():

@@ -54,6 +54,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+def top1(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of positions where both logits pick the same token."""
+    return (a.float().cpu().argmax(-1) == b.float().cpu().argmax(-1)).float().mean().item()
+
+
+def compare(results: dict, key: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    results[key] = rel_err(a, b)
+    results[key + "_top1"] = top1(a, b)
+
+
 def exllamav2_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
     from exllamav2 import ExLlamaV2, ExLlamaV2Config
 
@@ -145,15 +155,25 @@ def main() -> int:
     ids = torch.randint(3, 384, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     results: dict[str, float | str] = {"device": torch.cuda.get_device_name()}
 
+    # Baseline: both engines on the unquantized fp16 model, so the quantized comparisons
+    # below can be read against each engine's own fp16 rounding.
+    from transformers import LlamaForCausalLM
+
+    with torch.no_grad():
+        ref16 = LlamaForCausalLM.from_pretrained(fp16, dtype=torch.float32)
+        expected16 = ref16(torch.tensor([ids])).logits[0]
+    compare(results, "fp16_kestrel_vs_reference", kestrel_logits(fp16, ids), expected16)
+    compare(results, "fp16_exllamav2_vs_reference", exllamav2_logits(fp16, ids), expected16)
+
     for fmt in ("exl2", "gptq"):
         ref = quantize_dir(fp16, work / fmt, fmt)
         with torch.no_grad():
             expected = ref(torch.tensor([ids])).logits[0]
         ours = kestrel_logits(work / fmt, ids)
         theirs = exllamav2_logits(work / fmt, ids)
-        results[f"{fmt}_kestrel_vs_reference"] = rel_err(ours, expected)
-        results[f"{fmt}_exllamav2_vs_reference"] = rel_err(theirs, expected)
-        results[f"{fmt}_kestrel_vs_exllamav2"] = rel_err(ours, theirs)
+        compare(results, f"{fmt}_kestrel_vs_reference", ours, expected)
+        compare(results, f"{fmt}_exllamav2_vs_reference", theirs, expected)
+        compare(results, f"{fmt}_kestrel_vs_exllamav2", ours, theirs)
 
     if not args.skip_converter:
         converted = work / "converted"
@@ -170,7 +190,7 @@ def main() -> int:
         else:
             ours = kestrel_logits(converted, ids)
             theirs = exllamav2_logits(converted, ids)
-            results["converted_kestrel_vs_exllamav2"] = rel_err(ours, theirs)
+            compare(results, "converted_kestrel_vs_exllamav2", ours, theirs)
 
     for key, value in results.items():
         print(f"{key:34s} {value:.2e}" if isinstance(value, float) else f"{key:34s} {value}")
