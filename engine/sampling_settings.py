@@ -8,79 +8,108 @@ Contract:
 - Every field is validated on construction; a bad value raises `SamplingSettingsError`
   naming the key and the value. Integer fields accept integral floats (Gradio numbers
   arrive as `-1.0`); booleans are never taken for numbers.
-- Stop strings end up in `stop` (a list): TGW's `custom_stopping_strings` (the string form
-  TGW stores, `'"\\n", "User:"'`, or a list), TGW's internal `stopping_strings` and an
-  OpenAI-style single `stop` string are merged into it, empty strings dropped.
-- TGW sampling keys Kestrel does not implement yet stay in `extra`; `unsupported()` names
-  those set to a value that would change sampling, so the caller can warn.
+- TGW's string forms are parsed: `custom_stopping_strings` ('"\\n", "User:"'),
+  `custom_token_bans` ("1, 2"), `dry_sequence_breakers` ('"\\n", ":"', JSON) and
+  `sampler_priority` (names separated by newlines or commas); lists are taken as well.
+- Stop strings end up in `stop` (a list): TGW's `custom_stopping_strings`, TGW's internal
+  `stopping_strings` and an OpenAI-style single `stop` string are merged, empty ones dropped.
+- Units are TGW's: `epsilon_cutoff` and `eta_cutoff` are in 1e-4 (3 means 3e-4).
+- TGW sampling keys Kestrel does not implement stay in `extra`; `unsupported()` names those
+  set to a value that would change sampling, so the caller can warn. Not implemented:
+  encoder_repetition_penalty (needs the prompt apart from the generated tokens, which the
+  sampler is not given), mirostat_mode 1 (llama.cpp only in TGW too), adaptive_p,
+  guidance_scale/negative_prompt, contrastive search, beams, min_length and grammars.
+  Banned strings are the generator's job (it must rewind the text), not the sampler's.
 - Greedy decoding when `do_sample` is False or `temperature` is 0, as in TGW.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import math
-import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# TGW keys that change sampling, with the value at which they do nothing. Keys that only
-# matter while another key is active (dry_base without dry_multiplier) are in
-# _DEPENDENT_KEYS instead, so that TGW's default state reports nothing.
+from engine.samplers.order import TGW_PRIORITY, parse_priority, sampler_order
+from engine.samplers.parse import (
+    SamplingSettingsError,
+    as_float,
+    as_int,
+    as_str_list,
+    as_token_ids,
+    check_bool,
+    check_range,
+    parse_logit_bias,
+    parse_sequence_breakers,
+    parse_stop,
+)
+
+__all__ = ["SamplingSettings", "SamplingSettingsError", "sampler_order"]
+
+# TGW keys that change sampling and are not implemented, with the value at which they do
+# nothing. Keys that only matter while another key is active (negative_prompt without
+# guidance_scale) are left out, so that TGW's default state reports nothing.
 _NEUTRAL_VALUES: dict[str, Any] = {
-    "typical_p": 1.0,
-    "tfs": 1.0,
-    "top_a": 0.0,
-    "top_n_sigma": 0.0,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
-    "dynamic_temperature": False,
-    "smoothing_factor": 0.0,
-    "dry_multiplier": 0.0,
-    "xtc_probability": 0.0,
-    "mirostat_mode": 0,
     "encoder_repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
+    "adaptive_target": 0.0,
     "guidance_scale": 1.0,
     "penalty_alpha": 0.0,
     "num_beams": 1,
     "min_length": 0,
-    "custom_token_bans": "",
     "grammar_string": "",
-    "logit_bias": {},
 }
-_DEPENDENT_KEYS = frozenset(
-    {
-        "dynatemp_low",
-        "dynatemp_high",
-        "dynatemp_exponent",
-        "smoothing_curve",
-        "dry_base",
-        "dry_allowed_length",
-        "dry_sequence_breakers",
-        "xtc_threshold",
-        "mirostat_tau",
-        "mirostat_eta",
-        "negative_prompt",
-        "length_penalty",
-        "early_stopping",
-    }
-)
 _STOP_KEYS = ("stop", "stopping_strings", "custom_stopping_strings")
 
+_Rule = tuple[str, Callable[[Any], bool], str]
+_INT_RULES: tuple[_Rule, ...] = (
+    ("max_new_tokens", lambda v: v >= 0, ">= 0"),
+    ("top_k", lambda v: v >= 0, ">= 0 (0 turns it off)"),
+    ("repetition_penalty_range", lambda v: v >= 0, ">= 0 (0 means the whole context)"),
+    # torch.Generator.manual_seed takes at most 64 bits.
+    ("seed", lambda v: -1 <= v < 2**64, "-1 (random) or in [0, 2**64)"),
+    ("dry_allowed_length", lambda v: v >= 1, ">= 1"),
+    ("dry_penalty_last_n", lambda v: v >= -1, "-1 (repetition_penalty_range), 0 (all) or > 0"),
+    ("mirostat_mode", lambda v: v in (0, 1, 2), "0 (off), 1 (not implemented) or 2"),
+    ("no_repeat_ngram_size", lambda v: v >= 0, ">= 0 (0 turns it off)"),
+    ("min_new_tokens", lambda v: v >= 0, ">= 0"),
+)
+_FLOAT_RULES: tuple[_Rule, ...] = (
+    ("temperature", lambda v: v >= 0, ">= 0"),
+    ("dynatemp_low", lambda v: v > 0, "> 0"),
+    ("dynatemp_high", lambda v: v > 0, "> 0"),
+    ("dynatemp_exponent", lambda v: v >= 0, ">= 0"),
+    ("smoothing_factor", lambda v: v >= 0, ">= 0 (0 turns it off)"),
+    ("smoothing_curve", lambda v: True, "a finite number"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("top_a", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("typical_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("tfs", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("top_n_sigma", lambda v: v >= 0, ">= 0 (0 turns it off)"),
+    ("epsilon_cutoff", lambda v: 0 <= v < 1e4, "in [0, 10000) (units of 1e-4)"),
+    ("eta_cutoff", lambda v: 0 <= v < 1e4, "in [0, 10000) (units of 1e-4)"),
+    ("xtc_threshold", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("xtc_probability", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("dry_multiplier", lambda v: v >= 0, ">= 0 (0 turns it off)"),
+    ("dry_base", lambda v: v > 0, "> 0"),
+    ("mirostat_tau", lambda v: v >= 0, ">= 0"),
+    ("mirostat_eta", lambda v: v >= 0, ">= 0"),
+    ("repetition_penalty", lambda v: v > 0, "> 0"),
+    ("presence_penalty", lambda v: True, "a finite number"),
+    ("frequency_penalty", lambda v: True, "a finite number"),
+)
+_BOOL_FIELDS = (
+    "do_sample",
+    "temperature_last",
+    "dynamic_temperature",
+    "ban_eos_token",
+    "add_bos_token",
+    "skip_special_tokens",
+)
 
-def sampler_order(temperature_last: bool) -> tuple[str, ...]:
-    """The order in which `engine.sampling.Sampler` applies its steps, by TGW name."""
-    penalties = ("repetition_penalty", "presence_penalty", "frequency_penalty")
-    if temperature_last:
-        return (*penalties, "top_k", "top_p", "min_p", "temperature")
-    return (*penalties, "temperature", "top_k", "top_p", "min_p")
 
-
-class SamplingSettingsError(ValueError):
-    """A sampling setting has a value of the wrong type or out of range."""
+def _default_breakers() -> list[str]:
+    return ["\n", ":", '"', "*"]  # TGW's default '"\\n", ":", "\\"", "*"'
 
 
 @dataclass
@@ -88,14 +117,45 @@ class SamplingSettings:
     max_new_tokens: int = 512
     do_sample: bool = True
     temperature: float = 1.0
-    temperature_last: bool = False  # TGW: apply temperature after top_k/top_p/min_p
+    temperature_last: bool = False  # TGW: temperature (and its variants) after the filters
+    # Dynamic temperature: dynatemp_low + (high - low) * (H / H_max) ** exponent, H the
+    # entropy and H_max that of a uniform distribution over the tokens still in play.
+    dynamic_temperature: bool = False
+    dynatemp_low: float = 1.0
+    dynatemp_high: float = 1.0
+    dynatemp_exponent: float = 1.0
+    smoothing_factor: float = 0.0  # quadratic sampling; 0: off
+    smoothing_curve: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
+    top_a: float = 0.0  # 0: off
+    typical_p: float = 1.0  # 1: off
+    tfs: float = 1.0  # 1: off
+    top_n_sigma: float = 0.0  # 0: off
+    epsilon_cutoff: float = 0.0  # units of 1e-4, as in TGW; 0: off
+    eta_cutoff: float = 0.0  # units of 1e-4, as in TGW; 0: off
+    xtc_threshold: float = 0.1
+    xtc_probability: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
     repetition_penalty_range: int = 0  # last N context tokens; 0: the whole context
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    dry_multiplier: float = 0.0  # 0: off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: list[str] = field(default_factory=_default_breakers)
+    # DRY's look-back: -1 follows repetition_penalty_range (what TGW does), 0 the whole
+    # context, N > 0 the last N tokens.
+    dry_penalty_last_n: int = -1
+    mirostat_mode: int = 0  # 2: mirostat 2; 1 is not implemented (llama.cpp only)
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    no_repeat_ngram_size: int = 0  # 0: off
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logit
+    custom_token_bans: list[int] = field(default_factory=list)  # token ids never sampled
+    min_new_tokens: int = 0  # EOS banned until this many tokens were generated
+    sampler_priority: list[str] = field(default_factory=lambda: list(TGW_PRIORITY))
     seed: int = -1  # -1: random, drawn by the sampler and reported as `Sampler.seed`
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -105,39 +165,30 @@ class SamplingSettings:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "top_k", "repetition_penalty_range", "seed"):
-            setattr(self, name, _as_int(name, getattr(self, name)))
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-        ):
-            setattr(self, name, _as_float(name, getattr(self, name)))
-        for name in ("do_sample", "temperature_last", "ban_eos_token", "add_bos_token"):
-            _check_bool(name, getattr(self, name))
-        _check_bool("skip_special_tokens", self.skip_special_tokens)
-
-        _check_range("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 0, ">= 0")
-        _check_range("temperature", self.temperature, self.temperature >= 0, ">= 0")
-        _check_range("top_k", self.top_k, self.top_k >= 0, ">= 0 (0 turns it off)")
-        _check_range("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]")
-        _check_range("min_p", self.min_p, 0 <= self.min_p <= 1, "in [0, 1]")
-        _check_range(
-            "repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "> 0"
+        for name, ok, expected in _INT_RULES:
+            value = as_int(name, getattr(self, name))
+            check_range(name, value, ok(value), expected)
+            setattr(self, name, value)
+        for name, ok, expected in _FLOAT_RULES:
+            value = as_float(name, getattr(self, name))
+            check_range(name, value, ok(value), expected)
+            setattr(self, name, value)
+        for name in _BOOL_FIELDS:
+            check_bool(name, getattr(self, name))
+        self.dry_sequence_breakers = parse_sequence_breakers(
+            "dry_sequence_breakers", self.dry_sequence_breakers
         )
-        _check_range(
-            "repetition_penalty_range",
-            self.repetition_penalty_range,
-            self.repetition_penalty_range >= 0,
-            ">= 0 (0 means the whole context)",
-        )
-        # torch.Generator.manual_seed takes at most 64 bits.
-        _check_range("seed", self.seed, -1 <= self.seed < 2**64, "-1 (random) or in [0, 2**64)")
-        self.stop = _as_str_list("stop", self.stop)
-        self.stop_token_ids = _as_token_ids("stop_token_ids", self.stop_token_ids)
+        self.logit_bias = parse_logit_bias("logit_bias", self.logit_bias)
+        self.custom_token_bans = as_token_ids("custom_token_bans", self.custom_token_bans)
+        try:
+            priority = parse_priority(self.sampler_priority)
+        except TypeError as e:
+            raise SamplingSettingsError(
+                f"sampler_priority {e}, got {self.sampler_priority!r}"
+            ) from None
+        self.sampler_priority = priority or list(TGW_PRIORITY)
+        self.stop = as_str_list("stop", self.stop)
+        self.stop_token_ids = as_token_ids("stop_token_ids", self.stop_token_ids)
         if not isinstance(self.extra, dict):
             raise SamplingSettingsError(f"extra must be a dict, got {self.extra!r}")
 
@@ -145,13 +196,26 @@ class SamplingSettings:
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
 
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The implemented samplers, by TGW name, in the order the Sampler applies them."""
+        return sampler_order(self.temperature_last, self.sampler_priority)
+
     @classmethod
     def from_any(cls, obj: SamplingSettings | Mapping[str, Any] | None) -> SamplingSettings:
         """Settings from the dataclass (validated copy), a TGW-style dict, or None."""
         if obj is None:
             return cls()
         if isinstance(obj, SamplingSettings):
-            return dataclasses.replace(obj, stop=list(obj.stop), extra=dict(obj.extra))
+            return dataclasses.replace(
+                obj,
+                stop=list(obj.stop),
+                extra=dict(obj.extra),
+                logit_bias=dict(obj.logit_bias),
+                custom_token_bans=list(obj.custom_token_bans),
+                dry_sequence_breakers=list(obj.dry_sequence_breakers),
+                sampler_priority=list(obj.sampler_priority),
+            )
         if not isinstance(obj, Mapping):
             raise SamplingSettingsError(
                 f"settings must be SamplingSettings, a mapping or None, got {type(obj).__name__}"
@@ -166,21 +230,20 @@ class SamplingSettings:
                 extra[key] = value
         stop: list[str] = []
         for key in _STOP_KEYS:
-            for s in _parse_stop(key, obj.get(key)):
+            for s in parse_stop(key, obj.get(key)):
                 if s and s not in stop:
                     stop.append(s)
         return cls(**known, stop=stop, extra=extra)
 
     def unsupported(self) -> list[str]:
-        """Keys in `extra` whose values would change sampling in TGW but are ignored here."""
+        """TGW keys set to a value that would change sampling in TGW but are ignored here."""
         keys = [
             key
             for key, neutral in _NEUTRAL_VALUES.items()
             if key in self.extra and not _is_neutral(self.extra[key], neutral)
         ]
-        priority = self.extra.get("sampler_priority")
-        if priority and _priority_differs(priority, self.temperature_last):
-            keys.append("sampler_priority")
+        if self.mirostat_mode == 1:
+            keys.append("mirostat_mode")
         return keys
 
 
@@ -188,79 +251,3 @@ def _is_neutral(value: Any, neutral: Any) -> bool:
     if value is None or value == neutral:
         return True
     return isinstance(value, str) and isinstance(neutral, str) and not value.strip()
-
-
-def _priority_differs(priority: str | list[str], temperature_last: bool) -> bool:
-    # TGW stores the priority as newline-separated names; the API may send a list.
-    names = priority.split() if isinstance(priority, str) else [str(p) for p in priority]
-    if temperature_last and "temperature" in names:
-        # TGW moves temperature last when temperature_last is set, whatever the list says.
-        names = [n for n in names if n != "temperature"] + ["temperature"]
-    ours = sampler_order(temperature_last)
-    return [n for n in names if n in ours] != [n for n in ours if n in names]
-
-
-def _parse_stop(key: str, value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        if key != "custom_stopping_strings":
-            return [value]
-        # TGW's own parsing of the text box: a comma-separated list of Python string
-        # literals, with escapes such as \n written out.
-        try:
-            parsed = ast.literal_eval(f"[{value}]")
-        except (ValueError, SyntaxError) as e:
-            raise SamplingSettingsError(
-                f'{key} must look like \'"\\n", "User:"\', got {value!r} ({e})'
-            ) from None
-        return _as_str_list(key, parsed)
-    return _as_str_list(key, value)
-
-
-def _as_int(name: str, value: Any) -> int:
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    if (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and float(value).is_integer()
-    ):
-        return int(value)
-    raise SamplingSettingsError(f"{name} must be an integer, got {value!r}")
-
-
-def _as_float(name: str, value: Any) -> float:
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        value = float(value)
-        if math.isfinite(value):
-            return value
-    raise SamplingSettingsError(f"{name} must be a finite number, got {value!r}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise SamplingSettingsError(f"{name} must be True or False, got {value!r}")
-
-
-def _check_range(name: str, value: float, ok: bool, expected: str) -> None:
-    if not ok:
-        raise SamplingSettingsError(f"{name} must be {expected}, got {value!r}")
-
-
-def _as_str_list(name: str, value: Any) -> list[str]:
-    if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
-        return list(value)
-    raise SamplingSettingsError(f"{name} must be a list of strings, got {value!r}")
-
-
-def _as_token_ids(name: str, value: Any) -> list[int]:
-    if isinstance(value, (list, tuple)):
-        try:
-            ids = [_as_int(name, v) for v in value]
-        except SamplingSettingsError:
-            ids = None
-        if ids is not None and all(i >= 0 for i in ids):
-            return ids
-    raise SamplingSettingsError(f"{name} must be a list of token ids (ints >= 0), got {value!r}")

@@ -1,5 +1,5 @@
 """Sampler steps against transformers' logits processors, draws against their distribution,
-and SamplingSettings parsing of TGW-style state."""
+and SamplingSettings parsing of TGW-style state (every key's validation included)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from engine.sampling import (
     SamplingSettings,
     SamplingSettingsError,
     apply_presence_frequency_penalty,
+    sampler_order,
     token_counts,
 )
 
@@ -176,6 +177,15 @@ def test_greedy_takes_argmax_after_penalties(device: str) -> None:
     assert Sampler({"do_sample": False, "top_p": 0.01}, device=device).sample(logits, [1]) == 1
 
 
+def test_draw_matches_multinomial_stream() -> None:
+    logits = _logits(1, 50)[0]
+    sampler = Sampler({"temperature": 0.8, "seed": 1234})
+    g = torch.Generator().manual_seed(1234)
+    ours = [sampler.sample(logits, []) for _ in range(100)]
+    probs = (logits / 0.8).softmax(-1)
+    assert ours == [int(torch.multinomial(probs, 1, generator=g)) for _ in range(100)]
+
+
 def test_ban_eos_token(device: str) -> None:
     logits = torch.tensor([0.0, 5.0, 9.0, 1.0], device=device)
     greedy = Sampler(
@@ -214,6 +224,32 @@ def test_logits_on_another_device_are_refused() -> None:
         ("temperature", "0.7"),
         ("stop", ["ok", 3]),
         ("stop_token_ids", [1, -2]),
+        ("typical_p", 0.0),
+        ("tfs", 1.5),
+        ("top_a", -0.1),
+        ("top_n_sigma", -1.0),
+        ("epsilon_cutoff", -1.0),
+        ("eta_cutoff", 1e4),
+        ("xtc_threshold", 1.5),
+        ("xtc_probability", 2),
+        ("dry_multiplier", -1),
+        ("dry_base", 0),
+        ("dry_allowed_length", 0),
+        ("dry_penalty_last_n", -2),
+        ("dry_sequence_breakers", '"\\n", :'),
+        ("dry_sequence_breakers", [1]),
+        ("mirostat_mode", 3),
+        ("mirostat_tau", -1.0),
+        ("no_repeat_ngram_size", -1),
+        ("min_new_tokens", 1.5),
+        ("logit_bias", {"a": 1}),
+        ("logit_bias", {"5": "x"}),
+        ("custom_token_bans", "1, x"),
+        ("custom_token_bans", [-1]),
+        ("sampler_priority", 5),
+        ("dynatemp_low", 0),
+        ("smoothing_factor", -1),
+        ("dynamic_temperature", "yes"),
     ],
 )
 def test_invalid_values_name_key_and_value(key: str, value: object) -> None:
@@ -252,14 +288,27 @@ def test_from_any_tgw_state() -> None:
     s = SamplingSettings.from_any(state)
     assert s.stop == ["\nUser:", "\n", "### "]
     assert (s.max_new_tokens, s.temperature, s.top_p, s.min_p, s.seed) == (300, 0.7, 0.9, 0.05, 7)
-    assert s.extra["mode"] == "instruct" and s.extra["dry_base"] == 1.75
-    assert s.unsupported() == ["tfs", "xtc_probability"]
-    assert not SamplingSettings.from_any({**state, "tfs": 1, "xtc_probability": 0}).unsupported()
-    swapped = {"sampler_priority": "min_p\ntemperature\ntop_k"}
-    assert SamplingSettings.from_any(swapped).unsupported() == ["sampler_priority"]
+    assert s.extra["mode"] == "instruct" and "dry_base" not in s.extra
+    assert (s.tfs, s.xtc_probability, s.dry_base) == (0.95, 0.5, 1.75)
+    # Every sampler of that state is implemented now; what is not stays in `extra`.
+    assert s.unsupported() == []
+    other = {**state, "encoder_repetition_penalty": 1.2, "mirostat_mode": 1, "num_beams": 1}
+    assert SamplingSettings.from_any(other).unsupported() == [
+        "encoder_repetition_penalty",
+        "mirostat_mode",
+    ]
+    swapped = SamplingSettings.from_any({"sampler_priority": "min_p\ntemperature\ntop_k"})
+    assert swapped.unsupported() == []
+    assert swapped.order[-3:] == ("min_p", "temperature", "top_k")
     # TGW moves temperature last on its own when temperature_last is set.
-    moved = {**swapped, "sampler_priority": "temperature\ntop_k\nmin_p", "temperature_last": True}
-    assert SamplingSettings.from_any(moved).unsupported() == []
+    moved = {"sampler_priority": "temperature\ntop_k\nmin_p", "temperature_last": True}
+    assert SamplingSettings.from_any(moved).order[-5:] == (
+        "top_k",
+        "min_p",
+        "temperature",
+        "dynamic_temperature",
+        "quadratic_sampling",
+    )
 
 
 def test_from_any_stop_forms() -> None:
@@ -270,11 +319,55 @@ def test_from_any_stop_forms() -> None:
         SamplingSettings.from_any({"custom_stopping_strings": '"unterminated'})
 
 
+def test_default_order_and_temperature_last() -> None:
+    assert sampler_order()[:6] == (
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "dry",
+        "top_n_sigma",
+        "temperature",
+    )
+    assert sampler_order()[-3:] == ("mirostat", "xtc", "no_repeat_ngram")
+    assert sampler_order(True)[-3:] == ("temperature", "dynamic_temperature", "quadratic_sampling")
+    s = SamplingSettings.from_any(
+        {"temperature_last": True, "temperature": 0.5, "top_k": 5, "xtc_probability": 0.5}
+    )
+    assert Sampler(s).steps == ("top_k", "xtc", "temperature")
+    # Mirostat draws in TGW, so what comes after it (here temperature) does nothing.
+    miro = {"mirostat_mode": 2, "temperature": 0.5, "temperature_last": True, "top_k": 5}
+    assert Sampler(miro).steps == ("top_k", "mirostat")
+    assert Sampler({**miro, "do_sample": False, "repetition_penalty": 1.2}).steps == (
+        "repetition_penalty",
+    )
+
+
+def test_tgw_string_forms() -> None:
+    s = SamplingSettings.from_any(
+        {
+            "custom_token_bans": "1, 2,3",
+            "dry_sequence_breakers": '"\\n", ":", "\\"", "*"',
+            "logit_bias": {"5": 1},
+            "sampler_priority": "",
+        }
+    )
+    assert s.custom_token_bans == [1, 2, 3] and s.logit_bias == {5: 1.0}
+    assert (
+        s.dry_sequence_breakers == ["\n", ":", '"', "*"] == SamplingSettings().dry_sequence_breakers
+    )
+    assert SamplingSettings.from_any(
+        {"dry_sequence_breakers": '["a", "b"]'}
+    ).dry_sequence_breakers == ["a", "b"]
+    assert s.order == sampler_order()
+    with pytest.warns(UserWarning, match="sequence breakers"):
+        Sampler({"dry_multiplier": 0.8})
+
+
 def test_from_any_passes_dataclass_and_none() -> None:
-    s = SamplingSettings(temperature=0.0, stop=["x"], extra={"typical_p": 0.5})
+    s = SamplingSettings(temperature=0.0, stop=["x"], extra={"guidance_scale": 1.5})
     copy = SamplingSettings.from_any(s)
     assert copy == s and copy is not s and copy.greedy
-    assert copy.unsupported() == ["typical_p"]
+    assert copy.unsupported() == ["guidance_scale"]
     assert SamplingSettings.from_any(None) == SamplingSettings()
     # asdict() output comes back unchanged, `extra` included.
     from dataclasses import asdict

@@ -1,0 +1,151 @@
+"""Value checks and TGW string forms behind `engine.sampling_settings` (no torch).
+
+Every failure raises `SamplingSettingsError` with the key and the value as given, so a
+user sees which setting to fix. Integer fields accept integral floats (Gradio numbers
+arrive as `-1.0`); booleans are never taken for numbers.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+
+class SamplingSettingsError(ValueError):
+    """A sampling setting has a value of the wrong type or out of range."""
+
+
+def as_int(name: str, value: Any) -> int:
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and float(value).is_integer()
+    ):
+        return int(value)
+    raise SamplingSettingsError(f"{name} must be an integer, got {value!r}")
+
+
+def as_float(name: str, value: Any) -> float:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        value = float(value)
+        if math.isfinite(value):
+            return value
+    raise SamplingSettingsError(f"{name} must be a finite number, got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise SamplingSettingsError(f"{name} must be True or False, got {value!r}")
+
+
+def check_range(name: str, value: Any, ok: bool, expected: str) -> None:
+    if not ok:
+        raise SamplingSettingsError(f"{name} must be {expected}, got {value!r}")
+
+
+def as_str_list(name: str, value: Any) -> list[str]:
+    if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        return list(value)
+    raise SamplingSettingsError(f"{name} must be a list of strings, got {value!r}")
+
+
+def as_token_ids(name: str, value: Any) -> list[int]:
+    """A list of token ids (ints >= 0). TGW's comma-separated string form ("1, 2") too,
+    as `custom_token_bans` stores it."""
+    items: Any = value
+    if isinstance(value, str):
+        items = [part.strip() for part in value.split(",") if part.strip()]
+        try:
+            items = [int(part) for part in items]
+        except ValueError:
+            items = None
+    if isinstance(items, (list, tuple)):
+        try:
+            ids = [as_int(name, v) for v in items]
+        except SamplingSettingsError:
+            ids = None
+        if ids is not None and all(i >= 0 for i in ids):
+            return ids
+    raise SamplingSettingsError(f"{name} must be a list of token ids (ints >= 0), got {value!r}")
+
+
+def parse_stop(key: str, value: Any) -> list[str]:
+    """Stop strings from `stop` (one string or a list) or TGW's `custom_stopping_strings`."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        if key != "custom_stopping_strings":
+            return [value]
+        # TGW's own parsing of the text box: a comma-separated list of Python string
+        # literals, with escapes such as \n written out.
+        try:
+            parsed = ast.literal_eval(f"[{value}]")
+        except (ValueError, SyntaxError) as e:
+            raise SamplingSettingsError(
+                f'{key} must look like \'"\\n", "User:"\', got {value!r} ({e})'
+            ) from None
+        return as_str_list(key, parsed)
+    return as_str_list(key, value)
+
+
+def parse_sequence_breakers(name: str, value: Any) -> list[str]:
+    """DRY's sequence breakers: TGW's JSON string list, with or without the brackets
+    ('"\\n", ":"' or '["\\n", ":"]'), or a list of strings."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return []
+        try:
+            parsed = json.loads(text if text.startswith("[") else f"[{text}]")
+        except json.JSONDecodeError as e:
+            raise SamplingSettingsError(
+                f'{name} must be JSON strings like \'"\\n", ":"\', got {value!r} ({e})'
+            ) from None
+        value_list: Any = parsed
+    else:
+        value_list = value
+    if isinstance(value_list, (list, tuple)) and all(isinstance(s, str) and s for s in value_list):
+        return list(value_list)
+    raise SamplingSettingsError(f"{name} must be a list of non-empty strings, got {value!r}")
+
+
+def parse_logit_bias(name: str, value: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: token id (int, or its decimal string as JSON keys are) to a
+    finite bias added to that token's logit."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        out: dict[int, float] = {}
+        for key, bias in value.items():
+            token = _token_key(key)
+            if (
+                token is None
+                or not isinstance(bias, numbers.Real)
+                or isinstance(bias, bool)
+                or not math.isfinite(bias)
+            ):
+                break
+            out[token] = float(bias)
+        else:
+            return out
+    raise SamplingSettingsError(
+        f"{name} must map token ids (>= 0) to finite numbers, got {value!r}"
+    )
+
+
+def _token_key(key: Any) -> int | None:
+    if isinstance(key, str):
+        key = key.strip()
+        if not key.isdigit():
+            return None
+        return int(key)
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool) and key >= 0:
+        return int(key)
+    return None
