@@ -1,11 +1,14 @@
 """The engine object: a loaded model, its KV cache and its tokenizer.
 
 `Engine.load(model_dir, options)` runs the load flow; `forward(...)` runs one batched
-forward over sequences that hold pages of the cache. The generator drives it.
+forward over sequences that hold pages of the cache. `engine.scheduler` (continuous
+batching, engine/scheduler.py) drives it for generation; `engine.lock` serialises every
+use of the cache (scheduler steps, `logits`) across threads.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +19,7 @@ from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.loading import load_causal_lm, resolve_device, resolve_dtype
+from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 8192  # caps a 128k-context config so the cache fits a consumer GPU
@@ -37,6 +41,8 @@ class EngineOptions:
     rope_alpha: float = 1.0
     prefill_chunk: int = 2048
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (single-GPU engines)
+    max_batch: int = 64  # concurrent jobs; more wait in the scheduler's queue
+    prefix_caching: bool = True  # reuse the cached pages of a repeated prompt prefix
 
 
 class Engine:
@@ -59,6 +65,14 @@ class Engine:
         self.max_seq_len = options.max_seq_len or DEFAULT_MAX_SEQ_LEN
         self.load_seconds = load_seconds
         self.graphs: DecodeGraphs | None = None
+        self.lock = threading.RLock()
+        # prefill_chunk is the step's token budget: decode tokens plus prefill chunks.
+        self.scheduler = Scheduler(
+            self,
+            max_batch=options.max_batch,
+            max_tokens_per_step=max(options.prefill_chunk, options.max_batch),
+            prefix_caching=options.prefix_caching,
+        )
 
     @classmethod
     def load(cls, model_dir: str | Path, options: EngineOptions | None = None) -> Engine:
@@ -145,10 +159,11 @@ class Engine:
         """Logits [len, vocab] (float32, CPU) of a whole sequence, without keeping its cache."""
         self.check_length(len(token_ids))
         seq = Sequence()
-        try:
-            return self.prefill(seq, token_ids, all_logits=True).cpu()
-        finally:
-            seq.release(self.cache)
+        with self.lock:
+            try:
+                return self.prefill(seq, token_ids, all_logits=True).cpu()
+            finally:
+                seq.release(self.cache)
 
     @property
     def logits_device(self) -> torch.device:
@@ -158,6 +173,7 @@ class Engine:
         return EngineSession(self)
 
     def unload(self) -> None:
+        self.scheduler.close()
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
@@ -168,18 +184,22 @@ class Engine:
 
 
 class EngineSession:
-    """One sequence of the engine's cache, for the single-job generation loop."""
+    """One sequence of the engine's cache, for the single-job loop (generate_single); it
+    bypasses the scheduler's admission control and prefix cache."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.sequence = Sequence()
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
-        return self.engine.prefill(self.sequence, token_ids)[-1]
+        with self.engine.lock:
+            return self.engine.prefill(self.sequence, token_ids)[-1]
 
     def step(self, token_id: int) -> torch.Tensor:
-        return self.engine.forward([self.sequence], [[token_id]])[-1]
+        with self.engine.lock:
+            return self.engine.forward([self.sequence], [[token_id]])[-1]
 
     def close(self) -> None:
-        if self.engine.cache is not None:
-            self.sequence.release(self.engine.cache)
+        with self.engine.lock:
+            if self.engine.cache is not None:
+                self.sequence.release(self.engine.cache)

@@ -3,6 +3,10 @@
 `LoadedModel` is what `loader.load(...)` returns, whatever loader made it. Loaders
 implement the abstract methods; sampling, stop handling and streaming are shared
 (engine/generator.py), so every loader streams the same way.
+
+`stream()` runs one job; on a backend with a scheduler (the kestrel loader) it is batched
+with every other job in flight, so concurrent `stream()` calls from several threads share
+the GPU. `stream_many()` submits several prompts at once and interleaves their chunks.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.generator import GenerationBackend, generate
+from engine.generator import GenerationBackend, TokenLogprob, generate
 from engine.sampling_settings import SamplingSettings
 
 
@@ -33,12 +37,16 @@ class Chunk:
 
     text: str
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" on the last chunk
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error" on the last chunk
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prompt_seconds: float = 0.0
     generate_seconds: float = 0.0
     seed: int | None = None
+    job_id: int = 0  # which prompt of a stream_many() call (its index) or job this is
+    logprobs: list[TokenLogprob] | None = None  # settings["logprobs"] = k asks for them
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    queue_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -78,13 +86,45 @@ class LoadedModel(ABC):
         self, prompt: str | list[int], settings: SamplingSettings | Mapping[str, Any] | None = None
     ) -> Iterator[Chunk]:
         settings = SamplingSettings.from_any(settings)
-        ids = (
-            list(prompt)
-            if isinstance(prompt, list)
-            else self.encode(prompt, add_bos=settings.add_bos_token)
-        )
+        ids = self._prompt_ids(prompt, settings)
         for event in generate(self.backend, ids, settings):
             yield Chunk(**event.__dict__)
+
+    def stream_many(
+        self,
+        prompts: list[str | list[int]],
+        settings: SamplingSettings | Mapping[str, Any] | None = None,
+    ) -> Iterator[Chunk]:
+        """Generate for several prompts at once; chunks interleave, and `chunk.job_id` is the
+        index of the prompt it belongs to. `settings` is one for all, or a list (one each).
+        Without a scheduler (the transformers loader) the prompts run one after another."""
+        each = settings if isinstance(settings, list) else [settings] * len(prompts)
+        if len(each) != len(prompts):
+            raise ValueError(f"{len(each)} settings for {len(prompts)} prompts")
+        parsed = [SamplingSettings.from_any(s) for s in each]
+        ids = [self._prompt_ids(p, s) for p, s in zip(prompts, parsed, strict=True)]
+        scheduler = getattr(self.backend, "scheduler", None)
+        if scheduler is None:
+            for index, (prompt_ids, s) in enumerate(zip(ids, parsed, strict=True)):
+                for event in generate(self.backend, prompt_ids, s):
+                    yield Chunk(**{**event.__dict__, "job_id": index})
+            return
+        jobs = []
+        try:
+            for prompt_ids, s in zip(ids, parsed, strict=True):
+                jobs.append(scheduler.submit(prompt_ids, s))
+        except BaseException:
+            for job in jobs:
+                scheduler.cancel(job)
+            raise
+        index = {job.id: i for i, job in enumerate(jobs)}
+        for event in scheduler.stream_many(jobs):
+            yield Chunk(**{**event.__dict__, "job_id": index[event.job_id]})
+
+    def _prompt_ids(self, prompt: str | list[int], settings: SamplingSettings) -> list[int]:
+        if isinstance(prompt, list):
+            return list(prompt)
+        return self.encode(prompt, add_bos=settings.add_bos_token)
 
     def generate(
         self, prompt: str | list[int], settings: SamplingSettings | Mapping[str, Any] | None = None
