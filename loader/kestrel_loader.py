@@ -94,6 +94,8 @@ class KestrelModel(LoadedModel):
             "vram_gib": vram,
             "loras": {},
             "load_seconds": round(engine.load_seconds, 3),
+            "cuda_graphs": engine.graphs is not None,
+            "scheduler": engine.scheduler.stats(),
         }
 
     def unload(self) -> None:
