@@ -1,0 +1,126 @@
+"""The conversion's working directory, OUT.partial: what is finished, so a rerun resumes.
+
+Layout (every file is written to a temporary name and renamed into place, so a kill at
+any moment leaves either the old or the new version, never half of one):
+
+    job.json                  settings + progress (measured layers, strategy, quantized
+                              layers, head done)
+    calibration.safetensors   the token rows ("rows", "measure_rows")
+    states.safetensors        hidden states after the last finished layer of the stage
+    layers/layer_NNNNN.safetensors   a quantized layer's tensors (checkpoint names)
+    head.safetensors          the quantized lm_head
+    input/                    a GGUF input imported to FP16 (when the input is GGUF)
+    final/                    the output being assembled; renamed to OUT when complete
+
+`Job.open(path, settings, resume)` starts a job or picks up one whose settings match; a
+mismatch raises `JobMismatchError` naming the differing keys (rerun with the same flags,
+or -nr to start over).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+JOB_FORMAT = 1
+
+
+class JobMismatchError(ValueError):
+    """OUT.partial holds a job made with other settings."""
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _replace(tmp: Path, path: Path) -> None:
+    # safetensors creates its file owner-only; give it the usual permissions of new files.
+    os.chmod(tmp, 0o666 & ~_umask())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    _replace(tmp, path)
+
+
+def atomic_save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    _replace(tmp, path)
+
+
+@dataclass
+class Job:
+    path: Path
+    settings: dict[str, Any]
+    state: dict[str, Any] = field(default_factory=dict)
+    resumed: bool = False
+
+    @classmethod
+    def open(cls, path: Path, settings: dict[str, Any], *, resume: bool) -> Job:
+        job_file = path / "job.json"
+        if path.exists() and not resume:
+            shutil.rmtree(path)
+        if job_file.is_file():
+            try:
+                saved = json.loads(job_file.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                saved = None
+            if saved and saved.get("format") == JOB_FORMAT:
+                differing = sorted(
+                    k
+                    for k in set(settings) | set(saved.get("settings", {}))
+                    if settings.get(k) != saved["settings"].get(k)
+                )
+                if differing:
+                    raise JobMismatchError(
+                        f"{path} holds an unfinished conversion made with other settings "
+                        f"({', '.join(differing)}); rerun with the same flags to resume it, "
+                        "or pass -nr to start over"
+                    )
+                return cls(path, settings, saved.get("state", {}), resumed=True)
+        if path.exists():  # no readable job.json: leftovers of a job that never started
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+        job = cls(path, settings)
+        job.save()
+        return job
+
+    def save(self) -> None:
+        payload = {"format": JOB_FORMAT, "settings": self.settings, "state": self.state}
+        atomic_write_text(self.path / "job.json", json.dumps(payload, indent=1))
+
+    def update(self, **changes: Any) -> None:
+        self.state.update(changes)
+        self.save()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.state.get(key, default)
+
+    # -- tensors -----------------------------------------------------------------------
+    def save_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> Path:
+        path = self.path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_save_tensors(path, tensors)
+        return path
+
+    def load_tensors(self, name: str) -> dict[str, torch.Tensor]:
+        return load_file(str(self.path / name))
+
+    def has(self, name: str) -> bool:
+        return (self.path / name).is_file()
+
+    @staticmethod
+    def layer_file(i: int) -> str:
+        return f"layers/layer_{i:05d}.safetensors"

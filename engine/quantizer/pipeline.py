@@ -1,0 +1,403 @@
+"""convert(): an FP16/BF16 HF model (or a GGUF file) -> an EXL2 model directory.
+
+    from engine.quantizer import ConvertOptions, convert
+    result = convert("models/fp16", "models/exl2-4.0", ConvertOptions(bits=4.0))
+
+Stages, each resumable from OUT.partial (engine/quantizer/job.py):
+  tokenize -> measure (per layer, unquantized states) -> optimize (bits per module for
+  the target) -> quantize (per layer, quantized states) -> head -> compile -> rename to OUT.
+
+Contract:
+- Everything that can be checked from the arguments, the config and the file headers is
+  checked before any work and raises `ConvertError` (a ValueError) with nothing written:
+  bits outside 2.0-8.0 or not reachable for this model's shapes, head bits not in
+  {2, 3, 4, 5, 6, 8}, a missing input, an architecture the quantizer does not support,
+  an unreadable calibration or measurement file, an existing non-empty OUT. A GGUF input
+  is imported first (into OUT.partial/input); if it then fails a check, OUT.partial goes.
+- OUT appears complete (one rename) or not at all. A killed run leaves OUT.partial; the
+  same command resumes it (finished layers are not redone); `resume=False` starts over.
+- `stop_after_layers=N` stops (finished=False) after N layer steps (measured or
+  quantized) in this call: the Python-level stand-in for a kill, for tests.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.config import ConfigError, ModelConfig
+from engine.loading import resolve_device
+from engine.quantizer import calibration as cal
+from engine.quantizer.job import Job, JobMismatchError, atomic_write_text
+from engine.quantizer.measure import gptq_runs, measure_layer
+from engine.quantizer.model import (
+    CalibrationRunner,
+    LayerwiseModel,
+    UnsupportedModelError,
+    supported_for_conversion,
+)
+from engine.quantizer.optimize import BudgetError
+from engine.quantizer.profiles import HEAD_PROFILES
+from engine.quantizer.quantize import quantize_head, quantize_layer
+from engine.quantizer.strategy import (
+    MEASUREMENT_FORMAT,
+    check_measurement,
+    check_target_feasible,
+    choose_strategy,
+    model_signature,
+    read_measurement,
+)
+from engine.quantizer.writer import publish, write_output
+
+QUANTIZER_VERSION = "kestrel-0.1.0"
+MIN_BITS, MAX_BITS = 2.0, 8.0
+# Defaults per device: the CPU ones keep a 135M model to minutes on two cores.
+DEFAULT_ROWS = {"cuda": (32, 2048, 8, 2048), "cpu": (16, 512, 8, 512)}
+# On the CPU, measurement candidates are scored on this many tokens (measure.py).
+SCORE_TOKENS_CPU = 1024
+
+
+class ConvertError(ValueError):
+    """The conversion cannot start (or go on) with these inputs; nothing was left behind."""
+
+
+class ConversionStopped(Exception):
+    pass
+
+
+@dataclass
+class ConvertOptions:
+    bits: float
+    head_bits: int = 6
+    calibration: str | Path | None = None  # .txt/.jsonl/.parquet; None: the shipped text
+    rows: int | None = None  # None: per-device default (DEFAULT_ROWS)
+    length: int | None = None
+    measure_rows: int | None = None
+    measure_length: int | None = None
+    measurement_out: str | Path | None = None
+    measurement_in: str | Path | None = None
+    resume: bool = True
+    device: str | None = None
+    damp: float = 0.1
+    progress: bool = True
+    stop_after_layers: int | None = None
+
+
+@dataclass
+class ConvertResult:
+    output: Path | None
+    finished: bool
+    bpw: float | None = None  # decoder linears, from the written tensors
+    resumed: bool = False
+    measured_now: list[int] = field(default_factory=list)
+    quantized_now: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def convert(input_path: str | Path, output: str | Path, options: ConvertOptions) -> ConvertResult:
+    started = time.perf_counter()
+    src, out = Path(input_path).expanduser(), Path(output).expanduser()
+    partial = out.with_name(out.name + ".partial")
+    _check_options(options)
+    try:
+        device = resolve_device(options.device)
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
+    if not src.exists():
+        raise ConvertError(f"input not found: {src}")
+    is_gguf = src.is_file() and src.suffix.lower() == ".gguf"
+    if not is_gguf and not src.is_dir():
+        raise ConvertError(f"input must be a model directory or a .gguf file: {src}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConvertError(f"output {out} already exists; choose another -o or remove it")
+    texts, dataset = _calibration(options)
+    measurement = _read_measurement_file(options)
+    if not is_gguf:
+        lm_meta = _check_model(src, options, measurement)
+
+    rows, length, mrows, mlength = _row_settings(options, device)
+    settings = {
+        "input": str(src.resolve()),
+        "bits": options.bits,
+        "head_bits": options.head_bits,
+        "rows": rows,
+        "length": length,
+        "measure_rows": mrows,
+        "measure_length": mlength,
+        "dataset": dataset,
+        "measurement_in": str(Path(options.measurement_in).resolve())
+        if options.measurement_in
+        else None,
+        "damp": options.damp,
+    }
+    try:
+        job = Job.open(partial, settings, resume=options.resume)
+    except JobMismatchError as e:
+        raise ConvertError(str(e)) from None
+    result = ConvertResult(output=None, finished=False, resumed=job.resumed)
+    model_dir = src
+    if is_gguf:
+        model_dir = job.path / "input"
+        try:
+            if not (model_dir / "config.json").is_file():
+                from engine.gguf_import import import_gguf
+
+                import_gguf(src, model_dir, progress=options.progress)
+            lm_meta = _check_model(model_dir, options, measurement)
+        except (ConvertError, ValueError, FileNotFoundError) as e:
+            if not job.resumed:
+                shutil.rmtree(job.path, ignore_errors=True)
+            raise e if isinstance(e, ConvertError) else ConvertError(str(e)) from e
+    del lm_meta
+
+    steps = _Steps(options.stop_after_layers, result)
+    try:
+        _run(job, model_dir, out, options, device, texts, measurement, steps, result)
+    except ConversionStopped:
+        result.seconds = time.perf_counter() - started
+        return result
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+class _Steps:
+    def __init__(self, limit: int | None, result: ConvertResult) -> None:
+        self.limit, self.count, self.result = limit, 0, result
+
+    def done(self) -> None:
+        self.count += 1
+        if self.limit is not None and self.count >= self.limit:
+            raise ConversionStopped
+
+
+def _check_options(o: ConvertOptions) -> None:
+    if not isinstance(o.bits, (int, float)) or not MIN_BITS <= float(o.bits) <= MAX_BITS:
+        raise ConvertError(f"bits per weight must lie in {MIN_BITS}-{MAX_BITS}, got {o.bits}")
+    if o.head_bits not in HEAD_PROFILES:
+        raise ConvertError(
+            f"head bits must be one of {', '.join(map(str, HEAD_PROFILES))}, got {o.head_bits}"
+        )
+    for name in ("rows", "length", "measure_rows", "measure_length"):
+        value = getattr(o, name)
+        if value is not None and (not isinstance(value, int) or value <= 0):
+            raise ConvertError(f"{name} must be a positive integer, got {value!r}")
+    if o.measurement_in and o.measurement_out:
+        raise ConvertError("pass either a measurement to reuse (-m) or one to save (-om)")
+
+
+def _calibration(o: ConvertOptions) -> tuple[list[str], str]:
+    if o.calibration is None:
+        return cal.default_calibration_texts(), cal.DEFAULT_DATASET_NAME
+    try:
+        return [cal.read_calibration_text(o.calibration)], Path(o.calibration).name
+    except cal.CalibrationError as e:
+        raise ConvertError(str(e)) from None
+
+
+def _read_measurement_file(o: ConvertOptions):
+    if o.measurement_in is None:
+        return None
+    try:
+        return read_measurement(Path(o.measurement_in).expanduser())
+    except ValueError as e:
+        raise ConvertError(str(e)) from None
+
+
+def _check_model(model_dir: Path, o: ConvertOptions, measurement) -> LayerwiseModel:
+    try:
+        config = ModelConfig.from_dir(model_dir)
+        supported_for_conversion(config)
+        lm = LayerwiseModel(model_dir, device=torch.device("cpu"), dtype=torch.float32)
+        check_target_feasible(lm, float(o.bits))
+        if measurement is not None:
+            check_measurement(lm, measurement, str(o.measurement_in))
+    except (ConfigError, UnsupportedModelError, BudgetError) as e:
+        raise ConvertError(str(e)) from None
+    except ValueError as e:
+        raise ConvertError(f"{model_dir}: {e}") from None
+    return lm
+
+
+def _row_settings(o: ConvertOptions, device: torch.device) -> tuple[int, int, int, int]:
+    r, ln, mr, ml = DEFAULT_ROWS["cuda" if device.type == "cuda" else "cpu"]
+    return (o.rows or r, o.length or ln, o.measure_rows or mr, o.measure_length or ml)
+
+
+def _say(o: ConvertOptions, message: str) -> None:
+    if o.progress:
+        tqdm.write(message)
+
+
+def _bar(o: ConvertOptions, **kwargs) -> tqdm:
+    return tqdm(disable=not o.progress, dynamic_ncols=True, **kwargs)
+
+
+def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> None:
+    s = job.settings
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    lm = LayerwiseModel(model_dir, device=device, dtype=dtype)
+    n = lm.num_layers
+    full_search = "full" if device.type == "cuda" else "fast"
+    measure_search = "full" if device.type == "cuda" else "coarse"
+
+    # -- tokenize ----------------------------------------------------------------------
+    if not job.has("calibration.safetensors"):
+        from engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(model_dir)
+        with _bar(o, total=2, desc="tokenize", unit="set") as bar:
+            try:
+                ids = cal.calibration_rows(tokenizer, texts, s["rows"], s["length"])
+                bar.update()
+                mids = cal.calibration_rows(
+                    tokenizer, texts, s["measure_rows"], s["measure_length"]
+                )
+                bar.update()
+            except cal.CalibrationError as e:
+                if not job.resumed:
+                    shutil.rmtree(job.path, ignore_errors=True)
+                raise ConvertError(str(e)) from None
+        for what, got, want in (
+            ("rows", ids, s["rows"]),
+            ("measure rows", mids, s["measure_rows"]),
+        ):
+            if got.shape[0] < want:
+                _say(o, f"note: the calibration text gives {got.shape[0]} {what}, not {want}")
+        job.save_tensors("calibration.safetensors", {"rows": ids, "measure_rows": mids})
+    ids = job.load_tensors("calibration.safetensors")
+
+    # -- measure -----------------------------------------------------------------------
+    if measurement is None:
+        measurement = _measure(job, lm, ids["measure_rows"], o, measure_search, steps, result)
+    if o.measurement_out:
+        atomic_write_text(Path(o.measurement_out).expanduser(), _json(measurement))
+
+    # -- optimize ----------------------------------------------------------------------
+    if job.get("strategy") is None:
+        strategy, predicted, objective = choose_strategy(lm, measurement, float(s["bits"]))
+        job.update(strategy=strategy, predicted_bpw=predicted)
+        _say(o, f"strategy: {predicted:.4f} bpw for the decoder, Σ err² {objective:.5f}")
+    strategy = job.get("strategy")
+
+    # -- quantize ----------------------------------------------------------------------
+    rows = ids["rows"]
+    runner = CalibrationRunner(lm, length=rows.shape[1], chunk_rows=_chunk_rows(rows, device))
+    done = job.get("quantized_layers", 0)
+    if done < n:
+        states = job.load_tensors("states.safetensors")["quant"] if done else lm.embed(rows).cpu()
+        with _bar(o, total=n, initial=done, desc="quantize", unit="layer") as bar:
+            for i in range(done, n):
+                lm.load_layer(i)
+                states, tensors, errors = quantize_layer(
+                    runner, i, states, strategy[i], scale_search=full_search, damp=o.damp
+                )
+                lm.unload_layer(i)
+                job.save_tensors(Job.layer_file(i), tensors)
+                job.save_tensors("states.safetensors", {"quant": states})
+                job.update(quantized_layers=i + 1)
+                result.quantized_now.append(i)
+                bar.set_postfix(max_err=f"{max(errors.values()):.4f}")
+                bar.update()
+                steps.done()
+    if not job.get("head_done"):
+        states = job.load_tensors("states.safetensors")["quant"]
+        with _bar(o, total=1, desc="lm_head", unit="linear") as bar:
+            head, err = quantize_head(
+                lm, runner, states, s["head_bits"], scale_search=full_search, damp=o.damp
+            )
+            bar.set_postfix(err=f"{err:.4f}")
+            bar.update()
+        job.save_tensors("head.safetensors", head)
+        job.update(head_done=True)
+
+    # -- compile -----------------------------------------------------------------------
+    tensors: dict[str, torch.Tensor] = {}
+    with _bar(o, total=n + 2, desc="compile", unit="file") as bar:
+        for i in range(n):
+            tensors.update(job.load_tensors(Job.layer_file(i)))
+            bar.update()
+        tensors.update(job.load_tensors("head.safetensors"))
+        for name in ("model.embed_tokens.weight", "model.norm.weight"):
+            tensors[name] = lm.store.get(name, dtype=torch.float16)
+        bpw = _achieved_bpw(tensors, lm, strategy)
+        qcfg = {
+            "quant_method": "exl2",
+            "version": QUANTIZER_VERSION,
+            "bits": float(s["bits"]),
+            "head_bits": s["head_bits"],
+            "achieved_bits": round(bpw, 4),
+            "calibration": {"rows": int(rows.shape[0]), "length": int(rows.shape[1]),
+                            "dataset": s["dataset"]},
+        }  # fmt: skip
+        write_output(job.path / "final", tensors, model_dir, qcfg)
+        bar.update(2)
+    publish(job.path / "final", out)
+    shutil.rmtree(job.path, ignore_errors=True)
+    result.output, result.finished, result.bpw = out, True, bpw
+    _say(o, f"wrote {out}: {bpw:.4f} bpw (decoder), head {s['head_bits']} bits")
+
+
+def _measure(job, lm, mrows, o, search, steps, result) -> dict:
+    n = lm.num_layers
+    record = job.get("measurement") or {
+        "format": MEASUREMENT_FORMAT,
+        "model": model_signature(lm),
+        "calibration": {"rows": int(mrows.shape[0]), "length": int(mrows.shape[1])},
+        "layers": [],
+    }
+    done = len(record["layers"])
+    if done == n:
+        return record
+    device = lm.device
+    runner = CalibrationRunner(lm, length=mrows.shape[1], chunk_rows=_chunk_rows(mrows, device))
+    states = job.load_tensors("states.safetensors")["measure"] if done else lm.embed(mrows).cpu()
+    per_layer = gptq_runs(lm.layers[0])  # the bar counts GPTQ runs: rate and ETA
+    with _bar(o, total=n * per_layer, initial=done * per_layer, desc="measure", unit="gptq") as bar:
+        for i in range(done, n):
+            bar.set_description(f"measure layer {i}")
+            lm.load_layer(i)
+            states, layer_record = measure_layer(
+                runner,
+                i,
+                states,
+                scale_search=search,
+                damp=o.damp,
+                score_tokens=None if device.type == "cuda" else SCORE_TOKENS_CPU,
+                tick=bar.update,
+            )
+            lm.unload_layer(i)
+            record["layers"].append(layer_record)
+            job.save_tensors("states.safetensors", {"measure": states})
+            job.update(measurement=record)
+            result.measured_now.append(i)
+            steps.done()
+    return record
+
+
+def _chunk_rows(rows: torch.Tensor, device: torch.device) -> int:
+    tokens = 16384 if device.type == "cuda" else 2048
+    return max(1, min(rows.shape[0], tokens // rows.shape[1]))
+
+
+def _achieved_bpw(tensors, lm: LayerwiseModel, strategy) -> float:
+    from engine.quantizer.strategy import decoder_numel
+
+    parts = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "bias")
+    bits = 0
+    for name, t in tensors.items():
+        if name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in parts:
+            if name.endswith(".bias") and name[: -len(".bias")] + ".q_weight" not in tensors:
+                continue
+            bits += t.numel() * t.element_size() * 8
+    return bits / decoder_numel(lm)
+
+
+def _json(obj) -> str:
+    import json
+
+    return json.dumps(obj, indent=1)

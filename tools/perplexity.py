@@ -1,0 +1,133 @@
+"""Perplexity over fixed-length windows of a text, for any loader, measured one way.
+
+    python tools/perplexity.py -m models/exl2-4.0 --text ../shared/data/wiki.utf8 \
+        --window 1024 --windows 40 --start-fraction 0.8 --no-bos
+    python tools/perplexity.py -m models/fp16 --loader transformers --text FILE
+
+Contract: the text from character `start_fraction·len` to the end is tokenized once
+(no BOS), cut into consecutive non-overlapping windows of `window` tokens (a short tail
+is dropped) and the first `windows` of them (all when not given) are scored. Each window
+goes through `LoadedModel.logits(ids)` (with a BOS token in front unless --no-bos), and
+every token of the window after its first (every token, with BOS) is predicted from the
+tokens before it in the window. Perplexity = exp(Σ NLL / number of predictions). The
+Kestrel and transformers loaders are measured by the same code, so their numbers compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import loader  # noqa: E402
+from loader.base import LoadedModel  # noqa: E402
+
+
+def text_windows(
+    model: LoadedModel,
+    text: str,
+    *,
+    window: int,
+    windows: int | None = None,
+    start_fraction: float = 0.0,
+) -> list[list[int]]:
+    if window < 2:
+        raise ValueError(f"window must be at least 2 tokens, got {window}")
+    if not 0.0 <= start_fraction < 1.0:
+        raise ValueError(f"start fraction must lie in [0, 1), got {start_fraction}")
+    ids = model.encode(text[int(len(text) * start_fraction) :], add_bos=False)
+    count = len(ids) // window
+    if windows is not None:
+        if windows <= 0:
+            raise ValueError(f"windows must be positive, got {windows}")
+        if windows > count:
+            raise ValueError(f"the text has {count} windows of {window} tokens, not {windows}")
+        count = windows
+    if count == 0:
+        raise ValueError(f"the text has fewer than {window} tokens")
+    return [ids[i * window : (i + 1) * window] for i in range(count)]
+
+
+def perplexity(
+    model: LoadedModel,
+    text: str,
+    *,
+    window: int = 1024,
+    windows: int | None = None,
+    start_fraction: float = 0.0,
+    add_bos: bool = True,
+    progress: bool = False,
+) -> float:
+    chunks = text_windows(
+        model, text, window=window, windows=windows, start_fraction=start_fraction
+    )
+    bos = model.backend.tokenizer.bos_token_id if add_bos else None
+    if add_bos and bos is None:
+        raise ValueError("the tokenizer has no BOS token; pass add_bos=False (--no-bos)")
+    total_nll, predictions = 0.0, 0
+    started = time.perf_counter()
+    for i, chunk in enumerate(chunks):
+        ids = ([bos] if bos is not None else []) + chunk
+        logits = model.logits(ids).float()  # [len(ids), vocab]
+        targets = torch.tensor(ids[1:], dtype=torch.long)
+        nll = F.cross_entropy(logits[:-1], targets, reduction="sum")
+        total_nll += float(nll)
+        predictions += len(targets)
+        if progress:
+            rate = (i + 1) / (time.perf_counter() - started)
+            print(
+                f"\rwindow {i + 1}/{len(chunks)}  ppl {math.exp(total_nll / predictions):.4f}"
+                f"  {rate:.2f} windows/s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+    if progress:
+        print(file=sys.stderr)
+    return math.exp(total_nll / predictions)
+
+
+def main(argv: list[str] | None = None) -> float:
+    p = argparse.ArgumentParser(description="Perplexity of a model over windows of a text.")
+    p.add_argument("-m", "--model", required=True, help="model directory")
+    p.add_argument("--loader", help="kestrel, transformers, ... (default: auto)")
+    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--window", type=int, default=1024, help="tokens per window")
+    p.add_argument("--windows", type=int, help="windows to score (default: all)")
+    p.add_argument("--start-fraction", type=float, default=0.0, help="skip this part of the text")
+    p.add_argument("--no-bos", action="store_true", help="do not put BOS in front of windows")
+    p.add_argument("--device", help="cpu or cuda (default: the loader's choice)")
+    p.add_argument("--dtype", help="float16, bfloat16 or float32 (default: the loader's)")
+    args = p.parse_args(argv)
+    text = Path(args.text).read_text(encoding="utf-8")
+    model = loader.load(
+        args.model,
+        args.loader,
+        device=args.device,
+        dtype=args.dtype,
+        max_seq_len=args.window + (0 if args.no_bos else 1),
+    )
+    ppl = perplexity(
+        model,
+        text,
+        window=args.window,
+        windows=args.windows,
+        start_fraction=args.start_fraction,
+        add_bos=not args.no_bos,
+        progress=True,
+    )
+    print(f"perplexity {ppl:.4f}  ({args.model}, {model.loader_name}, window {args.window})")
+    return ppl
+
+
+if __name__ == "__main__":
+    main()
