@@ -1,12 +1,13 @@
 """Convert an FP16/BF16 Hugging Face model (or a GGUF file) to EXL2.
 
     python convert.py -i models/fp16 -o models/exl2-4.0 -b 4.0
-    python convert.py -i model.gguf -o out -b 3.0 -c my_text.jsonl -om measurement.json
+    python convert.py -i model.gguf -o work -c my_text.jsonl -om measurement.json  # measure
     python convert.py -i models/fp16 -o out-5.0 -b 5.0 -m measurement.json   # reuse it
 
-Flags follow exllamav2's convert.py. The work happens in OUT.partial/; rerunning the same
-command after a kill resumes it, -nr starts over. OUT appears only when complete. Exit
-status 0 on success, 2 on bad input (message on stderr, nothing written), 1 otherwise.
+Flags follow exllamav2's convert.py (-om measures only and stops, as there). The work
+happens in OUT.partial/; rerunning the same command after a kill resumes it, -nr starts
+over. OUT appears only when complete. Exit status 0 on success, 2 on bad input (message
+on stderr, nothing written), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -23,15 +24,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("-i", "--in_dir", required=True, help="FP16/BF16 HF model dir or .gguf file")
     p.add_argument("-o", "--out_dir", required=True, help="output directory (must not exist)")
-    p.add_argument("-b", "--bits", type=float, required=True, help="target bits per weight")
+    p.add_argument("-b", "--bits", type=float, help="target bits per weight (2.0-8.0)")
     p.add_argument("-hb", "--head_bits", type=int, default=6, help="lm_head bits (default 6)")
     p.add_argument("-c", "--cal_dataset", help="calibration text: .txt, .jsonl or .parquet")
     p.add_argument("-r", "--dataset_rows", type=int, help="calibration rows to quantize")
     p.add_argument("-mr", "--measurement_rows", type=int, help="calibration rows to measure")
     p.add_argument("-l", "--length", type=int, help="tokens per calibration row")
     p.add_argument("-ml", "--measurement_length", type=int, help="tokens per measurement row")
-    p.add_argument("-om", "--output_measurement", help="save the measurement here")
+    p.add_argument(
+        "-om", "--output_measurement", help="measure only, save the measurement here, stop"
+    )
     p.add_argument("-m", "--measurement", help="reuse a saved measurement (skips measuring)")
+    p.add_argument("-ss", "--shard_size", type=int, default=8192, help="max shard size, MB")
     p.add_argument("-nr", "--no_resume", action="store_true", help="start over, drop OUT.partial")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")
@@ -41,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.bits is None and not args.output_measurement:
+        print("convert.py: error: -b/--bits is required (except with -om)", file=sys.stderr)
+        return 2
     if args.threads:
         # On a loaded or small CPU one thread can beat several: the quantizer's many small
         # ops pay for every thread handoff.
@@ -48,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     options = ConvertOptions(
-        bits=args.bits,
+        # A measurement does not depend on the target; any valid value serves with -om.
+        bits=args.bits if args.bits is not None else 4.0,
         head_bits=args.head_bits,
         calibration=args.cal_dataset,
         rows=args.dataset_rows,
@@ -56,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         measure_rows=args.measurement_rows,
         measure_length=args.measurement_length,
         measurement_out=args.output_measurement,
+        measure_only=bool(args.output_measurement),
         measurement_in=args.measurement,
+        shard_mb=args.shard_size,
         resume=not args.no_resume,
         device=args.device,
         progress=not args.quiet,
@@ -72,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
-    print(f"{result.output}: {result.bpw:.4f} bpw in {result.seconds:.0f} s")
+    if result.output is None:
+        print(f"{args.output_measurement}: measurement saved in {result.seconds:.0f} s")
+    else:
+        print(f"{result.output}: {result.bpw:.4f} bpw in {result.seconds:.0f} s")
     return 0
 
 

@@ -118,8 +118,10 @@ def _rtn_twin(q_dir: Path, src: Path, dst: Path) -> None:
     for name in [k[: -len(".q_weight")] for k in q if k.endswith(".q_weight")]:
         ex = Exl2Tensors.from_dict(q, name + ".")
         groups = ex.groups()
+        # A tied head is quantized from the embeddings.
+        weight = fp.get(name + ".weight", fp.get("model.embed_tokens.weight"))
         rtn = quantize_rtn_exl2(
-            fp[name + ".weight"],
+            weight,
             [g.bits for g in groups],
             [g.row_end - g.row_start for g in groups],
             perm=torch.argsort(ex.q_invperm.long()),
@@ -184,6 +186,24 @@ def test_resume_skips_finished_layers(converted, tiny, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_converts_a_gguf_file(converted, tmp_path):
+    pytest.importorskip("gguf")
+    from test_gguf_import import write_tiny_llama_gguf
+    from transformers import AutoModelForCausalLM
+
+    make_tiny_llama(tmp_path / "hf", dtype=torch.float16, tie_word_embeddings=True, **SHAPE)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    gguf = tmp_path / "tiny.F16.gguf"
+    write_tiny_llama_gguf(hf, tmp_path / "hf" / "tokenizer.json", gguf)
+    out = tmp_path / "from-gguf"
+    # Same shapes as the shared model, so its measurement serves (only shapes are checked).
+    result = convert(gguf, out, _options(4.0, measurement_in=converted[1]))
+    assert result.finished and _no_output(tmp_path / "nothing")
+    assert not (tmp_path / "from-gguf.partial").exists()
+    assert abs(_achieved_bpw(out, tmp_path / "hf") - 4.0) <= 0.01
+    assert loader.load(out, "kestrel", device="cpu").generate("Once", {"max_new_tokens": 4})
+
+
 def _no_output(out: Path) -> bool:
     return not out.exists() and not out.with_name(out.name + ".partial").exists()
 
@@ -244,6 +264,18 @@ def test_cli_reports_errors(tiny, tmp_path, capsys):
     out = tmp_path / "out"
     assert cli.main(["-i", str(tiny), "-o", str(out), "-b", "9", "-q"]) == 2
     assert "2.0-8.0" in capsys.readouterr().err and _no_output(out)
+
+
+def test_cli_measure_only_then_reuse(tiny, tmp_path):
+    import convert as cli
+
+    meas, work, out = tmp_path / "m.json", tmp_path / "work", tmp_path / "out"
+    small = ["-r", "4", "-l", "128", "-mr", "2", "-ml", "128", "--device", "cpu", "-q"]
+    # -om measures and stops, as exllamav2's does: no -b needed, no model written.
+    assert cli.main(["-i", str(tiny), "-o", str(work), "-om", str(meas), *small]) == 0
+    assert json.loads(meas.read_text())["format"] and _no_output(work)
+    assert cli.main(["-i", str(tiny), "-o", str(out), "-b", "3.5", "-m", str(meas), *small]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 3.5
 
 
 def test_fast_scale_fit_matches_converter_fit():

@@ -4,13 +4,11 @@
                              inputs=["self_attn"], outputs=["self_attn"], stop_at=None)
 
 Contract:
-- `hessians`: linear names (relative to the layer) whose input's Σ w_t·x_t x_tᵀ (fp32,
-  over every token of every row) is accumulated; a linear that reads the same input as
-  another (q, k, v; gate, up) needs to be listed only once and shares its Hessian. The
-  weight w_t = min(1, OUTLIER_CAP·median_energy / ‖x_t‖²) caps what one token can add:
-  the attention-sink token feeds down_proj inputs 10^5 times the energy of the others in
-  mid-depth layers (99.8% of the trace in SmolLM2's layer 11), and uncapped GPTQ would fit
-  that one token and leave the rest near round-to-nearest. Ordinary tokens keep weight 1.
+- `hessians`: linear names (relative to the layer) whose input's Σ XᵀX (fp32, over every
+  token of every row) is accumulated; a linear that reads the same input as another (q, k,
+  v; gate, up) needs to be listed only once and shares its Hessian. (Measured: capping
+  the attention-sink token's share, 99.8% of down_proj's trace in SmolLM2's layer 11,
+  did not lower perplexity — 17.65 against 17.49 at 4.0 bpw — so every token counts.)
 - `inputs` / `outputs`: module paths whose input (first argument) / output are kept,
   [R, L, d] on the CPU in the working dtype.
 - `stop_at`: a module path; the forward of each chunk stops when that module is about to
@@ -25,8 +23,6 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.quantizer.model import CalibrationRunner
-
-OUTLIER_CAP = 16.0
 
 
 class _StopForward(Exception):
@@ -61,15 +57,12 @@ def capture_layer(
     def hessian_hook(name: str):
         def hook(module, args):
             x = args[0].reshape(-1, args[0].shape[-1]).float()
-            energy = x.square().sum(dim=1)
-            cap_at = OUTLIER_CAP * energy.median().clamp_min(1e-30)
-            weight = (cap_at / energy.clamp_min(1e-30)).clamp(max=1.0)
             h = cap.hessians.get(name)
             if h is None:
                 h = cap.hessians[name] = torch.zeros(
                     x.shape[1], x.shape[1], dtype=torch.float32, device=x.device
                 )
-            h.addmm_((x * weight[:, None]).t(), x)
+            h.addmm_(x.t(), x)
 
         return hook
 

@@ -26,7 +26,7 @@ from torch import nn
 from engine.architectures import ARCHITECTURES, architecture_class
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.config import ModelConfig
-from engine.modules import Linear
+from engine.modules import Linear, Rotary
 from engine.weights import WeightStore
 
 # MoE layers route tokens to experts; their calibration needs per-expert Hessians.
@@ -132,10 +132,10 @@ class LayerwiseModel:
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Embedded rows [R, L, hidden] in the working dtype (embeddings loaded on demand)."""
         embed = self.model.model.embed_tokens
-        if embed.weight.is_meta:
-            self._materialize(embed, "model.embed_tokens.")
-        out = self.model.embed(token_ids.to(self.device))
-        return out.to(self.dtype)
+        self._materialize(embed, "model.embed_tokens.")
+        out = self.model.embed(token_ids.to(self.device)).to(self.dtype)
+        embed.to("meta")  # a large vocabulary's table need not stay on the device
+        return out
 
     def head_weight(self) -> torch.Tensor:
         """lm_head.weight [vocab, hidden] (the embeddings when tied and absent)."""
@@ -153,7 +153,8 @@ class LayerwiseModel:
     def setup_rotary(self, length: int) -> None:
         self.model.setup_rotary(length)
 
-    def rotary(self, i: int):
+    def rotary(self, i: int) -> Rotary:
+        # CausalLM keeps the per-layer tables private; its own forward is what uses them.
         return self.model._layer_rotary[i]
 
 
@@ -204,15 +205,11 @@ class CalibrationRunner:
         self,
         inputs: torch.Tensor,
         fn: Callable[[torch.Tensor, ForwardBatch], torch.Tensor],
-        *,
-        out_features: int | None = None,
     ) -> torch.Tensor:
-        """fn over chunks of rows: inputs [R, L, d] -> [R, L, out_features or d]; fn takes
-        the chunk's flat rows [r·L, d] and its batch."""
+        """fn over chunks of rows: inputs [R, L, d] -> [R, L, d] (on the inputs' device);
+        fn takes the chunk's flat rows [r·L, d] on the working device and its batch."""
         count_all, length, d = inputs.shape
-        out = torch.empty(
-            count_all, length, out_features or d, dtype=inputs.dtype, device=inputs.device
-        )
+        out = torch.empty_like(inputs)
         for rows in self.chunks(count_all):
             x = inputs[rows].to(self.lm.device, self.lm.dtype)
             count = x.shape[0]

@@ -22,6 +22,8 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -51,6 +53,7 @@ from engine.quantizer.strategy import (
     choose_strategy,
     model_signature,
     read_measurement,
+    written_bpw,
 )
 from engine.quantizer.writer import publish, write_output
 
@@ -79,11 +82,13 @@ class ConvertOptions:
     length: int | None = None
     measure_rows: int | None = None
     measure_length: int | None = None
-    measurement_out: str | Path | None = None
+    measurement_out: str | Path | None = None  # save the measurement here
+    measure_only: bool = False  # stop after saving it (exllamav2's -om); OUT is not made
     measurement_in: str | Path | None = None
     resume: bool = True
     device: str | None = None
     damp: float = 0.1
+    shard_mb: int = 8192
     progress: bool = True
     stop_after_layers: int | None = None
 
@@ -113,12 +118,12 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
     is_gguf = src.is_file() and src.suffix.lower() == ".gguf"
     if not is_gguf and not src.is_dir():
         raise ConvertError(f"input must be a model directory or a .gguf file: {src}")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if not options.measure_only and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"output {out} already exists; choose another -o or remove it")
     texts, dataset = _calibration(options)
     measurement = _read_measurement_file(options)
     if not is_gguf:
-        lm_meta = _check_model(src, options, measurement)
+        _check_model(src, options, measurement)
 
     rows, length, mrows, mlength = _row_settings(options, device)
     settings = {
@@ -130,9 +135,11 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         "measure_rows": mrows,
         "measure_length": mlength,
         "dataset": dataset,
-        "measurement_in": str(Path(options.measurement_in).resolve())
-        if options.measurement_in
-        else None,
+        # A resumed job must calibrate on the same text, whatever the file is called.
+        "calibration_sha256": hashlib.sha256("\0".join(texts).encode()).hexdigest(),
+        "measurement_in": (
+            str(Path(options.measurement_in).resolve()) if options.measurement_in else None
+        ),
         "damp": options.damp,
     }
     try:
@@ -148,26 +155,25 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
                 from engine.gguf_import import import_gguf
 
                 import_gguf(src, model_dir, progress=options.progress)
-            lm_meta = _check_model(model_dir, options, measurement)
-        except (ConvertError, ValueError, FileNotFoundError) as e:
+            _check_model(model_dir, options, measurement)
+        except (ValueError, FileNotFoundError) as e:  # ConvertError is a ValueError
             if not job.resumed:
                 shutil.rmtree(job.path, ignore_errors=True)
             raise e if isinstance(e, ConvertError) else ConvertError(str(e)) from e
-    del lm_meta
 
-    steps = _Steps(options.stop_after_layers, result)
     try:
-        _run(job, model_dir, out, options, device, texts, measurement, steps, result)
+        _run(job, model_dir, out, options, device, texts, measurement, _Steps(options), result)
     except ConversionStopped:
-        result.seconds = time.perf_counter() - started
-        return result
+        pass
     result.seconds = time.perf_counter() - started
     return result
 
 
 class _Steps:
-    def __init__(self, limit: int | None, result: ConvertResult) -> None:
-        self.limit, self.count, self.result = limit, 0, result
+    """Counts layer steps of this call, for stop_after_layers."""
+
+    def __init__(self, options: ConvertOptions) -> None:
+        self.limit, self.count = options.stop_after_layers, 0
 
     def done(self) -> None:
         self.count += 1
@@ -188,6 +194,10 @@ def _check_options(o: ConvertOptions) -> None:
             raise ConvertError(f"{name} must be a positive integer, got {value!r}")
     if o.measurement_in and o.measurement_out:
         raise ConvertError("pass either a measurement to reuse (-m) or one to save (-om)")
+    if o.measure_only and not o.measurement_out:
+        raise ConvertError("measure_only needs measurement_out, the file to save it in")
+    if o.shard_mb <= 0:
+        raise ConvertError(f"shard size must be positive, got {o.shard_mb} MB")
 
 
 def _calibration(o: ConvertOptions) -> tuple[list[str], str]:
@@ -208,7 +218,7 @@ def _read_measurement_file(o: ConvertOptions):
         raise ConvertError(str(e)) from None
 
 
-def _check_model(model_dir: Path, o: ConvertOptions, measurement) -> LayerwiseModel:
+def _check_model(model_dir: Path, o: ConvertOptions, measurement) -> None:
     try:
         config = ModelConfig.from_dir(model_dir)
         supported_for_conversion(config)
@@ -220,7 +230,6 @@ def _check_model(model_dir: Path, o: ConvertOptions, measurement) -> LayerwiseMo
         raise ConvertError(str(e)) from None
     except ValueError as e:
         raise ConvertError(f"{model_dir}: {e}") from None
-    return lm
 
 
 def _row_settings(o: ConvertOptions, device: torch.device) -> tuple[int, int, int, int]:
@@ -275,7 +284,12 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
     if measurement is None:
         measurement = _measure(job, lm, ids["measure_rows"], o, measure_search, steps, result)
     if o.measurement_out:
-        atomic_write_text(Path(o.measurement_out).expanduser(), _json(measurement))
+        atomic_write_text(Path(o.measurement_out).expanduser(), json.dumps(measurement, indent=1))
+        if o.measure_only:
+            shutil.rmtree(job.path, ignore_errors=True)
+            result.finished = True
+            _say(o, f"wrote the measurement to {o.measurement_out}")
+            return
 
     # -- optimize ----------------------------------------------------------------------
     if job.get("strategy") is None:
@@ -324,7 +338,7 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
         tensors.update(job.load_tensors("head.safetensors"))
         for name in ("model.embed_tokens.weight", "model.norm.weight"):
             tensors[name] = lm.store.get(name, dtype=torch.float16)
-        bpw = _achieved_bpw(tensors, lm, strategy)
+        bpw = written_bpw(tensors, lm)
         qcfg = {
             "quant_method": "exl2",
             "version": QUANTIZER_VERSION,
@@ -334,7 +348,7 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
             "calibration": {"rows": int(rows.shape[0]), "length": int(rows.shape[1]),
                             "dataset": s["dataset"]},
         }  # fmt: skip
-        write_output(job.path / "final", tensors, model_dir, qcfg)
+        write_output(job.path / "final", tensors, model_dir, qcfg, shard_bytes=o.shard_mb << 20)
         bar.update(2)
     publish(job.path / "final", out)
     shutil.rmtree(job.path, ignore_errors=True)
@@ -382,22 +396,3 @@ def _measure(job, lm, mrows, o, search, steps, result) -> dict:
 def _chunk_rows(rows: torch.Tensor, device: torch.device) -> int:
     tokens = 16384 if device.type == "cuda" else 2048
     return max(1, min(rows.shape[0], tokens // rows.shape[1]))
-
-
-def _achieved_bpw(tensors, lm: LayerwiseModel, strategy) -> float:
-    from engine.quantizer.strategy import decoder_numel
-
-    parts = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "bias")
-    bits = 0
-    for name, t in tensors.items():
-        if name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in parts:
-            if name.endswith(".bias") and name[: -len(".bias")] + ".q_weight" not in tensors:
-                continue
-            bits += t.numel() * t.element_size() * 8
-    return bits / decoder_numel(lm)
-
-
-def _json(obj) -> str:
-    import json
-
-    return json.dumps(obj, indent=1)

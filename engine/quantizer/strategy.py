@@ -20,6 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.quantizer.measure import role_of
 from engine.quantizer.model import LayerwiseModel, module_specs
 from engine.quantizer.optimize import BudgetError, allocate, feasible_range
@@ -144,3 +146,18 @@ def read_measurement(path: Path) -> Any:
         raise ValueError(f"measurement file not found: {path}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read measurement file {path}: {e}") from e
+
+
+_STORED = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "bias")
+
+
+def written_bpw(tensors: dict[str, torch.Tensor], lm: LayerwiseModel) -> float:
+    """Bits per weight of the decoder's quantized linears, counted from their tensors."""
+    bits = 0
+    for name, t in tensors.items():
+        if not name.startswith("model.layers.") or name.rsplit(".", 1)[-1] not in _STORED:
+            continue
+        if name.endswith(".bias") and name[: -len("bias")] + "q_weight" not in tensors:
+            continue  # the bias of a linear left unquantized
+        bits += t.numel() * t.element_size() * 8
+    return bits / decoder_numel(lm)
