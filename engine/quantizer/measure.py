@@ -98,7 +98,13 @@ def _measure_module(
     damp: float,
     tick: Callable[[], None] | None,
 ) -> list[dict]:
-    candidates = module_candidates(spec.kind)
+    # Roles this module has (Phi-3's fused qkv_proj has no separate v): candidates that
+    # differ only in absent roles are one candidate.
+    present = {role_of(name) for name in spec.linears}
+    unique: dict[tuple, ModuleCandidate] = {}
+    for cand in module_candidates(spec.kind):
+        unique.setdefault(tuple((r, i) for r, i in cand.rungs if r in present), cand)
+    candidates = [ModuleCandidate(key) for key in unique]
     linears = {name: layer.get_submodule(name) for name in spec.linears}
     originals = {name: lin.weight for name, lin in linears.items()}
     # Every (linear, rung) the table needs, quantized once.
