@@ -1,0 +1,95 @@
+"""Drives text-generation-webui's (TGW) own code with the Kestrel loader installed.
+
+Run by tests/test_tgw.py in a fresh interpreter, with the TGW tree as working directory:
+TGW parses sys.argv and patches transformers at import, which must not leak into the
+test process. Usage: python tgw_driver.py TGW_ROOT MODEL_DIR MODEL_NAME LORA_DIR LORA_NAME
+Prints one JSON object (what TGW returned at each step) on its last line of stdout.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import threading
+import traceback
+
+
+def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: str) -> dict:
+    os.chdir(root)
+    sys.path.insert(0, root)
+    sys.argv = ["server.py", "--loader", "kestrel", "--cpu", "--ctx-size", "192"]
+    sys.argv += ["--model-dir", model_dir, "--lora-dir", lora_dir]
+    import modules.shared as shared
+    from modules import LoRA, loaders, logits, models, text_generation
+
+    out: dict = {"loader_arg": shared.args.loader}
+    out["loader_params"] = loaders.loaders_and_params.get("Kestrel")
+
+    shared.generation_lock = threading.Lock()  # server.py creates it
+    shared.model, shared.tokenizer = models.load_model(model_name)
+    model = shared.model
+    out["model_class"] = type(model).__name__
+    out["tokenizer_is_model"] = shared.tokenizer is model
+    out["truncation_length"] = shared.settings["truncation_length"]
+    out["model_max_seq_len"] = model.max_seq_len
+
+    prompt = "Once upon a time"
+    state = copy.deepcopy(shared.settings)
+    state.update(max_new_tokens=12, do_sample=False, seed=7, stream=True)
+    state["truncation_length"] = shared.settings["truncation_length"]
+
+    def reply(state: dict) -> list[str]:
+        return list(text_generation.generate_reply(prompt, state, is_chat=False))
+
+    out["stream"] = reply(state)
+    out["encoded"] = text_generation.encode(prompt).tolist()
+    out["prompt_tokens"] = model.last_prompt_token_count
+
+    # TGW's Stop button: shared.stop_everything ends the stream at the next token.
+    long_state = dict(state, max_new_tokens=40)
+    seen = []
+    for text in model.generate_with_streaming(prompt, long_state):
+        seen.append(text)
+        if len(seen) == 2:
+            shared.stop_everything = True
+    shared.stop_everything = False
+    out["stopped_after"] = len(seen)
+    stop_event = threading.Event()
+    seen = []
+    for text in model.generate_with_streaming(prompt, dict(long_state, stop_event=stop_event)):
+        seen.append(text)
+        stop_event.set()
+    out["stop_event_after"] = len(seen)
+    out["running_after_stop"] = model.loaded.info()["scheduler"]
+
+    probs = logits.get_next_logits(prompt, state, False, "", 5, True)
+    out["next_token_probs"] = probs
+
+    try:
+        LoRA.add_lora_to_model([lora_name])
+        out["lora"] = {"status": "applied", "lora_names": list(shared.lora_names)}
+        out["lora"]["stream"] = reply(state)
+        LoRA.add_lora_to_model([])
+        out["lora"]["lora_names_after_removal"] = list(shared.lora_names)
+        out["lora"]["stream_after_removal"] = reply(state)
+    except Exception as e:
+        cause = e.__cause__
+        out["lora"] = {
+            "status": "error",
+            "type": type(e).__name__,
+            "cause_type": type(cause).__name__ if cause is not None else None,
+            "message": str(e),
+            "lora_names": list(shared.lora_names),
+            "traceback": traceback.format_exc(),
+        }
+
+    models.unload_model()
+    out["unloaded"] = shared.model is None and model.model is None
+    return out
+
+
+if __name__ == "__main__":
+    result = main(*sys.argv[1:6])
+    print(json.dumps(result))
