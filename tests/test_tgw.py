@@ -22,6 +22,7 @@ import torch
 import loader
 from engine.engine import CACHE_TYPES
 from engine.sampling import Sampler
+from engine.sampling_settings import SamplingSettingsError
 from loader.base import LoaderError, UnsupportedFeatureError
 from loader.settings_schema import Control, SettingsSchema
 from loader.tgw import installer
@@ -102,14 +103,16 @@ def test_sampling_settings_from_a_tgw_state():
     assert fixed.max_new_tokens == 8
 
 
-@pytest.mark.parametrize("key", ["top_p", "typical_p"])
-def test_zero_top_p_or_typical_p_keeps_only_the_top_token(key):
-    # TGW's sliders allow 0; transformers then keeps one token (min_tokens_to_keep=1).
-    settings = sampling_settings({key: 0.0, "temperature": 1.0, "seed": 3}, prompt_tokens=1)
+def test_zero_top_p_keeps_only_the_top_token():
+    # TGW's slider allows 0; transformers then keeps one token (min_tokens_to_keep=1).
+    settings = sampling_settings({"top_p": 0.0, "temperature": 1.0, "seed": 3}, 1)
     sampler = Sampler(settings)
     logits = torch.tensor([0.0, 2.0, 1.9, 1.8, -1.0])
     draws = {sampler.sample(logits, torch.tensor([0])) for _ in range(40)}
     assert draws == {1}
+    # transformers refuses typical_p 0, and so does Kestrel, naming the key.
+    with pytest.raises(SamplingSettingsError, match="typical_p"):
+        sampling_settings({"typical_p": 0.0}, 1)
 
 
 # -- the model class on a tiny model (no TGW needed) -----------------------------------------
@@ -332,6 +335,9 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     assert out["running_after_stop"]["running"] == 0
     top = sorted(out["next_token_probs"].values(), reverse=True)
     torch.testing.assert_close(torch.tensor(top), probs.topk(len(top)).values, rtol=1e-4, atol=0)
+    message, previous = out["logits_with_samplers"]
+    assert previous == "prev" and 'uncheck "Use samplers"' in message
+    assert out["inferred_exl2"] == "Kestrel"  # EXL2 folders default to Kestrel again
     assert out["unloaded"]
 
     lora = out["lora"]

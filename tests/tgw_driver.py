@@ -22,7 +22,7 @@ def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: s
     sys.argv = ["server.py", "--loader", "kestrel", "--cpu", "--ctx-size", "192"]
     sys.argv += ["--model-dir", model_dir, "--lora-dir", lora_dir]
     import modules.shared as shared
-    from modules import LoRA, loaders, logits, models, text_generation
+    from modules import LoRA, loaders, logits, models, models_settings, text_generation
 
     out: dict = {"loader_arg": shared.args.loader}
     out["loader_params"] = loaders.loaders_and_params.get("Kestrel")
@@ -37,7 +37,8 @@ def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: s
 
     prompt = "Once upon a time"
     state = copy.deepcopy(shared.settings)
-    state.update(max_new_tokens=12, do_sample=False, seed=7, stream=True)
+    state.update(max_new_tokens=12, auto_max_new_tokens=False, do_sample=False, seed=7)
+    state["stream"] = True
     state["truncation_length"] = shared.settings["truncation_length"]
 
     def reply(state: dict) -> list[str]:
@@ -48,7 +49,7 @@ def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: s
     out["prompt_tokens"] = model.last_prompt_token_count
 
     # TGW's Stop button: shared.stop_everything ends the stream at the next token.
-    long_state = dict(state, max_new_tokens=40)
+    long_state = dict(state, max_new_tokens=20)
     seen = []
     for text in model.generate_with_streaming(prompt, long_state):
         seen.append(text)
@@ -66,6 +67,10 @@ def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: s
 
     probs = logits.get_next_logits(prompt, state, False, "", 5, True)
     out["next_token_probs"] = probs
+    out["logits_with_samplers"] = logits.get_next_logits(prompt, state, True, "prev", 5, False)
+
+    os.makedirs(os.path.join(model_dir, "Some-Model-exl2"), exist_ok=True)
+    out["inferred_exl2"] = models_settings.infer_loader("Some-Model-exl2", {})
 
     try:
         LoRA.add_lora_to_model([lora_name])

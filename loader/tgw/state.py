@@ -10,8 +10,9 @@ sampling keys pass through unchanged; this module handles what is TGW-specific:
   device "cpu". Unknown cache types are left for the engine to reject by name.
 - generate: `truncation_length` keeps the last (truncation_length - max_new_tokens)
   prompt tokens, as TGW's own loaders do; `auto_max_new_tokens` fills the context;
-  top_p/typical_p of 0 (TGW's sliders allow it) keep only the most likely token, which is
-  what transformers' warpers do with min_tokens_to_keep=1.
+  top_p 0 (TGW's slider allows it) keeps only the most likely token, which is what
+  transformers' top-p warper does (min_tokens_to_keep=1). typical_p 0, which
+  transformers refuses, is refused here too, by SamplingSettings.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ TGW_SAMPLERS: tuple[str, ...] = (
     "dry_sequence_breakers",
 )
 
-# The smallest positive float: as a top_p/typical_p it keeps exactly the top token.
+# The smallest positive float: as top_p it keeps exactly the top token.
 _KEEP_ONE = 5e-324
 
 
@@ -129,9 +130,9 @@ def prompt_budget(state: Mapping[str, Any]) -> int | None:
 def sampling_settings(state: Mapping[str, Any], prompt_tokens: int) -> SamplingSettings:
     """SamplingSettings for one TGW generation whose prompt has `prompt_tokens` tokens."""
     fixed = dict(state)
-    for key in ("top_p", "typical_p"):
-        if key in fixed and isinstance(fixed[key], (int, float)) and fixed[key] == 0:
-            fixed[key] = _KEEP_ONE
+    top_p = fixed.get("top_p")
+    if isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and top_p == 0:
+        fixed["top_p"] = _KEEP_ONE
     if fixed.get("auto_max_new_tokens") and int(fixed.get("truncation_length", 0) or 0) > 0:
         fixed["max_new_tokens"] = max(int(fixed["truncation_length"]) - prompt_tokens, 0)
     # Objects TGW keeps in the state (a threading.Event, logits processors) mean nothing
