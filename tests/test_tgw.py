@@ -246,6 +246,8 @@ def test_install_dry_run_idempotent_and_uninstall_restores_bytes(tgw, capsys):
     for name in changed:
         ast.parse(installed[name].decode())
     assert installer.plan_install(tgw).pending == []  # a second install changes nothing
+    assert tgw_cli(["status", str(tgw)]) == 0
+    assert "installed and up to date" in capsys.readouterr().out
     assert tgw_cli(["install", str(tgw)]) == 0
     assert "already installed" in capsys.readouterr().out
     assert _snapshot(tgw) == installed
@@ -330,6 +332,9 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     stream = out["stream"]
     assert stream[-1] == expected and len(stream) > 2
     assert all(b.startswith(a) for a, b in zip(stream, stream[1:], strict=False))
+    assert out["no_stream"][-1] == expected
+    assert out["stopped_reply"] == expected[: expected.index(out["stop_string"])]
+    assert out["parallel"] == [expected, expected]
     assert out["encoded"] == [ids] and out["prompt_tokens"] == len(ids)
     assert out["stopped_after"] == 2 and out["stop_event_after"] == 1
     assert out["running_after_stop"]["running"] == 0

@@ -45,6 +45,26 @@ def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: s
         return list(text_generation.generate_reply(prompt, state, is_chat=False))
 
     out["stream"] = reply(state)
+    # Not streaming: TGW calls model.generate(); with a stop string TGW streams and cuts.
+    out["no_stream"] = reply(dict(state, stream=False))
+    cut = out["stream"][-1][3:6]
+    out["stop_string"] = cut
+    out["stopped_reply"] = reply(dict(state, custom_stopping_strings=json.dumps(cut)))[-1]
+
+    # Two requests at once (as the API sends them, with a stop_event): TGW lets them run in
+    # parallel for Kestrel, whose scheduler batches them.
+    results: dict[int, str] = {}
+
+    def worker(i: int) -> None:
+        own = dict(state, stop_event=threading.Event())
+        results[i] = list(text_generation.generate_reply(prompt, own, is_chat=False))[-1]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out["parallel"] = [results.get(0), results.get(1)]
     out["encoded"] = text_generation.encode(prompt).tolist()
     out["prompt_tokens"] = model.last_prompt_token_count
 
