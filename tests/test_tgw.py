@@ -314,7 +314,8 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     try:
         expected = reference.generate(prompt, state)
         ids = reference.encode(prompt)
-        probs = torch.softmax(reference.logits(ids)[-1], dim=-1)
+        reference_logits = reference.logits(ids)[-1]
+        probs = torch.softmax(reference_logits, dim=-1)
         lora_error = None
         try:
             reference.load_lora(loras / "tiny-lora", name="tiny-lora")
@@ -340,8 +341,11 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     assert out["running_after_stop"]["running"] == 0
     top = sorted(out["next_token_probs"].values(), reverse=True)
     torch.testing.assert_close(torch.tensor(top), probs.topk(len(top)).values, rtol=1e-4, atol=0)
-    message, previous = out["logits_with_samplers"]
-    assert previous == "prev" and 'uncheck "Use samplers"' in message
+    # "Use samplers" (top_k 3 here): the top 3 renormalised, the rest at 0.
+    sampled = sorted(out["sampled_probs"].values(), reverse=True)
+    top3 = torch.softmax(reference_logits.topk(3).values, dim=-1)
+    torch.testing.assert_close(torch.tensor(sampled[:3]), top3, rtol=1e-4, atol=0)
+    assert sampled[3:] == [0.0, 0.0]
     assert out["inferred_exl2"] == "Kestrel"  # EXL2 folders default to Kestrel again
     assert out["unloaded"]
 

@@ -87,7 +87,8 @@ def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: s
 
     probs = logits.get_next_logits(prompt, state, False, "", 5, True)
     out["next_token_probs"] = probs
-    out["logits_with_samplers"] = logits.get_next_logits(prompt, state, True, "prev", 5, False)
+    sampling = dict(state, do_sample=True, temperature=1.0, top_k=3)
+    out["sampled_probs"] = logits.get_next_logits(prompt, sampling, True, "", 5, True)
 
     os.makedirs(os.path.join(model_dir, "Some-Model-exl2"), exist_ok=True)
     out["inferred_exl2"] = models_settings.infer_loader("Some-Model-exl2", {})

@@ -125,19 +125,26 @@ EDITS: tuple[Edit, ...] = (
         "modules/logits.py",
         "_get_next_logits",
         (
+            "        kestrel_state = None",
             f"        if shared.model.__class__.__name__ == {MODEL_CLASS!r}:",
-            "            if use_samplers:",
-            "                message = ('Error: the Kestrel loader gives raw probabilities only; '",
-            "                           'uncheck \"Use samplers\".')",
-            "                if return_dict:",
-            "                    raise ValueError(message)",
-            "                return message, previous",
-            "",
             "            is_non_hf_exllamav3 = True  # the same get_logits(token_ids) contract",
+            "            if use_samplers:  # raw logits below, then Kestrel's samplers on them",
+            "                kestrel_state, use_samplers = state, False",
         ),
         anchor=(
             "        is_non_hf_exllamav3 = shared.model.__class__.__name__ == 'Exllamav3Model'\n"
         ),
+    ),
+    Edit(
+        "logits-samplers",
+        "modules/logits.py",
+        "_get_next_logits",
+        (
+            "        if kestrel_state is not None:",
+            "            scores = shared.model.apply_samplers(scores, tokens, kestrel_state)",
+        ),
+        anchor="        probs = torch.softmax(scores.detach(), dim=-1, dtype=torch.float)\n",
+        before=True,
     ),
     Edit(
         "lora",

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 import loader as kestrel_loaders
+from engine.sampling import Sampler
 from loader.base import LoadedModel, LoaderError
 from loader.tgw.state import load_options, prompt_budget, sampling_settings
 
@@ -95,6 +96,22 @@ class KestrelTGWModel:
     def get_logits(self, token_ids: Any, **_: Any) -> torch.Tensor:
         logits = self.loaded.logits(_id_list(token_ids))
         return logits[-1:].unsqueeze(0).float().cpu()
+
+    def apply_samplers(
+        self, logits: torch.Tensor, token_ids: Any, state: Mapping[str, Any]
+    ) -> torch.Tensor:
+        """Next-token logits [vocab] after the samplers `state` sets up, for the context
+        `token_ids`: their softmax is what a draw would use (TGW's "Use samplers")."""
+        ids = _id_list(token_ids)
+        tokenizer = self.loaded.backend.tokenizer
+        sampler = Sampler(
+            sampling_settings(state, len(ids)),
+            device=logits.device,
+            eos_token_ids=tokenizer.eos_token_ids,
+            encode=lambda text: tokenizer.encode(text, add_bos=False),
+        )
+        context = torch.tensor(ids, dtype=torch.long, device=logits.device)
+        return sampler.process(logits.reshape(-1).float(), context)
 
     # -- generation ----------------------------------------------------------------------
     def prompt_ids(self, prompt: str, state: Mapping[str, Any]) -> list[int]:
