@@ -116,14 +116,9 @@ def test_zero_top_p_keeps_only_the_top_token():
 
 
 # -- the model class on a tiny model (no TGW needed) -----------------------------------------
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tgw_tiny") / "tiny-llama"
-    make_tiny_llama(path)
-    return path
-
-
-def test_model_class_streams_cumulative_text_and_stops(tiny_dir):
+def test_model_class_streams_cumulative_text_and_stops(tmp_path):
+    tiny_dir = tmp_path / "tiny-llama"
+    hf = make_tiny_llama(tiny_dir)
     reference = loader.load(tiny_dir, "kestrel", device="cpu", max_seq_len=128)
     state = {"max_new_tokens": 10, "do_sample": False, "auto_max_new_tokens": False}
     expected = reference.generate(reference.encode("Once upon"), state)
@@ -155,6 +150,17 @@ def test_model_class_streams_cumulative_text_and_stops(tiny_dir):
         assert logits.shape == (1, 1, ref_logits.shape[-1]) and logits.dtype == torch.float32
         torch.testing.assert_close(logits[0, 0], ref_logits[-1])
         model.set_tgw_loras({})  # nothing loaded, nothing asked: no LoRA call at all
+
+        # TGW's perplexity evaluation calls the model as an HF model, with -100 labels
+        # masking the context: the loss must be transformers' own.
+        labels = ids.clone()
+        labels[:, :2] = -100
+        with torch.no_grad():
+            expected_loss = hf(input_ids=ids, labels=labels).loss
+        output = model(input_ids=ids, labels=labels)
+        torch.testing.assert_close(output.loss, expected_loss, rtol=1e-4, atol=1e-4)
+        assert output["logits"].shape == (1, ids.shape[1], ref_logits.shape[-1])
+        assert model.config.max_position_embeddings == 128
     finally:
         model.unload()
     assert model.model is None

@@ -10,6 +10,8 @@ object that is both `shared.model` and `shared.tokenizer`, and TGW calls on it:
     encode(text, add_bos=True) -> LongTensor [1, n];  decode(ids, skip_special_tokens=True)
     get_logits(token_ids [1, n]) -> float32 CPU [1, 1, vocab] (the last position)
     unload();  device;  last_prompt_token_count
+    model(input_ids=[1, n], labels=[1, n]).loss, .config.max_position_embeddings
+                                             (TGW's perplexity evaluation, as for HF models)
 
 Only `from_pretrained` imports TGW; the rest takes TGW's state dict and works without it.
 The installer (loader/tgw/installer.py) teaches TGW this class's name.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,24 @@ from loader.base import LoadedModel, LoaderError
 from loader.tgw.state import load_options, prompt_budget, sampling_settings
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TGWConfig:
+    """The part of an HF config TGW reads from a model (evaluate.py)."""
+
+    max_position_embeddings: int
+
+
+@dataclass
+class CausalLMOutput:
+    """What TGW's perplexity evaluation takes from `model(input_ids=..., labels=...)`."""
+
+    logits: torch.Tensor  # [1, n, vocab], float32, CPU
+    loss: torch.Tensor | None = None  # mean cross-entropy over labels != -100 (shifted)
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
 
 
 class KestrelTGWModel:
@@ -84,6 +105,20 @@ class KestrelTGWModel:
     @property
     def last_prompt_token_count(self) -> int:
         return self._last_prompt_token_count
+
+    @property
+    def config(self) -> TGWConfig:
+        return TGWConfig(max_position_embeddings=self.max_seq_len)
+
+    def __call__(self, input_ids: Any, labels: Any = None, **_: Any) -> CausalLMOutput:
+        """HF-style forward of one sequence; with `labels`, the loss as transformers computes
+        it: the logits at position i predict label i + 1, and -100 labels are ignored."""
+        logits = self.loaded.logits(_id_list(input_ids)).float().cpu()
+        loss = None
+        if labels is not None:
+            targets = torch.tensor(_id_list(labels), dtype=torch.long)
+            loss = torch.nn.functional.cross_entropy(logits[:-1], targets[1:], ignore_index=-100)
+        return CausalLMOutput(logits.unsqueeze(0), loss)
 
     # -- tokens --------------------------------------------------------------------------
     def encode(self, text: str, add_bos: bool = True, **_: Any) -> torch.Tensor:
