@@ -249,7 +249,7 @@ def test_gemv_workspace_is_left_zeroed(device: str) -> None:
     for M in (1, 2, 1):
         for i, qw in enumerate(weights):
             _check(qw, M, torch.float16, device, "gemv", seed=10 * M + i)
-    sums, counters = qmt._WORKSPACES[torch.device(device)]
+    sums, counters = qmt._WORKSPACES[weights[0].device]  # "cuda" is keyed as cuda:0
     assert not sums.any() and not counters.any()
 
 
