@@ -78,7 +78,7 @@ Path = Literal["auto", "gemv", "dot", "dequant"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _PLANE_BITS = (1, 2, 4, 8)
 
-# --- tuning knobs (measure on the GPU; see the module docstring) -----------------------------
+# --- tuning knobs (measured with tools/tune_gemv.py on an H200, 8B shapes; see the docstring) -
 # Path thresholds on M, the number of activation rows.
 _GEMV_MAX_M = 2
 _GEMV_LIMIT_M = 4  # the GEMV unrolls one accumulator per row of x: its hard limit
@@ -91,10 +91,10 @@ _DOT_PROGRAMS_PER_SM = 2
 # GEMV tile: lanes and warps only along n, so the sums over rows never leave a thread.
 # Columns per thread by M: every row of x is loaded (gathered through perm) by every thread,
 # so more columns per thread share that cost, until the registers run out (M codes * x).
-_GEMV_COLS_PER_THREAD = {1: 16, 2: 8, 3: 4, 4: 4}
+_GEMV_COLS_PER_THREAD = {1: 8, 2: 8, 3: 4, 4: 4}
 _GEMV_NUM_WARPS = 2
 _GEMV_BLOCK_K = 32  # rows per chunk: the least group size of EXL2, one group per chunk
-_GEMV_MAX_ITERS = 8  # chunks per program (a loop, not unrolled)
+_GEMV_MAX_ITERS = 4  # chunks per program (a loop, not unrolled)
 # Tensor-core tile of the mid-M path.
 _DOT_BLOCK_N = 128
 _DOT_MAX_BLOCK_M = 64
