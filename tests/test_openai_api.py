@@ -432,6 +432,30 @@ def test_disconnect_cancels_the_job(server: ApiServer, model) -> None:
     assert stats["free_pages"] == stats["usable_pages"]
 
 
+def test_disconnect_without_streaming_cancels_the_job(server: ApiServer, model) -> None:
+    scheduler = model.backend.scheduler
+    # four choices of 220 tokens take seconds here; the client gives up after 0.5 s
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 220, "n": 4, **GREEDY}
+    jobs: list = []
+
+    def grab_job() -> None:
+        deadline = time.monotonic() + 10
+        while len(jobs) < 4 and time.monotonic() < deadline:
+            jobs[:] = list(scheduler._running)
+            time.sleep(0.002)
+
+    grabber = threading.Thread(target=grab_job)
+    grabber.start()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.5))
+    grabber.join()
+    stats = _scheduler_idle(model)
+    assert len(jobs) == 4
+    assert [j.finish_reason for j in jobs] == ["cancelled"] * 4
+    assert all(len(j.generated_ids) < 220 for j in jobs)
+    assert stats["free_pages"] == stats["usable_pages"]
+
+
 # -- extensions -------------------------------------------------------------------------------
 TAGGER = """
 def input_modifier(string, state, is_chat=False):

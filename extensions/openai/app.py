@@ -22,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from extensions.openai import generation
 from extensions.openai.errors import ApiError, error_for, install_handlers
@@ -67,6 +68,30 @@ def _host_of(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
+class LoopbackOnly:
+    """Refuses requests whose Host header is not a loopback name (DNS rebinding).
+
+    A plain ASGI middleware: starlette's BaseHTTPMiddleware would wrap `receive` and hide
+    client disconnects from the endpoints, which need them to cancel generation."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            host = _host_of(headers.get(b"host", b"").decode("latin-1"))
+            if host not in LOOPBACK_HOSTS:
+                response = ApiError(
+                    403,
+                    f"host {host!r} refused: the API listens on loopback only (use --listen)",
+                    type="permission_error",
+                ).response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(
     manager: ModelManager,
     *,
@@ -85,19 +110,7 @@ def create_app(
             allow_headers=["*"],
         )
     if local_only:
-
-        @app.middleware("http")
-        async def _loopback_only(
-            request: Request, call_next: Callable[[Request], Awaitable[Response]]
-        ) -> Response:
-            host = _host_of(request.headers.get("host", ""))
-            if host not in LOOPBACK_HOSTS:
-                return ApiError(
-                    403,
-                    f"host {host!r} refused: the API listens on loopback only (use --listen)",
-                    type="permission_error",
-                ).response()
-            return await call_next(request)
+        app.add_middleware(LoopbackOnly)
 
     user = [Depends(_key_check(api_key, "API key"))]
     admin = [Depends(_key_check(admin_key or api_key, "admin key"))]
