@@ -277,7 +277,7 @@ def test_tgw_extensions_run_unchanged(tmp_path: Path, tiny_model) -> None:
         from modules import shared as tgw_shared
         from modules.text_generation import decode, encode
 
-        assert tgw_shared.model is tiny_model
+        assert tgw_shared.model is tiny_model and tgw_shared.args is shared.args
         assert decode(encode("Once upon")[0]) == "Once upon"
     finally:
         extensions.load_extensions([])

@@ -18,7 +18,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -37,6 +37,8 @@ from extensions.openai.runner import ChoiceRunner, ChunkSource, watch_disconnect
 from extensions.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from loader.base import LoadedModel
 from webui.text_generation import ReplyChunk, stream_chat_reply, stream_reply
+
+Events = AsyncIterator[tuple[int, ReplyChunk]]
 
 
 @dataclass
@@ -91,20 +93,35 @@ class _Request:
         self.created = int(time.time())
         self.stop = threading.Event()
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self.watcher: asyncio.Task[None] | None = None
 
-    def start(self, sources: list[ChunkSource]) -> AsyncIterator[tuple[int, ReplyChunk]]:
+    def start(self, sources: list[ChunkSource]) -> Events:
+        # Watch for a disconnect from now on: a request may wait in the scheduler's queue.
+        self.watcher = asyncio.create_task(watch_disconnect(self.request, self.stop))
         return ChoiceRunner(sources, self.stop).chunks()
 
-    async def first(self, events: AsyncIterator) -> tuple[int, ReplyChunk]:
+    def finish(self) -> None:
+        self.stop.set()  # cancels whatever still runs (a disconnect, an error, the end)
+        if self.watcher is not None:
+            self.watcher.cancel()
+
+    async def first(self, events: Events) -> tuple[int, ReplyChunk]:
+        """The first chunk of any choice, or the error that stopped them, as an ApiError."""
         try:
             return await events.__anext__()
         except StopAsyncIteration:  # pragma: no cover - every source yields a final chunk
+            self.finish()
             raise ApiError(500, "generation produced nothing", type="server_error") from None
         except Exception as error:
+            self.finish()
             raise error_for(error) from error
 
-    async def collect(self, events: AsyncIterator, first: tuple[int, ReplyChunk], on_chunk):
-        watcher = asyncio.create_task(watch_disconnect(self.request, self.stop))
+    async def collect(
+        self,
+        events: Events,
+        first: tuple[int, ReplyChunk],
+        on_chunk: Callable[[int, ReplyChunk], None],
+    ) -> None:
         try:
             on_chunk(*first)
             async for index, chunk in events:
@@ -112,35 +129,36 @@ class _Request:
         except Exception as error:
             raise error_for(error) from error
         finally:
-            watcher.cancel()
-            self.stop.set()
+            self.finish()
 
-
-async def _stream(
-    events: AsyncIterator,
-    first: tuple[int, ReplyChunk],
-    head: list[bytes],
-    render,
-    tail,
-    stop: threading.Event,
-) -> AsyncIterator[bytes]:
-    try:
-        for item in head:
-            yield item
-        for piece in render(*first):
-            yield piece
-        async for index, chunk in events:
-            for piece in render(index, chunk):
+    async def stream(
+        self,
+        events: Events,
+        first: tuple[int, ReplyChunk],
+        head: list[bytes],
+        render: Callable[[int, ReplyChunk], Iterator[bytes]],
+        tail: Callable[[], Iterator[bytes]],
+    ) -> AsyncIterator[bytes]:
+        try:
+            for item in head:
+                yield item
+            for piece in render(*first):
                 yield piece
-        for piece in tail():
-            yield piece
-        yield _sse("[DONE]")
-    except Exception as error:  # after the headers: report in-band, then end the stream
-        yield _sse(error_for(error).body())
-        yield _sse("[DONE]")
-    finally:
-        stop.set()  # the client went away or the stream ended: cancel what still runs
-        await events.aclose()
+            async for index, chunk in events:
+                for piece in render(index, chunk):
+                    yield piece
+            for piece in tail():
+                yield piece
+            yield _sse("[DONE]")
+        except Exception as error:  # after the headers: report in-band, then end the stream
+            yield _sse(error_for(error).body())
+            yield _sse("[DONE]")
+        finally:
+            self.finish()
+            await events.aclose()
+
+    def response(self, *args: Any) -> StreamingResponse:
+        return StreamingResponse(self.stream(*args), media_type="text/event-stream")
 
 
 # -- /v1/completions -------------------------------------------------------------------------
@@ -247,9 +265,7 @@ async def completions(
         if req.include_usage:
             yield _sse({**base([]), "usage": _usage(choices, n)})
 
-    return StreamingResponse(
-        _stream(events, first, head, render, tail, req.stop), media_type="text/event-stream"
-    )
+    return req.response(events, first, head, render, tail)
 
 
 # -- /v1/chat/completions --------------------------------------------------------------------
@@ -348,6 +364,4 @@ async def chat_completions(
         if req.include_usage:
             yield _sse({**chunk_body([]), "usage": _usage(choices, n)})
 
-    return StreamingResponse(
-        _stream(events, first, head, render, tail, req.stop), media_type="text/event-stream"
-    )
+    return req.response(events, first, head, render, tail)
