@@ -257,6 +257,9 @@ def test_bad_requests_get_openai_errors(client: openai.OpenAI, server: ApiServer
     with pytest.raises(openai.BadRequestError) as too_long_stream:
         client.completions.create(model="tiny", prompt="fox " * 400, max_tokens=4, stream=True)
     assert too_long_stream.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as bias:
+        client.completions.create(model="tiny", prompt="x", logit_bias={"99999": 5})
+    assert bias.value.body["param"] == "logit_bias" and "99999" in bias.value.message
     with pytest.raises(openai.BadRequestError) as no_messages:
         client.chat.completions.create(model="tiny", messages=[])
     assert no_messages.value.body["param"] == "messages"

@@ -32,7 +32,12 @@ from extensions.openai.logprobs import (
     chat_logprobs,
     prompt_logprobs,
 )
-from extensions.openai.params import build_state, choice_states, message_dicts
+from extensions.openai.params import (
+    build_state,
+    check_logit_bias,
+    choice_states,
+    message_dicts,
+)
 from extensions.openai.runner import ChoiceRunner, ChunkSource, watch_disconnect
 from extensions.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from loader.base import LoadedModel
@@ -175,6 +180,7 @@ async def completions(
     request: Request, body: CompletionRequest, model: LoadedModel, name: str
 ) -> Any:
     state = build_state(body)
+    check_logit_bias(state, model.backend.tokenizer.vocab_size)
     prompts = _prompts(body)
     n = body.n
     req = _Request(request, model, name, body)
@@ -273,6 +279,7 @@ async def chat_completions(
     request: Request, body: ChatCompletionRequest, model: LoadedModel, name: str
 ) -> Any:
     state = build_state(body)
+    check_logit_bias(state, model.backend.tokenizer.vocab_size)
     messages = message_dicts(body)
     n = body.n
     req = _Request(request, model, name, body)

@@ -68,6 +68,19 @@ def build_state(body: SamplingFields) -> dict[str, Any]:
     return state
 
 
+def check_logit_bias(state: dict[str, Any], vocab_size: int) -> None:
+    """OpenAI refuses biases for tokens the model does not have (the engine would drop them
+    silently)."""
+    for key in state.get("logit_bias") or {}:
+        token = int(key)
+        if not 0 <= token < vocab_size:
+            raise ApiError(
+                400,
+                f"logit_bias names token {key}, outside the model's vocabulary [0, {vocab_size})",
+                param="logit_bias",
+            )
+
+
 def choice_states(state: dict[str, Any], n: int) -> list[dict[str, Any]]:
     """One state per choice: with a fixed seed, choice i uses seed + i so that the n
     choices differ and the request still reproduces."""
