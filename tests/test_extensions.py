@@ -281,3 +281,21 @@ def test_tgw_extensions_run_unchanged(tmp_path: Path, tiny_model) -> None:
         assert decode(encode("Once upon")[0]) == "Once upon"
     finally:
         extensions.load_extensions([])
+
+
+def test_create_extension_ui_builds_blocks_and_tabs(ext_dir: Path) -> None:
+    gr = pytest.importorskip("gradio")
+    _write(ext_dir, "tabbed", 'params = {"is_tab": True, "display_name": "My tab"}\n'
+           "import gradio as gr\ndef ui():\n    gr.Markdown('in a tab')\n")  # fmt: skip
+    _write(ext_dir, "word_replace", (extensions.DEFAULT_EXTENSIONS_DIR / "word_replace" /
+                                     "script.py").read_text())  # fmt: skip
+    extensions.load_extensions(["tabbed", "alpha", "word_replace"], ext_dir, strict=True)
+    with gr.Blocks() as demo:
+        drawn = extensions.create_extension_ui()
+    # alpha has no ui(); the column comes first, then the tabs
+    assert drawn == ["word_replace", "tabbed"]
+    config = demo.get_config_file()
+    labels = {c["props"].get("label") for c in config["components"]}
+    assert {"Replace words", "In the input (old=new; ...)", "My tab"} <= labels
+    column = [c for c in config["components"] if c["props"].get("elem_id") == "extensions"]
+    assert len(column) == 1
