@@ -94,6 +94,8 @@ def ext_dir(tmp_path: Path) -> Iterator[Path]:
     _write(root, "echo", ECHO)
     _write(root, "broken", "raise RuntimeError('boom at import')\n")
     _write(root, "bad_setup", "def setup():\n    raise KeyError('missing key')\n")
+    _write(root, "needs_pkg", "import kestrel_no_such_package\n")
+    (root / "needs_pkg" / "requirements.txt").write_text("kestrel-no-such-package\n")
     yield root
     extensions.load_extensions([])
     shared.settings.clear()
@@ -150,6 +152,7 @@ def test_params_overridden_by_settings_and_setup_runs_once(ext_dir: Path) -> Non
         ("missing", "extension 'missing' not found"),
         ("broken", "extension 'broken' failed to import"),
         ("bad_setup", "extension 'bad_setup': setup() failed: KeyError"),
+        ("needs_pkg", "No module named 'kestrel_no_such_package'; install its requirements"),
         ("../alpha", "invalid extension name '../alpha'"),
         ("a/b", "invalid extension name 'a/b'"),
     ],
