@@ -199,7 +199,7 @@ def _raise_not_fit(
     elif placed_parts <= fp.num_layers:
         what = f"layers {placed_parts - 1}-{fp.num_layers - 1} and the head"
     else:
-        what = "the head"
+        what = "the final norm and head"
     total_budget = sum(budgets)
     # The shortfall over all budgets; when whole layers leave unusable ends on each GPU,
     # at least the room the next part lacks on the last one.
@@ -207,7 +207,7 @@ def _raise_not_fit(
     names = ", ".join(f"{d} {_gib(b)}" for d, b in zip(devices, budgets, strict=True))
     raise PlacementError(
         f"the model does not fit: it needs {_gib(fp.total_bytes)} (weights + KV cache) and the "
-        f"GPUs offer {_gib(total_budget)} ({names}); {what} do not fit: "
+        f"GPUs offer {_gib(total_budget)} ({names}); no room is left for {what}: "
         f"{_gib(missing)} more GPU memory is missing. Shorten max_seq_len / cache_tokens, "
         "add GPUs, lower the reserve, or enable cpu_offload."
     )

@@ -43,6 +43,7 @@ class TensorParallelEngine(Engine):
     world_size: int
     _workers: list
     _device: torch.device
+    rank_devices: list[str]
 
     @classmethod
     def launch(
@@ -119,6 +120,7 @@ class TensorParallelEngine(Engine):
         engine.world_size = engine.tp_world_size = world_size
         engine._workers = workers
         engine._device = spec.device(0)
+        engine.rank_devices = [str(spec.device(rank)) for rank in range(world_size)]
         return engine
 
     def forward(
