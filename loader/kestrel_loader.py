@@ -12,6 +12,7 @@ from engine.config import ModelConfig
 from engine.engine import Engine, EngineOptions
 from engine.generator import GenerationBackend
 from engine.placement import PlacementError
+from engine.tensor_parallel.transform import TensorParallelError
 from loader.base import LoadedModel, LoaderError
 
 NAME = "kestrel"
@@ -62,7 +63,7 @@ def load(
 
             return KestrelModel(path, TensorParallelEngine.launch(path, engine_options, tp))
         return KestrelModel(path, Engine.load(path, engine_options))
-    except PlacementError as e:
+    except (PlacementError, TensorParallelError) as e:
         raise LoaderError(str(e)) from e
 
 
