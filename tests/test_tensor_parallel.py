@@ -72,6 +72,27 @@ def test_row_shards_by_input_range_are_exact_and_sum_to_the_product(fmt: str):
 
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
+@pytest.mark.parametrize(
+    "rows",
+    [range(64, 128), range(5, 70), [*range(0, 32), *range(96, 128), 200, 255], range(250, K)],
+    ids=["whole-groups", "mid-word", "runs-and-strays", "segment-end"],
+)
+def test_any_row_subset_repacks_exactly(fmt: str, rows):
+    """Whole-word runs are sliced, the rest unpacked and repacked: the same codes either way."""
+    qw = WEIGHTS[fmt]()
+    selected = torch.tensor(list(rows))
+    shard = quantized_rows(qw, selected, None, keep_bias=False)
+    shard.validate()
+    assert torch.equal(dequantize_reference(shard), _permuted(qw)[selected])
+
+
+def _permuted(qw) -> torch.Tensor:
+    """The dequantized weight in permuted (storage) row order."""
+    full = dequantize_reference(qw)
+    return full if qw.perm is None else full[qw.perm.long()]
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
 def test_mlp_down_shards_take_whole_groups_round_robin(fmt: str):
     qw = WEIGHTS[fmt]()
     full = dequantize_reference(qw)
@@ -103,18 +124,22 @@ def _mixed_quantize(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
     return _exl2(module, w) if use_exl2 else _gptq(4, 32, False, True, False)(module, w)
 
 
-@pytest.fixture(scope="module")
-def mixed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def build_mixed_model(root: Path) -> Path:
+    """A 3-layer tiny Llama under root/q with FP16, EXL2 and GPTQ layers (_mixed_quantize)."""
     from test_quantized_model import _quantize_model
 
-    fp16 = tmp_path_factory.mktemp("tp_fp16")
-    make_tiny_llama(fp16, dtype=torch.float16, num_hidden_layers=3)
-    path = tmp_path_factory.mktemp("tp_mixed") / "q"
-    _quantize_model(fp16, path, _mixed_quantize)
+    make_tiny_llama(root / "fp16", dtype=torch.float16, num_hidden_layers=3)
+    path = root / "q"
+    _quantize_model(root / "fp16", path, _mixed_quantize)
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
     (path / "config.json").write_text(json.dumps(cfg))
     return path
+
+
+@pytest.fixture(scope="module")
+def mixed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_mixed_model(tmp_path_factory.mktemp("tp_mixed"))
 
 
 def _ids() -> list[int]:

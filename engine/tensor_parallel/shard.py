@@ -78,8 +78,7 @@ def quantized_rows(
         inside = rows[(rows >= seg.row_start) & (rows < seg.row_end)] - seg.row_start
         if inside.numel() == 0:
             continue
-        codes = seg.codes()[inside.to(seg.planes[0].packed.device)]
-        segments.append(make_segment(codes, seg.bits, start))
+        segments.append(_segment_rows(seg, inside, start))
         start += inside.numel()
     return QuantizedWeight(
         in_features=rows.numel(),
@@ -91,6 +90,31 @@ def quantized_rows(
         row_group=local_group.to(torch.int32).contiguous(),
         bias=qw.bias if keep_bias else None,
     )
+
+
+def _runs(rows: torch.Tensor) -> list[tuple[int, int]]:
+    """Maximal runs [start, end) of consecutive values in increasing `rows`."""
+    breaks = (torch.nonzero(rows[1:] != rows[:-1] + 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, rows.numel()]
+    return [(int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _segment_rows(seg: Segment, inside: torch.Tensor, start: int) -> Segment:
+    """Rows `inside` (local to `seg`, increasing) of a segment as a new segment at `start`.
+
+    Runs of rows that begin and end on word boundaries of every plane (whole quantization
+    groups, as a rule) are sliced word by word; anything else is unpacked and repacked."""
+    runs = _runs(inside)
+    per_word = [32 // p.bits for p in seg.planes]
+    aligned = all(a % w == 0 and (b % w == 0 or b == seg.rows) for a, b in runs for w in per_word)
+    if not aligned:
+        codes = seg.codes()[inside.to(seg.planes[0].packed.device)]
+        return make_segment(codes, seg.bits, start)
+    planes = []
+    for plane, w in zip(seg.planes, per_word, strict=True):
+        words = [plane.packed[a // w : -(-b // w)] for a, b in runs]
+        planes.append(Plane(plane.bits, plane.shift, torch.cat(words).contiguous()))
+    return Segment(seg.bits, start, start + inside.numel(), planes)
 
 
 def rows_of_inputs(

@@ -40,6 +40,13 @@ class TensorParallelError(ValueError):
     """The model cannot be sharded over this many ranks (or this way)."""
 
 
+# Up to this many rows (decode batches), quantized partial products are summed in float32
+# and rounded to the activation dtype once, as a single GPU rounds its float32 accumulator:
+# TP decode then matches one GPU up to summation order. The kernels take float32
+# activations at the same speed there (memory-bound); larger M (prefill) sums in fp16.
+FLOAT32_REDUCE_MAX_ROWS = 64
+
+
 class AllReduceLinear(nn.Module):
     """A row-parallel linear: each rank's partial product, summed over the group."""
 
@@ -51,6 +58,14 @@ class AllReduceLinear(nn.Module):
         self.out_features = inner.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            isinstance(self.inner, QuantizedLinear)
+            and x.dtype != torch.float32
+            and x.shape[0] <= FLOAT32_REDUCE_MAX_ROWS
+        ):
+            y = self.inner(x.float()).contiguous()
+            dist.all_reduce(y, group=self.group)
+            return y.to(x.dtype)
         y = self.inner(x).contiguous()
         dist.all_reduce(y, group=self.group)
         return y
