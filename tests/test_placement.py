@@ -175,9 +175,10 @@ def test_footprint_of_a_dense_checkpoint_equals_loaded_bytes(tiny: Path):
 
 
 def test_footprint_of_a_gptq_checkpoint_equals_loaded_bytes(tiny: Path, tmp_path: Path):
-    from test_quantized_model import _gptq, _quantize_model
+    from test_quantized_model import _gptq
+    from test_tensor_parallel import quantize_checkpoint
 
-    _quantize_model(tiny, tmp_path / "q", _gptq(4, 32, True, True, False))
+    quantize_checkpoint(tiny, tmp_path / "q", _gptq(4, 32, True, True, False))
     cfg_path = tmp_path / "q" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}

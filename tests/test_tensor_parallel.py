@@ -111,6 +111,8 @@ def test_mlp_down_shards_take_whole_groups_round_robin(fmt: str):
 
 # --- two gloo processes ------------------------------------------------------------------
 
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
 
 def _mixed_quantize(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """Layer 0 and the head stay FP16; layer 1 has EXL2 attention and a GPTQ (act-order)
@@ -124,13 +126,31 @@ def _mixed_quantize(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
     return _exl2(module, w) if use_exl2 else _gptq(4, 32, False, True, False)(module, w)
 
 
+def quantize_checkpoint(src: Path, dst: Path, quantize) -> Path:
+    """Copy the checkpoint in `src` to `dst`, each linear and the head replaced by what
+    `quantize(module, weight)` writes (test_quantized_model's writers), without building a
+    transformers reference."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and (module.split(".")[-1] in LINEARS or module == "lm_head"):
+            out.update({f"{module}.{k}": v for k, v in quantize(module, t)[0].items()})
+        else:
+            out[name] = t
+    save_file(out, dst / "model.safetensors")
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
 def build_mixed_model(root: Path) -> Path:
     """A 3-layer tiny Llama under root/q with FP16, EXL2 and GPTQ layers (_mixed_quantize)."""
-    from test_quantized_model import _quantize_model
-
     make_tiny_llama(root / "fp16", dtype=torch.float16, num_hidden_layers=3)
-    path = root / "q"
-    _quantize_model(root / "fp16", path, _mixed_quantize)
+    path = quantize_checkpoint(root / "fp16", root / "q", _mixed_quantize)
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
     (path / "config.json").write_text(json.dumps(cfg))
@@ -146,7 +166,7 @@ def _ids() -> list[int]:
     return torch.randint(3, 384, (40,), generator=torch.Generator().manual_seed(7)).tolist()
 
 
-GREEDY = {"max_new_tokens": 12, "temperature": 0, "ban_eos_token": True}
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ban_eos_token": True}
 
 
 def test_two_gloo_ranks_match_one_process(mixed_model: Path):
