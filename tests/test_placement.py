@@ -174,11 +174,11 @@ def test_footprint_of_a_dense_checkpoint_equals_loaded_bytes(tiny: Path):
     assert fp.cache_bytes_per_layer == 2 * 6 * 64 * config.num_key_value_heads * 16 * 4
 
 
-def test_footprint_of_a_gptq_checkpoint_equals_loaded_bytes(tiny: Path, tmp_path: Path):
-    from test_quantized_model import _gptq
-    from test_tensor_parallel import quantize_checkpoint
+def test_footprint_of_exl2_and_gptq_layers_equals_loaded_bytes(tiny: Path, tmp_path: Path):
+    from test_tensor_parallel import _mixed_quantize, quantize_checkpoint
 
-    quantize_checkpoint(tiny, tmp_path / "q", _gptq(4, 32, True, True, False))
+    # layer 0 dense, layer 1 EXL2 attention + GPTQ act-order MLP, layer 2 the reverse
+    quantize_checkpoint(tiny, tmp_path / "q", _mixed_quantize)
     cfg_path = tmp_path / "q" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}

@@ -29,9 +29,11 @@ def _tensor_bytes(store: WeightStore, name: str, dtype: torch.dtype) -> int:
         return numel * 8 * 2 * 2
     if leaf == "scales" and f"{module}.qweight" in store:  # GPTQ: fp16 scales + zeros
         return numel * 2 * 2
-    if leaf in ("q_perm", "g_idx"):  # -> int32 perm + int32 row_group of length k
+    # -> int32 perm + int32 row_group of length k (EXL2 always has q_invperm; q_perm is
+    # optional and counted through it)
+    if leaf in ("q_invperm", "g_idx"):
         return numel * 4 * 2
-    if leaf in ("q_invperm", "qzeros", "q_scale_max", "q_groups"):  # folded into the above
+    if leaf in ("q_perm", "qzeros", "q_scale_max", "q_groups"):  # folded into the above
         return 0
     if info.dtype.is_floating_point:
         size = 2 if leaf == "bias" and f"{module}.weight" not in store else dtype.itemsize
