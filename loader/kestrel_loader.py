@@ -138,8 +138,8 @@ def _placement_info(engine: Engine) -> dict[str, Any]:
     if engine.placement is not None:
         info: dict[str, Any] = engine.placement.describe()
     else:
-        devices = [str(d) for d in engine.devices]
-        info = {"layers": {d: "all" for d in devices}}
+        layers = engine.config.num_hidden_layers
+        info = {"layers": f"0-{layers - 1} on every rank, 1/{engine.tp_world_size} of each"}
     info["tp_world_size"] = engine.tp_world_size
     if engine.tp_world_size > 1:
         info["mode"] = "tensor_parallel"

@@ -206,3 +206,14 @@ def test_tp_refuses_what_it_cannot_shard(mixed_model: Path):
         loader.load(mixed_model, "kestrel", device="cpu", tp=2, cpu_offload=True)
     with pytest.raises(loader.LoaderError, match="tp must be a positive number"):
         loader.load(mixed_model, "kestrel", device="cpu", tp=0)
+    with pytest.raises(loader.LoaderError, match="on the CPU needs tp=N"):
+        loader.load(mixed_model, "kestrel", device="cpu", tensor_parallel=True)
+
+
+def test_cli_reports_bad_placement_flags(mixed_model: Path, capsys: pytest.CaptureFixture):
+    from loader.__main__ import main
+
+    assert main([str(mixed_model), "--device", "cpu", "--gpu-split", "20,x"]) == 1
+    assert "--gpu-split takes GiB per GPU like 20,24; got '20,x'" in capsys.readouterr().err
+    assert main([str(mixed_model), "--device", "cpu", "--tp", "3"]) == 1
+    assert "do not divide among 3 ranks" in capsys.readouterr().err
