@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from engine.cache import ForwardBatch, Sequence
 from engine.config import ModelConfig
-from engine.engine import DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
+from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
 from engine.loading import resolve_device, resolve_dtype
 from engine.tensor_parallel import protocol
 from engine.tensor_parallel.rank import NCCL_ENV, ShardSpec, build_rank, init_rank, worker_main
@@ -63,6 +63,11 @@ class TensorParallelEngine(Engine):
             raise TensorParallelError(
                 "a tensor-parallel model is already loaded in this process; unload it first"
             )
+        if options.cache_type not in CACHE_TYPES:
+            raise ValueError(
+                f"cache_type '{options.cache_type}' is not supported yet "
+                f"(available: {', '.join(CACHE_TYPES)})"
+            )
         config = ModelConfig.from_dir(model_dir)
         if config.num_key_value_heads % world_size or config.num_attention_heads % world_size:
             raise TensorParallelError(
@@ -79,6 +84,8 @@ class TensorParallelEngine(Engine):
         max_seq_len = options.max_seq_len or min(
             config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN
         )
+        if max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
         use_graphs = options.cuda_graphs and device.type == "cuda"
         cache_tokens = options.cache_tokens or max_seq_len
         spec = ShardSpec(
