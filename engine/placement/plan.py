@@ -109,9 +109,9 @@ def plan_placement(
 ) -> Placement:
     """Plan a layer split over `devices` (GPUs, in fill order).
 
-    Exactly one of `gpu_split` (GiB per device, manual) and `free_bytes` (measured free
-    memory per device, auto split) is given. With a manual split the budgets are taken as
-    given, but a budget above what is free (when `free_bytes` is also known) is an error.
+    The budgets come from `gpu_split` (GiB per device, manual) when given, else from
+    `free_bytes` (measured free memory per device: auto split) less the reserve and the
+    activation workspace. With both, a manual budget above what is usable is an error.
     """
     if not devices:
         raise PlacementError("no GPU to place the model on")
