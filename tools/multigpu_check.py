@@ -156,8 +156,11 @@ def run_mode(mode: str, path: Path, args: argparse.Namespace) -> dict:
     }
     try:
         result.update(measure(engine, prompt, greedy_prompt, args.greedy))
-    finally:
-        engine.unload()
+    except BaseException:
+        # Other TP ranks may be stuck in a collective: no graceful stop.
+        getattr(engine, "abort", engine.unload)()
+        raise
+    engine.unload()
     return result
 
 
@@ -194,7 +197,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="llama3-70b", choices=list(SHAPES))
     parser.add_argument("--format", default="gptq", choices=["gptq", "exl2"])
-    parser.add_argument("--modes", nargs="+", default=["single", "split", "tp"], choices=MODES)
+    parser.add_argument(
+        "--modes",
+        nargs="*",
+        default=["single", "split", "tp"],
+        choices=MODES,
+        help="none: build only",
+    )
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens for tok/s")
     parser.add_argument("--greedy", type=int, default=32, help="greedy tokens compared")
     parser.add_argument("--work", default="/tmp/kestrel-mgpu")

@@ -166,6 +166,16 @@ class TensorParallelEngine(Engine):
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def abort(self) -> None:
+        """Stop the other ranks without a collective (after a failed step they may be stuck
+        inside one): terminate their processes and drop the process group."""
+        _stop_workers(self._workers)
+        self.model = None  # type: ignore[assignment]
+        self.cache = None  # type: ignore[assignment]
+        self.graphs = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
 
 def _wait_ready(workers: list, reports) -> None:
     """Wait until every spawned rank has built its shard; raise with a rank's error."""
