@@ -169,6 +169,7 @@ class TensorParallelEngine(Engine):
     def abort(self) -> None:
         """Stop the other ranks without a collective (after a failed step they may be stuck
         inside one): terminate their processes and drop the process group."""
+        self.scheduler.close()
         _stop_workers(self._workers)
         self.model = None  # type: ignore[assignment]
         self.cache = None  # type: ignore[assignment]
