@@ -65,7 +65,11 @@ class _Graph:
             self.logits = model(self.batch, cache)
 
     def run(self, sequences: list[Sequence], tokens: list[int]) -> torch.Tensor:
-        n = len(sequences)
+        self.stage(sequences, tokens)
+        return self.replay()[: len(sequences)]
+
+    def stage(self, sequences: list[Sequence], tokens: list[int]) -> None:
+        """Write the step's inputs into the device rows (`device_rows`)."""
         host = self.host
         host[:, 0] = 0
         host[:, 1] = 0
@@ -79,8 +83,12 @@ class _Graph:
             host[b, 2] = seq.pages[pos // self.page_size] * self.page_size + pos % self.page_size
             host[b, 3] = seq.length
             host[b, 4 : 4 + len(seq.pages)] = torch.tensor(seq.pages)
+        self.device_rows.copy_(host, non_blocking=True)
+
+    def replay(self) -> torch.Tensor:
+        """Run the captured forward on what `device_rows` holds; logits [batch_size, vocab].
+        (Tensor-parallel ranks other than 0 receive `device_rows` instead of staging them.)"""
         rows = self.device_rows
-        rows.copy_(host, non_blocking=True)
         batch = self.batch
         batch.token_ids.copy_(rows[:, 0])
         batch.positions.copy_(rows[:, 1])
@@ -88,7 +96,7 @@ class _Graph:
         batch.context_lens.copy_(rows[:, 3])
         batch.page_table.copy_(rows[:, 4:])
         self.graph.replay()
-        return self.logits[:n]
+        return self.logits
 
 
 class DecodeGraphs:
@@ -115,6 +123,10 @@ class DecodeGraphs:
             seq.length += 1
         size = self.bucket(len(sequences))
         assert size is not None, "more sequences than the largest bucket"
+        return self.graph(size).run(sequences, tokens)
+
+    def graph(self, size: int) -> _Graph:
+        """The captured forward of bucket `size`, captured on first use."""
         graph = self._graphs.get(size)
         if graph is None:
             graph = self._graphs[size] = _Graph(
@@ -126,7 +138,7 @@ class DecodeGraphs:
                 self.scratch_page,
                 self.device,
             )
-        return graph.run(sequences, tokens)
+        return graph
 
     def release(self) -> None:
         self._graphs.clear()

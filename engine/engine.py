@@ -20,6 +20,7 @@ from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.fusion import fuse_projections
 from engine.loading import load_causal_lm, resolve_device, resolve_dtype
+from engine.placement import Placement, PlacementOptions, plan_for_model
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
@@ -45,6 +46,11 @@ class EngineOptions:
     max_batch: int = 64  # concurrent jobs; more wait in the scheduler's queue
     prefix_caching: bool = True  # reuse the cached pages of a repeated prompt prefix
     fuse_projections: bool = True  # q/k/v and gate/up as one linear each (engine/fusion.py)
+    # Layer split (engine/placement/): GiB per GPU, or auto from free memory; CPU offload.
+    gpu_split: list[float] | None = None
+    autosplit: bool = False
+    gpu_reserve_gb: float = 0.25
+    cpu_offload: bool = False
 
 
 class Engine:
@@ -67,6 +73,8 @@ class Engine:
         self.max_seq_len = options.max_seq_len or DEFAULT_MAX_SEQ_LEN
         self.load_seconds = load_seconds
         self.graphs: DecodeGraphs | None = None
+        self.placement: Placement | None = None  # set by load
+        self.tp_world_size = 1  # set by engine/tensor_parallel for a sharded model
         self.lock = threading.RLock()
         # prefill_chunk is the step's token budget: decode tokens plus prefill chunks.
         self.scheduler = Scheduler(
@@ -95,12 +103,27 @@ class Engine:
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
         tokenizer = Tokenizer.from_dir(model_dir)
-        model = load_causal_lm(model_dir, device=device, dtype=dtype, config=config)
+        cache_tokens = options.cache_tokens or max_seq_len
+        placement = plan_for_model(
+            str(model_dir),
+            config,
+            PlacementOptions(
+                options.gpu_split, options.autosplit, options.gpu_reserve_gb, options.cpu_offload
+            ),
+            device=device,
+            dtype=dtype,
+            cache_tokens=cache_tokens,
+            page_size=options.page_size,
+            prefill_chunk=options.prefill_chunk,
+        )
+        model = load_causal_lm(
+            model_dir, device=device, dtype=dtype, config=config, placement=placement
+        )
         if options.fuse_projections:
             fuse_projections(model)
         model.setup_rotary(max_seq_len, rope_alpha=options.rope_alpha)
-        cache_tokens = options.cache_tokens or max_seq_len
-        use_graphs = options.cuda_graphs and device.type == "cuda"
+        # Decode graphs are captured on one device; a split model runs eagerly.
+        use_graphs = options.cuda_graphs and placement.devices == [device] and device.type == "cuda"
         cache = PagedKVCache(
             num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads,
@@ -115,6 +138,7 @@ class Engine:
         engine = cls(
             config, model, cache, tokenizer, options, model_dir, time.perf_counter() - started
         )
+        engine.placement = placement
         if use_graphs:
             engine.graphs = DecodeGraphs(model, cache, max_seq_len)
         return engine
@@ -125,6 +149,8 @@ class Engine:
 
     @property
     def devices(self) -> list[torch.device]:
+        if self.placement is not None:
+            return self.placement.devices
         return list(dict.fromkeys(self.model.layer_devices))
 
     def check_length(self, prompt_tokens: int, new_tokens: int = 0) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.architectures import CausalLM, architecture_class
 from engine.config import ModelConfig
+from engine.placement.plan import Placement
 from engine.weights import WeightError, WeightStore
 
 DTYPES: dict[str, torch.dtype] = {
@@ -69,14 +70,18 @@ def load_causal_lm(
     dtype: torch.dtype,
     config: ModelConfig | None = None,
     progress: Callable[[int, int], None] | None = None,
+    placement: Placement | None = None,
 ) -> CausalLM:
+    """`placement` (engine/placement/) puts each layer on its own device; without it,
+    everything goes on `device`."""
     config = config or ModelConfig.from_dir(model_dir)
     cls = architecture_class(config.architecture, source=config.source)
     store = WeightStore(model_dir)
     with torch.device("meta"):
         model = cls(config, tensor_names=set(store.names()))
-    model.layer_devices = [device] * config.num_hidden_layers
-    quantized = _load_quantized_linears(model, store, config, device, progress)
+    placement = placement or Placement.single(device, config.num_hidden_layers)
+    model.layer_devices = list(placement.layer_devices)
+    quantized = _load_quantized_linears(model, store, config, placement.device_of, progress)
 
     params = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)]
     # A quantized head (EXL2 always writes one) wins over tying it to the embeddings.
@@ -91,12 +96,21 @@ def load_causal_lm(
                     "not tie it to the embeddings (tie_word_embeddings is false)"
                 )
             raise WeightError(f"tensor '{name}' not found in {model_dir}")
-        tensor = store.get(name, dtype=dtype, device=device, shape=tuple(param.shape))
+        tensor = store.get(
+            name, dtype=dtype, device=placement.device_of(name), shape=tuple(param.shape)
+        )
         _set_parameter(model, name, tensor)
         if progress:
             progress(i + 1, len(params))
     if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        embed = model.model.embed_tokens.weight
+        head_device = placement.head_device
+        # A head on another device than the embeddings gets its own copy of the table.
+        model.lm_head.weight = (
+            embed
+            if embed.device == head_device
+            else nn.Parameter(embed.to(head_device), requires_grad=False)
+        )
     store.close()
     model.eval()
     return model
@@ -112,7 +126,7 @@ def _load_quantized_linears(
     model: nn.Module,
     store: WeightStore,
     config: ModelConfig,
-    device: torch.device,
+    device_of: Callable[[str], torch.device],
     progress: Callable[[int, int], None] | None,
 ) -> set[str]:
     """Swap every Linear stored as EXL2/GPTQ for a QuantizedLinear; returns their names."""
@@ -129,7 +143,7 @@ def _load_quantized_linears(
             name,
             in_features=module.in_features,
             out_features=module.out_features,
-            device=device,
+            device=device_of(name),
             quantization_config=config.quantization_config,
         )
         parent_name, _, leaf = name.rpartition(".")

@@ -29,6 +29,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: a GPU)")
     parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32")
     parser.add_argument("--max-seq-len", type=int, default=None)
+    parser.add_argument(
+        "--gpu-split",
+        default=None,
+        help="layer split: GiB per GPU, comma-separated (e.g. 20,24)",
+    )
+    parser.add_argument(
+        "--autosplit", action="store_true", help="layer split from each GPU's free memory"
+    )
+    parser.add_argument(
+        "--gpu-reserve", type=float, default=None, help="GiB left free per GPU (auto split)"
+    )
+    parser.add_argument(
+        "--cpu-offload", action="store_true", help="run layers that fit no GPU on the CPU"
+    )
+    parser.add_argument(
+        "--tp", type=int, default=None, help="tensor parallel over N GPUs (one process each)"
+    )
     parser.add_argument("-n", "--max-new-tokens", type=int, default=128)
     parser.add_argument("-t", "--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -50,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "stop": args.stop,
     }
+    model = None
+    last = None
     try:
         if args.model is None:
             from loader.default_model import ensure_default_model
@@ -62,12 +81,14 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             dtype=args.dtype,
             max_seq_len=args.max_seq_len,
+            **_placement_args(args),
         )
+        if args.tp or args.gpu_split or args.autosplit:
+            print(f"placement: {model.info().get('placement')}", file=sys.stderr)
         prompt = args.prompt
         if args.chat:
             prompt = model.apply_chat_template([{"role": "user", "content": prompt}])
             settings["add_bos_token"] = False  # the template writes its own BOS
-        last = None
         for chunk in model.stream(prompt, settings):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -75,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, SamplingSettingsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        if model is not None:
+            model.unload()  # stops tensor-parallel worker processes
     if last is not None:
         print(
             f"\n\n[{last.prompt_tokens} prompt tokens in {last.prompt_seconds:.2f} s, "
@@ -83,6 +107,27 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _placement_args(args: argparse.Namespace) -> dict:
+    """Layer split / offload / tensor-parallel options; only those given are passed."""
+    out: dict = {}
+    if args.gpu_split:
+        try:
+            out["gpu_split"] = [float(v) for v in args.gpu_split.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"--gpu-split takes GiB per GPU like 20,24; got {args.gpu_split!r}"
+            ) from None
+    if args.autosplit:
+        out["autosplit"] = True
+    if args.gpu_reserve is not None:
+        out["gpu_reserve_gb"] = args.gpu_reserve
+    if args.cpu_offload:
+        out["cpu_offload"] = True
+    if args.tp is not None:
+        out["tp"] = args.tp
+    return out
 
 
 if __name__ == "__main__":

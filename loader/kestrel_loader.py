@@ -11,6 +11,8 @@ from engine.architectures import ARCHITECTURES
 from engine.config import ModelConfig
 from engine.engine import Engine, EngineOptions
 from engine.generator import GenerationBackend
+from engine.placement import PlacementError
+from engine.tensor_parallel.transform import TensorParallelError
 from loader.base import LoadedModel, LoaderError
 
 NAME = "kestrel"
@@ -36,12 +38,10 @@ def load(
     tensor_parallel: bool = False,
     **options: Any,
 ) -> KestrelModel:
-    if gpu_split or autosplit or tensor_parallel:
-        raise LoaderError(
-            "gpu_split, autosplit and tensor_parallel are not supported yet: "
-            "this version of Kestrel loads a model onto one device"
-        )
+    # tensor_parallel=True: one rank per visible GPU; tp=N: N ranks (N > 1 implies TP).
+    tp = _tp_world_size(tensor_parallel, options.pop("tp", None), device)
     known = set(EngineOptions.__dataclass_fields__) - {"device", "dtype", "max_seq_len"}
+    known -= {"gpu_split", "autosplit"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise LoaderError(
@@ -49,9 +49,37 @@ def load(
             f"(known: {', '.join(sorted(known))})"
         )
     engine_options = EngineOptions(
-        device=device, dtype=dtype, max_seq_len=max_seq_len, cache_type=cache_type, **options
+        device=device,
+        dtype=dtype,
+        max_seq_len=max_seq_len,
+        cache_type=cache_type,
+        gpu_split=list(gpu_split) if gpu_split else None,
+        autosplit=autosplit,
+        **options,
     )
-    return KestrelModel(path, Engine.load(path, engine_options))
+    try:
+        if tp > 1:
+            from engine.tensor_parallel.engine import TensorParallelEngine
+
+            return KestrelModel(path, TensorParallelEngine.launch(path, engine_options, tp))
+        return KestrelModel(path, Engine.load(path, engine_options))
+    except (PlacementError, TensorParallelError) as e:
+        raise LoaderError(str(e)) from e
+
+
+def _tp_world_size(tensor_parallel: bool, tp: object, device: str | None) -> int:
+    if tp is not None:
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise LoaderError(f"tp must be a positive number of ranks, got {tp!r}")
+        return tp
+    if not tensor_parallel:
+        return 1
+    if device is not None and str(device).startswith("cpu"):
+        raise LoaderError("tensor_parallel=True on the CPU needs tp=N (the number of ranks)")
+    count = torch.cuda.device_count()
+    if count < 2:
+        raise LoaderError(f"tensor_parallel=True needs 2 or more GPUs, {count} visible")
+    return count
 
 
 class KestrelModel(LoadedModel):
@@ -95,6 +123,7 @@ class KestrelModel(LoadedModel):
             "loras": {},
             "load_seconds": round(engine.load_seconds, 3),
             "cuda_graphs": engine.graphs is not None,
+            "placement": _placement_info(engine),
             "scheduler": engine.scheduler.stats(),
         }
 
@@ -102,3 +131,28 @@ class KestrelModel(LoadedModel):
         if self.engine is not None:
             self.engine.unload()
             self.engine = None
+
+
+def _placement_info(engine: Engine) -> dict[str, Any]:
+    """Device per layer (ranges), embeddings/head devices, tensor-parallel world size."""
+    if engine.placement is not None:
+        info: dict[str, Any] = engine.placement.describe()
+    else:
+        layers = engine.config.num_hidden_layers
+        info = {"layers": f"0-{layers - 1} on every rank, 1/{engine.tp_world_size} of each"}
+    info["tp_world_size"] = engine.tp_world_size
+    if engine.tp_world_size > 1:
+        info["mode"] = "tensor_parallel"
+        ranks: list[str] = getattr(engine, "rank_devices", [])
+        info["ranks"] = ranks
+        # Memory in use on each rank's GPU as the driver reports it (other ranks are other
+        # processes, so torch.cuda.memory_allocated cannot see them).
+        info["vram_used_gib"] = {d: _used_gib(d) for d in ranks if d.startswith("cuda")}
+    else:
+        info["mode"] = "layer_split" if len(engine.devices) > 1 else "single"
+    return info
+
+
+def _used_gib(device: str) -> float:
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return round((total - free) / 2**30, 3)

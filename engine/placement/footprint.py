@@ -1,0 +1,101 @@
+"""Bytes each part of a model will take once loaded, read from the checkpoint's headers
+(no tensor data is read), for the layer-split planner.
+
+Quantized linears are counted in the runtime layout they are repacked into
+(docs/quant_layout.md): the code words as stored, fp16 scales *and* zero points per group
+and column, int32 row->group map and activation permutation. Dense tensors count in the
+model's dtype (a bf16 checkpoint loaded as fp32 doubles).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.placement.plan import ModelFootprint
+from engine.weights import WeightStore
+
+
+def _tensor_bytes(store: WeightStore, name: str, dtype: torch.dtype) -> int:
+    info = store.info(name)
+    numel = 1
+    for dim in info.shape:
+        numel *= dim
+    leaf = name.rsplit(".", 1)[-1]
+    module = name[: -len(leaf) - 1]
+    if leaf in ("q_weight", "qweight"):  # int32 code words, kept as they are
+        return numel * 4
+    if leaf == "q_scale":  # EXL2: 4-bit scales packed 8 per int32 -> fp16 scales + zeros
+        return numel * 8 * 2 * 2
+    if leaf == "scales" and f"{module}.qweight" in store:  # GPTQ: fp16 scales + zeros
+        return numel * 2 * 2
+    # -> int32 perm + int32 row_group of length k (EXL2 always has q_invperm; q_perm is
+    # optional and counted through it)
+    if leaf in ("q_invperm", "g_idx"):
+        return numel * 4 * 2
+    if leaf in ("q_perm", "qzeros", "q_scale_max", "q_groups"):  # folded into the above
+        return 0
+    if info.dtype.is_floating_point:
+        size = 2 if leaf == "bias" and f"{module}.weight" not in store else dtype.itemsize
+        return numel * size
+    return numel * info.dtype.itemsize
+
+
+def _largest_quantized_linear(store: WeightStore) -> int:
+    """Elements of the largest quantized linear: prefill dequantizes one into a dense
+    fp16 scratch [k, n] for cuBLAS."""
+    largest = 0
+    for name in store.names():
+        if name.endswith((".q_weight", ".qweight")):
+            words, n = store.info(name).shape
+            module = name.rsplit(".", 1)[0]
+            perm = f"{module}.q_invperm" if name.endswith(".q_weight") else f"{module}.g_idx"
+            k = store.info(perm).shape[0] if perm in store else words * 8
+            largest = max(largest, k * n)
+    return largest
+
+
+def model_footprint(
+    store: WeightStore,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    cache_tokens: int,
+    page_size: int,
+    prefill_chunk: int,
+    kv_heads: int | None = None,
+) -> ModelFootprint:
+    """The footprint of the checkpoint in `store` with a cache of `cache_tokens` tokens
+    (rounded up to pages, plus the one scratch page of the decode graphs)."""
+    layers = [0] * config.num_hidden_layers
+    embed = head = 0
+    for name in store.names():
+        size = _tensor_bytes(store, name, dtype)
+        if name.startswith("model.layers."):
+            index = int(name.split(".", 3)[2])
+            if index < len(layers):
+                layers[index] += size
+        elif name.startswith("model.embed_tokens."):
+            embed += size
+        else:
+            head += size
+    tied = config.tie_word_embeddings and not any(n.startswith("lm_head.") for n in store.names())
+    pages = -(-cache_tokens // page_size) + 1
+    kv = kv_heads if kv_heads is not None else config.num_key_value_heads
+    cache_per_layer = 2 * pages * page_size * kv * config.head_dim * dtype.itemsize
+    # Activations of one prefill chunk: hidden rows, q/k/v, the MLP's three intermediates,
+    # in float32 at worst; the dense scratch of the largest quantized linear; and the
+    # float32 logits of a whole chunk (logits() asks for every row).
+    width = 4 * config.hidden_size + 3 * config.intermediate_size
+    width += (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    activations = prefill_chunk * width * 4
+    activations += _largest_quantized_linear(store) * 2
+    activations += prefill_chunk * config.vocab_size * 4
+    return ModelFootprint(
+        embed_bytes=embed,
+        layer_bytes=layers,
+        head_bytes=head,
+        cache_bytes_per_layer=cache_per_layer,
+        activation_bytes=activations,
+        tied_head=tied,
+    )

@@ -1,0 +1,206 @@
+"""Rank 0 of a tensor-parallel model: the launcher and the engine the loader hands out.
+
+`TensorParallelEngine.launch(model_dir, options, world_size)` spawns ranks 1..W-1 (torch
+multiprocessing, one process per GPU), joins them in a process group (NCCL on GPUs, gloo
+on the CPU), builds its own shard and waits until every rank has built its own. From then
+on it is an ordinary `Engine` (tokenizer, scheduler, page bookkeeping) whose `forward`
+first broadcasts the step to the other ranks, which run the same forward on their shards.
+Decode steps replay CUDA graphs on every rank (all-reduces captured inside); prefill and
+mixed steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.cache import ForwardBatch, Sequence
+from engine.config import ModelConfig
+from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
+from engine.loading import resolve_device, resolve_dtype
+from engine.tensor_parallel import protocol
+from engine.tensor_parallel.rank import NCCL_ENV, ShardSpec, build_rank, init_rank, worker_main
+from engine.tensor_parallel.transform import TensorParallelError
+from engine.tokenizer import Tokenizer
+
+READY_TIMEOUT_S = 3600.0  # a 70B shard reads ~40 GB from disk
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelEngine(Engine):
+    world_size: int
+    _workers: list
+    _device: torch.device
+    rank_devices: list[str]
+
+    @classmethod
+    def launch(
+        cls, model_dir: str | Path, options: EngineOptions | None, world_size: int
+    ) -> TensorParallelEngine:
+        options = options or EngineOptions()
+        started = time.perf_counter()
+        model_dir = Path(model_dir)
+        if world_size < 2:
+            raise TensorParallelError(f"tensor parallelism needs 2 or more ranks, got {world_size}")
+        if options.gpu_split or options.autosplit or options.cpu_offload:
+            raise TensorParallelError(
+                "tensor parallelism and layer split (gpu_split/autosplit/cpu_offload) "
+                "cannot be combined"
+            )
+        if dist.is_initialized():
+            raise TensorParallelError(
+                "a tensor-parallel model is already loaded in this process; unload it first"
+            )
+        if options.cache_type not in CACHE_TYPES:
+            raise ValueError(
+                f"cache_type '{options.cache_type}' is not supported yet "
+                f"(available: {', '.join(CACHE_TYPES)})"
+            )
+        config = ModelConfig.from_dir(model_dir)
+        if config.num_key_value_heads % world_size or config.num_attention_heads % world_size:
+            raise TensorParallelError(
+                f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads do "
+                f"not divide among {world_size} ranks"
+            )
+        device = resolve_device(options.device)
+        if device.type == "cuda" and torch.cuda.device_count() < world_size:
+            raise TensorParallelError(
+                f"tensor parallelism over {world_size} GPUs asked for, "
+                f"{torch.cuda.device_count()} are visible"
+            )
+        dtype = resolve_dtype(options.dtype, device)
+        max_seq_len = options.max_seq_len or min(
+            config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN
+        )
+        if max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        use_graphs = options.cuda_graphs and device.type == "cuda"
+        cache_tokens = options.cache_tokens or max_seq_len
+        spec = ShardSpec(
+            model_dir=str(model_dir),
+            world_size=world_size,
+            device_type=device.type,
+            dtype=str(dtype).removeprefix("torch."),
+            max_seq_len=max_seq_len,
+            cache_pages=-(-cache_tokens // options.page_size) + int(use_graphs),
+            page_size=options.page_size,
+            rope_alpha=options.rope_alpha,
+            cuda_graphs=use_graphs,
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+        )
+        tokenizer = Tokenizer.from_dir(model_dir)
+        os.environ.update(NCCL_ENV)  # inherited by the spawned ranks, set before NCCL init
+        context = mp.get_context("spawn")
+        reports = context.Queue()
+        workers = [
+            context.Process(target=worker_main, args=(rank, spec, reports), daemon=True)
+            for rank in range(1, world_size)
+        ]
+        for worker in workers:
+            worker.start()
+        try:
+            init_rank(spec, 0)
+            model, cache, graphs, _ = build_rank(spec, 0)
+            _wait_ready(workers, reports)
+        except BaseException:
+            _stop_workers(workers)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+        options = EngineOptions(**{**options.__dict__, "max_seq_len": max_seq_len})
+        engine = cls(
+            config, model, cache, tokenizer, options, model_dir, time.perf_counter() - started
+        )
+        engine.graphs = graphs
+        engine.world_size = engine.tp_world_size = world_size
+        engine._workers = workers
+        engine._device = spec.device(0)
+        engine.rank_devices = [str(spec.device(rank)) for rank in range(world_size)]
+        return engine
+
+    def forward(
+        self, sequences: list[Sequence], new_tokens: list[list[int]], *, all_logits: bool = False
+    ) -> torch.Tensor:
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and not all_logits
+            and all(len(t) == 1 for t in new_tokens)
+            and graphs.bucket(len(sequences)) is not None
+        ):
+            size = graphs.bucket(len(sequences))
+            assert size is not None
+            for seq in sequences:
+                seq.reserve(self.cache, seq.length + 1)
+                seq.length += 1
+            # Header first: the other ranks capture a new bucket's graph in step with us.
+            protocol.announce_graph_decode(size, self._device)
+            graph = graphs.graph(size)
+            graph.stage(sequences, [t[0] for t in new_tokens])
+            protocol.broadcast_rows(graph.device_rows)  # rank 0 is the source
+            return graph.replay()[: len(sequences)]
+        batch = ForwardBatch.build(self.cache, sequences, new_tokens, all_logits=all_logits)
+        protocol.send_batch(batch, self._device)
+        return self.model(batch.on(self._device), self.cache)
+
+    def unload(self) -> None:
+        if self.model is not None and dist.is_initialized():
+            with self.lock:
+                protocol.send_stop(self._device)
+        super().unload()
+        for worker in self._workers:
+            worker.join(timeout=60)
+        _stop_workers(self._workers)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """Stop the other ranks without a collective (after a failed step they may be stuck
+        inside one): terminate their processes and drop the process group."""
+        self.scheduler.close()
+        _stop_workers(self._workers)
+        self.model = None  # type: ignore[assignment]
+        self.cache = None  # type: ignore[assignment]
+        self.graphs = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _wait_ready(workers: list, reports) -> None:
+    """Wait until every spawned rank has built its shard; raise with a rank's error."""
+    pending = {rank for rank in range(1, len(workers) + 1)}
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while pending:
+        try:
+            rank, error = reports.get(timeout=1.0)
+        except queue.Empty:
+            dead = [w for w in workers if not w.is_alive() and w.exitcode not in (None, 0)]
+            if dead:
+                raise TensorParallelError(
+                    f"a tensor-parallel rank exited with code {dead[0].exitcode} while loading"
+                ) from None
+            if time.monotonic() > deadline:
+                raise TensorParallelError("tensor-parallel ranks did not load in time") from None
+            continue
+        if error is not None:
+            raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
+        pending.discard(rank)
+
+
+def _stop_workers(workers: list) -> None:
+    for worker in workers:
+        if worker.is_alive():
+            worker.terminate()
+            worker.join(timeout=10)

@@ -1,0 +1,135 @@
+"""One tensor-parallel rank: build its shard of the model and KV cache, and (ranks > 0)
+serve the forwards rank 0 announces until told to stop.
+
+Every rank loads the checkpoint onto the CPU, keeps its shard (transform.py) and moves
+that to its device: cuda:<rank> with NCCL, or the CPU with gloo (what CI tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.cache import PagedKVCache
+from engine.config import ModelConfig
+from engine.cuda_graph import DecodeGraphs
+from engine.fusion import fuse_projections
+from engine.loading import DTYPES, load_causal_lm
+from engine.tensor_parallel import protocol
+from engine.tensor_parallel.transform import move_model, shard_model
+
+# NVLink SHARP multicast (NVLS) can take GPUs shared with others out of service; NCCL and
+# torch's symmetric memory must not use it. Set before any NCCL communicator exists.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """What every rank needs to build its shard (picklable: sent to spawned workers)."""
+
+    model_dir: str
+    world_size: int
+    device_type: str  # "cuda" (rank r on cuda:r, NCCL) or "cpu" (gloo)
+    dtype: str  # a key of engine.loading.DTYPES
+    max_seq_len: int
+    cache_pages: int
+    page_size: int
+    rope_alpha: float
+    cuda_graphs: bool
+    init_method: str  # tcp://127.0.0.1:<port>
+    timeout_s: float = 1800.0
+
+    def device(self, rank: int) -> torch.device:
+        return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device_type == "cuda" else "gloo"
+
+
+def init_rank(spec: ShardSpec, rank: int) -> None:
+    os.environ.update(NCCL_ENV)
+    if spec.device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        spec.backend,
+        init_method=spec.init_method,
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout_s),
+    )
+
+
+def build_rank(
+    spec: ShardSpec, rank: int
+) -> tuple[torch.nn.Module, PagedKVCache, DecodeGraphs | None, ModelConfig]:
+    """This rank's model shard, its KV cache (its KV heads only) and decode graphs."""
+    config = ModelConfig.from_dir(spec.model_dir)
+    device = spec.device(rank)
+    model = load_causal_lm(
+        spec.model_dir, device=torch.device("cpu"), dtype=DTYPES[spec.dtype], config=config
+    )
+    shard_model(model, rank=rank, world=spec.world_size)
+    move_model(model, device)
+    # After sharding: each rank's q/k/v (gate/up) shards concatenate like whole weights.
+    fuse_projections(model)
+    model.setup_rotary(spec.max_seq_len, rope_alpha=spec.rope_alpha)
+    cache = PagedKVCache(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads // spec.world_size,
+        head_dim=config.head_dim,
+        num_pages=spec.cache_pages,
+        page_size=spec.page_size,
+        dtype=DTYPES[spec.dtype],
+        layer_devices=model.layer_devices,
+    )
+    graphs = None
+    if spec.cuda_graphs and device.type == "cuda":
+        graphs = DecodeGraphs(model, cache, spec.max_seq_len)
+    return model, cache, graphs, config
+
+
+def serve(
+    model: torch.nn.Module, cache: PagedKVCache, graphs: DecodeGraphs | None, device: torch.device
+) -> None:
+    """Ranks > 0: run what rank 0 announces until STOP."""
+    with torch.inference_mode():
+        while True:
+            header = protocol.receive_header(device)
+            command = header[0]
+            if command == protocol.STOP:
+                return
+            if command == protocol.FORWARD:
+                model(protocol.receive_batch(header, device), cache)
+            elif command == protocol.GRAPH_DECODE:
+                assert graphs is not None, "rank 0 replays decode graphs, this rank has none"
+                graph = graphs.graph(header[1])
+                protocol.broadcast_rows(graph.device_rows)
+                graph.replay()
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {command}")
+
+
+def worker_main(rank: int, spec: ShardSpec, reports) -> None:
+    """Entry point of a spawned rank (> 0). Reports (rank, None) when ready to serve, or
+    (rank, error text) if building its shard failed."""
+    try:
+        init_rank(spec, rank)
+    except Exception as e:  # noqa: BLE001 - the message goes back to rank 0
+        reports.put((rank, f"process-group init failed: {type(e).__name__}: {e}"))
+        return
+    try:
+        model, cache, graphs, _ = build_rank(spec, rank)
+    except Exception as e:  # noqa: BLE001
+        reports.put((rank, f"{type(e).__name__}: {e}"))
+        dist.destroy_process_group()
+        return
+    reports.put((rank, None))
+    try:
+        serve(model, cache, graphs, spec.device(rank))
+    finally:
+        dist.destroy_process_group()

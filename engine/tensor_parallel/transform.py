@@ -1,0 +1,170 @@
+"""Turn a loaded model into one rank's tensor-parallel shard (Megatron-style).
+
+Per decoder layer, two all-reduces and nothing else crosses ranks:
+
+- attention: q/k/v (or a fused qkv_proj) are column-parallel by heads: rank r keeps KV
+  heads [r*Hk/W, (r+1)*Hk/W) and the query heads that read them; attention runs on the
+  local heads over the local KV cache (which holds only those KV heads); o_proj is
+  row-parallel over the same query-head inputs and its partial outputs are summed;
+- MLP: gate/up (or gate_up_proj) are column-parallel and down_proj row-parallel over the
+  same intermediate columns, then summed. For a quantized down_proj the rank takes whole
+  quantization groups round-robin (group g on rank g % W): its shard keeps the kernels'
+  per-group fast path and the ranks get a like mix of EXL2 bit widths; gate/up then take
+  exactly the intermediate columns those rows read.
+
+Embeddings, norms and the head are replicated (every rank holds the full vocabulary
+head; rank 0's logits are the ones used). The layers never learn the world size: their
+spec is replaced by the local one and the row-parallel linears are wrapped in
+`AllReduceLinear`. Mixture-of-experts feed-forwards are not sharded (refused clearly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.modules import Attention, FusedGatedMLP, GatedMLP, Linear
+from engine.quantized_linear import QuantizedLinear
+from engine.tensor_parallel.shard import (
+    rows_of_inputs,
+    shard_columns,
+    shard_rows_dense,
+    shard_rows_quantized,
+)
+
+
+class TensorParallelError(ValueError):
+    """The model cannot be sharded over this many ranks (or this way)."""
+
+
+# Up to this many rows (decode batches), quantized partial products are summed in float32
+# and rounded to the activation dtype once, as a single GPU rounds its float32 accumulator:
+# TP decode then matches one GPU up to summation order. The kernels take float32
+# activations at the same speed there (memory-bound); larger M (prefill) sums in fp16.
+FLOAT32_REDUCE_MAX_ROWS = 64
+
+
+class AllReduceLinear(nn.Module):
+    """A row-parallel linear: each rank's partial product, summed over the group."""
+
+    def __init__(self, inner: nn.Module, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.group = group
+        self.in_features = inner.in_features
+        self.out_features = inner.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            isinstance(self.inner, QuantizedLinear)
+            and x.dtype != torch.float32
+            and x.shape[0] <= FLOAT32_REDUCE_MAX_ROWS
+        ):
+            y = self.inner(x.float()).contiguous()
+            dist.all_reduce(y, group=self.group)
+            return y.to(x.dtype)
+        y = self.inner(x).contiguous()
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+def _row_shard(linear: nn.Module, inputs: torch.Tensor, *, rank: int) -> nn.Module:
+    """Row-parallel shard of `linear` reading original inputs lo..hi-1 (a contiguous range)."""
+    lo, hi = int(inputs[0]), int(inputs[-1]) + 1
+    if isinstance(linear, QuantizedLinear):
+        rows, perm = rows_of_inputs(linear.qweight, lo, hi)
+        return shard_rows_quantized(linear, rows, perm, keep_bias=rank == 0)
+    if isinstance(linear, Linear):
+        return shard_rows_dense(linear, inputs, keep_bias=rank == 0)
+    raise TensorParallelError(f"cannot shard a {type(linear).__name__} by rows")
+
+
+def shard_attention(attn: Attention, *, rank: int, world: int, group) -> None:
+    s = attn.spec
+    if s.num_kv_heads % world or s.num_heads % world:
+        raise TensorParallelError(
+            f"layer {attn.layer_idx}: {s.num_heads} query and {s.num_kv_heads} KV heads do not "
+            f"divide among {world} ranks (tensor parallelism shards whole KV heads)"
+        )
+    hq, hk, d = s.num_heads // world, s.num_kv_heads // world, s.head_dim
+    q_in = torch.arange(rank * hq * d, (rank + 1) * hq * d)
+    kv = torch.arange(rank * hk * d, (rank + 1) * hk * d)
+    if s.fused_qkv:
+        q_size, kv_size = s.num_heads * d, s.num_kv_heads * d
+        cols = torch.cat([q_in, q_size + kv, q_size + kv_size + kv])
+        attn.qkv_proj = shard_columns(attn.qkv_proj, cols)
+    else:
+        attn.q_proj = shard_columns(attn.q_proj, q_in)
+        attn.k_proj = shard_columns(attn.k_proj, kv)
+        attn.v_proj = shard_columns(attn.v_proj, kv)
+    attn.o_proj = AllReduceLinear(_row_shard(attn.o_proj, q_in, rank=rank), group)
+    attn.spec = replace(s, num_heads=hq, num_kv_heads=hk)
+
+
+def _mlp_inputs(down: nn.Module, *, rank: int, world: int) -> tuple[torch.Tensor, nn.Module]:
+    """The intermediate columns this rank computes, and its down_proj shard reading them
+    in that order."""
+    if isinstance(down, QuantizedLinear):
+        qw = down.qweight
+        groups = qw.row_group.long().cpu()
+        rows = torch.nonzero(groups % world == rank).flatten()
+        if rows.numel() == 0:
+            raise TensorParallelError(
+                f"down_proj has {qw.num_groups} quantization groups, fewer than {world} ranks"
+            )
+        inputs = rows if qw.perm is None else qw.perm.long().cpu()[rows]
+        # The rank's MLP input arrives in the order of `rows`: no permutation left.
+        return inputs, shard_rows_quantized(down, rows, None, keep_bias=rank == 0)
+    if isinstance(down, Linear):
+        inputs = torch.tensor_split(torch.arange(down.in_features), world)[rank]
+        if inputs.numel() == 0:
+            raise TensorParallelError(f"{down.in_features} MLP columns for {world} ranks")
+        return inputs, shard_rows_dense(down, inputs, keep_bias=rank == 0)
+    raise TensorParallelError(f"cannot shard a {type(down).__name__} down projection")
+
+
+def shard_mlp(mlp: GatedMLP | FusedGatedMLP, *, rank: int, world: int, group) -> None:
+    inputs, down = _mlp_inputs(mlp.down_proj, rank=rank, world=world)
+    if isinstance(mlp, FusedGatedMLP):
+        intermediate = mlp.down_proj.in_features
+        mlp.gate_up_proj = shard_columns(
+            mlp.gate_up_proj, torch.cat([inputs, intermediate + inputs])
+        )
+    else:
+        mlp.gate_proj = shard_columns(mlp.gate_proj, inputs)
+        mlp.up_proj = shard_columns(mlp.up_proj, inputs)
+    mlp.down_proj = AllReduceLinear(down, group)
+
+
+def shard_model(model: nn.Module, *, rank: int, world: int, group=None) -> nn.Module:
+    """Shard every attention and gated MLP of `model` in place for `rank` of `world`."""
+    if world < 1 or not 0 <= rank < world:
+        raise TensorParallelError(f"rank {rank} of world size {world} is not valid")
+    layers = model.model.layers  # type: ignore[union-attr]
+    for index, layer in enumerate(layers):
+        attns = [m for m in layer.modules() if isinstance(m, Attention)]
+        mlps = [m for m in layer.modules() if isinstance(m, (GatedMLP, FusedGatedMLP))]
+        if len(attns) != 1 or len(mlps) != 1:
+            raise TensorParallelError(
+                f"layer {index} ({type(layer).__name__}) is not one attention + one gated MLP: "
+                "tensor parallelism supports dense decoder layers only (not mixture-of-experts)"
+            )
+        shard_attention(attns[0], rank=rank, world=world, group=group)
+        shard_mlp(mlps[0], rank=rank, world=world, group=group)
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.qweight.validate()
+    return model
+
+
+def move_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """Move parameters and quantized weights (plain attributes, not buffers) to `device`."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.qweight = module.qweight.to(device)
+    model.to(device)
+    model.layer_devices = [device] * len(model.model.layers)  # type: ignore[union-attr]
+    return model

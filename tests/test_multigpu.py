@@ -1,0 +1,107 @@
+"""Two GPUs: layer split (manual, auto, with CPU offload) and tensor parallelism over NCCL
+give the logits and greedy tokens of one GPU on a random-weight model whose layers are
+FP16, EXL2 and GPTQ. Skipped unless two CUDA devices are visible."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import loader
+from engine.config import ModelConfig
+from engine.placement import GIB
+from engine.placement.footprint import model_footprint
+from engine.weights import WeightStore
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+]
+
+GREEDY = {"max_new_tokens": 16, "temperature": 0, "ban_eos_token": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_tensor_parallel import build_mixed_model
+
+    return build_mixed_model(tmp_path_factory.mktemp("multigpu"))
+
+
+def _ids() -> list[int]:
+    return torch.randint(3, 384, (40,), generator=torch.Generator().manual_seed(11)).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> tuple[torch.Tensor, str]:
+    m = loader.load(model_dir, "kestrel", device="cuda:0", dtype="float16")
+    out = m.logits(_ids()), m.generate(_ids()[:10], GREEDY)
+    m.unload()
+    return out
+
+
+def _split_after_first_layer(model_dir: Path) -> list[float]:
+    """gpu_split (GiB) that holds the embeddings and layer 0 on cuda:0, the rest on cuda:1."""
+    config = ModelConfig.from_dir(model_dir)
+    fp = model_footprint(
+        WeightStore(model_dir),
+        config,
+        dtype=torch.float16,
+        cache_tokens=config.max_position_embeddings,
+        page_size=256,
+        prefill_chunk=2048,
+    )
+    first = fp.embed_bytes + fp.layer_bytes[0] + fp.cache_bytes_per_layer
+    return [(first + 1024) / GIB, 4.0]
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = expected.abs().max()
+    assert ((got - expected).abs().max() / scale).item() < 2e-2
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    assert agree >= 0.95
+
+
+def test_manual_layer_split_matches_one_gpu(model_dir: Path, reference):
+    m = loader.load(
+        model_dir, "kestrel", dtype="float16", gpu_split=_split_after_first_layer(model_dir)
+    )
+    try:
+        placement = m.info()["placement"]
+        assert placement["layers"] == {"cuda:0": "0", "cuda:1": "1-2"}
+        assert placement["mode"] == "layer_split"
+        assert m.engine.cache.k[0].device == torch.device("cuda:0")
+        assert m.engine.cache.k[2].device == torch.device("cuda:1")
+        _close(m.logits(_ids()), reference[0])
+        assert m.generate(_ids()[:10], GREEDY) == reference[1]
+    finally:
+        m.unload()
+
+
+def test_autosplit_and_cpu_offload_run(model_dir: Path, reference):
+    m = loader.load(model_dir, "kestrel", dtype="float16", autosplit=True)
+    assert m.info()["placement"]["layers"] == {"cuda:0": "0-2"}  # a tiny model fits one GPU
+    m.unload()
+    split = _split_after_first_layer(model_dir)
+    m = loader.load(model_dir, "kestrel", dtype="float16", gpu_split=split[:1], cpu_offload=True)
+    try:
+        placement = m.info()["placement"]
+        assert placement["layers"] == {"cuda:0": "0", "cpu": "1-2"} and placement["head"] == "cpu"
+        _close(m.logits(_ids()), reference[0])
+    finally:
+        m.unload()
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_tensor_parallel_over_nccl_matches_one_gpu(model_dir: Path, reference, cuda_graphs: bool):
+    m = loader.load(model_dir, "kestrel", dtype="float16", tp=2, cuda_graphs=cuda_graphs)
+    try:
+        info = m.info()
+        assert info["placement"]["ranks"] == ["cuda:0", "cuda:1"]
+        assert info["cuda_graphs"] == cuda_graphs
+        _close(m.logits(_ids()), reference[0])
+        assert m.generate(_ids()[:10], GREEDY) == reference[1]
+    finally:
+        m.unload()

@@ -1,0 +1,219 @@
+"""Tensor parallelism on the CPU: exact shards of quantized linears (EXL2 mixed bits with
+act-order, GPTQ act-order), and two real gloo processes running a tiny Llama whose layers
+are FP16, EXL2 and GPTQ, with the same logits and greedy tokens as one process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import loader
+from engine.quant.exl2 import Exl2Tensors, exl2_to_runtime
+from engine.quant.exl2_writer import quantize_rtn_exl2
+from engine.quant.gptq import GptqTensors, gptq_to_runtime, quantize_rtn_gptq
+from engine.quantized_linear import QuantizedLinear
+from engine.tensor_parallel.shard import quantized_columns, quantized_rows, rows_of_inputs
+from engine.tensor_parallel.transform import _mlp_inputs
+from kernels.quant_matmul import dequantize_reference, quant_matmul_reference
+
+from model_factory import make_tiny_llama
+
+K, N = 256, 96
+
+
+def _exl2_weight() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(N, K, generator=g)
+    bits = [8, 6, 6, 5, 4, 4, 3, 2]  # 32-row groups, non-increasing as EXL2 requires
+    packed = quantize_rtn_exl2(w, bits, 32, perm=torch.randperm(K, generator=g))
+    return exl2_to_runtime(Exl2Tensors.from_dict(packed))
+
+
+def _gptq_weight() -> torch.Tensor:
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(2))
+    packed = quantize_rtn_gptq(w, 4, 32, sym=False, act_order=True, v2=False)
+    return gptq_to_runtime(GptqTensors.from_dict(packed, bits=4, checkpoint_format="gptq"))
+
+
+WEIGHTS = {"exl2": _exl2_weight, "gptq": _gptq_weight}
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+def test_column_shards_hold_exactly_those_columns(fmt: str):
+    qw = WEIGHTS[fmt]()
+    full = dequantize_reference(qw)
+    cols = torch.tensor([5, 0, 95, 17, 18, 40])  # any index set: fused q|k|v pieces
+    shard = quantized_columns(qw, cols)
+    shard.validate()
+    assert torch.equal(dequantize_reference(shard), full[:, cols])
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+def test_row_shards_by_input_range_are_exact_and_sum_to_the_product(fmt: str):
+    qw = WEIGHTS[fmt]()
+    assert qw.perm is not None  # act-order: the rows of a range lie scattered
+    full = dequantize_reference(qw)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(3))
+    total = torch.zeros(3, N)
+    bits = sorted(s.bits for s in qw.segments)
+    shard_bits: set[int] = set()
+    for lo, hi in ((0, 96), (96, K)):  # uneven on purpose
+        rows, perm = rows_of_inputs(qw, lo, hi)
+        shard = quantized_rows(qw, rows, perm, keep_bias=lo == 0)
+        shard.validate()
+        assert torch.equal(dequantize_reference(shard), full[lo:hi])
+        total += quant_matmul_reference(x[:, lo:hi], shard)
+        shard_bits.update(s.bits for s in shard.segments)
+    torch.testing.assert_close(total, quant_matmul_reference(x, qw), rtol=1e-5, atol=1e-4)
+    assert shard_bits == set(bits)  # codes were repacked at their own widths
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+@pytest.mark.parametrize(
+    "rows",
+    [range(64, 128), range(5, 70), [*range(0, 32), *range(96, 128), 200, 255], range(250, K)],
+    ids=["whole-groups", "mid-word", "runs-and-strays", "segment-end"],
+)
+def test_any_row_subset_repacks_exactly(fmt: str, rows):
+    """Whole-word runs are sliced, the rest unpacked and repacked: the same codes either way."""
+    qw = WEIGHTS[fmt]()
+    selected = torch.tensor(list(rows))
+    shard = quantized_rows(qw, selected, None, keep_bias=False)
+    shard.validate()
+    assert torch.equal(dequantize_reference(shard), _permuted(qw)[selected])
+
+
+def _permuted(qw) -> torch.Tensor:
+    """The dequantized weight in permuted (storage) row order."""
+    full = dequantize_reference(qw)
+    return full if qw.perm is None else full[qw.perm.long()]
+
+
+@pytest.mark.parametrize("fmt", WEIGHTS)
+def test_mlp_down_shards_take_whole_groups_round_robin(fmt: str):
+    qw = WEIGHTS[fmt]()
+    full = dequantize_reference(qw)
+    module = QuantizedLinear(qw, N, fmt)
+    seen = []
+    for rank in range(2):
+        inputs, down = _mlp_inputs(module, rank=rank, world=2)
+        shard = down.qweight
+        assert shard.perm is None  # the rank's input already comes in the shard's row order
+        assert torch.equal(dequantize_reference(shard), full[inputs])
+        # Whole groups: every local group has as many rows as the original groups (32).
+        assert torch.bincount(shard.row_group.long()).tolist() == [32] * (K // 64)
+        seen.append(inputs)
+    assert sorted(torch.cat(seen).tolist()) == list(range(K))
+
+
+# --- two gloo processes ------------------------------------------------------------------
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _mixed_quantize(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """Layer 0 and the head stay FP16; layer 1 has EXL2 attention and a GPTQ (act-order)
+    MLP, layer 2 the other way round: one model covers every format on both axes."""
+    from test_quantized_model import _exl2, _gptq
+
+    if not module.startswith("model.layers.") or module.split(".")[2] == "0":
+        return {"weight": w}, w.float()
+    w = w.float()
+    use_exl2 = (module.split(".")[2] == "1") == ("self_attn" in module)
+    return _exl2(module, w) if use_exl2 else _gptq(4, 32, False, True, False)(module, w)
+
+
+def quantize_checkpoint(src: Path, dst: Path, quantize) -> Path:
+    """Copy the checkpoint in `src` to `dst`, each linear and the head replaced by what
+    `quantize(module, weight)` writes (test_quantized_model's writers), without building a
+    transformers reference."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and (module.split(".")[-1] in LINEARS or module == "lm_head"):
+            out.update({f"{module}.{k}": v for k, v in quantize(module, t)[0].items()})
+        else:
+            out[name] = t
+    save_file(out, dst / "model.safetensors")
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def build_mixed_model(root: Path) -> Path:
+    """A 3-layer tiny Llama under root/q with FP16, EXL2 and GPTQ layers (_mixed_quantize)."""
+    make_tiny_llama(root / "fp16", dtype=torch.float16, num_hidden_layers=3)
+    path = quantize_checkpoint(root / "fp16", root / "q", _mixed_quantize)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_mixed_model(tmp_path_factory.mktemp("tp_mixed"))
+
+
+def _ids() -> list[int]:
+    return torch.randint(3, 384, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ban_eos_token": True}
+
+
+def test_two_gloo_ranks_match_one_process(mixed_model: Path):
+    path = mixed_model
+    ids = _ids()
+    single = loader.load(path, "kestrel", device="cpu", dtype="float32")
+    expected_logits = single.logits(ids)
+    expected_text = single.generate(ids[:10], GREEDY)
+    single.unload()
+
+    tp = loader.load(path, "kestrel", device="cpu", dtype="float32", tp=2)
+    try:
+        formats = [
+            getattr(getattr(layer.self_attn.o_proj, "inner", None), "format", "dense")
+            + "/"
+            + getattr(getattr(layer.mlp.down_proj, "inner", None), "format", "dense")
+            for layer in tp.engine.model.model.layers
+        ]
+        assert formats == ["dense/dense", "exl2/gptq", "gptq/exl2"]
+        info = tp.info()["placement"]
+        assert info["mode"] == "tensor_parallel" and info["tp_world_size"] == 2
+        attn = tp.engine.model.model.layers[0].self_attn
+        assert attn.spec.num_kv_heads == 1 and attn.spec.num_heads == 2  # half of 2 / 4
+        assert tp.engine.cache.k[0].shape[2] == 1  # the cache holds this rank's KV head
+        logits = tp.logits(ids)
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
+        assert tp.generate(ids[:10], GREEDY) == expected_text
+    finally:
+        tp.unload()
+
+
+def test_tp_refuses_what_it_cannot_shard(mixed_model: Path):
+    with pytest.raises(loader.LoaderError, match="4 query / 2 KV heads do not divide among 3"):
+        loader.load(mixed_model, "kestrel", device="cpu", tp=3)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        loader.load(mixed_model, "kestrel", device="cpu", tp=2, cpu_offload=True)
+    with pytest.raises(loader.LoaderError, match="tp must be a positive number"):
+        loader.load(mixed_model, "kestrel", device="cpu", tp=0)
+    with pytest.raises(loader.LoaderError, match="on the CPU needs tp=N"):
+        loader.load(mixed_model, "kestrel", device="cpu", tensor_parallel=True)
+
+
+def test_cli_reports_bad_placement_flags(mixed_model: Path, capsys: pytest.CaptureFixture):
+    from loader.__main__ import main
+
+    assert main([str(mixed_model), "--device", "cpu", "--gpu-split", "20,x"]) == 1
+    assert "--gpu-split takes GiB per GPU like 20,24; got '20,x'" in capsys.readouterr().err
+    assert main([str(mixed_model), "--device", "cpu", "--tp", "3"]) == 1
+    assert "do not divide among 3 ranks" in capsys.readouterr().err
