@@ -224,6 +224,19 @@ class Sampler:
         )
         return scores.squeeze(0) if one_row else scores
 
+    def distribution(
+        self,
+        logits: Tensor,
+        context_ids: Tensor | Sequence[Sequence[int]],
+        *,
+        generated_count: int | Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """(scores [B, V] after every step, logits after the bias and bans only): what a
+        draw would use, without drawing. Speculative verification needs both: the scores'
+        softmax is the target distribution, and a row the steps emptied falls back to the
+        argmax of the second, as `sample_with_scores` does."""
+        return self._run(logits, context_ids, generated_count)
+
     def sample_with_scores(
         self,
         logits: Tensor,
