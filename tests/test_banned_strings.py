@@ -5,7 +5,6 @@ the batch are untouched, and seeded output repeats."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
