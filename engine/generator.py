@@ -183,7 +183,8 @@ class JobSampler:
     def truncate(self, length: int) -> None:
         """Forget the context past `length` tokens (a rewind); min_new_tokens counts from
         there again. Mirostat's mu is not rewound: it keeps what the dropped draws taught it."""
-        self.sampler.generated -= self._length - length
+        # (plain greedy draws skip the sampler and leave its count at 0)
+        self.sampler.generated = max(0, self.sampler.generated - (self._length - length))
         self._length = length
 
 
@@ -200,7 +201,7 @@ def sample_jobs(
     raw = logits
     if bans and any(bans):
         logits = apply_position_bans(logits, bans)
-    plain = [i for i, job in enumerate(jobs) if job.plain_greedy and not (bans and bans[i])]
+    plain = [i for i, job in enumerate(jobs) if job.plain_greedy]
     if len(plain) == len(jobs):
         out = logits.argmax(dim=-1)
     else:
@@ -208,12 +209,13 @@ def sample_jobs(
         if plain:
             index = torch.tensor(plain, device=device)
             out[index] = logits[index].argmax(dim=-1)
-        together = [i for i, job in enumerate(jobs) if i not in plain and job.batchable]
+        done = set(plain)
+        together = [i for i, job in enumerate(jobs) if i not in done and job.batchable]
         if together:
             index = torch.tensor(together, device=device)
             out[index] = sample_batched([jobs[i].sampler for i in together], logits[index])
         for i, job in enumerate(jobs):
-            if i not in plain and not job.batchable:
+            if i not in done and not job.batchable:
                 out[i : i + 1] = job.sampler.sample_batch(logits[i : i + 1], job.context())
     for i, job in enumerate(jobs):
         job.append(out[i : i + 1])

@@ -10,24 +10,40 @@ Contract:
   ids outside the vocabulary; `SamplingSettingsError` for bad settings. It never refuses
   for lack of room now: the job waits. max_new_tokens is clamped so that the prompt and the
   new tokens fit the context and the cache; a clamped job ends with finish_reason "length".
-- `step()` runs one engine forward: one decode token for every running job, then prefill
-  chunks (oldest job first) within `max_tokens_per_step`, admitting waiting jobs in order
-  while the batch (`max_batch`), the token budget and the cache have room. Each job whose
-  prompt is complete samples with its own `Sampler`. Returns the events it made (and
-  delivers them only there: drive a job by `step()` or by streaming it, not both).
+- `step()` runs one engine forward: one decode token for every running job (with its
+  drafts when speculating), then prefill chunks (oldest job first) within
+  `max_tokens_per_step`, admitting waiting jobs in order while the batch (`max_batch`), the
+  token budget and the cache have room. A job feeds the tokens its cache lacks
+  (`job.tokens[sequence.length:]`): its prompt, one sampled token, or after a preemption or
+  a rewind the tokens to compute again. Each job whose tokens are all in the cache samples
+  with its own `Sampler`. Returns the events it made (and delivers them only there: drive
+  a job by `step()` or by streaming it, not both).
 - `stream(job)` / `stream_many(jobs)` yield events; a consumer with no event pending runs
   `step()` itself under the engine's lock, so one thread or many can consume, and there is
   no background thread. Closing such an iterator early cancels its unfinished jobs.
 - `cancel(job)` frees the job's pages at once, whatever its state, and ends it with
   finish_reason "cancelled". A failing forward ends the jobs of that step with "error" (their
   streams raise the exception) and leaves the scheduler usable.
-- Admission reserves a job's worst case: it is admitted only when the cache can hold
-  prompt + max_new_tokens - 1 tokens on top of what admitted jobs may still claim. So a
-  running job never finds the cache full and nothing is preempted; the queue absorbs load.
-  The price: size `cache_tokens` for the batch wanted (the default holds one context).
+- Admission and preemption: a job is admitted when the free pages hold its prompt with one
+  page to spare per running job; its output is not reserved. When a step's decode tokens
+  do not fit, the youngest running job is preempted: its pages are freed and it waits first
+  in the queue, to compute its tokens again when admitted (adopting what the prefix cache
+  still holds of them). Its sampler, output and stream carry on, so its tokens are the ones
+  it would have produced without the preemption. A job that alone fits the cache always
+  finishes: submit clamps max_new_tokens to the cache.
+- Banned strings (`settings.banned_strings`, engine/banned_strings.py): text that may
+  become one is held back with its tokens; when one completes, the job rewinds to the token
+  where it began (tokens dropped, cache trimmed by engine/rewind.py, sampler context cut),
+  that token is banned at that position and the position is sampled again.
+- Speculative decoding (`set_speculation`, engine/speculative.py): decode rows of jobs
+  whose sampler allows it carry k drafts (n-gram lookup or a draft model) and get logits
+  for all k + 1 positions; the acceptance rule keeps the target's distribution (greedy:
+  identical output), the rejected drafts' cache entries are trimmed, and `stats()` reports
+  draft/accepted tokens, the acceptance rate and tokens per decode step.
 - Events are `GenerationEvent`s (engine/generator.py): text delta, token ids, logprobs,
   finish reason, and timings (queue_seconds, prompt_seconds = prefill, generate_seconds =
-  decode, tokens_per_second, cached_tokens).
+  decode, tokens_per_second, cached_tokens, draft_tokens, accepted_tokens). An event may
+  carry several tokens (accepted drafts); tokens held for a banned string come later.
 - Prefix caching (engine/prefix_cache.py): at admission a job adopts the cached full pages
   its prompt starts with, at most those before its last prompt token (one token is always
   computed, for the logits, and the job's partially filled page is always its own: shared
@@ -91,6 +107,7 @@ class Job:
         settings: SamplingSettings,
         engine: Engine,
         max_new_tokens: int,
+        speculative: str | None = None,
     ) -> None:
         self.id = job_id
         self.prompt_ids = prompt_ids
@@ -294,7 +311,7 @@ class Scheduler:
                 engine.max_seq_len - len(prompt),
                 usable_tokens - len(prompt) + 1,
             )
-            job = Job(self._next_id, prompt, settings, engine, max(0, max_new))
+            job = Job(self._next_id, prompt, settings, engine, max(0, max_new), self.speculative)
             self._next_id += 1
             if job.max_new_tokens == 0:
                 self._finish(job, "length")
