@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.banned_strings import BannedStrings
-from engine.samplers.batched import batchable, sample_batched
+from engine.samplers.batched import batchable, host_to_device, sample_batched
 from engine.sampling import Sampler
 from engine.sampling_settings import SamplingSettings, SamplingSettingsError
 from engine.stops import StopMatcher
@@ -207,12 +207,12 @@ def sample_jobs(
     else:
         out = torch.empty(len(jobs), dtype=torch.int64, device=device)
         if plain:
-            index = torch.tensor(plain, device=device)
+            index = host_to_device(torch.tensor(plain), device)
             out[index] = logits[index].argmax(dim=-1)
         done = set(plain)
         together = [i for i, job in enumerate(jobs) if i not in done and job.batchable]
         if together:
-            index = torch.tensor(together, device=device)
+            index = host_to_device(torch.tensor(together), device)
             out[index] = sample_batched([jobs[i].sampler for i in together], logits[index])
         for i, job in enumerate(jobs):
             if i not in done and not job.batchable:
@@ -228,7 +228,7 @@ def apply_position_bans(logits: torch.Tensor, bans: list[list[int]]) -> torch.Te
     cols = [t for ids in bans for t in ids]
     mask = torch.zeros(logits.shape, dtype=torch.bool)
     mask[rows, cols] = True
-    return logits.masked_fill(mask.to(logits.device), float("-inf"))
+    return logits.masked_fill(host_to_device(mask, logits.device), float("-inf"))
 
 
 def logprobs_for(

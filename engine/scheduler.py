@@ -74,6 +74,7 @@ from engine.generator import (
 )
 from engine.prefix_cache import PrefixChain, adopt, find_prefix, publish
 from engine.rewind import trim_sequence
+from engine.samplers.batched import host_to_device
 from engine.sampling_settings import SamplingSettings
 from engine.speculative import (
     SPECULATIVE_MODES,
@@ -576,7 +577,8 @@ class Scheduler:
         ]
         results: list[tuple[list[int], list[TokenLogprob | None]]] = [([], []) for _ in rows]
         if plain:
-            index = torch.tensor([starts[n + 1] - 1 for n in plain], device=logits.device)
+            rows_at = torch.tensor([starts[n + 1] - 1 for n in plain])
+            index = host_to_device(rows_at, logits.device)
             jobs = [rows[n].job for n in plain]
             bans = [job.bans.at(len(job.generated_ids)) for job in jobs]
             tokens, logprobs = sample_jobs(
@@ -600,7 +602,7 @@ class Scheduler:
                 row, job = rows[n], rows[n].job
                 tokens = row.drafts[:accepted] + [token]
                 job.sampling.sampler.generated += len(tokens)
-                job.sampling.append(torch.tensor(tokens).to(logits.device))
+                job.sampling.append(host_to_device(torch.tensor(tokens), logits.device))
                 lps: list[TokenLogprob | None] = [None] * len(tokens)
                 if job.sampling.logprobs_k is not None:
                     k = job.sampling.logprobs_k

@@ -30,6 +30,7 @@ from torch import Tensor
 from engine.cache import CacheFullError, Sequence
 from engine.generator import JobSampler, apply_position_bans
 from engine.rewind import trim_sequence
+from engine.samplers.batched import host_to_device
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -206,7 +207,7 @@ def verify(
     changed (the caller advances the sampler by what stands)."""
     device = logits.device
     k = len(drafts)
-    draft_ids = torch.tensor(drafts, dtype=torch.int64).to(device)
+    draft_ids = host_to_device(torch.tensor(drafts, dtype=torch.int64), device)
     if any(bans):
         logits = apply_position_bans(logits, bans)
     sampler = sampling.sampler

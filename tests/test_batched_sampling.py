@@ -87,3 +87,25 @@ def test_sample_jobs_mixes_paths(rows: int, tmp_path):
         tokens, _ = sample_jobs(together, logits)
         each = [sample_jobs([j], logits[i : i + 1])[0][0] for i, j in enumerate(alone)]
         assert tokens == each
+
+
+@pytest.mark.gpu
+def test_batched_on_gpu_matches_rows_without_a_host_sync():
+    def make() -> list[Sampler]:
+        return [Sampler(s, device="cuda", eos_token_ids=[EOS]) for s in ROW_SETTINGS]
+
+    batched, reference = make(), make()
+    gen = torch.Generator().manual_seed(0)
+    empty = torch.empty(1, 0, dtype=torch.int64, device="cuda")
+    for step in range(4):
+        logits = (torch.randn(len(ROW_SETTINGS), VOCAB, generator=gen) * 3).cuda()
+        if step:  # the first call builds the per-vocabulary tensors
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = sample_batched(batched, logits)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        expected = torch.cat(
+            [s.sample_batch(logits[i : i + 1], empty) for i, s in enumerate(reference)]
+        )
+        assert got.tolist() == expected.tolist()

@@ -210,3 +210,22 @@ def test_acceptance_rule_keeps_the_target_distribution(point_mass: bool):
     # and it is not simply the draft distribution
     if draft_probs is not None:
         assert (empirical - draft_probs[0]).abs().max() > 0.05
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_identical_with_cuda_graphs(target_dir: Path, small_dir: Path):
+    settings = {**GREEDY, "max_new_tokens": 32}
+    gpu = {"device": "cuda", "dtype": "float16"}
+    plain = _engine(target_dir, **gpu)
+    assert plain.graphs is not None
+    reference = _run(plain, PROMPTS, settings)
+    plain.unload()
+    for spec in (
+        {"speculative": "ngram"},
+        {"draft_model": str(small_dir)},
+        {"draft_model": str(target_dir)},
+    ):
+        engine = _engine(target_dir, **gpu, **spec)
+        assert _run(engine, PROMPTS, settings) == reference, spec
+        assert engine.scheduler.stats()["draft_tokens"] > 0
+        engine.unload()

@@ -10,7 +10,8 @@ and a row without a step gets the step's neutral mask. Each row keeps its own ge
 the very token its own Sampler would give. Everything else (penalties, DRY, mirostat's
 state, XTC's coin, typical_p and the other rarer steps) stays on the per-row path.
 
-No host sync: parameters are built on the host from the settings and copied once.
+No host sync: parameters are built on the host from the settings and copied from pinned
+memory without waiting.
 """
 
 from __future__ import annotations
@@ -38,8 +39,20 @@ def batchable(sampler: Sampler) -> bool:
     return "temperature" not in steps or steps[0] == "temperature" or steps[-1] == "temperature"
 
 
+def host_to_device(values: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on `device` without waiting: a plain copy to a GPU synchronizes
+    the stream, one from pinned memory with non_blocking does not."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
 def _column(values: list[float], device: torch.device) -> Tensor:
-    return torch.tensor(values, dtype=torch.float32).to(device).view(-1, 1)
+    return host_to_device(torch.tensor(values, dtype=torch.float32), device).view(-1, 1)
+
+
+def _flags(values: list[bool], device: torch.device) -> Tensor:
+    return host_to_device(torch.tensor(values), device).view(-1, 1)
 
 
 def sample_batched(samplers: list[Sampler], logits: Tensor) -> Tensor:
@@ -74,10 +87,10 @@ def sample_batched(samplers: list[Sampler], logits: Tensor) -> Tensor:
             max=vocab
         )
         ordered = x.sort(dim=-1, descending=True).values
-        kth = ordered.gather(-1, (k - 1).to(device).view(-1, 1))
+        kth = ordered.gather(-1, host_to_device(k - 1, device).view(-1, 1))
         x = x.masked_fill(x < kth, _NEG_INF)
     if any("top_p" in p.steps for p in samplers):
-        on = torch.tensor(["top_p" in p.steps for p in samplers]).to(device).view(-1, 1)
+        on = _flags(["top_p" in p.steps for p in samplers], device)
         # Same arithmetic as apply_top_p (a float32 threshold per row).
         floor = _column([1 - s.top_p for s in settings], device)
         sorted_logits, sorted_idx = torch.sort(x, dim=-1, descending=False)
@@ -87,7 +100,7 @@ def sample_batched(samplers: list[Sampler], logits: Tensor) -> Tensor:
         remove = sorted_remove.scatter(-1, sorted_idx, sorted_remove)
         x = x.masked_fill(remove & on, _NEG_INF)
     if any("min_p" in p.steps for p in samplers):
-        on = torch.tensor(["min_p" in p.steps for p in samplers]).to(device).view(-1, 1)
+        on = _flags(["min_p" in p.steps for p in samplers], device)
         probs = x.softmax(dim=-1)
         remove = probs < _column([s.min_p for s in settings], device) * probs.amax(
             dim=-1, keepdim=True
