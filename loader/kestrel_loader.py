@@ -95,6 +95,7 @@ class KestrelModel(LoadedModel):
             "loras": {},
             "load_seconds": round(engine.load_seconds, 3),
             "cuda_graphs": engine.graphs is not None,
+            "draft_model": str(engine.draft_engine.model_dir) if engine.draft_engine else None,
             "scheduler": engine.scheduler.stats(),
         }
 

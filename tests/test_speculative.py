@@ -229,3 +229,20 @@ def test_gpu_greedy_identical_with_cuda_graphs(target_dir: Path, small_dir: Path
         assert _run(engine, PROMPTS, settings) == reference, spec
         assert engine.scheduler.stats()["draft_tokens"] > 0
         engine.unload()
+
+
+def test_passthrough_target_and_its_exact_draft(tmp_path: Path):
+    # The construction tools/bench_speculative.py measures on a GPU: later layers with
+    # zeroed output projections add nothing, so the first layers predict the target exactly.
+    from tools.bench_speculative import make_passthrough_pair
+
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    make_tiny_llama(target, seed=5, num_hidden_layers=3)
+    make_passthrough_pair(target, draft, draft_layers=1)
+    settings = {**GREEDY, "max_new_tokens": 12}
+    prompts = PROMPTS[1:3]
+    reference = _run(_engine(target), prompts, settings)
+    assert _run(_engine(draft), prompts, settings) == reference
+    engine = _engine(target, draft_model=str(draft), num_draft_tokens=4)
+    assert _run(engine, prompts, settings) == reference
+    assert engine.scheduler.stats()["acceptance_rate"] == 1.0

@@ -44,48 +44,60 @@ sys.path.insert(0, str(ROOT / "tools"))
 from bench import SHAPES, build_model  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
 
-ZEROED = ("self_attn.o_proj.scales", "mlp.down_proj.scales")
+# The projections whose output is added to the residual stream: zero them and a layer
+# passes its input through (GPTQ: zero scales; FP16: zero weights).
+ZEROED = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _layer(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("model.layers.") else None
+
+
+def make_passthrough_pair(target: Path, draft: Path, draft_layers: int) -> None:
+    """Make layers >= draft_layers of the model in `target` pass-through (in place) and
+    write their exact draft, the first draft_layers layers, to `draft`."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((target / "config.json").read_text())
+    if not 0 < draft_layers < config["num_hidden_layers"]:
+        raise SystemExit(f"--draft-layers must be in [1, {config['num_hidden_layers'] - 1}]")
+    draft.mkdir(parents=True, exist_ok=True)
+    draft_index = {}
+    for file in sorted(target.glob("*.safetensors")):
+        tensors = load_file(file)
+        for name in tensors:
+            layer = _layer(name)
+            leaf = name.rsplit(".", 1)
+            if layer is not None and layer >= draft_layers and leaf[1] in ("scales", "weight"):
+                if any(leaf[0].endswith(p) for p in ZEROED):
+                    tensors[name] = torch.zeros_like(tensors[name])
+        # Through a new file: the loaded tensors may still map the old one.
+        save_file(tensors, file.with_suffix(".tmp"))
+        file.with_suffix(".tmp").replace(file)
+        kept = {n: t for n, t in tensors.items() if (_layer(n) or 0) < draft_layers}
+        if kept:
+            save_file(kept, draft / file.name)
+            draft_index.update({n: file.name for n in kept})
+    if (target / "model.safetensors.index.json").is_file():
+        index = {"weight_map": draft_index}
+        (draft / "model.safetensors.index.json").write_text(json.dumps(index))
+    (draft / "config.json").write_text(
+        json.dumps({**config, "num_hidden_layers": draft_layers}, indent=1)
+    )
+    for extra in target.iterdir():
+        if extra.suffix in (".json", ".model") and not (draft / extra.name).exists():
+            (draft / extra.name).write_bytes(extra.read_bytes())
 
 
 def build_pair(work: Path, shape: str, draft_layers: int) -> tuple[Path, Path]:
-    """The pass-through target and its exact draft (see the module docstring)."""
-    from safetensors.torch import load_file, save_file
-
-    layers = SHAPES[shape]["num_hidden_layers"]
-    if not 0 < draft_layers < layers:
-        raise SystemExit(f"--draft-layers must be in [1, {layers - 1}] for {shape}")
+    """The pass-through 4-bit target and its exact draft (see the module docstring)."""
     target = work / f"{shape}-gptq-passthrough{draft_layers}"
     draft = work / f"{shape}-gptq-draft{draft_layers}"
     if (target / "config.json").is_file() and (draft / "config.json").is_file():
         return target, draft
     build_model(target, shape, "gptq")
-    draft.mkdir(parents=True, exist_ok=True)
-    index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
-    draft_index = {}
-    for fname in sorted(set(index.values())):
-        tensors = load_file(target / fname)
-        for name in tensors:
-            parts = name.split(".")
-            if name.startswith("model.layers.") and int(parts[2]) >= draft_layers:
-                if ".".join(parts[3:]) in ZEROED:
-                    tensors[name] = torch.zeros_like(tensors[name])
-        # Through a new file: the loaded tensors may still map the old one.
-        save_file(tensors, target / f"{fname}.tmp")
-        (target / f"{fname}.tmp").replace(target / fname)
-        kept = {
-            n: t
-            for n, t in tensors.items()
-            if not n.startswith("model.layers.") or int(n.split(".")[2]) < draft_layers
-        }
-        if kept:
-            save_file(kept, draft / fname)
-            draft_index.update({n: fname for n in kept})
-    (draft / "model.safetensors.index.json").write_text(json.dumps({"weight_map": draft_index}))
-    config = json.loads((target / "config.json").read_text())
-    config["num_hidden_layers"] = draft_layers
-    (draft / "config.json").write_text(json.dumps(config, indent=1))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (draft / name).write_bytes((target / name).read_bytes())
+    make_passthrough_pair(target, draft, draft_layers)
     return target, draft
 
 
