@@ -49,6 +49,7 @@ class EngineOptions:
     speculative: str | None = None
     draft_model: str | None = None
     num_draft_tokens: int = 4
+    speculative_max_batch: int = 16  # more decoding jobs than this: steps without drafts
 
 
 class Engine:
@@ -150,7 +151,9 @@ class Engine:
             )
             self.draft_engine = Engine.load(options.draft_model, draft_options)
             draft = DraftModel(self.draft_engine, self.config.vocab_size)
-        self.scheduler.set_speculation(mode, options.num_draft_tokens, draft)
+        self.scheduler.set_speculation(
+            mode, options.num_draft_tokens, draft, options.speculative_max_batch
+        )
 
     @property
     def dtype(self) -> torch.dtype:

@@ -215,6 +215,7 @@ class Scheduler:
         self._reserved = 0  # pages the step being planned has claimed
         self.speculative: str | None = None
         self.num_draft_tokens = 0
+        self.speculative_max_batch = 0
         self.draft: DraftModel | None = None
         self.preemptions = 0
         self.rewinds = 0
@@ -224,10 +225,16 @@ class Scheduler:
         self._decode_tokens = 0
 
     def set_speculation(
-        self, mode: str | None, num_draft_tokens: int = 4, draft: DraftModel | None = None
+        self,
+        mode: str | None,
+        num_draft_tokens: int = 4,
+        draft: DraftModel | None = None,
+        max_batch: int = 16,
     ) -> None:
         """Speculative decoding for jobs submitted from now on: "ngram" (prompt lookup),
-        "draft" (a draft model), or None (off)."""
+        "draft" (a draft model), or None (off). Steps with more than `max_batch` decoding
+        jobs run without drafts: a large batch already keeps the GPU busy, and k + 1
+        tokens per job would turn a memory-bound step into a compute-bound one."""
         if mode is not None and mode not in SPECULATIVE_MODES:
             raise ValueError(
                 f"speculative must be one of {', '.join(SPECULATIVE_MODES)} or None, got {mode!r}"
@@ -236,7 +243,10 @@ class Scheduler:
             raise ValueError('speculative="draft" needs a draft model (draft_model=path)')
         if mode is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {max_batch}")
         self.speculative = mode
+        self.speculative_max_batch = max_batch
         self.num_draft_tokens = num_draft_tokens
         self.draft = draft if mode == "draft" else None
 
@@ -422,7 +432,7 @@ class Scheduler:
             self._reserved += need
             rows.append(_Row(job, [job.tokens[-1]]))
         budget = self.max_tokens_per_step - len(rows)
-        if self.speculative is not None:
+        if self.speculative is not None and len(rows) <= self.speculative_max_batch:
             budget -= self._draft(rows, budget)
         planned = {row.job for row in rows}
         for job in self._running:

@@ -116,6 +116,18 @@ def test_target_as_its_own_draft_accepts_everything(target_dir: Path, reference)
     assert stats["tokens_per_step"] > 3.0
 
 
+def test_no_drafts_above_speculative_max_batch(target_dir: Path, reference):
+    engine = _engine(
+        target_dir, draft_model=str(target_dir), speculative_max_batch=1, num_draft_tokens=2
+    )
+    # both prompts prefill in the first step and then decode side by side to the end
+    got = _run(engine, [PROMPTS[1], PROMPTS[3]], {**GREEDY, "max_new_tokens": 24})
+    assert got == [reference[1], reference[3]]
+    assert engine.scheduler.stats()["draft_tokens"] == 0
+    assert _run(engine, [PROMPTS[1]], {**GREEDY, "max_new_tokens": 24}) == [reference[1]]
+    assert engine.scheduler.stats()["draft_tokens"] > 0
+
+
 def test_greedy_with_penalties_and_logprobs(target_dir: Path):
     # Penalties see the drafts before each position: still identical to plain decoding.
     settings = {
