@@ -191,7 +191,8 @@ def main() -> int:
             plain = _engine(target, max_seq_len, n)
             base = measure(plain, prompts, args.new_tokens)
             plain.unload()
-            engine = _engine(target, max_seq_len, n, **spec[mode])
+            # Draft at every concurrency measured (the default stops above 16 jobs).
+            engine = _engine(target, max_seq_len, n, **spec[mode], speculative_max_batch=n)
             fast = measure(engine, prompts, args.new_tokens)
             engine.unload()
             row = {
