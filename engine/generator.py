@@ -10,11 +10,16 @@ whatever else is running (engine/scheduler.py); any other backend (the transform
 loader) runs the single-job loop `generate_single` over a `DecodeSession`.
 
 Both paths share the per-job pieces. `JobSampler` + `sample_jobs`: each job's own
-`Sampler` (its seed, its state) and context, plain greedy rows argmax-ed together, one host
-sync per batch. `OutputProcessor`: stop token ids, then the incremental detokenizer (which
-holds back incomplete UTF-8), then the stop-string matcher (which holds back text that may
-still become a stop string, engine/stops.py). So every delta is final text, a stop string
-never reaches the stream, and the two paths emit the same events for the same tokens.
+`Sampler` (its seed, its state) and context; plain greedy rows argmax-ed together, rows
+with only temperature/top_k/top_p/min_p drawn together (engine/samplers/batched.py, the
+same tokens as their own samplers), one host sync per batch. `OutputProcessor`: stop
+token ids, then the incremental detokenizer (which holds back incomplete UTF-8), then
+the banned-string filter (engine/banned_strings.py: holds back text and tokens that may
+become a banned string, and asks for a rewind when one completes), then the stop-string
+matcher (which holds back text that may still become a stop string, engine/stops.py). So
+every delta is final text, neither a stop string nor a banned string reaches the stream,
+and the two paths emit the same tokens. The single-job loop rewinds by computing the kept
+tokens again in a fresh session; the scheduler trims the job's cache.
 
 Logprobs: the settings key `logprobs` (an int k >= 0, in `SamplingSettings.extra`) adds,
 per token, its log-probability under the model's raw distribution (log_softmax of the
