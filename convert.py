@@ -40,6 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--rtn",
+        action="store_true",
+        help="round to nearest instead of GPTQ, same bit allocation (a baseline to compare)",
+    )
     return p.parse_args(argv)
 
 
@@ -70,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         resume=not args.no_resume,
         device=args.device,
         progress=not args.quiet,
+        rtn=args.rtn,
     )
     try:
         result = convert(args.in_dir, args.out_dir, options)

@@ -18,6 +18,7 @@ import torch
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
+from engine.fusion import fuse_projections
 from engine.loading import load_causal_lm, resolve_device, resolve_dtype
 from engine.scheduler import Scheduler
 from engine.speculative import SPECULATIVE_MODES, DraftModel
@@ -44,6 +45,7 @@ class EngineOptions:
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (single-GPU engines)
     max_batch: int = 64  # concurrent jobs; more wait in the scheduler's queue
     prefix_caching: bool = True  # reuse the cached pages of a repeated prompt prefix
+    fuse_projections: bool = True  # q/k/v and gate/up as one linear each (engine/fusion.py)
     # Speculative decoding: "ngram" (prompt lookup) or "draft" (draft_model, a smaller model
     # with the same vocabulary); None: off. A draft_model alone implies "draft".
     speculative: str | None = None
@@ -102,6 +104,8 @@ class Engine:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
         tokenizer = Tokenizer.from_dir(model_dir)
         model = load_causal_lm(model_dir, device=device, dtype=dtype, config=config)
+        if options.fuse_projections:
+            fuse_projections(model)
         model.setup_rotary(max_seq_len, rope_alpha=options.rope_alpha)
         cache_tokens = options.cache_tokens or max_seq_len
         use_graphs = options.cuda_graphs and device.type == "cuda"

@@ -156,8 +156,13 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias)
         self.up_proj = Linear(hidden, intermediate, bias)
         self.down_proj = Linear(intermediate, hidden, bias)
+        # Set by engine.fusion after loading (output [gate | up]), replacing gate and up.
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

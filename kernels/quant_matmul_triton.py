@@ -44,9 +44,11 @@ compile-time constant of the unpacking code), all adding into the same buffer; t
 one adds the bias. Atomics rather than a second reduction pass: the partials stay in L2
 (no [splits, M, n] buffer written and read back) and there is no extra launch. The price:
 the summation order varies from run to run, which can flip the last float32 bit and,
-rarely, the rounding to 16 bits. Launches per linear: a zero-fill, one per segment, a cast.
-Decode is meant to run as a CUDA graph, where launches cost no host time; their GPU-side
-gaps are the first thing to measure (see _launch_gemv for the next step).
+rarely, the rounding to 16 bits. The GEMV sums into a per-device workspace that is zero
+between calls: the last program of each column tile (an atomic counter per tile) writes
+y in x's dtype and zeroes its part again, so a decode linear is one launch per segment
+and nothing else (a zero-fill and a cast kernel cost as much as a small GEMV). The mid-M
+path still zero-fills its buffer and casts after.
 
 Loops have constexpr trip counts: Triton 3.6's interpreter fails on runtime loop bounds
 under numpy >= 2.4 (triton-lang/triton#9171), and the tests run the kernels there.
@@ -295,10 +297,12 @@ def _gemv_zero_term(
         return tl.sum(row_zero * row_scale * xv[:, None], axis=0)
 
 
-@triton.jit(do_not_specialize=["add_bias"])
+@triton.jit(do_not_specialize=["add_bias", "arrivals"])
 def _gemv_kernel(
     x_ptr,  # [M, k], unit column stride
-    out_ptr,  # float32 [M, n], contiguous, accumulated atomically
+    out_ptr,  # float32 [M, n], contiguous, accumulated atomically (a zeroed workspace)
+    y_ptr,  # [M, n] in x's dtype, contiguous: written by each column tile's last program
+    counter_ptr,  # int32 [column tiles], zero on entry: programs of the tile done so far
     p0_ptr,
     p1_ptr,
     scales_ptr,
@@ -316,6 +320,7 @@ def _gemv_kernel(
     rows_per_split,  # ITERS * BLOCK_K
     add_bias,  # 1 for the first segment's launch of a weight with a bias (run time: one
     # compiled kernel serves every segment)
+    arrivals,  # programs per column tile over all segments' launches
     float_magic,  # 0x4B000000 (see _gemv_plane)
     HAS_PERM: tl.constexpr,
     GROUPED: tl.constexpr,  # every chunk lies in one group (checked on the host)
@@ -478,6 +483,24 @@ def _gemv_kernel(
         tl.atomic_add(out_ptr + 2 * n + cols, acc2, mask=col_ok, sem="relaxed")
     if M_ROWS > 3:
         tl.atomic_add(out_ptr + 3 * n + cols, acc3, mask=col_ok, sem="relaxed")
+    _finish_tile(out_ptr, y_ptr, counter_ptr + pid_n, arrivals, n, cols, col_ok, M_ROWS)
+
+
+@triton.jit
+def _finish_tile(out_ptr, y_ptr, counter, arrivals, n, cols, col_ok, M_ROWS: tl.constexpr):
+    """The last program of a column tile to finish writes the tile's sums as y and leaves
+    the workspace as it found it (zeros, counter 0), so no zero-fill or cast kernel runs
+    around the GEMV. The barrier makes every thread's atomics precede the counter's
+    release (the split-K semaphore pattern); the sums are read from L2 (.cg), past an L1
+    that may hold the workspace's lines from an earlier call."""
+    tl.debug_barrier()
+    done = tl.atomic_add(counter, 1, sem="acq_rel")
+    if done == arrivals - 1:
+        for m in tl.static_range(M_ROWS):
+            sums = tl.load(out_ptr + m * n + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + m * n + cols, sums.to(y_ptr.dtype.element_ty), mask=col_ok)
+            tl.store(out_ptr + m * n + cols, tl.zeros_like(sums), mask=col_ok)
+        tl.store(counter, 0)
 
 
 @triton.jit(do_not_specialize=["add_bias"])
@@ -771,6 +794,25 @@ def _chunks_in_groups(qw: QuantizedWeight, block_k: int) -> bool:
     return result
 
 
+# Per device: a float32 sum buffer and int32 tile counters that are zero between calls.
+# Each GEMV leaves them zeroed (its last program per tile resets its part), so kernels of
+# one stream share them in turn. They only grow, and the first (uncaptured) call of every
+# shape sizes them, which a CUDA graph's warm-up run provides.
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    have = _WORKSPACES.get(device)
+    if have is None or have[0].numel() < sums or have[1].numel() < tiles:
+        old_sums, old_tiles = (have[0].numel(), have[1].numel()) if have else (0, 0)
+        have = (
+            torch.zeros(max(sums, old_sums, 1 << 16), dtype=torch.float32, device=device),
+            torch.zeros(max(tiles, old_tiles, 1024), dtype=torch.int32, device=device),
+        )
+        _WORKSPACES[device] = have
+    return have
+
+
 def _split(
     rows: int, tiles: int, block_k: int, programs_per_sm: int, max_iters: int, device: torch.device
 ) -> int:
@@ -793,13 +835,13 @@ def _gemv_block_n(M: int, n: int, grouped: bool) -> int:
     return min(cols_per_thread * 32 * _GEMV_NUM_WARPS, max(128, triton.next_power_of_2(n)))
 
 
-def _launch_gemv(x2d: torch.Tensor, qw: QuantizedWeight, out32: torch.Tensor) -> None:
-    """Add x2d [M <= 4, k] @ W (+ bias) into out32 [M, n]: one launch per segment.
+def _launch_gemv(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
+    """y [M, n] (x's dtype) = x2d [M <= 4, k] @ W (+ bias): one launch per segment, summing
+    in the device's self-resetting float32 workspace (see _finish_tile).
 
     If the GPU-side gaps between these launches show in decode profiles, the next step is
     one launch per linear: the split-K axis spanning all segments, with a branch per segment
-    (its plane layout as constexprs), and a self-resetting float32 workspace whose last
-    program per column tile adds the bias and writes x.dtype (no zero-fill, no cast).
+    (its plane layout as constexprs).
     """
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
     block_k = _GEMV_BLOCK_K
@@ -810,16 +852,19 @@ def _launch_gemv(x2d: torch.Tensor, qw: QuantizedWeight, out32: torch.Tensor) ->
     rows_per_split = iters * block_k
     perm = qw.perm if qw.perm is not None else qw.row_group  # dummy pointer when absent
     bias = qw.bias if qw.bias is not None else qw.scales
+    segments = [s for s in qw.segments if s.row_end > s.row_start]
+    arrivals = sum(triton.cdiv(s.row_end - s.row_start, rows_per_split) for s in segments)
+    out32, counters = _workspace(x2d.device, M * n, n_tiles)
     first = True
-    for segment in qw.segments:
+    for segment in segments:
         seg_rows = segment.row_end - segment.row_start
-        if seg_rows <= 0:
-            continue
         p0, p1, p0_stride, p1_stride = _plane_args(segment)
         grid = (n_tiles, triton.cdiv(seg_rows, rows_per_split))
         _gemv_kernel[grid](
             x2d,
             out32,
+            y,
+            counters,
             p0,
             p1,
             qw.scales,
@@ -836,6 +881,7 @@ def _launch_gemv(x2d: torch.Tensor, qw: QuantizedWeight, out32: torch.Tensor) ->
             seg_rows,
             rows_per_split,
             int(first and qw.bias is not None),
+            arrivals,
             _FLOAT_MAGIC,
             HAS_PERM=qw.perm is not None,
             GROUPED=grouped,
@@ -986,11 +1032,12 @@ def quant_matmul_triton(
 
         if path == "gemv" and M > _GEMV_LIMIT_M:
             raise ValueError(f"path='gemv' takes at most {_GEMV_LIMIT_M} rows of x, got {M}")
-        out32 = torch.zeros((M, n), dtype=torch.float32, device=x.device)  # atomics add here
         if path == "gemv":
-            _launch_gemv(x2d, qw, out32)
-        else:
-            _launch_dot(x2d, qw, out32)
+            y = torch.empty((M, n), dtype=x.dtype, device=x.device)
+            _launch_gemv(x2d, qw, y)
+            return y.reshape(*lead, n)
+        out32 = torch.zeros((M, n), dtype=torch.float32, device=x.device)  # atomics add here
+        _launch_dot(x2d, qw, out32)
     return out32.to(x.dtype).reshape(*lead, n)
 
 

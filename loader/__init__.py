@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from loader import kestrel_loader, transformers_loader
 from loader.base import Chunk, LoadedModel, LoaderError, UnsupportedFeatureError
+from loader.settings_schema import Control, SettingsSchema, schema_for
 
 ENTRY_POINT_GROUP = "kestrel.loaders"
 
@@ -57,6 +58,14 @@ def _loaders() -> dict[str, LoaderPlugin | ModuleType]:
 
 def available() -> list[str]:
     return list(_loaders())
+
+
+def settings_schema(name: str) -> SettingsSchema:
+    """The load-time controls of loader `name`, for a UI to render (see settings_schema.py)."""
+    loaders = _loaders()
+    if name not in loaders:
+        raise LoaderError(f"unknown loader '{name}' (available: {', '.join(loaders)})")
+    return schema_for(name, loaders[name])
 
 
 def load(
@@ -102,10 +111,13 @@ def load(
 
 __all__ = [
     "Chunk",
+    "Control",
     "LoadedModel",
     "LoaderError",
     "UnsupportedFeatureError",
     "available",
     "load",
     "register",
+    "SettingsSchema",
+    "settings_schema",
 ]

@@ -18,7 +18,13 @@ from engine.quant.exl2 import Exl2Tensors, dequantize_exl2
 from engine.quant.exl2_writer import fit_exl2_scales, quantize_rtn_exl2
 from engine.quantizer import ConvertError, ConvertOptions, convert
 from engine.quantizer.calibration import DATA_DIR
-from engine.quantizer.gptq import fit_scales, gptq_quantize, output_error, prepare_hessian
+from engine.quantizer.gptq import (
+    fit_scales,
+    gptq_quantize,
+    output_error,
+    prepare_hessian,
+    rtn_factors,
+)
 from engine.quantizer.optimize import allocate
 from engine.quantizer.profiles import HEAD_PROFILES, LADDER
 
@@ -168,6 +174,19 @@ def test_gptq_beats_rtn_per_linear():
         assert sum(t.numel() * t.element_size() * 8 for t in packed.values()) == (
             profile.storage_bits(k, n)
         )
+
+
+def test_rtn_mode_is_round_to_nearest():
+    """convert.py --rtn's factors turn GPTQ into plain rounding on the same scale grid."""
+    torch.manual_seed(1)
+    k, n = 128, 64
+    weight = torch.randn(n, k) * 0.05
+    for profile in (LADDER[0], LADDER[3]):
+        result = gptq_quantize(weight, *rtn_factors(k), profile, scale_search="fast")
+        bits, sizes = profile.layout(k)
+        rtn = quantize_rtn_exl2(weight, bits, sizes, perm=torch.arange(k))
+        rtn_w = dequantize_exl2(Exl2Tensors.from_dict(rtn), out_features=n).t()
+        torch.testing.assert_close(result.dequantized, rtn_w.float(), rtol=0, atol=1e-3)
 
 
 def test_resume_skips_finished_layers(converted, tiny, tmp_path):

@@ -238,6 +238,21 @@ def test_gemv_every_row_count(device: str) -> None:
         _check(qw, M, torch.float16, device, "gemv", seed=M)
 
 
+def test_gemv_workspace_is_left_zeroed(device: str) -> None:
+    # The GEMV sums in a shared workspace that each call must leave as it found it: calls
+    # of different shapes and row counts in turn each equal the reference.
+    _require_triton(device)
+    weights = [
+        make_weight(256, 200, [4, 3], device=device, seed=1),
+        make_weight(96, 512, [8], device=device, seed=2, bias=False),
+    ]
+    for M in (1, 2, 1):
+        for i, qw in enumerate(weights):
+            _check(qw, M, torch.float16, device, "gemv", seed=10 * M + i)
+    sums, counters = qmt._WORKSPACES[weights[0].device]  # "cuda" is keyed as cuda:0
+    assert not sums.any() and not counters.any()
+
+
 def test_leading_dims_and_empty_rows(device: str) -> None:
     _require_triton(device)
     qw = make_weight(72, 40, [4], device=device)

@@ -198,6 +198,12 @@ def prepare_hessian(
     raise QuantizationError(f"{name}: the Hessian is not positive definite even with damping")
 
 
+def rtn_factors(k: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(perm, U) that make gptq_quantize round to nearest: no act-order, and U = I passes no
+    error to later rows. The baseline GPTQ is measured against, on the same scale grid."""
+    return torch.arange(k, device=device), torch.eye(k, device=device)
+
+
 def gptq_quantize(
     weight: torch.Tensor,
     perm: torch.Tensor,

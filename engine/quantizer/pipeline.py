@@ -88,6 +88,7 @@ class ConvertOptions:
     resume: bool = True
     device: str | None = None
     damp: float = 0.1
+    rtn: bool = False  # round to nearest instead of GPTQ (a baseline for comparisons)
     shard_mb: int = 8192
     progress: bool = True
     stop_after_layers: int | None = None
@@ -141,6 +142,7 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
             str(Path(options.measurement_in).resolve()) if options.measurement_in else None
         ),
         "damp": options.damp,
+        "rtn": options.rtn,
     }
     try:
         job = Job.open(partial, settings, resume=options.resume)
@@ -308,7 +310,7 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
             for i in range(done, n):
                 lm.load_layer(i)
                 states, tensors, errors = quantize_layer(
-                    runner, i, states, strategy[i], scale_search=full_search, damp=o.damp
+                    runner, i, states, strategy[i], scale_search=full_search, damp=o.damp, rtn=o.rtn
                 )
                 lm.unload_layer(i)
                 job.save_tensors(Job.layer_file(i), tensors)
@@ -322,7 +324,7 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
         states = job.load_tensors("states.safetensors")["quant"]
         with _bar(o, total=1, desc="lm_head", unit="linear") as bar:
             head, err = quantize_head(
-                lm, runner, states, s["head_bits"], scale_search=full_search, damp=o.damp
+                lm, runner, states, s["head_bits"], scale_search=full_search, damp=o.damp, rtn=o.rtn
             )
             bar.set_postfix(err=f"{err:.4f}")
             bar.update()

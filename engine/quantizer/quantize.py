@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from engine.quantizer.capture import capture_layer
-from engine.quantizer.gptq import gptq_quantize, output_error, prepare_hessian
+from engine.quantizer.gptq import gptq_quantize, output_error, prepare_hessian, rtn_factors
 from engine.quantizer.model import CalibrationRunner, LayerwiseModel, module_specs
 from engine.quantizer.profiles import HEAD_PROFILES, Profile
 
@@ -38,6 +38,7 @@ def quantize_layer(
     *,
     scale_search: str = "fast",
     damp: float = 0.1,
+    rtn: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
     lm = runner.lm
     layer = lm.layers[layer_idx]
@@ -50,7 +51,10 @@ def quantize_layer(
             first = group.names[0]
             _, cap = capture_layer(runner, layer_idx, states, hessians=[first], stop_at=first)
             hessian = cap.hessians[first]
-            perm, upper = prepare_hessian(hessian, damp=damp, name=prefix + first)
+            if rtn:
+                perm, upper = rtn_factors(hessian.shape[0], hessian.device)
+            else:
+                perm, upper = prepare_hessian(hessian, damp=damp, name=prefix + first)
             for name in group.names:
                 linear = layer.get_submodule(name)
                 profile = Profile.parse(layer_strategy[spec.kind][name])
@@ -79,6 +83,7 @@ def quantize_head(
     *,
     scale_search: str = "fast",
     damp: float = 0.1,
+    rtn: bool = False,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """lm_head's EXL2 tensors (from the final norm of the last layer's quantized output)."""
     norm = lm.final_norm()
@@ -88,7 +93,10 @@ def quantize_head(
         hessian = x.t() @ x if hessian is None else hessian.addmm_(x.t(), x)
     assert hessian is not None
     weight = lm.head_weight()
-    perm, upper = prepare_hessian(hessian, damp=damp, name="lm_head")
+    if rtn:
+        perm, upper = rtn_factors(hessian.shape[0], hessian.device)
+    else:
+        perm, upper = prepare_hessian(hessian, damp=damp, name="lm_head")
     result = gptq_quantize(
         weight, perm, upper, HEAD_PROFILES[head_bits], name="lm_head", scale_search=scale_search
     )

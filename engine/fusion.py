@@ -1,0 +1,141 @@
+"""Load-time fusion of projections that read the same input: q/k/v and gate/up.
+
+At batch 1 a quantized GEMV costs a fixed few microseconds before it moves any bytes, so
+three small launches (q, k, v: 4096x4096 and two 4096x1024 at 8B) cost about twice one
+launch over their concatenation. `fuse_projections(model)` concatenates, along the output
+dimension, the weights of linears that share an input whenever their formats allow it:
+
+- dense linears (FP16/BF16/FP32): always;
+- quantized linears (EXL2, GPTQ): when they have the same row permutation, the same row
+  groups and the same bit-width segments, so that one QuantizedWeight describes all of
+  them (GPTQ without act-order always does; EXL2 q/k/v share a permutation because they
+  share a Hessian, and fuse when the optimizer gave them the same bits).
+
+An attention module then runs its existing fused path (`qkv_proj`, as Phi-3's checkpoint
+has it), and a GatedMLP its `gate_up_proj` path. The source tensors are released, so
+fusion costs no memory. Outputs are unchanged: a column of the fused product is computed
+exactly as the column of its part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from engine.modules import Attention, GatedMLP, Linear
+from engine.quantized_linear import QuantizedLinear
+from kernels.quant_matmul import Plane, QuantizedWeight, Segment
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _segment_layout(qw: QuantizedWeight) -> list[tuple]:
+    return [
+        (s.bits, s.row_start, s.row_end, [(p.bits, p.shift) for p in s.planes]) for s in qw.segments
+    ]
+
+
+def _fusable_quantized(parts: list[QuantizedLinear]) -> bool:
+    first = parts[0].qweight
+    for part in parts:
+        qw = part.qweight
+        if part.out_features != qw.out_features:  # padded columns would sit in between
+            return False
+        if qw.in_features != first.in_features or qw.scales.shape[0] != first.scales.shape[0]:
+            return False
+        if _segment_layout(qw) != _segment_layout(first):
+            return False
+        if not (_same(qw.perm, first.perm) and _same(qw.row_group, first.row_group)):
+            return False
+    return True
+
+
+def _concat_quantized(parts: list[QuantizedLinear]) -> QuantizedLinear:
+    weights = [p.qweight for p in parts]
+    first = weights[0]
+    segments = []
+    for i, seg in enumerate(first.segments):
+        planes = []
+        for j, plane in enumerate(seg.planes):
+            packed = torch.cat([w.segments[i].planes[j].packed for w in weights], 1)
+            planes.append(Plane(plane.bits, plane.shift, packed))
+        segments.append(Segment(seg.bits, seg.row_start, seg.row_end, planes))
+    bias = None
+    if any(w.bias is not None for w in weights):
+        bias = torch.cat(
+            [
+                w.bias if w.bias is not None else first.scales.new_zeros(w.out_features)
+                for w in weights
+            ]
+        )
+    fused = QuantizedWeight(
+        in_features=first.in_features,
+        out_features=sum(w.out_features for w in weights),
+        perm=first.perm,
+        segments=segments,
+        scales=torch.cat([w.scales for w in weights], 1),
+        zeros=torch.cat([w.zeros for w in weights], 1),
+        row_group=first.row_group,
+        bias=bias,
+    )
+    fused.validate()
+    return QuantizedLinear(fused, fused.out_features, parts[0].format)
+
+
+def _concat_dense(parts: list[Linear]) -> Linear:
+    weight = torch.cat([p.weight for p in parts], 0)
+    has_bias = any(p.bias is not None for p in parts)
+    fused = Linear.__new__(Linear)
+    nn.Module.__init__(fused)
+    fused.in_features = parts[0].in_features
+    fused.out_features = weight.shape[0]
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    fused.bias = None
+    if has_bias:
+        biases = [p.bias if p.bias is not None else weight.new_zeros(p.out_features) for p in parts]
+        fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
+    return fused
+
+
+def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
+    """One linear whose output is the parts' outputs side by side, or None if their formats
+    do not allow it (different kinds, layouts, devices or dtypes)."""
+    if all(type(p) is Linear for p in parts):
+        if len({(p.weight.dtype, p.weight.device, p.in_features) for p in parts}) != 1:
+            return None
+        return _concat_dense(parts)
+    if all(isinstance(p, QuantizedLinear) for p in parts):
+        if len({(p.format, p.qweight.device) for p in parts}) != 1:
+            return None
+        if not _fusable_quantized(parts):
+            return None
+        return _concat_quantized(parts)
+    return None
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Fuse q/k/v and gate/up across `model` where possible; returns how many were fused."""
+    fused = 0
+    for module in list(model.modules()):
+        if isinstance(module, Attention) and not module.spec.fused_qkv:
+            qkv = concat_linears([module.q_proj, module.k_proj, module.v_proj])
+            if qkv is not None:
+                del module.q_proj, module.k_proj, module.v_proj
+                module.qkv_proj = qkv
+                module.spec = dataclasses.replace(module.spec, fused_qkv=True)
+                fused += 1
+        elif isinstance(module, GatedMLP) and module.gate_up_proj is None:
+            gate_up = concat_linears([module.gate_proj, module.up_proj])
+            if gate_up is not None:
+                del module.gate_proj, module.up_proj
+                module.gate_up_proj = gate_up
+                fused += 1
+    if fused and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the parts' memory goes back to the cache's pool
+    return fused

@@ -1,0 +1,191 @@
+"""Where a batch-1 decode step spends its time, on a GPU.
+
+    python tools/profile_decode.py --shape llama3-8b --format gptq --prompt 512 --out DIR
+
+Builds (or reuses) tools/bench.py's random-weight model and reports, for one decode step:
+  - the step as the scheduler sees it (engine.forward + argmax + host sync), ms;
+  - the captured CUDA graph replayed back to back (GPU time per step, no host work), ms;
+  - the kernels of one eager forward (torch.profiler): time, count and share per kernel
+    name, so the GEMV share and the small-kernel tail can be compared with the roofline;
+  - each distinct linear's GEMV alone, replayed in a CUDA graph of 50 calls: µs and GB/s.
+Writes profile.json (and the profiler's table as profile.txt) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from engine.cache import Sequence  # noqa: E402
+from engine.engine import Engine, EngineOptions  # noqa: E402
+from engine.quantized_linear import QuantizedLinear  # noqa: E402
+from kernels.quant_matmul_triton import quant_matmul  # noqa: E402
+from tools.bench import build_model  # noqa: E402
+
+
+def _read_bandwidth() -> float:
+    """Measured device read bandwidth (bytes/s): a sum over 4 GiB, best of 5."""
+    x = torch.empty(2**30, dtype=torch.float32, device="cuda").fill_(1.0)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        x.sum()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del x
+    return 4 * 2**30 / best
+
+
+def _graph_time(fn, calls: int = 50, reps: int = 5) -> float:
+    """Seconds per call of fn() replayed in a CUDA graph of `calls` calls (best of reps)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best / calls
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="llama3-8b")
+    parser.add_argument("--format", default="gptq", choices=["gptq", "exl2"])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--work", default="/tmp/kestrel-bench")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
+    engine = Engine.load(
+        path, EngineOptions(device="cuda", dtype="float16", max_seq_len=args.prompt + 256)
+    )
+    bandwidth = _read_bandwidth()
+    # Bytes one decode step must read: every linear's storage, the norms, one embedding row.
+    weight_bytes = sum(
+        m.storage_bits // 8 for m in engine.model.modules() if isinstance(m, QuantizedLinear)
+    ) + sum(
+        p.numel() * p.element_size() for n, p in engine.model.named_parameters() if "embed" not in n
+    )
+    prompt = torch.randint(2, engine.config.vocab_size, (args.prompt,)).tolist()
+    seq = Sequence()
+    token = int(engine.prefill(seq, prompt)[-1].argmax())
+
+    # 1. The step as the scheduler runs it.
+    for _ in range(5):
+        token = int(engine.forward([seq], [[token]])[-1].argmax())
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    steps = 64
+    for _ in range(steps):
+        token = int(engine.forward([seq], [[token]])[-1].argmax())
+    step_ms = (time.perf_counter() - t) / steps * 1e3
+
+    # 2. The graph alone, back to back.
+    graph = engine.graphs._graphs[1].graph if engine.graphs is not None else None
+    replay_ms = None
+    if graph is not None:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+        replay_ms = (time.perf_counter() - t) / steps * 1e3
+
+    # 3. Kernels of eager forwards (the graph replays the same kernels).
+    from engine.cache import ForwardBatch
+
+    def eager_step() -> None:
+        seq.reserve(engine.cache, seq.length + 1)
+        batch = ForwardBatch.build(engine.cache, [seq], [[token]])
+        engine.model(batch, engine.cache)
+
+    eager_step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            eager_step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    (out / "profile.txt").write_text(table)
+    kernels = []
+    total_us = 0.0
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
+        if evt.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
+            kernels.append(
+                {"name": evt.key[:90], "us_per_step": dev_us / 3, "count": evt.count / 3}
+            )
+            total_us += dev_us / 3
+    kernels.sort(key=lambda k: -k["us_per_step"])
+
+    # 4. Each distinct linear alone.
+    linears = []
+    seen = set()
+    for name, mod in engine.model.named_modules():
+        if not isinstance(mod, QuantizedLinear):
+            continue
+        key = (mod.in_features, mod.out_features)
+        if key in seen:
+            continue
+        seen.add(key)
+        x = torch.randn(1, mod.in_features, device="cuda", dtype=torch.float16)
+        secs = _graph_time(lambda mod=mod, x=x: quant_matmul(x, mod.qweight))
+        nbytes = mod.storage_bits // 8
+        linears.append(
+            {
+                "name": name,
+                "k": key[0],
+                "n": key[1],
+                "us": secs * 1e6,
+                "bytes": nbytes,
+                "gb_s": nbytes / secs / 1e9,
+                "fraction_of_bw": nbytes / secs / bandwidth,
+            }
+        )
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "format": args.format,
+        "prompt": args.prompt,
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_bytes": weight_bytes,
+        "roofline_tok_s": bandwidth / weight_bytes,
+        "step_ms": step_ms,
+        "graph_replay_ms": replay_ms,
+        "eager_kernel_us_per_step": total_us,
+        "kernels": kernels[:40],
+        "linears": linears,
+    }
+    (out / "profile.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("kernels",)}, indent=1))
+    for k in kernels[:25]:
+        print(f"{k['us_per_step']:9.1f} us  x{k['count']:6.0f}  {k['name']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
