@@ -152,6 +152,7 @@ class Engine:
                 cuda_graphs=options.cuda_graphs,
                 max_batch=options.max_batch,
                 prefix_caching=False,
+                fuse_projections=options.fuse_projections,
             )
             self.draft_engine = Engine.load(options.draft_model, draft_options)
             draft = DraftModel(self.draft_engine, self.config.vocab_size)
