@@ -205,9 +205,13 @@ class ForwardBatch:
         new_tokens: list[list[int]],
         *,
         all_logits: bool = False,
+        logits_counts: list[int] | None = None,
     ) -> ForwardBatch:
         """Reserve pages for the new tokens and describe the forward. The sequences'
-        `length` advances here: the forward that follows fills those slots."""
+        `length` advances here: the forward that follows fills those slots.
+
+        Logits come for each sequence's last new token, or its last `logits_counts[b]`
+        (speculative verification), or every new token with `all_logits`."""
         if len(sequences) != len(new_tokens):
             raise ValueError("one list of new tokens per sequence is needed")
         token_ids: list[int] = []
@@ -216,7 +220,7 @@ class ForwardBatch:
         cu = [0]
         lens: list[int] = []
         logits_rows: list[int] = []
-        for seq, tokens in zip(sequences, new_tokens, strict=True):
+        for b, (seq, tokens) in enumerate(zip(sequences, new_tokens, strict=True)):
             start = seq.length
             seq.reserve(cache, start + len(tokens))
             for p in range(start, start + len(tokens)):
@@ -227,10 +231,9 @@ class ForwardBatch:
             token_ids.extend(tokens)
             seq.length = start + len(tokens)
             lens.append(seq.length)
-            if all_logits:
-                logits_rows.extend(range(cu[-1], cu[-1] + len(tokens)))
-            elif tokens:
-                logits_rows.append(cu[-1] + len(tokens) - 1)
+            wanted = len(tokens) if all_logits else logits_counts[b] if logits_counts else 1
+            end = cu[-1] + len(tokens)
+            logits_rows.extend(range(end - min(wanted, len(tokens)), end))
             cu.append(cu[-1] + len(tokens))
         max_pages = max((len(s.pages) for s in sequences), default=1) or 1
         table = torch.zeros((len(sequences), max_pages), dtype=torch.int32)

@@ -22,6 +22,7 @@ from engine.fusion import fuse_projections
 from engine.loading import load_causal_lm, resolve_device, resolve_dtype
 from engine.placement import Placement, PlacementOptions, plan_for_model
 from engine.scheduler import Scheduler
+from engine.speculative import SPECULATIVE_MODES, DraftModel
 from engine.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 8192  # caps a 128k-context config so the cache fits a consumer GPU
@@ -51,6 +52,12 @@ class EngineOptions:
     autosplit: bool = False
     gpu_reserve_gb: float = 0.25
     cpu_offload: bool = False
+    # Speculative decoding: "ngram" (prompt lookup) or "draft" (draft_model, a smaller model
+    # with the same vocabulary); None: off. A draft_model alone implies "draft".
+    speculative: str | None = None
+    draft_model: str | None = None
+    num_draft_tokens: int = 4
+    speculative_max_batch: int = 16  # more decoding jobs than this: steps without drafts
 
 
 class Engine:
@@ -75,6 +82,7 @@ class Engine:
         self.graphs: DecodeGraphs | None = None
         self.placement: Placement | None = None  # set by load
         self.tp_world_size = 1  # set by engine/tensor_parallel for a sharded model
+        self.draft_engine: Engine | None = None  # speculative="draft": the draft model
         self.lock = threading.RLock()
         # prefill_chunk is the step's token budget: decode tokens plus prefill chunks.
         self.scheduler = Scheduler(
@@ -141,7 +149,40 @@ class Engine:
         engine.placement = placement
         if use_graphs:
             engine.graphs = DecodeGraphs(model, cache, max_seq_len)
+        engine.setup_speculation()
         return engine
+
+    def setup_speculation(self) -> None:
+        """Turn on the speculative decoding the options ask for (loads the draft model)."""
+        options = self.options
+        mode = options.speculative or ("draft" if options.draft_model else None)
+        if mode is None:
+            return
+        if mode not in SPECULATIVE_MODES:
+            raise ValueError(
+                f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}"
+            )
+        draft = None
+        if mode == "draft":
+            if not options.draft_model:
+                raise ValueError('speculative="draft" needs draft_model=<model directory>')
+            draft_options = EngineOptions(
+                device=str(self.logits_device),
+                dtype=options.dtype,
+                max_seq_len=self.max_seq_len,
+                cache_tokens=self.cache.capacity_tokens,
+                page_size=self.cache.page_size,
+                prefill_chunk=options.prefill_chunk,
+                cuda_graphs=options.cuda_graphs,
+                max_batch=options.max_batch,
+                prefix_caching=False,
+                fuse_projections=options.fuse_projections,
+            )
+            self.draft_engine = Engine.load(options.draft_model, draft_options)
+            draft = DraftModel(self.draft_engine, self.config.vocab_size)
+        self.scheduler.set_speculation(
+            mode, options.num_draft_tokens, draft, options.speculative_max_batch
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -164,16 +205,25 @@ class Engine:
             )
 
     def forward(
-        self, sequences: list[Sequence], new_tokens: list[list[int]], *, all_logits: bool = False
+        self,
+        sequences: list[Sequence],
+        new_tokens: list[list[int]],
+        *,
+        all_logits: bool = False,
+        logits_counts: list[int] | None = None,
     ) -> torch.Tensor:
+        """Logits of each sequence's last new token (its last `logits_counts[b]`, or all)."""
         if (
             self.graphs is not None
             and not all_logits
+            and logits_counts is None
             and all(len(t) == 1 for t in new_tokens)
             and self.graphs.bucket(len(sequences)) is not None
         ):
             return self.graphs.decode(sequences, [t[0] for t in new_tokens])
-        batch = ForwardBatch.build(self.cache, sequences, new_tokens, all_logits=all_logits)
+        batch = ForwardBatch.build(
+            self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
+        )
         return self.model(batch, self.cache)
 
     def prefill(self, seq: Sequence, token_ids: list[int], *, all_logits: bool = False):
@@ -204,6 +254,9 @@ class Engine:
 
     def unload(self) -> None:
         self.scheduler.close()
+        if self.draft_engine is not None:
+            self.draft_engine.unload()
+            self.draft_engine = None
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None

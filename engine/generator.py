@@ -10,11 +10,16 @@ whatever else is running (engine/scheduler.py); any other backend (the transform
 loader) runs the single-job loop `generate_single` over a `DecodeSession`.
 
 Both paths share the per-job pieces. `JobSampler` + `sample_jobs`: each job's own
-`Sampler` (its seed, its state) and context, plain greedy rows argmax-ed together, one host
-sync per batch. `OutputProcessor`: stop token ids, then the incremental detokenizer (which
-holds back incomplete UTF-8), then the stop-string matcher (which holds back text that may
-still become a stop string, engine/stops.py). So every delta is final text, a stop string
-never reaches the stream, and the two paths emit the same events for the same tokens.
+`Sampler` (its seed, its state) and context; plain greedy rows argmax-ed together, rows
+with only temperature/top_k/top_p/min_p drawn together (engine/samplers/batched.py, the
+same tokens as their own samplers), one host sync per batch. `OutputProcessor`: stop
+token ids, then the incremental detokenizer (which holds back incomplete UTF-8), then
+the banned-string filter (engine/banned_strings.py: holds back text and tokens that may
+become a banned string, and asks for a rewind when one completes), then the stop-string
+matcher (which holds back text that may still become a stop string, engine/stops.py). So
+every delta is final text, neither a stop string nor a banned string reaches the stream,
+and the two paths emit the same tokens. The single-job loop rewinds by computing the kept
+tokens again in a fresh session; the scheduler trims the job's cache.
 
 Logprobs: the settings key `logprobs` (an int k >= 0, in `SamplingSettings.extra`) adds,
 per token, its log-probability under the model's raw distribution (log_softmax of the
@@ -31,6 +36,8 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.banned_strings import BannedStrings
+from engine.samplers.batched import batchable, host_to_device, sample_batched
 from engine.sampling import Sampler
 from engine.sampling_settings import SamplingSettings, SamplingSettingsError
 from engine.stops import StopMatcher
@@ -81,6 +88,8 @@ class GenerationEvent:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     queue_seconds: float = 0.0  # submitted until first scheduled
+    draft_tokens: int = 0  # speculative decoding: drafts proposed for this job so far
+    accepted_tokens: int = 0  # ... and how many of them the target accepted
 
     @property
     def tokens_per_second(self) -> float:
@@ -152,6 +161,7 @@ class JobSampler:
         )
         self.logprobs_k = requested_logprobs(settings)
         self.plain_greedy = plain_greedy(self.sampler)
+        self.batchable = batchable(self.sampler)
         self._prompt = prompt_ids
         self._capacity = len(prompt_ids) + max_new_tokens
         self._context: torch.Tensor | None = None
@@ -172,46 +182,90 @@ class JobSampler:
     def append(self, token: torch.Tensor) -> None:
         """Add a sampled token ([1], on the device) to the context, without a host sync."""
         if self._context is not None:
-            self._context[self._length : self._length + 1] = token
-        self._length += 1
+            self._context[self._length : self._length + token.numel()] = token
+        self._length += token.numel()
+
+    def truncate(self, length: int) -> None:
+        """Forget the context past `length` tokens (a rewind); min_new_tokens counts from
+        there again. Mirostat's mu is not rewound: it keeps what the dropped draws taught it."""
+        # (plain greedy draws skip the sampler and leave its count at 0)
+        self.sampler.generated = max(0, self.sampler.generated - (self._length - length))
+        self._length = length
 
 
 def sample_jobs(
-    jobs: list[JobSampler], logits: torch.Tensor
+    jobs: list[JobSampler], logits: torch.Tensor, bans: list[list[int]] | None = None
 ) -> tuple[list[int], list[list[TokenLogprob] | None]]:
     """One token per row of logits [N, V], row i drawn by jobs[i]; with logprobs where asked.
+    `bans[i]`: token ids row i must not take here (banned strings' rewinds).
 
-    Plain greedy rows are argmax-ed together; each other row goes through its own sampler
-    (its seed, its state). One host sync for the whole batch."""
+    Plain greedy rows are argmax-ed together, rows with only temperature/top_k/top_p/min_p
+    are drawn together (engine/samplers/batched.py), each other row goes through its own
+    sampler (its seed, its state). One host sync for the whole batch."""
     device = logits.device
+    raw = logits
+    if bans and any(bans):
+        logits = apply_position_bans(logits, bans)
     plain = [i for i, job in enumerate(jobs) if job.plain_greedy]
     if len(plain) == len(jobs):
         out = logits.argmax(dim=-1)
     else:
         out = torch.empty(len(jobs), dtype=torch.int64, device=device)
         if plain:
-            index = torch.tensor(plain, device=device)
+            index = host_to_device(torch.tensor(plain), device)
             out[index] = logits[index].argmax(dim=-1)
+        done = set(plain)
+        together = [i for i, job in enumerate(jobs) if i not in done and job.batchable]
+        if together:
+            index = host_to_device(torch.tensor(together), device)
+            out[index] = sample_batched([jobs[i].sampler for i in together], logits[index])
         for i, job in enumerate(jobs):
-            if not job.plain_greedy:
+            if i not in done and not job.batchable:
                 out[i : i + 1] = job.sampler.sample_batch(logits[i : i + 1], job.context())
     for i, job in enumerate(jobs):
         job.append(out[i : i + 1])
+    return out.tolist(), logprobs_for(jobs, raw, out)
+
+
+def apply_position_bans(logits: torch.Tensor, bans: list[list[int]]) -> torch.Tensor:
+    """Logits [N, V] with row i's `bans[i]` set to -inf."""
+    rows = [i for i, ids in enumerate(bans) for _ in ids]
+    cols = [t for ids in bans for t in ids]
+    mask = torch.zeros(logits.shape, dtype=torch.bool)
+    mask[rows, cols] = True
+    return logits.masked_fill(host_to_device(mask, logits.device), float("-inf"))
+
+
+def logprobs_for(
+    jobs: list[JobSampler], logits: torch.Tensor, tokens: torch.Tensor
+) -> list[list[TokenLogprob] | None]:
+    """Each asking row's logprob entry for its token (raw logits, as OpenAI reports)."""
     want = [i for i, job in enumerate(jobs) if job.logprobs_k is not None]
-    if want:
-        k = max(jobs[i].logprobs_k or 0 for i in want)
-        index = torch.tensor(want, device=device)
-        chosen, values, ids = token_logprobs(logits[index], out[index], k)
-    tokens = out.tolist()
     logprobs: list[list[TokenLogprob] | None] = [None] * len(jobs)
-    if want:
-        chosen_l, values_l, ids_l = chosen.tolist(), values.tolist(), ids.tolist()
-        for n, i in enumerate(want):
-            k = jobs[i].logprobs_k or 0
-            logprobs[i] = logprob_entries(
-                [tokens[i]], [chosen_l[n]], [values_l[n][:k]], [ids_l[n][:k]]
-            )
-    return tokens, logprobs
+    if not want:
+        return logprobs
+    k = max(jobs[i].logprobs_k or 0 for i in want)
+    index = torch.tensor(want, device=logits.device)
+    chosen, values, ids = token_logprobs(logits[index], tokens[index], k)
+    chosen_l, values_l, ids_l = chosen.tolist(), values.tolist(), ids.tolist()
+    tokens_l = tokens[index].tolist()
+    for n, i in enumerate(want):
+        k = jobs[i].logprobs_k or 0
+        logprobs[i] = logprob_entries(
+            [tokens_l[n]], [chosen_l[n]], [values_l[n][:k]], [ids_l[n][:k]]
+        )
+    return logprobs
+
+
+@dataclass
+class Fed:
+    """What one sampled token did to a job's output."""
+
+    text: str  # final text to emit
+    token_ids: list[int]  # tokens now final (text held for a banned string holds them too)
+    finish_reason: str | None = None
+    rewind: int | None = None  # a banned string began in generated token `rewind`: go back
+    banned_token: int | None = None  # the token that was there, to ban at that position
 
 
 class OutputProcessor:
@@ -227,31 +281,78 @@ class OutputProcessor:
         self.stop_ids = set(settings.stop_token_ids)
         if not settings.ban_eos_token:
             self.stop_ids |= set(tokenizer.eos_token_ids)
-        self.decoder = IncrementalDecoder(
-            tokenizer, skip_special=settings.skip_special_tokens, context_ids=prompt_ids
-        )
+        self._tokenizer = tokenizer
+        self._prompt = prompt_ids
+        self._skip_special = settings.skip_special_tokens
+        self.decoder = self._new_decoder()
         self.stops = StopMatcher(settings.stop)
+        self.banned = BannedStrings(settings.banned_strings)
         self.max_new_tokens = max_new_tokens
         self.generated: list[int] = []
+        self.final = 0  # generated tokens handed out as final
+        self.rewinds = 0
+
+    def _new_decoder(self) -> IncrementalDecoder:
+        return IncrementalDecoder(
+            self._tokenizer, skip_special=self._skip_special, context_ids=self._prompt
+        )
 
     def feed(self, token: int) -> tuple[str, str | None]:
-        """The text `token` completes and, if generation ends here, why."""
-        self.generated.append(token)
-        if token in self.stop_ids:
-            return self._flush(), "stop"
-        text, hit = self.stops.feed(self.decoder.add([token]))
-        if hit:
-            return text, "stop"
-        if len(self.generated) >= self.max_new_tokens:
-            tail = self._flush()
-            return text + tail, "stop" if self.stops.matched else "length"
-        return text, None
+        """The text `token` completes and, if generation ends here, why (no banned strings:
+        see `feed_token`)."""
+        fed = self.feed_token(token)
+        return fed.text, fed.finish_reason
 
-    def _flush(self) -> str:
-        # Incomplete UTF-8 left in the decoder is still checked for stop strings; what is
-        # left held back after that can no longer become one.
-        tail, hit = self.stops.feed(self.decoder.flush())
-        return tail + ("" if hit else self.stops.flush())
+    def feed_token(self, token: int) -> Fed:
+        self.generated.append(token)
+        index = len(self.generated) - 1
+        if token in self.stop_ids:
+            return self._end(index, self.decoder.flush(), "stop")
+        delta = self.decoder.add([token])
+        if self.banned:
+            delta, rewind = self.banned.feed(index, delta)
+            if rewind is not None:
+                return self._rewind(rewind)
+        text, hit = self.stops.feed(delta)
+        if hit:
+            return Fed(text, self._take_final(), "stop")
+        if len(self.generated) >= self.max_new_tokens:
+            end = self._end(index, self.decoder.flush(), "length")
+            if end.rewind is None:
+                end.text = text + end.text
+            return end
+        return Fed(text, self._take_final())
+
+    def _end(self, index: int, tail: str, reason: str) -> Fed:
+        # Incomplete UTF-8 left in the decoder is still checked for banned and stop strings;
+        # what is left held back after that can no longer become one.
+        if self.banned:
+            tail, rewind = self.banned.feed(index, tail)
+            if rewind is not None:
+                return self._rewind(rewind)
+            tail += self.banned.flush()
+        text, hit = self.stops.feed(tail)
+        text += "" if hit else self.stops.flush()
+        if reason == "length" and (hit or self.stops.matched):
+            reason = "stop"
+        return Fed(text, self._take_final(everything=True), reason)
+
+    def _take_final(self, *, everything: bool = False) -> list[int]:
+        held = None if everything else self.banned.held_from
+        end = len(self.generated) if held is None else held
+        ids = self.generated[self.final : end]
+        self.final = max(self.final, end)
+        return ids
+
+    def _rewind(self, index: int) -> Fed:
+        """Drop generated tokens from `index` on; the decoder replays what is left (its text
+        is already emitted or held, so the replay's output is dropped)."""
+        token = self.generated[index]
+        del self.generated[index:]
+        self.rewinds += 1
+        self.decoder = self._new_decoder()
+        self.decoder.add(self.generated)
+        return Fed("", [], None, index, token)
 
 
 def generate(
@@ -298,6 +399,8 @@ def generate_single(
             logprobs=lp,
         )
 
+    bans = PositionBans()
+    lps: list[TokenLogprob | None] = []  # per generated token, until it is emitted
     try:
         if max_new <= 0:
             yield event("", [], "length")
@@ -305,12 +408,45 @@ def generate_single(
         logits = session.prefill(prompt_ids)
         prompt_seconds = time.perf_counter() - started
         while True:
-            tokens, logprobs = sample_jobs([sampling], logits.unsqueeze(0))
+            position = len(output.generated)
+            ban = bans.at(position)
+            tokens, logprobs = sample_jobs([sampling], logits.unsqueeze(0), [ban] if ban else None)
             token = tokens[0]
-            text, reason = output.feed(token)
-            yield event(text, [token], reason, logprobs[0])
-            if reason is not None:
+            lps.append(logprobs[0][0] if logprobs[0] else None)
+            fed = output.feed_token(token)
+            if fed.rewind is not None:
+                # A banned string: this loop has no cache to trim, so it computes the kept
+                # tokens again in a fresh session (rewinds are rare).
+                bans.rewind(fed.rewind, fed.banned_token)
+                del lps[fed.rewind :]
+                sampling.truncate(len(prompt_ids) + fed.rewind)
+                session.close()
+                session = backend.open_session()
+                logits = session.prefill(prompt_ids + output.generated)
+                continue
+            start = output.final - len(fed.token_ids)
+            held_lps = lps[start : output.final]
+            lp = [x for x in held_lps if x is not None] if sampling.logprobs_k is not None else None
+            yield event(fed.text, fed.token_ids, fed.finish_reason, lp)
+            if fed.finish_reason is not None:
                 return
             logits = session.step(token)
     finally:
         session.close()
+
+
+class PositionBans:
+    """Tokens banned at generated positions by banned-string rewinds. A rewind to position
+    i bans the token that was there and forgets the bans past i (they were made for text
+    that no longer exists); bans at i accumulate while the job keeps coming back to it."""
+
+    def __init__(self) -> None:
+        self._bans: dict[int, set[int]] = {}
+
+    def at(self, position: int) -> list[int]:
+        return sorted(self._bans.get(position, ()))
+
+    def rewind(self, position: int, token: int | None) -> None:
+        self._bans = {p: b for p, b in self._bans.items() if p <= position}
+        if token is not None:
+            self._bans.setdefault(position, set()).add(token)

@@ -45,8 +45,11 @@ setting (mirostat's mu and the min_new_tokens mask stay on the device, the draw 
 torch.multinomial's checks). `sample` returns an int and so waits for the device; a
 context given as a Python list is copied to the device on each call (pass a tensor).
 Banned strings are the generator's job: it must rewind emitted text, which a sampler
-cannot. The step functions (`apply_*`) are public, work on [B, V] logits and never
-modify their input.
+cannot (engine/banned_strings.py). `generator.sample_jobs` draws rows whose settings
+use only temperature/top_k/top_p/min_p (and bias/bans) together, as tensor ops with a
+parameter column per setting (engine/samplers/batched.py), with the same tokens.
+The step functions (`apply_*`) are public, work on [B, V] logits and never modify
+their input.
 """
 
 from __future__ import annotations
@@ -223,6 +226,19 @@ class Sampler:
             logits.unsqueeze(0) if one_row else logits, context_ids, generated_count
         )
         return scores.squeeze(0) if one_row else scores
+
+    def distribution(
+        self,
+        logits: Tensor,
+        context_ids: Tensor | Sequence[Sequence[int]],
+        *,
+        generated_count: int | Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """(scores [B, V] after every step, logits after the bias and bans only): what a
+        draw would use, without drawing. Speculative verification needs both: the scores'
+        softmax is the target distribution, and a row the steps emptied falls back to the
+        argmax of the second, as `sample_with_scores` does."""
+        return self._run(logits, context_ids, generated_count)
 
     def sample_with_scores(
         self,

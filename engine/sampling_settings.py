@@ -158,6 +158,9 @@ class SamplingSettings:
     sampler_priority: list[str] = field(default_factory=lambda: list(TGW_PRIORITY))
     seed: int = -1  # -1: random, drawn by the sampler and reported as `Sampler.seed`
     stop: list[str] = field(default_factory=list)
+    # Strings the text must never contain (case-insensitive, exllamav2's semantics): the
+    # generator rewinds to where one began, bans that token there and samples again.
+    banned_strings: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ban_eos_token: bool = False
     add_bos_token: bool = True
@@ -188,6 +191,9 @@ class SamplingSettings:
             ) from None
         self.sampler_priority = priority or list(TGW_PRIORITY)
         self.stop = as_str_list("stop", self.stop)
+        if isinstance(self.banned_strings, str):
+            self.banned_strings = [self.banned_strings]
+        self.banned_strings = [b for b in as_str_list("banned_strings", self.banned_strings) if b]
         self.stop_token_ids = as_token_ids("stop_token_ids", self.stop_token_ids)
         if not isinstance(self.extra, dict):
             raise SamplingSettingsError(f"extra must be a dict, got {self.extra!r}")
@@ -210,6 +216,7 @@ class SamplingSettings:
             return dataclasses.replace(
                 obj,
                 stop=list(obj.stop),
+                banned_strings=list(obj.banned_strings),
                 extra=dict(obj.extra),
                 logit_bias=dict(obj.logit_bias),
                 custom_token_bans=list(obj.custom_token_bans),

@@ -10,24 +10,40 @@ Contract:
   ids outside the vocabulary; `SamplingSettingsError` for bad settings. It never refuses
   for lack of room now: the job waits. max_new_tokens is clamped so that the prompt and the
   new tokens fit the context and the cache; a clamped job ends with finish_reason "length".
-- `step()` runs one engine forward: one decode token for every running job, then prefill
-  chunks (oldest job first) within `max_tokens_per_step`, admitting waiting jobs in order
-  while the batch (`max_batch`), the token budget and the cache have room. Each job whose
-  prompt is complete samples with its own `Sampler`. Returns the events it made (and
-  delivers them only there: drive a job by `step()` or by streaming it, not both).
+- `step()` runs one engine forward: one decode token for every running job (with its
+  drafts when speculating), then prefill chunks (oldest job first) within
+  `max_tokens_per_step`, admitting waiting jobs in order while the batch (`max_batch`), the
+  token budget and the cache have room. A job feeds the tokens its cache lacks
+  (`job.tokens[sequence.length:]`): its prompt, one sampled token, or after a preemption or
+  a rewind the tokens to compute again. Each job whose tokens are all in the cache samples
+  with its own `Sampler`. Returns the events it made (and delivers them only there: drive
+  a job by `step()` or by streaming it, not both).
 - `stream(job)` / `stream_many(jobs)` yield events; a consumer with no event pending runs
   `step()` itself under the engine's lock, so one thread or many can consume, and there is
   no background thread. Closing such an iterator early cancels its unfinished jobs.
 - `cancel(job)` frees the job's pages at once, whatever its state, and ends it with
   finish_reason "cancelled". A failing forward ends the jobs of that step with "error" (their
   streams raise the exception) and leaves the scheduler usable.
-- Admission reserves a job's worst case: it is admitted only when the cache can hold
-  prompt + max_new_tokens - 1 tokens on top of what admitted jobs may still claim. So a
-  running job never finds the cache full and nothing is preempted; the queue absorbs load.
-  The price: size `cache_tokens` for the batch wanted (the default holds one context).
+- Admission and preemption: a job is admitted when the free pages hold its prompt with one
+  page to spare per running job; its output is not reserved. When a step's decode tokens
+  do not fit, the youngest running job is preempted: its pages are freed and it waits first
+  in the queue, to compute its tokens again when admitted (adopting what the prefix cache
+  still holds of them). Its sampler, output and stream carry on, so its tokens are the ones
+  it would have produced without the preemption. A job that alone fits the cache always
+  finishes: submit clamps max_new_tokens to the cache.
+- Banned strings (`settings.banned_strings`, engine/banned_strings.py): text that may
+  become one is held back with its tokens; when one completes, the job rewinds to the token
+  where it began (tokens dropped, cache trimmed by engine/rewind.py, sampler context cut),
+  that token is banned at that position and the position is sampled again.
+- Speculative decoding (`set_speculation`, engine/speculative.py): decode rows of jobs
+  whose sampler allows it carry k drafts (n-gram lookup or a draft model) and get logits
+  for all k + 1 positions; the acceptance rule keeps the target's distribution (greedy:
+  identical output), the rejected drafts' cache entries are trimmed, and `stats()` reports
+  draft/accepted tokens, the acceptance rate and tokens per decode step.
 - Events are `GenerationEvent`s (engine/generator.py): text delta, token ids, logprobs,
   finish reason, and timings (queue_seconds, prompt_seconds = prefill, generate_seconds =
-  decode, tokens_per_second, cached_tokens).
+  decode, tokens_per_second, cached_tokens, draft_tokens, accepted_tokens). An event may
+  carry several tokens (accepted drafts); tokens held for a banned string come later.
 - Prefix caching (engine/prefix_cache.py): at admission a job adopts the cached full pages
   its prompt starts with, at most those before its last prompt token (one token is always
   computed, for the logits, and the job's partially filled page is always its own: shared
@@ -40,6 +56,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,11 +66,23 @@ from engine.generator import (
     GenerationEvent,
     JobSampler,
     OutputProcessor,
+    PositionBans,
     TokenLogprob,
+    logprob_entries,
     sample_jobs,
+    token_logprobs,
 )
 from engine.prefix_cache import PrefixChain, adopt, find_prefix, publish
+from engine.rewind import trim_sequence
+from engine.samplers.batched import host_to_device
 from engine.sampling_settings import SamplingSettings
+from engine.speculative import (
+    SPECULATIVE_MODES,
+    DraftModel,
+    NgramDrafter,
+    can_speculate,
+    verify,
+)
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -79,6 +108,7 @@ class Job:
         settings: SamplingSettings,
         engine: Engine,
         max_new_tokens: int,
+        speculative: str | None = None,
     ) -> None:
         self.id = job_id
         self.prompt_ids = prompt_ids
@@ -92,8 +122,6 @@ class Job:
         self.sequence = Sequence()
         self.tokens = list(prompt_ids)  # prompt + generated; the cache holds a prefix of it
         page_size = engine.cache.page_size
-        # The cache holds every token but the last one sampled.
-        self.pages_needed = -(-(len(prompt_ids) + max_new_tokens - 1) // page_size)
         self.chain = PrefixChain(page_size)
         self.published = 0  # full pages registered in the prefix cache
         self.events: deque[GenerationEvent] = deque()
@@ -104,6 +132,15 @@ class Job:
             settings, engine.tokenizer, engine.logits_device, prompt_ids, max_new_tokens
         )
         self.output = OutputProcessor(engine.tokenizer, prompt_ids, settings, max_new_tokens)
+        self.bans = PositionBans()  # banned strings' rewinds: tokens banned per position
+        self.held_logprobs: list[TokenLogprob | None] = []  # per generated token
+        self.preemptions = 0
+        scheduler = engine.scheduler
+        self.speculate = scheduler.speculative is not None and can_speculate(self.sampling.sampler)
+        self.drafter = NgramDrafter() if scheduler.speculative == "ngram" else None
+        self.draft_sequence = Sequence()  # the job's place in a draft model's cache
+        self.draft_tokens = 0  # drafts proposed / accepted for this job
+        self.accepted_tokens = 0
 
     @property
     def done(self) -> bool:
@@ -132,7 +169,18 @@ class Job:
             logprobs=lp,
             cached_tokens=self.cached_tokens,
             queue_seconds=admitted - self.submitted,
+            draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens,
         )
+
+
+@dataclass(eq=False)
+class _Row:
+    """One job's part of a step: the tokens it feeds and the drafts after them."""
+
+    job: Job
+    feed: list[int]
+    drafts: list[int] = field(default_factory=list)
 
 
 class Scheduler:
@@ -164,6 +212,43 @@ class Scheduler:
         self._running: list[Job] = []  # admitted (prefilling or decoding), in admission order
         self._next_id = 1
         self._closed = False
+        self._reserved = 0  # pages the step being planned has claimed
+        self.speculative: str | None = None
+        self.num_draft_tokens = 0
+        self.speculative_max_batch = 0
+        self.draft: DraftModel | None = None
+        self.preemptions = 0
+        self.rewinds = 0
+        self._drafted = 0
+        self._accepted = 0
+        self._decode_rows = 0  # decode steps of jobs, and the tokens they produced
+        self._decode_tokens = 0
+
+    def set_speculation(
+        self,
+        mode: str | None,
+        num_draft_tokens: int = 4,
+        draft: DraftModel | None = None,
+        max_batch: int = 16,
+    ) -> None:
+        """Speculative decoding for jobs submitted from now on: "ngram" (prompt lookup),
+        "draft" (a draft model), or None (off). Steps with more than `max_batch` decoding
+        jobs run without drafts: a large batch already keeps the GPU busy, and k + 1
+        tokens per job would turn a memory-bound step into a compute-bound one."""
+        if mode is not None and mode not in SPECULATIVE_MODES:
+            raise ValueError(
+                f"speculative must be one of {', '.join(SPECULATIVE_MODES)} or None, got {mode!r}"
+            )
+        if mode == "draft" and draft is None:
+            raise ValueError('speculative="draft" needs a draft model (draft_model=path)')
+        if mode is not None and num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+        if max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {max_batch}")
+        self.speculative = mode
+        self.speculative_max_batch = max_batch
+        self.num_draft_tokens = num_draft_tokens
+        self.draft = draft if mode == "draft" else None
 
     # -- public API ----------------------------------------------------------------------
     @property
@@ -179,7 +264,7 @@ class Scheduler:
         # The decode graphs keep one scratch page for their padding rows (engine/cuda_graph.py).
         return self.engine.cache.num_pages - int(self.engine.graphs is not None)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         cache = self.engine.cache
         return {
             "waiting": len(self._waiting),
@@ -189,6 +274,17 @@ class Scheduler:
             "free_pages": cache.free_pages,
             "cached_pages": cache.cached_pages,
             "page_size": cache.page_size,
+            "preemptions": self.preemptions,
+            "rewinds": self.rewinds,
+            "speculative": self.speculative,
+            "num_draft_tokens": self.num_draft_tokens if self.speculative else 0,
+            "draft_tokens": self._drafted,
+            "accepted_tokens": self._accepted,
+            "acceptance_rate": round(self._accepted / self._drafted, 4) if self._drafted else 0.0,
+            # tokens a decoding job gains per step: 1 without speculation
+            "tokens_per_step": (
+                round(self._decode_tokens / self._decode_rows, 4) if self._decode_rows else 0.0
+            ),
         }
 
     def submit(
@@ -226,7 +322,7 @@ class Scheduler:
                 engine.max_seq_len - len(prompt),
                 usable_tokens - len(prompt) + 1,
             )
-            job = Job(self._next_id, prompt, settings, engine, max(0, max_new))
+            job = Job(self._next_id, prompt, settings, engine, max(0, max_new), self.speculative)
             self._next_id += 1
             if job.max_new_tokens == 0:
                 self._finish(job, "length")
@@ -291,104 +387,316 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------
     def _step(self, *, queue: bool) -> list[GenerationEvent]:
-        batch: list[Job] = []
-        new_tokens: list[list[int]] = []
-        for job in self._running:
-            if job.state == DECODE:
-                batch.append(job)
-                new_tokens.append([job.tokens[-1]])
-        budget = self.max_tokens_per_step - len(batch)
-        for job in self._running:
-            if job.state == PREFILL and budget > 0:
-                budget -= self._add_chunk(job, budget, batch, new_tokens)
-        while self._waiting and budget > 0 and len(self._running) < self.max_batch:
-            job = self._waiting[0]
-            if not self._admit(job):
-                break  # first come, first served: later jobs do not overtake it
-            self._waiting.popleft()
-            self._running.append(job)
-            budget -= self._add_chunk(job, budget, batch, new_tokens)
-        if not batch:
+        rows = self._plan()
+        if not rows:
+            if self._running:
+                self._unblock()
             return []
+        batch = [row.job for row in rows]
         try:
-            logits = self.engine.forward([job.sequence for job in batch], new_tokens)
-            sampling = [
-                (row, job)
-                for row, job in enumerate(batch)
-                if job.sequence.length >= len(job.prompt_ids)
-            ]
-            for job in batch:
-                if self.prefix_caching:
-                    job.published = publish(
-                        self.engine.cache, job.sequence, job.chain, job.tokens, job.published
-                    )
-            tokens, logprobs = self._sample(sampling, logits)
+            counts = [1 + len(row.drafts) for row in rows]
+            logits = self.engine.forward(
+                [job.sequence for job in batch],
+                [row.feed + row.drafts for row in rows],
+                logits_counts=counts if any(r.drafts for r in rows) else None,
+            )
+            results = self._sample(rows, logits, counts)
         except BaseException as error:
             for job in batch:
                 job.error = error
                 self._finish(job, "error")
             raise
         events = []
-        for (_, job), token, lp in zip(sampling, tokens, logprobs, strict=True):
-            if job.state == PREFILL:
-                job.state = DECODE
-                job.first_token = time.perf_counter()
-            job.tokens.append(token)
-            text, reason = job.output.feed(token)
-            events.append(job.event(text, [token], reason, lp))
-            if queue:
-                job.events.append(events[-1])
-            if reason is not None:
-                self._finish(job, reason, emit=False)
+        for row, (tokens, logprobs) in zip(rows, results, strict=True):
+            event = self._advance(row.job, tokens, logprobs)
+            if event is not None:
+                events.append(event)
+                if queue:
+                    row.job.events.append(event)
         return events
 
-    def _add_chunk(
-        self, job: Job, budget: int, batch: list[Job], new_tokens: list[list[int]]
-    ) -> int:
-        start = job.sequence.length
-        chunk = job.prompt_ids[start : start + budget]
-        batch.append(job)
-        new_tokens.append(chunk)
-        job.prefill_tokens += len(chunk)
-        return len(chunk)
+    def _plan(self) -> list[_Row]:
+        """The rows of this step: decode tokens first (preempting the youngest jobs when the
+        cache runs short), their drafts, then prefill chunks, then newly admitted jobs."""
+        self._reserved = 0
+        rows: list[_Row] = []
+        for job in list(self._running):
+            if job not in self._running or job.state != DECODE or self._to_feed(job) != 1:
+                continue
+            need = self._pages_for(job, 1)
+            while need > self._spare() and self._running[-1] is not job:
+                self._preempt(self._running[-1])
+            if need > self._spare():
+                self._preempt(job)
+                continue
+            self._reserved += need
+            rows.append(_Row(job, [job.tokens[-1]]))
+        budget = self.max_tokens_per_step - len(rows)
+        if self.speculative is not None and len(rows) <= self.speculative_max_batch:
+            budget -= self._draft(rows, budget)
+        planned = {row.job for row in rows}
+        for job in self._running:
+            if budget <= 0:
+                break
+            if job not in planned:
+                budget -= self._add_chunk(job, budget, rows)
+        while self._waiting and budget > 0 and len(self._running) < self.max_batch:
+            job = self._waiting[0]
+            if not self._admit(job):
+                break  # first come, first served: later jobs do not overtake it
+            self._waiting.popleft()
+            self._running.append(job)
+            budget -= self._add_chunk(job, budget, rows)
+        return rows
+
+    def _to_feed(self, job: Job) -> int:
+        return len(job.tokens) - job.sequence.length
+
+    def _pages_for(self, job: Job, count: int) -> int:
+        """Pages `job` must add to hold `count` more tokens."""
+        page_size = self.engine.cache.page_size
+        return max(0, -(-(job.sequence.length + count) // page_size) - len(job.sequence.pages))
+
+    def _spare(self) -> int:
+        return self.engine.cache.free_pages - self._reserved
+
+    def _add_chunk(self, job: Job, budget: int, rows: list[_Row]) -> int:
+        """A prefill chunk of `job` (its prompt, or tokens to compute again after a
+        preemption or a rewind), as long as budget and free pages allow."""
+        seq = job.sequence
+        page_size = self.engine.cache.page_size
+        fits = (len(seq.pages) + self._spare()) * page_size - seq.length
+        count = min(budget, self._to_feed(job), fits)
+        if count <= 0:
+            return 0
+        self._reserved += self._pages_for(job, count)
+        rows.append(_Row(job, job.tokens[seq.length : seq.length + count]))
+        job.prefill_tokens += count
+        return count
+
+    def _draft(self, rows: list[_Row], budget: int) -> int:
+        """Drafts for decode rows whose sampler allows them, within the token budget and
+        the free pages; returns the tokens they add to the step."""
+        wanted: list[tuple[_Row, int]] = []
+        page_size = self.engine.cache.page_size
+        for row in rows:
+            job = row.job
+            if not job.speculate:
+                continue
+            # The token after the drafts is always produced: never draft past the end.
+            room = job.max_new_tokens - len(job.generated_ids) - 1
+            seq = job.sequence
+            fits = (len(seq.pages) + self._spare()) * page_size - seq.length - 1
+            k = min(self.num_draft_tokens, room, budget, fits)
+            if k <= 0:
+                continue
+            self._reserved += self._pages_for(job, 1 + k) - self._pages_for(job, 1)
+            budget -= k
+            wanted.append((row, k))
+        if not wanted:
+            return 0
+        if self.draft is not None:
+            drafts = self.draft.propose(
+                [row.job.draft_sequence for row, _ in wanted],
+                [row.job.tokens for row, _ in wanted],
+                [k for _, k in wanted],
+            )
+        else:
+            drafts = [row.job.drafter.propose(row.job.tokens, k) for row, k in wanted]
+        used = 0
+        for (row, _), proposed in zip(wanted, drafts, strict=True):
+            row.drafts = list(proposed)
+            used += len(row.drafts)
+        return used
 
     def _admit(self, job: Job) -> bool:
+        """Admit `job` when its prompt fits the free pages, with one page to spare for
+        each running job's next page (so an admission does not cause a preemption at once).
+        Jobs are not reserved their whole output: when decode runs out of pages, the
+        youngest job is preempted (`_plan`)."""
         cache = self.engine.cache
+        page_size = cache.page_size
         pages: list[int] = []
         if self.prefix_caching:
-            max_pages = (len(job.prompt_ids) - 1) // cache.page_size
-            pages = find_prefix(cache, job.chain, job.prompt_ids, max_pages)
+            max_pages = (len(job.tokens) - 1) // page_size
+            pages = find_prefix(cache, job.chain, job.tokens, max_pages)
         # Adopting a page that only the LRU holds uses up a free page; one that another job
         # holds does not.
         held_elsewhere = sum(cache.refcount(p) > 0 for p in pages)
-        claimed = sum(max(0, j.pages_needed - len(j.sequence.pages)) for j in self._running)
-        if job.pages_needed - held_elsewhere > cache.free_pages - claimed:
+        need = -(-len(job.tokens) // page_size) - held_elsewhere
+        if need + len(self._running) > self._spare():
             return False
-        job.cached_tokens = adopt(cache, job.sequence, pages)
+        job.cached_tokens = max(job.cached_tokens, adopt(cache, job.sequence, pages))
         job.published = len(pages)
         job.state = PREFILL
-        job.admitted = time.perf_counter()
+        if job.admitted is None:
+            job.admitted = time.perf_counter()
         return True
 
-    def _sample(
-        self, sampling: list[tuple[int, Job]], logits: torch.Tensor
-    ) -> tuple[list[int], list[list[TokenLogprob] | None]]:
-        if not sampling:
-            return [], []
-        rows = [row for row, _ in sampling]
-        if rows != list(range(logits.shape[0])):
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        return sample_jobs([job.sampling for _, job in sampling], logits)
+    def _preempt(self, job: Job) -> None:
+        """Free a running job's pages and queue it first among the waiting: it computes its
+        tokens again when admitted (its prefix-cached pages may still be there). Sampling
+        state, output and events are kept, so its output is as if it had never stopped."""
+        self._running.remove(job)
+        job.sequence.release(self.engine.cache)
+        if self.draft is not None:
+            self.draft.release(job.draft_sequence)
+        job.state = WAITING
+        job.published = 0
+        job.preemptions += 1
+        self.preemptions += 1
+        self._waiting.appendleft(job)
+
+    def _unblock(self) -> None:
+        """Nothing could run although jobs are admitted: their partial prefills hold the
+        pages the oldest needs. Preempt the youngest; a lone job that cannot go on means
+        pages are held outside the scheduler."""
+        if len(self._running) > 1:
+            self._preempt(self._running[-1])
+            return
+        job = self._running[0]
+        raise SchedulerError(
+            f"job {job.id} needs more pages and nothing else runs, but only "
+            f"{self.engine.cache.free_pages} of {self.usable_pages} are free: pages are held "
+            "outside the scheduler"
+        )
 
     def _stalled(self) -> None:
         # Only pages held outside the scheduler (an EngineSession) can cause this: a job
         # that fits the empty cache is admitted when nothing else runs.
         job = self._waiting[0]
+        need = -(-len(job.tokens) // self.engine.cache.page_size)
         raise SchedulerError(
-            f"job {job.id} needs {job.pages_needed} pages and nothing runs, but only "
+            f"job {job.id} needs {need} pages and nothing runs, but only "
             f"{self.engine.cache.free_pages} of {self.usable_pages} are free: pages are held "
             "outside the scheduler"
         )
+
+    def _sample(
+        self, rows: list[_Row], logits: torch.Tensor, counts: list[int]
+    ) -> list[tuple[list[int], list[TokenLogprob | None]]]:
+        """New tokens (and logprobs) per row: none for a prefill chunk that does not reach
+        the end, one for a plain row, the accepted drafts and one more for a draft row."""
+        starts = [0]
+        for count in counts:
+            starts.append(starts[-1] + count)
+        plain = [
+            n
+            for n, row in enumerate(rows)
+            if not row.drafts and row.job.sequence.length == len(row.job.tokens)
+        ]
+        results: list[tuple[list[int], list[TokenLogprob | None]]] = [([], []) for _ in rows]
+        if plain:
+            rows_at = torch.tensor([starts[n + 1] - 1 for n in plain])
+            index = host_to_device(rows_at, logits.device)
+            jobs = [rows[n].job for n in plain]
+            bans = [job.bans.at(len(job.generated_ids)) for job in jobs]
+            tokens, logprobs = sample_jobs(
+                [job.sampling for job in jobs], logits[index], bans if any(bans) else None
+            )
+            for n, token, lp in zip(plain, tokens, logprobs, strict=True):
+                results[n] = ([token], [lp[0] if lp else None])
+            self._decode_rows += sum(rows[n].job.state == DECODE for n in plain)
+            self._decode_tokens += sum(rows[n].job.state == DECODE for n in plain)
+        verified = []
+        for n, row in enumerate(rows):
+            if row.drafts:
+                job = row.job
+                gen = len(job.generated_ids)
+                bans = [job.bans.at(gen + j) for j in range(len(row.drafts) + 1)]
+                block = logits[starts[n] : starts[n + 1]]
+                verified.append((n, block, verify(job.sampling, block, row.drafts, bans)))
+        if verified:
+            flat = torch.stack([torch.stack(pair) for _, _, pair in verified]).tolist()
+            for (n, block, _), (accepted, token) in zip(verified, flat, strict=True):
+                row, job = rows[n], rows[n].job
+                tokens = row.drafts[:accepted] + [token]
+                job.sampling.sampler.generated += len(tokens)
+                job.sampling.append(host_to_device(torch.tensor(tokens), logits.device))
+                lps: list[TokenLogprob | None] = [None] * len(tokens)
+                if job.sampling.logprobs_k is not None:
+                    k = job.sampling.logprobs_k
+                    ids = torch.tensor(tokens, device=logits.device)
+                    chosen, values, top = token_logprobs(block[: len(tokens)], ids, k)
+                    lps = list(
+                        logprob_entries(tokens, chosen.tolist(), values.tolist(), top.tolist())
+                    )
+                results[n] = (tokens, lps)
+                job.draft_tokens += len(row.drafts)
+                job.accepted_tokens += accepted
+                self._drafted += len(row.drafts)
+                self._accepted += accepted
+                self._decode_rows += 1
+                self._decode_tokens += len(tokens)
+        return results
+
+    def _advance(
+        self, job: Job, tokens: list[int], logprobs: list[TokenLogprob | None]
+    ) -> GenerationEvent | None:
+        """Take a row's new tokens into its job: rewind rejected drafts' cache entries,
+        publish full pages, then feed the output one token at a time (a stop ends the job
+        there; a banned string rewinds it)."""
+        cache = self.engine.cache
+        if not tokens:
+            self._publish(job, job.tokens)
+            return None
+        if job.state == PREFILL:
+            job.state = DECODE
+            if job.first_token is None:
+                job.first_token = time.perf_counter()
+        # The cache keeps every token but the last one sampled.
+        keep = len(job.tokens) + len(tokens) - 1
+        if job.sequence.length > keep:
+            trim_sequence(cache, job.sequence, keep)
+        if self.draft is not None and job.draft_sequence.length > keep:
+            self.draft.rewind(job.draft_sequence, keep)
+        self._publish(job, job.tokens + tokens)
+        text, ids, lps, reason = "", [], [], None
+        for token, lp in zip(tokens, logprobs, strict=True):
+            job.tokens.append(token)
+            job.held_logprobs.append(lp)
+            fed = job.output.feed_token(token)
+            if fed.rewind is not None:
+                self._rewind(job, fed.rewind, fed.banned_token)
+                break
+            start = job.output.final - len(fed.token_ids)
+            text += fed.text
+            ids += fed.token_ids
+            lps += job.held_logprobs[start : job.output.final]
+            if fed.finish_reason is not None:
+                reason = fed.finish_reason
+                self._finish(job, reason, emit=False)
+                break
+        if not (text or ids or reason):
+            return None
+        wanted = job.sampling.logprobs_k is not None
+        return job.event(text, ids, reason, [x for x in lps if x is not None] if wanted else None)
+
+    def _publish(self, job: Job, tokens: list[int]) -> None:
+        if self.prefix_caching:
+            job.published = publish(
+                self.engine.cache, job.sequence, job.chain, tokens, job.published
+            )
+
+    def _rewind(self, job: Job, index: int, banned: int | None) -> None:
+        """A banned string began in generated token `index`: go back to before it, ban it
+        there, and let the next step sample that position again."""
+        keep = len(job.prompt_ids) + index
+        del job.tokens[keep:]
+        del job.held_logprobs[index:]
+        job.bans.rewind(index, banned)
+        job.sampling.truncate(keep)
+        cache = self.engine.cache
+        trim_sequence(cache, job.sequence, keep - 1)
+        page_size = cache.page_size
+        job.published = min(job.published, job.sequence.length // page_size)
+        # Chain hashes of pages that held dropped tokens no longer describe the job.
+        del job.chain.hashes[keep // page_size :]
+        if job.drafter is not None:
+            job.drafter.rewind(keep)
+        if self.draft is not None:
+            self.draft.rewind(job.draft_sequence, keep - 1)
+        self.rewinds += 1
 
     # -- finishing -----------------------------------------------------------------------
     def _finish(self, job: Job, reason: str, *, emit: bool = True) -> None:
@@ -398,6 +706,8 @@ class Scheduler:
             self._waiting.remove(job)
         if self.engine.cache is not None:
             job.sequence.release(self.engine.cache)
+        if self.draft is not None:
+            self.draft.release(job.draft_sequence)
         job.state = FINISHED
         job.finish_reason = reason
         if emit:

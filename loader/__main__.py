@@ -54,6 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=-1)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--ban",
+        action="append",
+        default=[],
+        metavar="STRING",
+        help="banned string, never generated (case-insensitive; repeatable)",
+    )
+    parser.add_argument(
+        "--speculative",
+        choices=["ngram", "draft"],
+        default=None,
+        help="speculative decoding: ngram (prompt lookup) or draft (needs --draft-model)",
+    )
+    parser.add_argument(
+        "--draft-model", default=None, help="draft model directory (same tokenizer)"
+    )
+    parser.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="tokens drafted per step (default 4)"
+    )
     args = parser.parse_args(argv)
 
     settings = {
@@ -66,6 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         "repetition_penalty": args.repetition_penalty,
         "seed": args.seed,
         "stop": args.stop,
+        "banned_strings": args.ban,
+    }
+    # Only what was asked for: other loaders do not know these options.
+    speculation = {
+        key: value
+        for key, value in (
+            ("speculative", args.speculative),
+            ("draft_model", args.draft_model),
+            ("num_draft_tokens", args.num_draft_tokens),
+        )
+        if value is not None
     }
     model = None
     last = None
@@ -82,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             max_seq_len=args.max_seq_len,
             **_placement_args(args),
+            **speculation,
         )
         if args.tp or args.gpu_split or args.autosplit:
             print(f"placement: {model.info().get('placement')}", file=sys.stderr)
@@ -103,7 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\n\n[{last.prompt_tokens} prompt tokens in {last.prompt_seconds:.2f} s, "
             f"{last.generated_tokens} tokens at {last.tokens_per_second:.1f} tokens/s, "
-            f"finish: {last.finish_reason}]",
+            f"finish: {last.finish_reason}"
+            + (
+                f", {last.accepted_tokens}/{last.draft_tokens} drafts accepted"
+                if last.draft_tokens
+                else ""
+            )
+            + "]",
             file=sys.stderr,
         )
     return 0

@@ -47,6 +47,8 @@ class Chunk:
     logprobs: list[TokenLogprob] | None = None  # settings["logprobs"] = k asks for them
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     queue_seconds: float = 0.0
+    draft_tokens: int = 0  # speculative decoding: drafts proposed / accepted so far
+    accepted_tokens: int = 0
 
     @property
     def tokens_per_second(self) -> float:

@@ -124,6 +124,7 @@ class KestrelModel(LoadedModel):
             "load_seconds": round(engine.load_seconds, 3),
             "cuda_graphs": engine.graphs is not None,
             "placement": _placement_info(engine),
+            "draft_model": str(engine.draft_engine.model_dir) if engine.draft_engine else None,
             "scheduler": engine.scheduler.stats(),
         }
 

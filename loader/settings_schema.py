@@ -174,6 +174,30 @@ KESTREL = SettingsSchema(
             _ENGINE.prefix_caching,
             "reuse the cache of a repeated prompt start",
         ),
+        Control(
+            "speculative",
+            "choice",
+            "speculative decoding",
+            _ENGINE.speculative,
+            "ngram: prompt lookup; draft: a draft model; empty: off",
+            choices=("ngram", "draft"),
+        ),
+        Control(
+            "draft_model",
+            "text",
+            "draft model",
+            _ENGINE.draft_model,
+            "a smaller model with the same tokenizer (implies speculative=draft)",
+        ),
+        Control(
+            "num_draft_tokens",
+            "int",
+            "draft tokens",
+            _ENGINE.num_draft_tokens,
+            "tokens drafted per step",
+            minimum=1,
+            maximum=16,
+        ),
     ),
 )
 TRANSFORMERS = SettingsSchema("transformers", (_DEVICE, _DTYPE, _CONTEXT))
