@@ -131,12 +131,20 @@ class TensorParallelEngine(Engine):
         return engine
 
     def forward(
-        self, sequences: list[Sequence], new_tokens: list[list[int]], *, all_logits: bool = False
+        self,
+        sequences: list[Sequence],
+        new_tokens: list[list[int]],
+        *,
+        all_logits: bool = False,
+        logits_counts: list[int] | None = None,
     ) -> torch.Tensor:
+        """As Engine.forward; `logits_counts` (speculative verification) sends the rows to
+        keep in the batch's logits_indices, so the other ranks need nothing new."""
         graphs = self.graphs
         if (
             graphs is not None
             and not all_logits
+            and logits_counts is None
             and all(len(t) == 1 for t in new_tokens)
             and graphs.bucket(len(sequences)) is not None
         ):
@@ -151,7 +159,9 @@ class TensorParallelEngine(Engine):
             graph.stage(sequences, [t[0] for t in new_tokens])
             protocol.broadcast_rows(graph.device_rows)  # rank 0 is the source
             return graph.replay()[: len(sequences)]
-        batch = ForwardBatch.build(self.cache, sequences, new_tokens, all_logits=all_logits)
+        batch = ForwardBatch.build(
+            self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
+        )
         protocol.send_batch(batch, self._device)
         return self.model(batch.on(self._device), self.cache)
 
