@@ -13,9 +13,15 @@ lands in a scratch page that no real sequence owns.
 
 from __future__ import annotations
 
+import contextlib
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
+
+if TYPE_CHECKING:
+    from engine.lora import LoraManager
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -30,6 +36,7 @@ class _Graph:
         max_context: int,
         scratch_page: int,
         device: torch.device,
+        lora: LoraManager | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.scratch_page = scratch_page
@@ -52,20 +59,35 @@ class _Graph:
         self.host = torch.zeros((B, 4 + max_pages), dtype=torch.int64).pin_memory()
         self.device_rows = torch.zeros((B, 4 + max_pages), **i64)
 
+        # A LoRA graph reads each row's adapter scales from a static buffer.
+        lora_batch = lora.static_batch(B, device) if lora is not None else None
+        self.lora_scales = lora_batch.body.scales if lora_batch is not None else None
+        active = lora.active(lora_batch) if lora is not None else contextlib.nullcontext()
+
         # Warm up outside the graph: compiles kernels and fills the quant kernels' caches,
         # which take one host sync the first time they see a weight.
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                model(self.batch, cache)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = model(self.batch, cache)
+        with active:
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    model(self.batch, cache)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = model(self.batch, cache)
 
-    def run(self, sequences: list[Sequence], tokens: list[int]) -> torch.Tensor:
+    def run(
+        self,
+        sequences: list[Sequence],
+        tokens: list[int],
+        lora_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         n = len(sequences)
+        if self.lora_scales is not None:
+            self.lora_scales.zero_()
+            if lora_scales is not None:
+                self.lora_scales[:n].copy_(lora_scales)
         host = self.host
         host[:, 0] = 0
         host[:, 1] = 0
@@ -103,21 +125,38 @@ class DecodeGraphs:
         # The scratch page absorbs the K/V writes of padding rows; no sequence owns it.
         self.scratch_page = cache.allocate(1)[0]
         self._graphs: dict[int, _Graph] = {}
+        # Graphs with LoRA kernels, valid while the adapters' stacks stay where they were.
+        self._lora_graphs: dict[int, _Graph] = {}
+        self._lora_version = -1
 
     @staticmethod
     def bucket(batch_size: int) -> int | None:
         return next((b for b in BUCKETS if b >= batch_size), None)
 
-    def decode(self, sequences: list[Sequence], tokens: list[int]) -> torch.Tensor:
-        """One decode step: logits [len(sequences), vocab] (float32)."""
+    def decode(
+        self,
+        sequences: list[Sequence],
+        tokens: list[int],
+        *,
+        lora: LoraManager | None = None,
+        lora_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One decode step: logits [len(sequences), vocab] (float32). With `lora`, the rows'
+        adapter scales `lora_scales` [len(sequences), slots] (CPU) go into a LoRA graph."""
         for seq in sequences:
             seq.reserve(self.cache, seq.length + 1)
             seq.length += 1
         size = self.bucket(len(sequences))
         assert size is not None, "more sequences than the largest bucket"
-        graph = self._graphs.get(size)
+        graphs = self._graphs
+        if lora is not None:
+            if lora.version != self._lora_version:
+                self._lora_graphs.clear()  # they read stacks that no longer exist
+                self._lora_version = lora.version
+            graphs = self._lora_graphs
+        graph = graphs.get(size)
         if graph is None:
-            graph = self._graphs[size] = _Graph(
+            graph = graphs[size] = _Graph(
                 self.model,
                 self.cache,
                 size,
@@ -125,9 +164,11 @@ class DecodeGraphs:
                 self.max_context,
                 self.scratch_page,
                 self.device,
+                lora,
             )
-        return graph.run(sequences, tokens)
+        return graph.run(sequences, tokens, lora_scales)
 
     def release(self) -> None:
         self._graphs.clear()
+        self._lora_graphs.clear()
         self.cache.release([self.scratch_page])

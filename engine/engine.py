@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.loading import load_causal_lm, resolve_device, resolve_dtype
+from engine.lora import LoraManager
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
 
@@ -66,6 +68,8 @@ class Engine:
         self.load_seconds = load_seconds
         self.graphs: DecodeGraphs | None = None
         self.lock = threading.RLock()
+        # LoRA adapters (engine/lora): nothing is wrapped until one is loaded.
+        self.loras = LoraManager(model, self.lock)
         # prefill_chunk is the step's token budget: decode tokens plus prefill chunks.
         self.scheduler = Scheduler(
             self,
@@ -134,34 +138,66 @@ class Engine:
             )
 
     def forward(
-        self, sequences: list[Sequence], new_tokens: list[list[int]], *, all_logits: bool = False
+        self,
+        sequences: list[Sequence],
+        new_tokens: list[list[int]],
+        *,
+        all_logits: bool = False,
+        loras: list[dict[str, float]] | None = None,
     ) -> torch.Tensor:
+        """`loras`: each sequence's resolved LoRA selection (LoraManager.resolve); None
+        gives every sequence the model's default selection (set_loras)."""
+        if loras is None:
+            loras = [self.loras.default] * len(sequences)
+        lengths = [len(t) for t in new_tokens]
+        lora_batch = self.loras.batch(loras, lengths, lengths if all_logits else [1] * len(lengths))
         if (
             self.graphs is not None
             and not all_logits
-            and all(len(t) == 1 for t in new_tokens)
+            and all(n == 1 for n in lengths)
             and self.graphs.bucket(len(sequences)) is not None
+            and (lora_batch is None or self.loras.graphable(loras))
         ):
-            return self.graphs.decode(sequences, [t[0] for t in new_tokens])
+            tokens = [t[0] for t in new_tokens]
+            if lora_batch is None:
+                return self.graphs.decode(sequences, tokens)
+            return self.graphs.decode(
+                sequences, tokens, lora=self.loras, lora_scales=lora_batch.body.host_scales
+            )
         batch = ForwardBatch.build(self.cache, sequences, new_tokens, all_logits=all_logits)
-        return self.model(batch, self.cache)
+        with self.loras.active(lora_batch):
+            return self.model(batch, self.cache)
 
-    def prefill(self, seq: Sequence, token_ids: list[int], *, all_logits: bool = False):
+    def prefill(
+        self,
+        seq: Sequence,
+        token_ids: list[int],
+        *,
+        all_logits: bool = False,
+        loras: dict[str, float] | None = None,
+    ):
         """Feed a prompt in chunks; returns the last token's logits (or every token's)."""
         chunk = self.options.prefill_chunk
         outputs = []
+        selection = None if loras is None else [loras]
         for start in range(0, len(token_ids), chunk):
-            logits = self.forward([seq], [token_ids[start : start + chunk]], all_logits=all_logits)
+            logits = self.forward(
+                [seq], [token_ids[start : start + chunk]], all_logits=all_logits, loras=selection
+            )
             outputs.append(logits)
         return torch.cat(outputs) if all_logits else outputs[-1]
 
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [len, vocab] (float32, CPU) of a whole sequence, without keeping its cache."""
+    def logits(
+        self, token_ids: list[int], *, loras: Mapping[str, float] | None = None
+    ) -> torch.Tensor:
+        """Logits [len, vocab] (float32, CPU) of a whole sequence, without keeping its cache;
+        under the LoRA selection `loras` (default: the model's, set_loras)."""
         self.check_length(len(token_ids))
         seq = Sequence()
         with self.lock:
+            selection = self.loras.resolve(loras)
             try:
-                return self.prefill(seq, token_ids, all_logits=True).cpu()
+                return self.prefill(seq, token_ids, all_logits=True, loras=selection).cpu()
             finally:
                 seq.release(self.cache)
 
@@ -178,6 +214,7 @@ class Engine:
             self.graphs.release()
             self.graphs = None
         self.model = None  # type: ignore[assignment]
+        self.loras = None  # type: ignore[assignment]
         self.cache = None  # type: ignore[assignment]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -40,6 +40,7 @@ from engine.samplers.parse import (
     check_bool,
     check_range,
     parse_logit_bias,
+    parse_loras,
     parse_sequence_breakers,
     parse_stop,
 )
@@ -162,6 +163,9 @@ class SamplingSettings:
     ban_eos_token: bool = False
     add_bos_token: bool = True
     skip_special_tokens: bool = True
+    # LoRA adapters for this request, {name: scale} (a list of names means scale 1 each);
+    # None: the model's selection (set_loras), {}: none.
+    loras: dict[str, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -189,6 +193,7 @@ class SamplingSettings:
         self.sampler_priority = priority or list(TGW_PRIORITY)
         self.stop = as_str_list("stop", self.stop)
         self.stop_token_ids = as_token_ids("stop_token_ids", self.stop_token_ids)
+        self.loras = parse_loras("loras", self.loras)
         if not isinstance(self.extra, dict):
             raise SamplingSettingsError(f"extra must be a dict, got {self.extra!r}")
 
@@ -215,6 +220,7 @@ class SamplingSettings:
                 custom_token_bans=list(obj.custom_token_bans),
                 dry_sequence_breakers=list(obj.dry_sequence_breakers),
                 sampler_priority=list(obj.sampler_priority),
+                loras=None if obj.loras is None else dict(obj.loras),
             )
         if not isinstance(obj, Mapping):
             raise SamplingSettingsError(

@@ -52,7 +52,7 @@ from engine.generator import (
     TokenLogprob,
     sample_jobs,
 )
-from engine.prefix_cache import PrefixChain, adopt, find_prefix, publish
+from engine.prefix_cache import PrefixChain, adopt, find_prefix, publish, root_hash
 from engine.sampling_settings import SamplingSettings
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ class Job:
         settings: SamplingSettings,
         engine: Engine,
         max_new_tokens: int,
+        loras: dict[str, float] | None = None,
     ) -> None:
         self.id = job_id
         self.prompt_ids = prompt_ids
@@ -94,7 +95,10 @@ class Job:
         page_size = engine.cache.page_size
         # The cache holds every token but the last one sampled.
         self.pages_needed = -(-(len(prompt_ids) + max_new_tokens - 1) // page_size)
-        self.chain = PrefixChain(page_size)
+        # Resolved LoRA selection; K/V computed under it is cached apart from other selections.
+        self.loras = loras or {}
+        self.lora_held = False
+        self.chain = PrefixChain(page_size, root_hash(engine.loras.salt(self.loras)))
         self.published = 0  # full pages registered in the prefix cache
         self.events: deque[GenerationEvent] = deque()
         self.submitted = time.perf_counter()
@@ -226,7 +230,10 @@ class Scheduler:
                 engine.max_seq_len - len(prompt),
                 usable_tokens - len(prompt) + 1,
             )
-            job = Job(self._next_id, prompt, settings, engine, max(0, max_new))
+            loras = engine.loras.resolve(settings.loras)
+            job = Job(self._next_id, prompt, settings, engine, max(0, max_new), loras)
+            engine.loras.acquire(loras)
+            job.lora_held = True
             self._next_id += 1
             if job.max_new_tokens == 0:
                 self._finish(job, "length")
@@ -311,7 +318,9 @@ class Scheduler:
         if not batch:
             return []
         try:
-            logits = self.engine.forward([job.sequence for job in batch], new_tokens)
+            logits = self.engine.forward(
+                [job.sequence for job in batch], new_tokens, loras=[job.loras for job in batch]
+            )
             sampling = [
                 (row, job)
                 for row, job in enumerate(batch)
@@ -398,6 +407,9 @@ class Scheduler:
             self._waiting.remove(job)
         if self.engine.cache is not None:
             job.sequence.release(self.engine.cache)
+        if job.lora_held and self.engine.loras is not None:
+            job.lora_held = False
+            self.engine.loras.release(job.loras)  # may free an adapter waiting to unload
         job.state = FINISHED
         job.finish_reason = reason
         if emit:
