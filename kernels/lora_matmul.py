@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import Backend, device_guard, resolve_backend
+from kernels.backend import Backend, cast_rtne, device_guard, is_interpreted, resolve_backend
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -82,22 +82,26 @@ def lora_matmul_reference(
 ) -> torch.Tensor:
     """The contract in plain torch: per active slot, the rows that use it, two matmuls."""
     _check_args(y, x, a, b, slot_map, seg_starts, seg_scales)
-    lengths = (seg_starts[1:] - seg_starts[:-1]).long()
+    starts = seg_starts.tolist()
     delta: torch.Tensor | None = None
     for s, local in enumerate(slot_map.tolist()):
         if local < 0:
             continue
-        row_scale = torch.repeat_interleave(
-            seg_scales[:, s].float(), lengths, output_size=x.shape[0]
-        )
-        rows = row_scale.nonzero().squeeze(1)
-        if rows.numel() == 0:
+        rows: list[int] = []
+        row_scale: list[float] = []
+        for g, scale in enumerate(seg_scales[:, s].tolist()):
+            if scale:
+                rows.extend(range(starts[g], starts[g + 1]))
+                row_scale.extend([scale] * (starts[g + 1] - starts[g]))
+        if not rows:
             continue
-        shrunk = x[rows].float() @ a[local].float().t()  # [M, R]
-        part = (shrunk * row_scale[rows, None]) @ b[local].float().t()  # [M, N]
+        index = torch.tensor(rows, device=x.device)
+        shrunk = x[index].float() @ a[local].float().t()  # [M, R]
+        scale_col = torch.tensor(row_scale, device=x.device)[:, None]
+        part = (shrunk * scale_col) @ b[local].float().t()  # [M, N]
         if delta is None:
             delta = torch.zeros(y.shape, dtype=torch.float32, device=y.device)
-        delta.index_add_(0, rows, part)
+        delta[index] += part  # rows are distinct
     if delta is not None:
         y.copy_((y.float() + delta).to(y.dtype))
     return y
@@ -109,7 +113,7 @@ def _lora_kernel(
     N, K, R, S,
     stride_xm, stride_ym, stride_al, stride_ar, stride_bl, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_R: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
     g = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -144,7 +148,9 @@ def _lora_kernel(
                     mask=k_mask[:, None] & rank_mask[None, :],
                     other=0.0,
                 )  # [BLOCK_K, BLOCK_R]: A^T
-                if IEEE:
+                if EMULATE_BF16:  # the interpreter cannot dot bfloat16 (numpy has none)
+                    shrunk += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+                elif IEEE:
                     shrunk += tl.dot(xt, at, input_precision="ieee")
                 else:
                     shrunk += tl.dot(xt, at)
@@ -154,7 +160,10 @@ def _lora_kernel(
                 other=0.0,
             )  # [BLOCK_R, BLOCK_N]: B^T
             shrunk = shrunk * scale
-            if IEEE:
+            if EMULATE_BF16:
+                rounded = cast_rtne(shrunk, tl.bfloat16, EMULATE_BF16).to(tl.float32)
+                acc += tl.dot(rounded, bt.to(tl.float32), input_precision="ieee")
+            elif IEEE:
                 acc += tl.dot(shrunk, bt.to(tl.float32), input_precision="ieee")
             else:
                 acc += tl.dot(shrunk.to(bt.dtype), bt)
@@ -162,7 +171,11 @@ def _lora_kernel(
         offs = rows[:, None].to(tl.int64) * stride_ym + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         y = tl.load(y_ptr + offs, mask=mask, other=0.0)
-        tl.store(y_ptr + offs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+        out = cast_rtne(y.to(tl.float32) + acc, y_ptr.dtype.element_ty, EMULATE_BF16)
+        tl.store(y_ptr + offs, out, mask=mask)
+
+
+_INTERPRETED = is_interpreted(_lora_kernel)
 
 
 def lora_matmul_triton(
@@ -197,6 +210,7 @@ def lora_matmul_triton(
             x.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, BLOCK_R=block_r,
             IEEE=x.dtype == torch.float32,
+            EMULATE_BF16=_INTERPRETED and x.dtype == torch.bfloat16,
         )  # fmt: skip
     return y
 

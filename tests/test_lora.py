@@ -156,6 +156,34 @@ def test_pickled_adapter_loads_safely_or_is_refused(tiny: Path, tmp_path: Path):
         m.load_lora(bad)
 
 
+@pytest.mark.parametrize("fmt", ["exl2", "gptq"])
+def test_quantized_base_equals_dequantized_base_plus_peft(
+    tiny: Path, adapters: dict[str, Path], tmp_path: Path, fmt: str
+):
+    """On an EXL2 / GPTQ base (every linear and the head quantized by the project's
+    writers), Kestrel with an adapter equals peft on the dequantized model: the delta is
+    applied unmerged on top of the quantized matmul, and B's lm_head replaces a quantized
+    head."""
+    from test_quantized_model import _exl2, _gptq, _quantize_model
+
+    quantize = _exl2 if fmt == "exl2" else _gptq(4, 32, True, True, False)
+    ref = _quantize_model(tiny, tmp_path / fmt, quantize)
+    if fmt == "gptq":
+        cfg = json.loads((tmp_path / fmt / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+        (tmp_path / fmt / "config.json").write_text(json.dumps(cfg))
+    m = _load(tmp_path / fmt)
+    assert m.engine.model.model.layers[0].mlp.down_proj.format == fmt
+    m.load_lora(adapters["A"])
+    m.load_lora(adapters["B"])
+    model = PeftModel.from_pretrained(ref, adapters["A"], adapter_name="A")
+    model.load_adapter(adapters["B"], adapter_name="B")
+    for name in ("A", "B"):
+        model.set_adapter(name)
+        want = model.eval()(torch.tensor([IDS])).logits[0].detach()
+        _close(m.engine.logits(IDS, loras={name: 1.0}), want)
+
+
 def test_fused_phi3_adapters(tmp_path: Path):
     """Phi-3 holds q/k/v and gate/up fused. An adapter on the fused modules (what peft makes
     for Phi-3) matches peft; one on q_proj/k_proj/v_proj/gate_proj/up_proj (trained on an

@@ -40,6 +40,8 @@ _uid = itertools.count(1)
 
 
 def _module_device(module: nn.Module) -> torch.device:
+    if isinstance(module, LoraLinear | LoraEmbedding):
+        module = module.base
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         return tensor.device
     qweight = getattr(module, "qweight", None)  # QuantizedLinear keeps tensors in a dataclass
