@@ -9,6 +9,11 @@ Static shapes: the page table has room for the engine's whole context, and atten
 told the context may be that long (`max_context_len` sizes the decode kernel's grid, so it
 must not change between replays). Buckets are padded with dummy sequences whose one token
 lands in a scratch page that no real sequence owns.
+
+Steps where some row uses a LoRA adapter replay a second set of graphs, captured with the
+LoRA kernels and a static [B, slots] scale buffer that each step fills. They hold the
+adapters' stack addresses, so they are dropped whenever the LoRA manager's `version`
+changes (an adapter was loaded or unloaded) and captured again on next use.
 """
 
 from __future__ import annotations

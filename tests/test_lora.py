@@ -383,3 +383,43 @@ def test_bad_adapters_give_clear_errors(tiny: Path, adapters: dict[str, Path], t
     with pytest.raises(SamplingSettingsError, match=r"loras\['A'\] must be a finite number"):
         SamplingSettings.from_any({"loras": {"A": "lots"}})
     assert SamplingSettings.from_any({"loras": ["A"]}).loras == {"A": 1.0}
+
+
+@pytest.mark.gpu
+def test_cuda_graph_lora_decode_equals_eager(tiny: Path, adapters: dict[str, Path], tmp_path):
+    """Mixed-adapter decode steps replay LoRA graphs (static scale buffers) and give the
+    eager path's tokens; loading another adapter mid-run recaptures them."""
+    c = _make_adapter(_hf(tiny), tmp_path / "C", 5, r=16, lora_alpha=16, target_modules=ALL)
+    del c
+    selections = [{"A": 1.0}, {"C": 1.0}, {"A": 0.5, "C": 0.5}, {}]
+    settings = [{**GREEDY, "max_new_tokens": 24, "loras": s} for s in selections]
+    runs = {}
+    for graphs in (False, True):
+        m = loader.load(tiny, "kestrel", device="cuda", dtype="float16", cuda_graphs=graphs)
+        m.load_lora(adapters["A"])
+        m.load_lora(tmp_path / "C")
+        out: dict[int, list[int]] = {i: [] for i in range(4)}
+        for i, chunk in enumerate(m.stream_many([IDS] * 4, settings)):
+            out[chunk.job_id].extend(chunk.token_ids)
+            if i == 20:  # hot load while the jobs decode
+                m.load_lora(adapters["B"])
+        runs[graphs] = [out[i] for i in range(4)]
+        if graphs:
+            assert m.engine.graphs._lora_graphs  # the LoRA steps did replay graphs
+        m.unload()
+    assert runs[True] == runs[False]
+    assert len({tuple(r) for r in runs[True]}) == 4
+
+
+@pytest.mark.gpu
+def test_unload_frees_gpu_memory(tiny: Path, tmp_path: Path):
+    torch.cuda.empty_cache()
+    m = loader.load(tiny, "kestrel", device="cuda", dtype="float16")
+    before = torch.cuda.memory_allocated()
+    big = _make_adapter(_hf(tiny), tmp_path / "big", 6, r=64, lora_alpha=64, target_modules=ALL)
+    del big
+    m.load_lora(tmp_path / "big")
+    assert torch.cuda.memory_allocated() > before
+    assert m.unload_lora("big") is True
+    gc.collect()
+    assert torch.cuda.memory_allocated() == before
