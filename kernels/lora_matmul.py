@@ -17,11 +17,12 @@ can use tensor-core dots. Several slots may be active in one segment (A + B at 0
 rows of a segment whose scales are all 0 get nothing added. Math is in float32; the sum of
 the adapters' deltas is rounded once into y's dtype.
 
-The Triton kernel computes shrink (x @ A^T, [M, R]) and expand (@ B^T) in one program per
+The Triton kernels compute shrink (x @ A^T, [M, R]) and expand (@ B^T) in one program per
 (segment, row tile, column tile): one launch per linear. The shrink is repeated for every
-column tile; at decode (one row per segment) it reads A from L2, which is far cheaper
-than a second launch per linear. `lora_matmul` dispatches: Triton on CUDA tensors, the
-reference otherwise (see kernels.backend).
+column tile; at decode (one row per segment, its own kernel with vector math and wide K
+tiles) that re-reads A from L2, which costs less than a second launch per linear.
+`lora_matmul` dispatches: Triton on CUDA tensors, the reference otherwise (see
+kernels.backend).
 """
 
 from __future__ import annotations
@@ -175,6 +176,54 @@ def _lora_kernel(
         tl.store(y_ptr + offs, out, mask=mask)
 
 
+@triton.jit
+def _lora_decode_kernel(
+    x_ptr, y_ptr, a_ptr, b_ptr, slot_map_ptr, seg_starts_ptr, seg_scales_ptr,
+    N, K, R, S,
+    stride_xm, stride_ym, stride_al, stride_ar, stride_bl, stride_bn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):  # fmt: skip
+    # One row per segment (decode): vector math instead of 16-row dot tiles, and wide K
+    # tiles, so a program reads its adapter's A in a few large loads.
+    g = tl.program_id(0)
+    tile_n = tl.program_id(1)
+    row = tl.load(seg_starts_ptr + g)
+    has_row = row < tl.load(seg_starts_ptr + g + 1)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    rank = tl.arange(0, BLOCK_R)
+    rank_mask = rank < R
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(0, S):
+        scale = tl.load(seg_scales_ptr + g * S + s)
+        local = tl.load(slot_map_ptr + s)
+        if has_row & (scale != 0.0) & (local >= 0):
+            shrunk = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            a_base = a_ptr + local.to(tl.int64) * stride_al
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_mask = ks < K
+                xv = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_mask, other=0.0)
+                at = tl.load(
+                    a_base + rank[:, None] * stride_ar + ks[None, :],
+                    mask=rank_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                )  # [BLOCK_R, BLOCK_K]
+                shrunk += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+            bt = tl.load(
+                b_ptr + local.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + rank[None, :],
+                mask=col_mask[:, None] & rank_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_R]
+            acc += tl.sum(bt.to(tl.float32) * (shrunk * scale)[None, :], axis=1)
+    if has_row:
+        offs = row.to(tl.int64) * stride_ym + cols
+        y = tl.load(y_ptr + offs, mask=col_mask, other=0.0)
+        out = cast_rtne(y.to(tl.float32) + acc, y_ptr.dtype.element_ty, EMULATE_BF16)
+        tl.store(y_ptr + offs, out, mask=col_mask)
+
+
 _INTERPRETED = is_interpreted(_lora_kernel)
 
 
@@ -197,20 +246,30 @@ def lora_matmul_triton(
     rank = a.shape[1]
     if groups == 0 or slots == 0 or x.shape[0] == 0 or max_seg_len <= 0:
         return y
-    block_m = 16 if max_seg_len <= 16 else 64
-    # Decode: a wide column tile repeats the shrink fewer times; prefill: more programs.
-    block_n = 128 if max_seg_len <= 16 else 64
     block_r = max(16, triton.next_power_of_2(rank))
+    emulate_bf16 = _INTERPRETED and x.dtype == torch.bfloat16
+    args = (
+        x, y, a, b,
+        slot_map.to(torch.int32), seg_starts.to(torch.int32), seg_scales.to(torch.float32),
+        n, k, rank, slots,
+        x.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+    )  # fmt: skip
+    if max_seg_len == 1:
+        block_n = 128
+        with device_guard(x):
+            _lora_decode_kernel[(groups, triton.cdiv(n, block_n))](
+                *args, BLOCK_N=block_n, BLOCK_K=256, BLOCK_R=block_r, EMULATE_BF16=emulate_bf16
+            )
+        return y
+    block_m = 16 if max_seg_len <= 16 else 64
+    # Short segments: a wide column tile repeats the shrink fewer times; long ones: more
+    # programs.
+    block_n = 128 if max_seg_len <= 16 else 64
     grid = (groups, triton.cdiv(max_seg_len, block_m), triton.cdiv(n, block_n))
     with device_guard(x):
         _lora_kernel[grid](
-            x, y, a, b,
-            slot_map.to(torch.int32), seg_starts.to(torch.int32), seg_scales.to(torch.float32),
-            n, k, rank, slots,
-            x.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, BLOCK_R=block_r,
-            IEEE=x.dtype == torch.float32,
-            EMULATE_BF16=_INTERPRETED and x.dtype == torch.bfloat16,
+            *args, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, BLOCK_R=block_r,
+            IEEE=x.dtype == torch.float32, EMULATE_BF16=emulate_bf16,
         )  # fmt: skip
     return y
 
