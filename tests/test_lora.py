@@ -260,6 +260,7 @@ def test_batch_of_mixed_adapters_equals_single_runs(tiny: Path, adapters: dict[s
     """A, B, A+B at 0.5 and none in one batch give the tokens each gets alone (greedy),
     through the scheduler (continuous batching, chunked prefill, prefix cache on)."""
     m = _load(tiny, max_seq_len=128, cache_tokens=1024, page_size=8, prefill_chunk=16)
+    m.load_lora(adapters["B"], name="X")  # slot 0 until it is unloaded mid-run
     m.load_lora(adapters["A"])
     m.load_lora(adapters["B"])
     # B replaces lm_head; at 0.5 its head is blended with the base's.
@@ -269,15 +270,22 @@ def test_batch_of_mixed_adapters_equals_single_runs(tiny: Path, adapters: dict[s
     for loras in selections:
         chunks = list(m.stream(prompt, {**GREEDY, "loras": loras}))
         single.append([t for c in chunks for t in c.token_ids])
+        # Same prompt, new selection: no page of another selection's K/V is reused.
+        assert chunks[-1].cached_tokens == 0
     assert len({tuple(s) for s in single}) == 4, single  # every selection differs
     settings = [{**GREEDY, "loras": loras} for loras in selections]
     batched: dict[int, list[int]] = {i: [] for i in range(4)}
-    for chunk in m.stream_many([prompt] * 4, settings):
+    for i, chunk in enumerate(m.stream_many([prompt] * 4, settings)):
         batched[chunk.job_id].extend(chunk.token_ids)
+        if i == 6:  # hot unload and load between steps: A and B move to other slots
+            assert m.unload_lora("X") is True
+            m.load_lora(adapters["A"], name="Y")
     assert [batched[i] for i in range(4)] == single
     # The model-level selection applies to requests that name none.
     m.set_loras({"A": 1.0})
-    assert [t for c in m.stream(prompt, GREEDY) for t in c.token_ids] == single[0]
+    chunks = list(m.stream(prompt, GREEDY))
+    assert [t for c in chunks for t in c.token_ids] == single[0]
+    assert chunks[-1].cached_tokens == 16  # the same selection reuses its own pages
 
 
 def test_unload_frees_and_waits_for_running_jobs(tiny: Path, adapters: dict[str, Path]):
