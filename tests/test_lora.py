@@ -431,3 +431,23 @@ def test_unload_frees_gpu_memory(tiny: Path, tmp_path: Path):
     assert m.unload_lora("big") is True
     gc.collect()
     assert torch.cuda.memory_allocated() == before
+
+
+def test_transformers_loader_loras_through_peft(tiny: Path, adapters: dict[str, Path]):
+    """The reference loader offers the same calls through peft, one selection for all."""
+    hf = loader.load(tiny, "transformers", device="cpu", dtype="float32")
+    kestrel = _load(tiny)
+    base = hf.logits(IDS)
+    for m in (hf, kestrel):
+        m.load_lora(adapters["A"])
+        m.load_lora(adapters["B"])
+        m.set_loras({"A": 0.5, "B": 1.0})
+    _close(hf.logits(IDS), kestrel.logits(IDS))
+    assert set(hf.info()["loras"]) == {"A", "B"}
+    with pytest.raises(LoraError, match="per-request LoRA needs the kestrel loader"):
+        hf.generate(IDS, {"loras": {"A": 1.0}})
+    hf.set_loras({})
+    _close(hf.logits(IDS), base)
+    assert hf.unload_lora("A") and hf.unload_lora("B")
+    _close(hf.logits(IDS), base)
+    assert hf.loras() == {}
