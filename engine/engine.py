@@ -150,20 +150,22 @@ class Engine:
         if loras is None:
             loras = [self.loras.default] * len(sequences)
         lengths = [len(t) for t in new_tokens]
-        lora_batch = self.loras.batch(loras, lengths, lengths if all_logits else [1] * len(lengths))
+        lora_scales = self.loras.scales(loras)
         if (
             self.graphs is not None
             and not all_logits
             and all(n == 1 for n in lengths)
             and self.graphs.bucket(len(sequences)) is not None
-            and (lora_batch is None or self.loras.graphable(loras))
+            and (lora_scales is None or self.loras.graphable(loras))
         ):
             tokens = [t[0] for t in new_tokens]
-            if lora_batch is None:
+            if lora_scales is None:
                 return self.graphs.decode(sequences, tokens)
-            return self.graphs.decode(
-                sequences, tokens, lora=self.loras, lora_scales=lora_batch.body.host_scales
-            )
+            return self.graphs.decode(sequences, tokens, lora=self.loras, lora_scales=lora_scales)
+        lora_batch = None
+        if lora_scales is not None:
+            logits_lengths = lengths if all_logits else [min(n, 1) for n in lengths]
+            lora_batch = self.loras.batch(lora_scales, lengths, logits_lengths)
         batch = ForwardBatch.build(self.cache, sequences, new_tokens, all_logits=all_logits)
         with self.loras.active(lora_batch):
             return self.model(batch, self.cache)

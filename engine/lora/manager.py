@@ -12,8 +12,9 @@ Contract:
   (new requests naming it are refused) and freed when its last job ends (False).
 - `version` changes whenever slots or stacks change: the CUDA-graph decode steps that
   captured the stacks' addresses are then captured again.
-- `batch(selections, lengths, logits_lengths)` turns a step's selections into the
-  `LoraBatch` the modules read; None when no row uses an adapter (the no-LoRA path).
+- `scales(selections)` turns a step's selections into one scale per (sequence, slot), None
+  when no row uses an adapter (the no-LoRA path); `batch(scales, ...)` into the
+  `LoraBatch` the modules read.
 - `salt(selection)` names a selection for the prefix cache: pages computed under one
   selection are never reused under another (or under a reloaded adapter of the same name).
 """
@@ -208,12 +209,9 @@ class LoraManager:
         return ";".join(f"{self.uids[n]}={s!r}" for n, s in sorted(selection.items()))
 
     # -- one forward ---------------------------------------------------------------------
-    def batch(
-        self,
-        selections: list[dict[str, float]],
-        lengths: list[int],
-        logits_lengths: list[int],
-    ) -> LoraBatch | None:
+    def scales(self, selections: list[dict[str, float]]) -> torch.Tensor | None:
+        """[len(selections), slots] float32 (CPU): each selection's scale per slot; None
+        when no selection uses an adapter (the step then runs without LoRA)."""
         if not any(selections):
             return None
         slots = {name: i for i, name in enumerate(self.adapters)}
@@ -221,6 +219,13 @@ class LoraManager:
         for g, selection in enumerate(selections):
             for name, scale in selection.items():
                 scales[g, slots[name]] = scale
+        return scales
+
+    def batch(
+        self, scales: torch.Tensor, lengths: list[int], logits_lengths: list[int]
+    ) -> LoraBatch:
+        """The batch the LoRA modules read: sequence g has `lengths[g]` rows in the decoder
+        and `logits_lengths[g]` rows at lm_head, all at `scales[g]`."""
         device = _module_device(self.model.lm_head)
         body = self._segments(lengths, scales, device)
         head = body if logits_lengths == lengths else self._segments(logits_lengths, scales, device)
