@@ -173,6 +173,11 @@ class DecodeGraphs:
             )
         return graph.run(sequences, tokens, lora_scales)
 
+    def drop_lora_graphs(self) -> None:
+        """Free the LoRA graphs (and their memory pools) now; they are captured again
+        when a LoRA decode step next needs them."""
+        self._lora_graphs.clear()
+
     def release(self) -> None:
         self._graphs.clear()
         self._lora_graphs.clear()

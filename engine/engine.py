@@ -117,6 +117,7 @@ class Engine:
         )
         if use_graphs:
             engine.graphs = DecodeGraphs(model, cache, max_seq_len)
+            engine.loras.listeners.append(engine.graphs.drop_lora_graphs)
         return engine
 
     @property

@@ -431,6 +431,12 @@ def test_unload_frees_gpu_memory(tiny: Path, tmp_path: Path):
     assert m.unload_lora("big") is True
     gc.collect()
     assert torch.cuda.memory_allocated() == before
+    # LoRA decode graphs are freed with the adapters they were captured for.
+    m.load_lora(tmp_path / "big")
+    m.generate(IDS, {**GREEDY, "loras": {"big": 1.0}})
+    assert m.engine.graphs._lora_graphs
+    m.unload_lora("big")
+    assert not m.engine.graphs._lora_graphs
 
 
 def test_transformers_loader_loras_through_peft(tiny: Path, adapters: dict[str, Path]):

@@ -26,7 +26,7 @@ import itertools
 import math
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +101,8 @@ class LoraManager:
         self.uids: dict[str, int] = {}
         self.default: dict[str, float] = {}
         self.version = 0
+        # Called after every change of the stacks (the engine drops its LoRA decode graphs).
+        self.listeners: list[Callable[[], None]] = []
         self._in_use: Counter[str] = Counter()
         self._unloading: set[str] = set()
         self._dtype = model.model.embed_tokens.weight.dtype
@@ -290,6 +292,8 @@ class LoraManager:
             embed.replacements = {i: a.replacements[_EMBED] for i, a in users}
             if embed.empty:
                 self.model.model.embed_tokens = embed.base
+        for listener in self.listeners:
+            listener()
 
     def _wrap(self, linear: str) -> LoraLinear:
         parent_name, _, leaf = linear.rpartition(".")
