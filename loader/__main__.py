@@ -3,7 +3,8 @@
 Without MODEL_DIR the default model (SmolLM2-135M-Instruct) is prepared on first use.
 
 Prints the completion as it streams, then tokens/s. `--chat` wraps the prompt in the
-model's chat template.
+model's chat template. `--lora DIR[=SCALE]` (repeatable) loads PEFT adapters and applies
+them at their scales (default 1.0).
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetition-penalty", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=-1)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="DIR[=SCALE]",
+        help="PEFT LoRA adapter directory, optionally with its scale (repeatable)",
+    )
     args = parser.parse_args(argv)
 
     settings = {
@@ -63,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             max_seq_len=args.max_seq_len,
         )
+        selection = {}
+        for spec in args.lora:
+            path, scale = _lora_spec(spec)
+            selection[model.load_lora(path)] = scale
+        if selection:
+            model.set_loras(selection)
         prompt = args.prompt
         if args.chat:
             prompt = model.apply_chat_template([{"role": "user", "content": prompt}])
@@ -83,6 +97,16 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _lora_spec(spec: str) -> tuple[str, float]:
+    path, sep, scale = spec.rpartition("=")
+    if sep:
+        try:
+            return path, float(scale)
+        except ValueError:
+            pass  # an "=" inside the path
+    return spec, 1.0
 
 
 if __name__ == "__main__":

@@ -457,3 +457,19 @@ def test_transformers_loader_loras_through_peft(tiny: Path, adapters: dict[str, 
     assert hf.unload_lora("A") and hf.unload_lora("B")
     _close(hf.logits(IDS), base)
     assert hf.loras() == {}
+
+
+def test_cli_applies_loras(tiny: Path, adapters: dict[str, Path], capsys):
+    from loader.__main__ import main
+
+    settings = {"max_new_tokens": 6, "temperature": 0.0, "do_sample": False}
+    want = _load(tiny)
+    want.load_lora(adapters["A"])
+    want.load_lora(adapters["B"])
+    text = want.generate("The quick", {**settings, "loras": {"A": 0.5, "B": 1.0}})
+    assert text != want.generate("The quick", {**settings, "loras": {}})
+    argv = [str(tiny), "-p", "The quick", "-n", "6", "--device", "cpu", "--dtype", "float32"]
+    assert main([*argv, "--lora", f"{adapters['A']}=0.5", "--lora", str(adapters["B"])]) == 0
+    assert capsys.readouterr().out == text
+    assert main([*argv, "--lora", str(adapters["A"].parent / "missing")]) == 1
+    assert "does not exist" in capsys.readouterr().err
