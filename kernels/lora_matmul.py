@@ -255,11 +255,14 @@ def lora_matmul_triton(
         x.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
     )  # fmt: skip
     if max_seg_len == 1:
-        block_n = 128
+        # Tiles of at most 4096 elements ([R, K] of A, [N, R] of B) stay in registers.
+        block_k = max(16, 4096 // block_r)
+        block_n = min(256, max(16, 4096 // block_r))
         with device_guard(x):
             _lora_decode_kernel[(groups, triton.cdiv(n, block_n))](
-                *args, BLOCK_N=block_n, BLOCK_K=256, BLOCK_R=block_r, EMULATE_BF16=emulate_bf16
-            )
+                *args, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+                EMULATE_BF16=emulate_bf16,
+            )  # fmt: skip
         return y
     block_m = 16 if max_seg_len <= 16 else 64
     # Short segments: a wide column tile repeats the shrink fewer times; long ones: more

@@ -16,6 +16,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CASES = [
     ([1, 1, 1, 1], 64, 48, 8),
     ([1, 1, 1, 0, 1], 600, 300, 16),  # decode kernel: several K and column tiles
+    ([1, 1, 1], 200, 80, 64),  # decode kernel at a high rank: narrower K tiles
     ([3, 0, 5, 1], 72, 40, 12),
     ([70, 1, 2], 96, 136, 16),
     ([2, 2], 40, 24, 3),
