@@ -28,6 +28,10 @@ Contract:
 - Events are `GenerationEvent`s (engine/generator.py): text delta, token ids, logprobs,
   finish reason, and timings (queue_seconds, prompt_seconds = prefill, generate_seconds =
   decode, tokens_per_second, cached_tokens).
+- LoRA (engine/lora): `submit` resolves the job's selection (`settings.loras`, None: the
+  model's default) and holds its adapters until the job ends (`LoraError` for an unknown
+  or unloading name); each step passes every row's selection to the forward, so one batch
+  mixes adapters. The prefix cache keeps each selection's pages apart.
 - Prefix caching (engine/prefix_cache.py): at admission a job adopts the cached full pages
   its prompt starts with, at most those before its last prompt token (one token is always
   computed, for the logits, and the job's partially filled page is always its own: shared
