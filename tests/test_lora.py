@@ -134,6 +134,24 @@ def test_two_adapters_with_scales_match_peft(tiny: Path, adapters: dict[str, Pat
     _close(m.engine.logits(IDS, loras=scales), want.detach())
 
 
+def test_embed_tokens_replacement_matches_peft(tiny: Path, tmp_path: Path):
+    ref = _make_adapter(
+        _hf(tiny),
+        tmp_path / "E",
+        7,
+        r=4,
+        lora_alpha=4,
+        target_modules=["k_proj"],
+        modules_to_save=["embed_tokens"],
+    )
+    m = _load(tiny)
+    m.load_lora(tmp_path / "E")
+    assert m.loras()["E"]["modules_to_save"] == ["model.embed_tokens"]
+    _close(m.engine.logits(IDS, loras={"E": 1}), ref(torch.tensor([IDS])).logits[0].detach())
+    assert m.unload_lora("E")
+    assert type(m.engine.model.model.embed_tokens) is torch.nn.Embedding
+
+
 def test_pickled_adapter_loads_safely_or_is_refused(tiny: Path, tmp_path: Path):
     ref = _make_adapter(_hf(tiny), tmp_path / "ok", 3, r=4, lora_alpha=8, target_modules=["o_proj"])
     safetensors = load_file(tmp_path / "ok" / "adapter_model.safetensors")
