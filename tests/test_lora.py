@@ -491,3 +491,29 @@ def test_cli_applies_loras(tiny: Path, adapters: dict[str, Path], capsys):
     assert capsys.readouterr().out == text
     assert main([*argv, "--lora", str(adapters["A"].parent / "missing")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_hot_load_from_another_thread_while_streaming(tiny: Path, adapters: dict[str, Path]):
+    import threading
+
+    m = _load(tiny, max_seq_len=128, cache_tokens=512, page_size=8)
+    m.load_lora(adapters["A"])
+    settings = {**GREEDY, "max_new_tokens": 24, "loras": {"A": 1.0}}
+    ref = [t for c in m.stream(IDS, settings) for t in c.token_ids]
+    got: list[int] = []
+    started = threading.Event()
+
+    def consume() -> None:
+        for chunk in m.stream(IDS, settings):
+            got.extend(chunk.token_ids)
+            started.set()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    started.wait(timeout=60)
+    for _ in range(3):  # load, select, unload: the running job keeps its own selection
+        m.load_lora(adapters["B"])
+        m.set_loras({"B": 1.0})
+        assert m.unload_lora("B") is True
+    thread.join(timeout=120)
+    assert got == ref
