@@ -5,10 +5,11 @@
 Builds (once, under --work) the random-weight quantized model of tools/bench.py and a
 random PEFT adapter of rank --rank on q/k/v/o/gate/up/down of every layer, then on one
 engine measures batch-1 decode tok/s (prompt --prompt tokens, 128 new tokens, median of 5
-after 2 warm-ups, CUDA graphs on) without the adapter, with it selected (scale 1.0), and
-again without it (the no-LoRA path must not have become slower by having one loaded), and
-aggregate tok/s of --batch concurrent jobs that all use the adapter against none. Prints
-the slow-down (target: <= 15% at rank 16 on llama3-8b) and writes JSON with --json.
+after 2 warm-ups, CUDA graphs on) and prefill tok/s, without the adapter, with it selected
+(scale 1.0), and decode again with it loaded but not selected (the no-LoRA path must not
+slow down because one is loaded), and aggregate tok/s of --batch concurrent jobs that all
+use the adapter against none. Prints the slow-down (target: <= 15% at rank 16 on
+llama3-8b) and writes JSON with --json.
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def decode_tok_s(engine: Engine, prompt: list[int]) -> float:
         elapsed = time.perf_counter() - t
         seq.release(engine.cache)
         return NEW_TOKENS / elapsed
+
+    return _median_runs(run)
+
+
+def prefill_tok_s(engine: Engine, prompt: list[int]) -> float:
+    def run() -> float:
+        seq = Sequence()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.prefill(seq, prompt)
+        torch.cuda.synchronize()
+        seq.release(engine.cache)
+        return len(prompt) / (time.perf_counter() - t)
 
     return _median_runs(run)
 
@@ -125,6 +139,7 @@ def main() -> int:
         "new_tokens": NEW_TOKENS,
     }
     result["decode_tok_s_base"] = decode_tok_s(engine, prompt)
+    result["prefill_tok_s_base"] = prefill_tok_s(engine, prompt)
     t = time.perf_counter()
     name = engine.loras.load(adapter, "bench")
     result["lora_load_s"] = time.perf_counter() - t
@@ -132,6 +147,7 @@ def main() -> int:
     result["decode_tok_s_base_loaded"] = decode_tok_s(engine, prompt)
     engine.loras.set_default({name: 1.0})
     result["decode_tok_s_lora"] = decode_tok_s(engine, prompt)
+    result["prefill_tok_s_lora"] = prefill_tok_s(engine, prompt)
     engine.loras.set_default({})
     result["slowdown"] = 1 - result["decode_tok_s_lora"] / result["decode_tok_s_base"]
     if args.batch > 1:
