@@ -152,6 +152,40 @@ def test_embed_tokens_replacement_matches_peft(tiny: Path, tmp_path: Path):
     assert type(m.engine.model.model.embed_tokens) is torch.nn.Embedding
 
 
+def test_lora_on_lm_head_matches_peft(tiny: Path, tmp_path: Path):
+    """A LoRA on lm_head sees only the logits rows; peft saves the head's base weight beside
+    it (lm_head.base_layer.weight), which equals the model's and is dropped."""
+    ref = _make_adapter(
+        _hf(tiny), tmp_path / "H", 8, r=4, lora_alpha=8, target_modules=["lm_head", "v_proj"]
+    )
+    saved = load_file(tmp_path / "H" / "adapter_model.safetensors")
+    assert "base_model.model.lm_head.base_layer.weight" in saved
+    m = _load(tiny, max_seq_len=128, cache_tokens=512, page_size=8)
+    m.load_lora(tmp_path / "H")
+    assert m.loras()["H"]["modules_to_save"] == []  # the copy was the model's own head
+    want = ref(torch.tensor([IDS])).logits[0].detach()
+    _close(m.engine.logits(IDS, loras={"H": 1}), want)
+    # Greedy decode with the head's LoRA beside a request without it, in one batch.
+    settings = [{**GREEDY, "loras": {"H": 1.0}}, {**GREEDY, "loras": {}}]
+    single = [[t for c in m.stream(IDS, s) for t in c.token_ids] for s in settings]
+    batched: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in m.stream_many([IDS, IDS], settings):
+        batched[chunk.job_id].extend(chunk.token_ids)
+    assert [batched[0], batched[1]] == single and single[0] != single[1]
+    assert single[0][0] == int(want[-1].argmax())
+    # A head trained too (its saved base weight differs): it replaces the model's head and
+    # the LoRA adds to it, as peft loads it.
+    saved["base_model.model.lm_head.base_layer.weight"] += 0.05 * torch.randn(384, 64)
+    (tmp_path / "H2").mkdir()
+    save_file(saved, tmp_path / "H2" / "adapter_model.safetensors")
+    config = (tmp_path / "H" / "adapter_config.json").read_text()
+    (tmp_path / "H2" / "adapter_config.json").write_text(config)
+    m.load_lora(tmp_path / "H2")
+    assert m.loras()["H2"]["modules_to_save"] == ["lm_head"]
+    want = PeftModel.from_pretrained(_hf(tiny), tmp_path / "H2").eval()(torch.tensor([IDS]))
+    _close(m.engine.logits(IDS, loras={"H2": 1}), want.logits[0].detach())
+
+
 def test_pickled_adapter_loads_safely_or_is_refused(tiny: Path, tmp_path: Path):
     ref = _make_adapter(_hf(tiny), tmp_path / "ok", 3, r=4, lora_alpha=8, target_modules=["o_proj"])
     safetensors = load_file(tmp_path / "ok" / "adapter_model.safetensors")

@@ -5,7 +5,9 @@ A PEFT adapter is `adapter_config.json` + `adapter_model.safetensors` (or the ol
 anything but tensors). Tensor names look like
 `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ([r, in]) and `...lora_B.weight`
 ([out, r]); `modules_to_save` (`lm_head`, `embed_tokens`) are whole replacement weights
-(`base_model.model.lm_head.weight`).
+(`base_model.model.lm_head.weight`), and so is the base weight peft saves beside a LoRA on
+lm_head or embed_tokens (`...lm_head.base_layer.weight`); the manager drops such a copy
+when it equals the model's own weight.
 
 Contract of `read_adapter(path, targets)`:
 - the scaling of each module is peft's: lora_alpha / r, or lora_alpha / sqrt(r) with
@@ -35,7 +37,9 @@ SAFETENSORS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 _PREFIXES = ("base_model.model.",)
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(?:\.default)?\.weight$")
-_SAVED_KEY = re.compile(r"^(?P<module>.+?)(?:\.modules_to_save\.default)?\.weight$")
+_SAVED_KEY = re.compile(
+    r"^(?P<module>.+?)(?P<base>\.base_layer)?(?:\.modules_to_save\.default)?\.weight$"
+)
 
 
 class LoraError(ValueError):
@@ -71,6 +75,9 @@ class LoraAdapter:
     base_model: str | None
     parts: dict[str, list[LoraPart]] = field(default_factory=dict)  # linear -> parts
     replacements: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> weight
+    # Replacements stored as `<module>.base_layer.weight`: peft saves the base embedding or
+    # head of an adapter that targets them (save_embedding_layers), resized or not.
+    base_copies: set[str] = field(default_factory=set)
 
     @property
     def nbytes(self) -> int:
@@ -194,6 +201,8 @@ def read_adapter(
                 f"has {replaceable[module]}: the adapter was made for another model"
             )
         adapter.replacements[module] = tensor
+        if saved["base"]:
+            adapter.base_copies.add(module)
     if not pairs and not adapter.replacements:
         raise LoraError(f"{file}: holds no LoRA tensors")
     for module, pair in sorted(pairs.items()):

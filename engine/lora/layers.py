@@ -90,6 +90,13 @@ class LoraLinear(nn.Module):
         if y.stride(-1) != 1:
             y = y.contiguous()
         y2 = y.view(-1, self.out_features)
+        # Replacement first: a LoRA on the same module adds to the replaced weight.
+        for slot, weight in self.replacements.items():
+            found = seg.rows_using(slot)
+            if found is not None:
+                rows, scale = (t.to(y.device) for t in found)
+                own = F.linear(x2[rows], weight)
+                y2[rows] = y2[rows] + scale[:, None].to(y.dtype) * (own - y2[rows])
         if self.lora_a is not None:
             lora_matmul(
                 y2,
@@ -101,12 +108,6 @@ class LoraLinear(nn.Module):
                 seg.scales,
                 max_seg_len=seg.max_len,
             )
-        for slot, weight in self.replacements.items():
-            found = seg.rows_using(slot)
-            if found is not None:
-                rows, scale = (t.to(y.device) for t in found)
-                own = F.linear(x2[rows], weight)
-                y2[rows] = y2[rows] + scale[:, None].to(y.dtype) * (own - y2[rows])
         return y
 
     def extra_repr(self) -> str:

@@ -131,6 +131,9 @@ class LoraManager:
                 module: t.to(device=device, dtype=self._dtype)
                 for module, t in adapter.replacements.items()
             }
+            for module in adapter.base_copies:
+                if torch.equal(adapter.replacements[module], self._base_weight(module)):
+                    del adapter.replacements[module]  # the model's own weight: nothing to do
             self.adapters[name] = adapter
             self.uids[name] = next(_uid)
             try:
@@ -140,6 +143,15 @@ class LoraManager:
                 self._rebuild()
                 raise
         return name
+
+    def _base_weight(self, module: str) -> torch.Tensor:
+        """The dense weight of lm_head / embed_tokens as the model holds it (an empty
+        tensor for a quantized head, which then never equals a saved copy)."""
+        layer = self.model.get_submodule(module)
+        if isinstance(layer, LoraLinear | LoraEmbedding):
+            layer = layer.base
+        weight = getattr(layer, "weight", None)
+        return weight if isinstance(weight, torch.Tensor) else torch.empty(0)
 
     def unload(self, name: str) -> bool:
         """Free the adapter now (True) or once the jobs using it end (False)."""
