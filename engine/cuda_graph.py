@@ -9,13 +9,24 @@ Static shapes: the page table has room for the engine's whole context, and atten
 told the context may be that long (`max_context_len` sizes the decode kernel's grid, so it
 must not change between replays). Buckets are padded with dummy sequences whose one token
 lands in a scratch page that no real sequence owns.
+
+Steps where some row uses a LoRA adapter replay a second set of graphs, captured with the
+LoRA kernels and a static [B, slots] scale buffer that each step fills. They hold the
+adapters' stack addresses, so they are dropped whenever the LoRA manager's `version`
+changes (an adapter was loaded or unloaded) and captured again on next use.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
+
+if TYPE_CHECKING:
+    from engine.lora import LoraManager
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -30,6 +41,7 @@ class _Graph:
         max_context: int,
         scratch_page: int,
         device: torch.device,
+        lora: LoraManager | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.scratch_page = scratch_page
@@ -52,24 +64,46 @@ class _Graph:
         self.host = torch.zeros((B, 4 + max_pages), dtype=torch.int64).pin_memory()
         self.device_rows = torch.zeros((B, 4 + max_pages), **i64)
 
+        # A LoRA graph reads each row's adapter scales from a static buffer.
+        lora_batch = lora.static_batch(B, device) if lora is not None else None
+        self.lora_scales = lora_batch.body.scales if lora_batch is not None else None
+        active = lora.active(lora_batch) if lora is not None else contextlib.nullcontext()
+
         # Warm up outside the graph: compiles kernels and fills the quant kernels' caches,
         # which take one host sync the first time they see a weight.
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                model(self.batch, cache)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = model(self.batch, cache)
+        with active:
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    model(self.batch, cache)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = model(self.batch, cache)
 
-    def run(self, sequences: list[Sequence], tokens: list[int]) -> torch.Tensor:
-        self.stage(sequences, tokens)
+    def run(
+        self,
+        sequences: list[Sequence],
+        tokens: list[int],
+        lora_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        self.stage(sequences, tokens, lora_scales)
         return self.replay()[: len(sequences)]
 
-    def stage(self, sequences: list[Sequence], tokens: list[int]) -> None:
-        """Write the step's inputs into the device rows (`device_rows`)."""
+    def stage(
+        self,
+        sequences: list[Sequence],
+        tokens: list[int],
+        lora_scales: torch.Tensor | None = None,
+    ) -> None:
+        """Write the step's inputs into the device rows (`device_rows`) and, in a LoRA
+        graph, the rows' adapter scales."""
+        n = len(sequences)
+        if self.lora_scales is not None:
+            self.lora_scales.zero_()
+            if lora_scales is not None:
+                self.lora_scales[:n].copy_(lora_scales)
         host = self.host
         host[:, 0] = 0
         host[:, 1] = 0
@@ -111,25 +145,43 @@ class DecodeGraphs:
         # The scratch page absorbs the K/V writes of padding rows; no sequence owns it.
         self.scratch_page = cache.allocate(1)[0]
         self._graphs: dict[int, _Graph] = {}
+        # Graphs with LoRA kernels, valid while the adapters' stacks stay where they were.
+        self._lora_graphs: dict[int, _Graph] = {}
+        self._lora_version = -1
 
     @staticmethod
     def bucket(batch_size: int) -> int | None:
         return next((b for b in BUCKETS if b >= batch_size), None)
 
-    def decode(self, sequences: list[Sequence], tokens: list[int]) -> torch.Tensor:
-        """One decode step: logits [len(sequences), vocab] (float32)."""
+    def decode(
+        self,
+        sequences: list[Sequence],
+        tokens: list[int],
+        *,
+        lora: LoraManager | None = None,
+        lora_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One decode step: logits [len(sequences), vocab] (float32). With `lora`, the rows'
+        adapter scales `lora_scales` [len(sequences), slots] (CPU) go into a LoRA graph."""
         for seq in sequences:
             seq.reserve(self.cache, seq.length + 1)
             seq.length += 1
         size = self.bucket(len(sequences))
         assert size is not None, "more sequences than the largest bucket"
-        return self.graph(size).run(sequences, tokens)
+        return self.graph(size, lora).run(sequences, tokens, lora_scales)
 
-    def graph(self, size: int) -> _Graph:
-        """The captured forward of bucket `size`, captured on first use."""
-        graph = self._graphs.get(size)
+    def graph(self, size: int, lora: LoraManager | None = None) -> _Graph:
+        """The captured forward of bucket `size` (with LoRA kernels when `lora` is given),
+        captured on first use."""
+        graphs = self._graphs
+        if lora is not None:
+            if lora.version != self._lora_version:
+                self._lora_graphs.clear()  # they read stacks that no longer exist
+                self._lora_version = lora.version
+            graphs = self._lora_graphs
+        graph = graphs.get(size)
         if graph is None:
-            graph = self._graphs[size] = _Graph(
+            graph = graphs[size] = _Graph(
                 self.model,
                 self.cache,
                 size,
@@ -137,9 +189,16 @@ class DecodeGraphs:
                 self.max_context,
                 self.scratch_page,
                 self.device,
+                lora,
             )
         return graph
 
+    def drop_lora_graphs(self) -> None:
+        """Free the LoRA graphs (and their memory pools) now; they are captured again
+        when a LoRA decode step next needs them."""
+        self._lora_graphs.clear()
+
     def release(self) -> None:
         self._graphs.clear()
+        self._lora_graphs.clear()
         self.cache.release([self.scratch_page])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.fusion import fuse_projections
 from engine.loading import load_causal_lm, resolve_device, resolve_dtype
+from engine.lora import LoraManager
 from engine.placement import Placement, PlacementOptions, plan_for_model
 from engine.scheduler import Scheduler
 from engine.speculative import SPECULATIVE_MODES, DraftModel
@@ -84,6 +86,8 @@ class Engine:
         self.tp_world_size = 1  # set by engine/tensor_parallel for a sharded model
         self.draft_engine: Engine | None = None  # speculative="draft": the draft model
         self.lock = threading.RLock()
+        # LoRA adapters (engine/lora): nothing is wrapped until one is loaded.
+        self.loras = LoraManager(model, self.lock)
         # prefill_chunk is the step's token budget: decode tokens plus prefill chunks.
         self.scheduler = Scheduler(
             self,
@@ -149,6 +153,7 @@ class Engine:
         engine.placement = placement
         if use_graphs:
             engine.graphs = DecodeGraphs(model, cache, max_seq_len)
+            engine.loras.listeners.append(engine.graphs.drop_lora_graphs)
         engine.setup_speculation()
         return engine
 
@@ -211,37 +216,73 @@ class Engine:
         *,
         all_logits: bool = False,
         logits_counts: list[int] | None = None,
+        loras: list[dict[str, float]] | None = None,
     ) -> torch.Tensor:
-        """Logits of each sequence's last new token (its last `logits_counts[b]`, or all)."""
+        """Logits of each sequence's last new token (its last `logits_counts[b]`, or all).
+
+        `loras`: each sequence's resolved LoRA selection (LoraManager.resolve); None gives
+        every sequence the model's default selection (set_loras)."""
+        if loras is None:
+            loras = [self.loras.default] * len(sequences)
+        lengths = [len(t) for t in new_tokens]
+        lora_scales = self.loras.scales(loras)
         if (
             self.graphs is not None
             and not all_logits
             and logits_counts is None
-            and all(len(t) == 1 for t in new_tokens)
+            and all(n == 1 for n in lengths)
             and self.graphs.bucket(len(sequences)) is not None
+            and (lora_scales is None or self.loras.graphable(loras))
         ):
-            return self.graphs.decode(sequences, [t[0] for t in new_tokens])
+            tokens = [t[0] for t in new_tokens]
+            if lora_scales is None:
+                return self.graphs.decode(sequences, tokens)
+            return self.graphs.decode(sequences, tokens, lora=self.loras, lora_scales=lora_scales)
+        lora_batch = None
+        if lora_scales is not None:
+            if all_logits:
+                logits_lengths = lengths
+            elif logits_counts is not None:
+                logits_lengths = list(logits_counts)
+            else:
+                logits_lengths = [min(n, 1) for n in lengths]
+            lora_batch = self.loras.batch(lora_scales, lengths, logits_lengths)
         batch = ForwardBatch.build(
             self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
         )
-        return self.model(batch, self.cache)
+        with self.loras.active(lora_batch):
+            return self.model(batch, self.cache)
 
-    def prefill(self, seq: Sequence, token_ids: list[int], *, all_logits: bool = False):
+    def prefill(
+        self,
+        seq: Sequence,
+        token_ids: list[int],
+        *,
+        all_logits: bool = False,
+        loras: dict[str, float] | None = None,
+    ):
         """Feed a prompt in chunks; returns the last token's logits (or every token's)."""
         chunk = self.options.prefill_chunk
         outputs = []
+        selection = None if loras is None else [loras]
         for start in range(0, len(token_ids), chunk):
-            logits = self.forward([seq], [token_ids[start : start + chunk]], all_logits=all_logits)
+            logits = self.forward(
+                [seq], [token_ids[start : start + chunk]], all_logits=all_logits, loras=selection
+            )
             outputs.append(logits)
         return torch.cat(outputs) if all_logits else outputs[-1]
 
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [len, vocab] (float32, CPU) of a whole sequence, without keeping its cache."""
+    def logits(
+        self, token_ids: list[int], *, loras: Mapping[str, float] | None = None
+    ) -> torch.Tensor:
+        """Logits [len, vocab] (float32, CPU) of a whole sequence, without keeping its cache;
+        under the LoRA selection `loras` (default: the model's, set_loras)."""
         self.check_length(len(token_ids))
         seq = Sequence()
         with self.lock:
+            selection = self.loras.resolve(loras)
             try:
-                return self.prefill(seq, token_ids, all_logits=True).cpu()
+                return self.prefill(seq, token_ids, all_logits=True, loras=selection).cpu()
             finally:
                 seq.release(self.cache)
 
@@ -261,6 +302,7 @@ class Engine:
             self.graphs.release()
             self.graphs = None
         self.model = None  # type: ignore[assignment]
+        self.loras = None  # type: ignore[assignment]
         self.cache = None  # type: ignore[assignment]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

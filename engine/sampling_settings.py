@@ -40,6 +40,7 @@ from engine.samplers.parse import (
     check_bool,
     check_range,
     parse_logit_bias,
+    parse_loras,
     parse_sequence_breakers,
     parse_stop,
 )
@@ -165,6 +166,9 @@ class SamplingSettings:
     ban_eos_token: bool = False
     add_bos_token: bool = True
     skip_special_tokens: bool = True
+    # LoRA adapters for this request, {name: scale} (a list of names means scale 1 each);
+    # None: the model's selection (set_loras), {}: none.
+    loras: dict[str, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -195,6 +199,7 @@ class SamplingSettings:
             self.banned_strings = [self.banned_strings]
         self.banned_strings = [b for b in as_str_list("banned_strings", self.banned_strings) if b]
         self.stop_token_ids = as_token_ids("stop_token_ids", self.stop_token_ids)
+        self.loras = parse_loras("loras", self.loras)
         if not isinstance(self.extra, dict):
             raise SamplingSettingsError(f"extra must be a dict, got {self.extra!r}")
 
@@ -222,6 +227,7 @@ class SamplingSettings:
                 custom_token_bans=list(obj.custom_token_bans),
                 dry_sequence_breakers=list(obj.dry_sequence_breakers),
                 sampler_priority=list(obj.sampler_priority),
+                loras=None if obj.loras is None else dict(obj.loras),
             )
         if not isinstance(obj, Mapping):
             raise SamplingSettingsError(

@@ -44,6 +44,10 @@ Contract:
   finish reason, and timings (queue_seconds, prompt_seconds = prefill, generate_seconds =
   decode, tokens_per_second, cached_tokens, draft_tokens, accepted_tokens). An event may
   carry several tokens (accepted drafts); tokens held for a banned string come later.
+- LoRA (engine/lora): `submit` resolves the job's selection (`settings.loras`, None: the
+  model's default) and holds its adapters until the job ends (`LoraError` for an unknown
+  or unloading name); each step passes every row's selection to the forward, so one batch
+  mixes adapters. The prefix cache keeps each selection's pages apart.
 - Prefix caching (engine/prefix_cache.py): at admission a job adopts the cached full pages
   its prompt starts with, at most those before its last prompt token (one token is always
   computed, for the logits, and the job's partially filled page is always its own: shared
@@ -72,7 +76,7 @@ from engine.generator import (
     sample_jobs,
     token_logprobs,
 )
-from engine.prefix_cache import PrefixChain, adopt, find_prefix, publish
+from engine.prefix_cache import PrefixChain, adopt, find_prefix, publish, root_hash
 from engine.rewind import trim_sequence
 from engine.samplers.batched import host_to_device
 from engine.sampling_settings import SamplingSettings
@@ -109,6 +113,7 @@ class Job:
         engine: Engine,
         max_new_tokens: int,
         speculative: str | None = None,
+        loras: dict[str, float] | None = None,
     ) -> None:
         self.id = job_id
         self.prompt_ids = prompt_ids
@@ -122,7 +127,10 @@ class Job:
         self.sequence = Sequence()
         self.tokens = list(prompt_ids)  # prompt + generated; the cache holds a prefix of it
         page_size = engine.cache.page_size
-        self.chain = PrefixChain(page_size)
+        # Resolved LoRA selection; K/V computed under it is cached apart from other selections.
+        self.loras = loras or {}
+        self.lora_held = False
+        self.chain = PrefixChain(page_size, root_hash(engine.loras.salt(self.loras)))
         self.published = 0  # full pages registered in the prefix cache
         self.events: deque[GenerationEvent] = deque()
         self.submitted = time.perf_counter()
@@ -322,7 +330,12 @@ class Scheduler:
                 engine.max_seq_len - len(prompt),
                 usable_tokens - len(prompt) + 1,
             )
-            job = Job(self._next_id, prompt, settings, engine, max(0, max_new), self.speculative)
+            loras = engine.loras.resolve(settings.loras)
+            job = Job(
+                self._next_id, prompt, settings, engine, max(0, max_new), self.speculative, loras
+            )
+            engine.loras.acquire(loras)
+            job.lora_held = True
             self._next_id += 1
             if job.max_new_tokens == 0:
                 self._finish(job, "length")
@@ -399,6 +412,7 @@ class Scheduler:
                 [job.sequence for job in batch],
                 [row.feed + row.drafts for row in rows],
                 logits_counts=counts if any(r.drafts for r in rows) else None,
+                loras=[job.loras for job in batch],
             )
             results = self._sample(rows, logits, counts)
         except BaseException as error:
@@ -708,6 +722,9 @@ class Scheduler:
             job.sequence.release(self.engine.cache)
         if self.draft is not None:
             self.draft.release(job.draft_sequence)
+        if job.lora_held and self.engine.loras is not None:
+            job.lora_held = False
+            self.engine.loras.release(job.loras)  # may free an adapter waiting to unload
         job.state = FINISHED
         job.finish_reason = reason
         if emit:

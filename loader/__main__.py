@@ -3,7 +3,8 @@
 Without MODEL_DIR the default model (SmolLM2-135M-Instruct) is prepared on first use.
 
 Prints the completion as it streams, then tokens/s. `--chat` wraps the prompt in the
-model's chat template.
+model's chat template. `--lora DIR[=SCALE]` (repeatable) loads PEFT adapters and applies
+them at their scales (default 1.0).
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--num-draft-tokens", type=int, default=None, help="tokens drafted per step (default 4)"
     )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="DIR[=SCALE]",
+        help="PEFT LoRA adapter directory, optionally with its scale (repeatable)",
+    )
     args = parser.parse_args(argv)
 
     settings = {
@@ -116,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.tp or args.gpu_split or args.autosplit:
             print(f"placement: {model.info().get('placement')}", file=sys.stderr)
+        selection = {}
+        for spec in args.lora:
+            path, scale = _lora_spec(spec)
+            selection[model.load_lora(path)] = scale
+        if selection:
+            model.set_loras(selection)
         prompt = args.prompt
         if args.chat:
             prompt = model.apply_chat_template([{"role": "user", "content": prompt}])
@@ -165,6 +179,16 @@ def _placement_args(args: argparse.Namespace) -> dict:
     if args.tp is not None:
         out["tp"] = args.tp
     return out
+
+
+def _lora_spec(spec: str) -> tuple[str, float]:
+    path, sep, scale = spec.rpartition("=")
+    if sep:
+        try:
+            return path, float(scale)
+        except ValueError:
+            pass  # an "=" inside the path
+    return spec, 1.0
 
 
 if __name__ == "__main__":

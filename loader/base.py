@@ -146,7 +146,11 @@ class LoadedModel(ABC):
             f"loader '{self.loader_name}' does not load LoRA adapters yet"
         )
 
-    def unload_lora(self, name: str) -> None:
+    def unload_lora(self, name: str) -> bool:
         raise UnsupportedFeatureError(
             f"loader '{self.loader_name}' does not load LoRA adapters yet"
         )
+
+    def loras(self) -> dict[str, dict[str, Any]]:
+        """Loaded adapters by name (path, rank, default scale, jobs using it, ...)."""
+        return {}

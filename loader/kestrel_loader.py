@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,13 +121,35 @@ class KestrelModel(LoadedModel):
             "cache_type": engine.options.cache_type,
             "devices": devices,
             "vram_gib": vram,
-            "loras": {},
+            "loras": engine.loras.info(),
             "load_seconds": round(engine.load_seconds, 3),
             "cuda_graphs": engine.graphs is not None,
             "placement": _placement_info(engine),
             "draft_model": str(engine.draft_engine.model_dir) if engine.draft_engine else None,
             "scheduler": engine.scheduler.stats(),
         }
+
+    def load_lora(self, path: str | Path, name: str | None = None) -> str:
+        """Load a PEFT adapter (any time, also while jobs run); returns its name (default:
+        the directory's name). It is inactive until selected (set_loras, settings)."""
+        return self._engine().loras.load(path, name)
+
+    def set_loras(self, scales: Mapping[str, float]) -> None:
+        """The selection of requests that bring none: {name: scale}; {} turns LoRA off."""
+        self._engine().loras.set_default(scales)
+
+    def unload_lora(self, name: str) -> bool:
+        """True: freed now; False: jobs still use it, it is freed when they end (and new
+        requests naming it are refused meanwhile)."""
+        return self._engine().loras.unload(name)
+
+    def loras(self) -> dict[str, dict[str, Any]]:
+        return self._engine().loras.info()
+
+    def _engine(self) -> Engine:
+        engine = self.backend
+        assert isinstance(engine, Engine)
+        return engine
 
     def unload(self) -> None:
         if self.engine is not None:

@@ -7,6 +7,7 @@ so both loaders stream identically for the same logits.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ import torch
 from engine.engine import ContextLengthError
 from engine.generator import GenerationBackend
 from engine.loading import resolve_device, resolve_dtype
+from engine.sampling_settings import SamplingSettings
 from engine.tokenizer import Tokenizer
-from loader.base import LoadedModel, LoaderError
+from loader.base import Chunk, LoadedModel, LoaderError
+from loader.peft_loras import PeftLoras
 
 NAME = "transformers"
 
@@ -115,6 +118,7 @@ class TransformersModel(LoadedModel):
     def __init__(self, path: Path, backend: _Backend) -> None:
         super().__init__(path)
         self._backend: _Backend | None = backend
+        self._loras = PeftLoras()
 
     @property
     def backend(self) -> GenerationBackend:
@@ -145,8 +149,43 @@ class TransformersModel(LoadedModel):
             "context": backend.max_seq_len,
             "devices": [str(backend.device)],
             "vram_gib": {},
-            "loras": {},
+            "loras": self._loras.info(),
         }
+
+    # LoRA through peft: one selection for every request (loader/peft_loras.py).
+    def load_lora(self, path: str | Path, name: str | None = None) -> str:
+        backend = self._live()
+        backend.model, name = self._loras.load(backend.model, path, name)
+        return name
+
+    def set_loras(self, scales: Mapping[str, float]) -> None:
+        self._loras.set(self._live().model, scales)
+
+    def unload_lora(self, name: str) -> bool:
+        backend = self._live()
+        backend.model = self._loras.unload(backend.model, name)
+        return True
+
+    def loras(self) -> dict[str, dict[str, Any]]:
+        return self._loras.info()
+
+    def stream(
+        self, prompt: str | list[int], settings: SamplingSettings | Mapping[str, Any] | None = None
+    ) -> Iterator[Chunk]:
+        settings = SamplingSettings.from_any(settings)
+        self._loras.check_request(settings.loras)
+        return super().stream(prompt, settings)
+
+    def stream_many(self, prompts: list[str | list[int]], settings=None) -> Iterator[Chunk]:
+        each = settings if isinstance(settings, list) else [settings]
+        for s in each:
+            self._loras.check_request(SamplingSettings.from_any(s).loras)
+        return super().stream_many(prompts, settings)
+
+    def _live(self) -> _Backend:
+        if self._backend is None:
+            raise LoaderError(f"the model {self.path} was unloaded")
+        return self._backend
 
     def unload(self) -> None:
         self._backend = None

@@ -140,6 +140,26 @@ def parse_logit_bias(name: str, value: Any) -> dict[int, float]:
     )
 
 
+def parse_loras(name: str, value: Any) -> dict[str, float] | None:
+    """A request's LoRA selection: None (the model's), {name: finite scale}, or a list of
+    names (scale 1 each)."""
+    if value is None:
+        return None
+    if isinstance(value, list | tuple) and all(isinstance(v, str) and v for v in value):
+        return dict.fromkeys(value, 1.0)
+    if isinstance(value, Mapping):
+        out: dict[str, float] = {}
+        for key, scale in value.items():
+            if not isinstance(key, str) or not key:
+                break
+            out[key] = as_float(f"{name}['{key}']", scale)
+        else:
+            return out
+    raise SamplingSettingsError(
+        f"{name} must map adapter names to finite scales (or list names), got {value!r}"
+    )
+
+
 def _token_key(key: Any) -> int | None:
     if isinstance(key, str):
         key = key.strip()

@@ -25,6 +25,7 @@ from engine.cache import ForwardBatch, Sequence
 from engine.config import ModelConfig
 from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
 from engine.loading import resolve_device, resolve_dtype
+from engine.lora.adapter import LoraError
 from engine.tensor_parallel import protocol
 from engine.tensor_parallel.rank import NCCL_ENV, ShardSpec, build_rank, init_rank, worker_main
 from engine.tensor_parallel.transform import TensorParallelError
@@ -137,9 +138,13 @@ class TensorParallelEngine(Engine):
         *,
         all_logits: bool = False,
         logits_counts: list[int] | None = None,
+        loras: list[dict[str, float]] | None = None,
     ) -> torch.Tensor:
         """As Engine.forward; `logits_counts` (speculative verification) sends the rows to
-        keep in the batch's logits_indices, so the other ranks need nothing new."""
+        keep in the batch's logits_indices, so the other ranks need nothing new. LoRA
+        adapters are not sent to the other ranks yet: a selection is refused."""
+        if any(loras or []) or self.loras.default:
+            raise LoraError("LoRA adapters are not supported with tensor parallelism yet")
         graphs = self.graphs
         if (
             graphs is not None
