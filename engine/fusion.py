@@ -129,12 +129,14 @@ def fuse_projections(model: nn.Module) -> int:
                 del module.q_proj, module.k_proj, module.v_proj
                 module.qkv_proj = qkv
                 module.spec = dataclasses.replace(module.spec, fused_qkv=True)
+                module.fused_at_load = True  # the checkpoint (and its adapters) name q/k/v
                 fused += 1
         elif isinstance(module, GatedMLP) and module.gate_up_proj is None:
             gate_up = concat_linears([module.gate_proj, module.up_proj])
             if gate_up is not None:
                 del module.gate_proj, module.up_proj
                 module.gate_up_proj = gate_up
+                module.fused_at_load = True
                 fused += 1
     if fused and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the parts' memory goes back to the cache's pool

@@ -70,7 +70,8 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
             q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
             if s.fused_qkv:
                 fused = module.qkv_proj
-                add(prefix + "qkv_proj", prefix + "qkv_proj", fused)
+                if not getattr(module, "fused_at_load", False):  # a checkpoint name
+                    add(prefix + "qkv_proj", prefix + "qkv_proj", fused)
                 slices = (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv))
                 for leaf, offset, size in slices:
                     add(prefix + leaf, prefix + "qkv_proj", fused, offset, size)
@@ -78,10 +79,13 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
                 for leaf in ("q_proj", "k_proj", "v_proj"):
                     add(prefix + leaf, prefix + leaf, getattr(module, leaf))
             add(prefix + "o_proj", prefix + "o_proj", module.o_proj)
-        elif isinstance(module, FusedGatedMLP):
+        elif isinstance(module, FusedGatedMLP) or (
+            isinstance(module, GatedMLP) and module.gate_up_proj is not None  # engine.fusion
+        ):
             fused = module.gate_up_proj
             half = fused.out_features // 2
-            add(prefix + "gate_up_proj", prefix + "gate_up_proj", fused)
+            if not getattr(module, "fused_at_load", False):
+                add(prefix + "gate_up_proj", prefix + "gate_up_proj", fused)
             add(prefix + "gate_proj", prefix + "gate_up_proj", fused, 0, half)
             add(prefix + "up_proj", prefix + "gate_up_proj", fused, half, half)
             add(prefix + "down_proj", prefix + "down_proj", module.down_proj)
