@@ -68,7 +68,9 @@ def _linears(shape: dict) -> list[tuple[str, int, int]]:
     return names + [("lm_head", h, shape["vocab_size"])]
 
 
-def _random_quantized(fmt: str, k: int, n: int, head: bool, gen: torch.Generator) -> dict:
+def _random_quantized(
+    fmt: str, k: int, n: int, head: bool, gen: torch.Generator, perm: torch.Tensor | None = None
+) -> dict:
     dev = "cuda"
     if fmt == "gptq":
         codes = torch.randint(0, 16, (k, n), device=dev, generator=gen, dtype=torch.int32)
@@ -77,7 +79,11 @@ def _random_quantized(fmt: str, k: int, n: int, head: bool, gen: torch.Generator
         return {
             "qweight": pack_bitstream(codes, 4),
             "qzeros": pack_along_columns(zeros, 4),
-            "scales": (torch.rand(groups, n, device=dev, generator=gen) * 0.01 + 0.001).half(),
+            # About 1/sqrt(k) per weight: activations stay finite through every layer, so
+            # greedy tokens compare between engines and placements (speed is the same).
+            "scales": (
+                (torch.rand(groups, n, device=dev, generator=gen) + 1) * 0.2 / k**0.5
+            ).half(),
             "g_idx": (torch.arange(k, device=dev, dtype=torch.int32) // 128),
         }
     bits = 6 if head else 4
@@ -89,7 +95,7 @@ def _random_quantized(fmt: str, k: int, n: int, head: bool, gen: torch.Generator
         [128] * (k // 128) + ([k % 128] if k % 128 else []),
         torch.randint(0, 16, (groups, n), device=dev, generator=gen, dtype=torch.int32),
         (torch.rand(groups, device=dev, generator=gen) * 0.01 + 0.001).half(),
-        torch.randperm(k, device=dev, generator=gen).to(torch.int32),
+        perm if perm is not None else torch.randperm(k, device=dev, generator=gen).to(torch.int32),
     )
 
 
@@ -121,8 +127,16 @@ def build_model(path: Path, shape_name: str, fmt: str) -> Path:
     for n in range(shape["num_hidden_layers"]):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"model.layers.{n}.{norm}.weight"] = torch.ones(h, dtype=torch.float16)
+    # Linears that read the same input share EXL2's act-order permutation, as a converter
+    # makes them (one Hessian): q/k/v, and gate/up.
+    shared: dict[str, torch.Tensor] = {}
     for name, k, o in _linears(shape):
-        for key, t in _random_quantized(fmt, k, o, name == "lm_head", gen).items():
+        group = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
+        group = group.replace("up_proj", "gate_proj")
+        if group not in shared:
+            shared = {group: torch.randperm(k, device="cuda", generator=gen).to(torch.int32)}
+        quantized = _random_quantized(fmt, k, o, name == "lm_head", gen, shared[group])
+        for key, t in quantized.items():
             tensors[f"{name}.{key}"] = t
             shard_bytes += t.numel() * t.element_size()
         if shard_bytes > 2 << 30:
