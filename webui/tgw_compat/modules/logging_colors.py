@@ -1,0 +1,5 @@
+"""TGW's `modules.logging_colors.logger`."""
+
+import logging
+
+logger = logging.getLogger("text-generation-webui")

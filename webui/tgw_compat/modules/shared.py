@@ -1,0 +1,27 @@
+"""TGW's `modules.shared`: the same objects as webui.shared, under TGW's names.
+
+`model`, `tokenizer` and `model_name` are looked up on each access (the user may load
+another model at any time); `args`, `settings` and `gradio` are shared objects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from webui import shared as _shared
+
+args = _shared.args
+settings = _shared.settings
+default_settings: dict[str, Any] = {}
+gradio: dict[str, Any] = {}  # TGW's registry of UI components; extensions may add to it
+stop_everything = False
+
+
+def __getattr__(name: str) -> Any:
+    manager = _shared.manager
+    if name == "model":
+        return manager.current() if manager.is_loaded() else None
+    if name == "tokenizer":
+        return manager.current().backend.tokenizer if manager.is_loaded() else None
+    if name == "model_name":
+        return manager.name or "None"
+    raise AttributeError(f"module 'modules.shared' (Kestrel's TGW shim) has no attribute {name!r}")
