@@ -57,7 +57,7 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> ChatTab:
                 text = gr.Textbox(
                     placeholder="Send a message (Enter sends, Shift+Enter for a new line)",
                     show_label=False,
-                    lines=2,
+                    lines=1,
                     max_lines=12,
                     scale=6,
                     elem_id="chat-input",

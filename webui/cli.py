@@ -116,7 +116,9 @@ def host(args: argparse.Namespace) -> str:
 
 def load_options(args: argparse.Namespace) -> dict[str, Any]:
     """The loader.load keyword arguments the flags ask for (unset flags left out)."""
-    options: dict[str, Any] = {"cache_type": args.cache_type}
+    options: dict[str, Any] = {}
+    if args.cache_type != "fp16":
+        options["cache_type"] = args.cache_type
     for key, value in (
         ("device", args.device),
         ("dtype", args.dtype),

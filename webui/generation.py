@@ -35,6 +35,7 @@ class Progress:
     error: str | None = None
     finish_reason: str | None = None
     completion_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 def _context(model: LoadedModel) -> int:
@@ -102,6 +103,7 @@ def _follow(chunks: Iterator[ReplyChunk], base: str = "") -> Iterator[Progress]:
                 done=chunk.finish_reason is not None,
                 finish_reason=chunk.finish_reason,
                 completion_tokens=chunk.completion_tokens,
+                prompt_tokens=chunk.prompt_tokens,
             )
     except Exception as e:  # shown in the page; the server and the other sessions go on
         yield Progress(base, f"error: {e}", done=True, error=f"{type(e).__name__}: {e}")

@@ -55,8 +55,11 @@ def devices() -> list[str]:
 
 
 def _schema_names(schema: Any) -> set[str]:
-    """Option names from a settings schema: a mapping keyed by name, or an iterable of
-    names, of dicts with "name", or of objects with `.name`."""
+    """Option names from a settings schema: loader.settings_schema's SettingsSchema (its
+    `names()`), a mapping keyed by name, or an iterable of names / dicts with "name" /
+    objects with `.name`."""
+    if hasattr(schema, "names") and callable(schema.names):
+        return {str(n) for n in schema.names()}
     if isinstance(schema, dict):
         return {str(k) for k in schema}
     names = set()
@@ -71,8 +74,10 @@ def _schema_names(schema: Any) -> set[str]:
 
 
 def visible_options(loader_name: str | None) -> set[str]:
-    """The controls to show for `loader_name` (None or "auto": the loader is picked from the
-    files at load time, so all of them)."""
+    """The controls to show for `loader_name`: those its settings schema names (a loader
+    publishing an empty schema takes no options). With "auto" the loader is picked from
+    the files at load time, and without `loader.settings_schema` nothing is known: then
+    every control is shown and a loader refuses what it does not take, by name."""
     schema_fn = getattr(loader, "settings_schema", None)
     if not loader_name or loader_name == AUTO or schema_fn is None:
         return set(OPTION_NAMES)
@@ -80,20 +85,21 @@ def visible_options(loader_name: str | None) -> set[str]:
         names = _schema_names(schema_fn(loader_name))
     except Exception:  # a plugin's broken schema must not hide the controls
         return set(OPTION_NAMES)
-    if "gpu_split" in names:
-        names.add("autosplit")
-    shown = names & set(OPTION_NAMES)
-    return shown or set(OPTION_NAMES)
+    return names & set(OPTION_NAMES)
 
 
-def load_kwargs(values: dict[str, Any]) -> dict[str, Any]:
-    """`loader.load` keyword arguments from control values; raises ValueError naming a bad
-    value (the GPU split text)."""
+def load_kwargs(values: dict[str, Any], shown: set[str] | None = None) -> dict[str, Any]:
+    """`loader.load` keyword arguments from control values (only those in `shown`, the
+    controls the chosen loader displays); raises ValueError naming a bad value (the GPU
+    split text)."""
+    if shown is not None:
+        values = {k: v for k, v in values.items() if k in shown}
     out: dict[str, Any] = {}
     seq = int(values.get("max_seq_len") or 0)
     if seq > 0:
         out["max_seq_len"] = seq
-    out["cache_type"] = values.get("cache_type") or "fp16"
+    if values.get("cache_type") not in (None, "", "fp16"):
+        out["cache_type"] = values["cache_type"]
     split = parse_gpu_split(values.get("gpu_split"))
     if split:
         out["gpu_split"] = split

@@ -124,11 +124,14 @@ def wire(ctx: AppContext, panel: LoraPanel) -> None:
         with record.lock:
             try:
                 model, scales = current()
-                model.unload_lora(name)
+                remaining = {n: s for n, s in scales.items() if n != name}
+                model.set_loras(remaining)  # new requests stop using it first
+                freed = model.unload_lora(name)
                 scales.pop(name, None)
             except Exception as e:
                 return gr.update(), _error(f"could not remove {name}: {e}")
-            return loaded_update(scales), _describe(scales)
+            note = "" if freed is not False else f" ({name} is freed when running replies end)"
+            return loaded_update(scales), _describe(scales) + note
 
     def show_scale(name: str | None) -> Any:
         return gr.update(value=record.scales.get(name, 1.0)) if name else gr.update()
@@ -137,6 +140,6 @@ def wire(ctx: AppContext, panel: LoraPanel) -> None:
     panel.load.click(
         apply, [panel.available], [panel.loaded, panel.scale, panel.status], concurrency_id="model"
     )
-    panel.scale.release(set_scale, [panel.loaded, panel.scale], [panel.status])
+    panel.scale.input(set_scale, [panel.loaded, panel.scale], [panel.status])
     panel.loaded.input(show_scale, [panel.loaded], [panel.scale])
     panel.unload.click(remove, [panel.loaded], [panel.loaded, panel.status], concurrency_id="model")

@@ -197,8 +197,9 @@ def wire(ctx: AppContext, tab: ModelTab) -> tuple[Any, Any]:
     def load(name: str | None, loader_name: str, progress=gr.Progress(), *raw: Any) -> str:  # noqa: B008
         if not name:
             return _error("choose a model first")
+        shown = load_options.visible_options(loader_name)
         try:
-            kwargs = load_options.load_kwargs(dict(zip(OPTION_NAMES, raw, strict=True)))
+            kwargs = load_options.load_kwargs(dict(zip(OPTION_NAMES, raw, strict=True)), shown)
         except ValueError as e:
             return _error(str(e))
         chosen = None if loader_name in (None, "", AUTO) else loader_name

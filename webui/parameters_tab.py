@@ -76,13 +76,17 @@ def build(ctx: AppContext, initial: dict[str, Any], preset: str) -> ParametersTa
 
 
 def wire(ctx: AppContext, tab: ParametersTab) -> None:
-    def choose(name: str) -> list[Any]:
+    def choose(name: str, *raw: Any) -> list[Any]:
         try:
-            values = ctx.presets.load(name)
+            preset = ctx.presets.load(name)
         except (StorageError, ValueError) as e:
             return [gr.update() for _ in tab.components] + [f"**Error:** {e}"]
+        values = {**tab.values(raw), **preset}
         ctx.user_data.update_settings(preset=name, parameters=values)
-        return [values[n] for n in sampler_controls.CONTROL_NAMES] + [f"Preset **{name}** loaded."]
+        updates = [
+            preset[n] if n in preset else gr.update() for n in sampler_controls.CONTROL_NAMES
+        ]
+        return updates + [f"Preset **{name}** loaded."]
 
     def save(name: str, *raw: Any) -> tuple[Any, str]:
         values = tab.values(raw)
@@ -107,8 +111,8 @@ def wire(ctx: AppContext, tab: ParametersTab) -> None:
 
     # `input`, not `change`: only the user's choice loads a preset, not a programmatic update
     # (which would reset the controls after a save).
-    tab.preset.input(choose, [tab.preset], [*tab.components, tab.status])
+    tab.preset.input(choose, [tab.preset, *tab.components], [*tab.components, tab.status])
     tab.save.click(save, [tab.preset_name, *tab.components], [tab.preset, tab.status])
     tab.delete.click(delete, [tab.preset], [tab.preset, tab.status]).then(
-        choose, [tab.preset], [*tab.components, tab.status]
+        choose, [tab.preset, *tab.components], [*tab.components, tab.status]
     )

@@ -1,10 +1,12 @@
 """Generation presets: TGW-style YAML files of sampler values, plus a few built in.
 
-A preset file (`<presets dir>/<name>.yaml`) maps state keys to values and holds only what
-differs from the defaults, as TGW's presets do; loading one starts from the defaults
+A preset file (`<presets dir>/<name>.yaml`) maps sampler state keys to values and holds only
+what differs from the defaults, as TGW's presets do; loading one starts from the defaults
 (webui.sampler_controls) and applies it, so a preset never inherits the previous one's
-leftovers. Built-in presets live in code and cannot be overwritten or deleted; a user file
-of the same name is refused rather than silently shadowing it.
+leftovers. Presets cover the samplers (`sampler_controls.PRESET_NAMES`), not max_new_tokens,
+seed, stop strings or truncation length. Built-in presets live in code and cannot be
+overwritten or deleted; a user file of the same name is refused rather than silently
+shadowing it.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ BUILTIN: dict[str, dict[str, Any]] = {
 
 
 def _known(values: dict[str, Any], source: str) -> dict[str, Any]:
-    unknown = sorted(set(values) - set(sampler_controls.CONTROL_NAMES))
+    unknown = sorted(set(values) - set(sampler_controls.PRESET_NAMES))
     if unknown:
         raise StorageError(
-            f"{source}: unknown setting(s) {', '.join(unknown)} "
-            f"(known: the names of the Parameters tab, e.g. temperature, top_p)"
+            f"{source}: unknown or non-sampler setting(s) {', '.join(unknown)} "
+            f"(a preset holds sampler settings, e.g. temperature, top_p, min_p)"
         )
     return values
 
@@ -55,7 +57,7 @@ class Presets:
         return self.directory / f"{safe_name(name, 'preset')}.yaml"
 
     def load(self, name: str) -> dict[str, Any]:
-        """Every control's value under preset `name` (defaults plus the preset's keys)."""
+        """Every sampler control's value under preset `name` (defaults plus its keys)."""
         if name in BUILTIN:
             overrides = BUILTIN[name]
         else:
@@ -68,19 +70,20 @@ class Presets:
             if not isinstance(data, dict):
                 raise StorageError(f"{path} must map setting names to values")
             overrides = _known(data, str(path))
-        values = {**sampler_controls.defaults(), **overrides}
-        sampler_controls.validate(values)  # a bad value names its key here, not mid-chat
-        return values
+        defaults = sampler_controls.defaults()
+        sampler_controls.validate({**defaults, **overrides})  # names a bad key now, not mid-chat
+        return {n: overrides.get(n, defaults[n]) for n in sampler_controls.PRESET_NAMES}
 
     def save(self, name: str, values: dict[str, Any]) -> Path:
-        """Write the values that differ from the defaults; returns the file written."""
+        """Write the sampler values that differ from the defaults (other keys of `values`
+        are ignored); returns the file written."""
         clean = safe_name(name, "preset")
         if clean in BUILTIN:
             raise StorageError(f"{clean!r} is a built-in preset; save under another name")
-        _known(values, f"preset {clean!r}")
-        sampler_controls.validate({**sampler_controls.defaults(), **values})
         base = sampler_controls.defaults()
-        diff = {k: _plain(v) for k, v in values.items() if _plain(v) != _plain(base.get(k))}
+        sampler_controls.validate({**base, **values})
+        samplers = {k: v for k, v in values.items() if k in sampler_controls.PRESET_NAMES}
+        diff = {k: _plain(v) for k, v in samplers.items() if _plain(v) != _plain(base[k])}
         path = self._path(clean)
         write_yaml(path, diff)
         return path

@@ -147,6 +147,9 @@ CONTROLS: tuple[Control, ...] = (
 )
 
 CONTROL_NAMES: tuple[str, ...] = tuple(c.name for c in CONTROLS)
+# What a preset holds: the samplers, not the length/seed/stop settings (as in TGW, choosing
+# a preset keeps your max_new_tokens, seed, stop strings and truncation length).
+PRESET_NAMES: tuple[str, ...] = tuple(c.name for c in CONTROLS if c.group != "length")
 GROUP_TITLES: dict[str, str] = {
     "length": "Length, seed and stops",
     "curve": "Temperature",

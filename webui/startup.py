@@ -83,7 +83,7 @@ def load_initial_model(
 
 
 def _flags_given(args: argparse.Namespace) -> bool:
-    return load_options(args) != {"cache_type": "fp16"} or bool(args.loader)
+    return bool(load_options(args)) or bool(args.loader)
 
 
 def apply_startup_loras(args: argparse.Namespace, ctx: AppContext) -> None:
