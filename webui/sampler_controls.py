@@ -159,8 +159,9 @@ GROUP_TITLES: dict[str, str] = {
     "other": "Tokens and sampler order",
 }
 # SamplingSettings fields with no control: `stop` is fed by custom_stopping_strings (TGW's
-# box), stop_token_ids by the model's own EOS tokens, and extra holds foreign keys.
-NOT_SHOWN: frozenset[str] = frozenset({"stop", "stop_token_ids", "extra"})
+# box), stop_token_ids by the model's own EOS tokens, extra holds foreign keys, and the
+# per-request `loras` selection is set model-wide by the Model tab's LoRA panel.
+NOT_SHOWN: frozenset[str] = frozenset({"stop", "stop_token_ids", "extra", "loras"})
 
 
 def defaults() -> dict[str, Any]:
