@@ -94,6 +94,8 @@ def ext_dir(tmp_path: Path) -> Iterator[Path]:
     _write(root, "echo", ECHO)
     _write(root, "broken", "raise RuntimeError('boom at import')\n")
     _write(root, "bad_setup", "def setup():\n    raise KeyError('missing key')\n")
+    _write(root, "needs_pkg", "import kestrel_no_such_package\n")
+    (root / "needs_pkg" / "requirements.txt").write_text("kestrel-no-such-package\n")
     yield root
     extensions.load_extensions([])
     shared.settings.clear()
@@ -150,6 +152,7 @@ def test_params_overridden_by_settings_and_setup_runs_once(ext_dir: Path) -> Non
         ("missing", "extension 'missing' not found"),
         ("broken", "extension 'broken' failed to import"),
         ("bad_setup", "extension 'bad_setup': setup() failed: KeyError"),
+        ("needs_pkg", "No module named 'kestrel_no_such_package'; install its requirements"),
         ("../alpha", "invalid extension name '../alpha'"),
         ("a/b", "invalid extension name 'a/b'"),
     ],
@@ -277,7 +280,25 @@ def test_tgw_extensions_run_unchanged(tmp_path: Path, tiny_model) -> None:
         from modules import shared as tgw_shared
         from modules.text_generation import decode, encode
 
-        assert tgw_shared.model is tiny_model
+        assert tgw_shared.model is tiny_model and tgw_shared.args is shared.args
         assert decode(encode("Once upon")[0]) == "Once upon"
     finally:
         extensions.load_extensions([])
+
+
+def test_create_extension_ui_builds_blocks_and_tabs(ext_dir: Path) -> None:
+    gr = pytest.importorskip("gradio")
+    _write(ext_dir, "tabbed", 'params = {"is_tab": True, "display_name": "My tab"}\n'
+           "import gradio as gr\ndef ui():\n    gr.Markdown('in a tab')\n")  # fmt: skip
+    _write(ext_dir, "word_replace", (extensions.DEFAULT_EXTENSIONS_DIR / "word_replace" /
+                                     "script.py").read_text())  # fmt: skip
+    extensions.load_extensions(["tabbed", "alpha", "word_replace"], ext_dir, strict=True)
+    with gr.Blocks() as demo:
+        drawn = extensions.create_extension_ui()
+    # alpha has no ui(); the column comes first, then the tabs
+    assert drawn == ["word_replace", "tabbed"]
+    config = demo.get_config_file()
+    labels = {c["props"].get("label") for c in config["components"]}
+    assert {"Replace words", "In the input (old=new; ...)", "My tab"} <= labels
+    column = [c for c in config["components"] if c["props"].get("elem_id") == "extensions"]
+    assert len(column) == 1

@@ -113,8 +113,12 @@ def _load_one(name: str, directory: Path) -> Extension:
     try:
         module = _import_script(name, directory, script)
     except Exception as error:  # an extension's import may raise anything
+        hint = ""
+        requirements = script.parent / "requirements.txt"
+        if isinstance(error, ModuleNotFoundError) and requirements.is_file():
+            hint = f"; install its requirements: pip install -r {requirements}"
         raise ExtensionError(
-            f"extension {name!r} failed to import ({script}): {type(error).__name__}: {error}"
+            f"extension {name!r} failed to import ({script}): {type(error).__name__}: {error}{hint}"
         ) from error
     extension = Extension(name, module, script)
     _apply_settings(extension)

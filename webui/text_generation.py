@@ -59,19 +59,23 @@ def _stopped(stop_event: threading.Event | None) -> bool:
 
 
 def stream_reply(
-    prompt: str,
+    prompt: str | list[int],
     state: Mapping[str, Any],
     *,
     is_chat: bool = False,
     stop_event: threading.Event | None = None,
     model: LoadedModel | None = None,
 ) -> Iterator[ReplyChunk]:
-    """The reply to `prompt` as chunks; the last one has a finish_reason."""
+    """The reply to `prompt` (text, or token ids that bypass input_modifier) as chunks; the
+    last one has a finish_reason."""
     state = dict(state)
+    if isinstance(prompt, list) and extensions.custom_generate_reply() is not None:
+        prompt = (model or shared.manager.current()).decode(prompt)
     original = prompt
     if not is_chat:
         state = extensions.apply_state_modifier(state)
-        prompt = extensions.apply_input_modifier(prompt, state)
+        if isinstance(prompt, str):
+            prompt = extensions.apply_input_modifier(prompt, state)
     custom = extensions.custom_generate_reply()
     if custom is not None:
         chunks = _custom_chunks(custom, prompt, original, state, is_chat, stop_event, model)
@@ -86,7 +90,7 @@ def stream_reply(
 
 def _model_chunks(
     model: LoadedModel,
-    prompt: str,
+    prompt: str | list[int],
     settings: SamplingSettings,
     stop_event: threading.Event | None,
 ) -> Iterator[ReplyChunk]:

@@ -1,7 +1,7 @@
 """TGW's `modules.shared`: the same objects as webui.shared, under TGW's names.
 
-`model`, `tokenizer` and `model_name` are looked up on each access (the user may load
-another model at any time); `args`, `settings` and `gradio` are shared objects."""
+`model`, `tokenizer`, `model_name`, `args` and `settings` are looked up on each access
+(the user may load another model at any time, ui.py replaces `args` at start-up)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from typing import Any
 
 from webui import shared as _shared
 
-args = _shared.args
-settings = _shared.settings
 default_settings: dict[str, Any] = {}
 gradio: dict[str, Any] = {}  # TGW's registry of UI components; extensions may add to it
 stop_everything = False
@@ -18,6 +16,8 @@ stop_everything = False
 
 def __getattr__(name: str) -> Any:
     manager = _shared.manager
+    if name in ("args", "settings"):
+        return getattr(_shared, name)
     if name == "model":
         return manager.current() if manager.is_loaded() else None
     if name == "tokenizer":

@@ -1,0 +1,115 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
+
+`ApiError` is raised by the handlers; `error_for(exception)` maps Kestrel's own exceptions
+(context too long, bad sampling settings, no model, a feature a loader lacks, ...) to the
+status and type an OpenAI client expects, so that no request can crash the server.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.cache import CacheFullError
+from engine.chat_template import ChatTemplateError
+from engine.engine import ContextLengthError
+from engine.samplers.parse import SamplingSettingsError
+from engine.scheduler import QueueFullError, SchedulerError
+from loader.base import LoaderError, UnsupportedFeatureError
+from loader.manager import ModelNotLoadedError, UnknownNameError
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_for(error: BaseException) -> ApiError:
+    """The API error for an exception raised while serving a request."""
+    if isinstance(error, ApiError):
+        return error
+    message = str(error) or type(error).__name__
+    if isinstance(error, ModelNotLoadedError):
+        return ApiError(
+            503, f"{message}: load one first", type="server_error", code="model_not_loaded"
+        )
+    if isinstance(error, UnknownNameError):
+        return ApiError(404, message, param="model_name", code="model_not_found")
+    if isinstance(error, UnsupportedFeatureError):
+        return ApiError(501, message, type="not_implemented_error", code="unsupported")
+    if isinstance(error, ContextLengthError | CacheFullError):
+        return ApiError(400, message, param="messages", code="context_length_exceeded")
+    if isinstance(error, SamplingSettingsError):
+        return ApiError(400, message, param=message.split(" ", 1)[0])
+    if isinstance(error, ChatTemplateError):
+        return ApiError(400, message, param="messages", code="chat_template_error")
+    if isinstance(error, QueueFullError):
+        return ApiError(429, message, type="server_error", code="queue_full")
+    if isinstance(error, SchedulerError):  # the model was unloaded under the request
+        return ApiError(503, message, type="server_error", code="model_unloaded")
+    if isinstance(error, LoaderError | ValueError):
+        return ApiError(400, message)
+    log.exception("request failed", exc_info=error)
+    return ApiError(500, f"internal error: {type(error).__name__}: {message}", type="server_error")
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            message = f"malformed JSON in the request body: {first.get('msg', '')}"
+            return ApiError(400, message, code="invalid_json").response()
+        param = ".".join(location) or None
+        message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+        if "input" in first and first.get("type") != "missing":
+            message += f" (got {first['input']!r})"
+        return ApiError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(Exception)
+    async def _any(request: Request, exc: Exception) -> JSONResponse:
+        return error_for(exc).response()

@@ -1,0 +1,135 @@
+"""OpenAI request fields -> a TGW state dict for webui.text_generation, validated at once.
+
+OpenAI names map to TGW's (max_tokens -> max_new_tokens, stop -> stop, logprobs ->
+logprobs); any other field of the body is passed through under its own name, so Kestrel's
+and TGW's sampler settings (top_k, min_p, repetition_penalty, dry_*, xtc_*, mirostat_*,
+sampler_priority, ...) work as extra body fields. Every value is checked by
+SamplingSettings before generation starts; a bad one is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sampling_settings import SamplingSettings, SamplingSettingsError
+from extensions.openai.errors import ApiError
+from extensions.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from webui import shared
+
+DEFAULT_MAX_TOKENS = 512  # TGW's default max_new_tokens
+# Body fields that are not sampling settings (handled by the endpoints themselves).
+_NOT_SETTINGS = {
+    "model", "n", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens",
+    "prompt", "messages", "echo", "best_of", "suffix", "response_format", "tools",
+    "tool_choice", "logprobs", "top_logprobs", "stop", "seed", "mode", "history",
+    "stop_event", "parallel_tool_calls", "metadata", "store", "service_tier",
+}  # fmt: skip
+_OPENAI_SETTINGS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+
+
+def build_state(body: SamplingFields) -> dict[str, Any]:
+    """The generation state for one request (one choice; `choice_states` varies the seed)."""
+    state: dict[str, Any] = {}
+    for key, value in (body.model_extra or {}).items():
+        if key not in _NOT_SETTINGS:
+            state[key] = value
+    for key in _OPENAI_SETTINGS:
+        value = getattr(body, key)
+        if value is not None:
+            state[key] = value
+    max_tokens = body.max_tokens
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = shared.settings.get("max_new_tokens", DEFAULT_MAX_TOKENS)
+    elif max_tokens < 0:
+        raise ApiError(400, f"max_tokens must be >= 0, got {max_tokens}", param="max_tokens")
+    state["max_new_tokens"] = max_tokens
+    if body.stop is not None:
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+        state["stop"] = stop
+    if body.logit_bias:
+        state["logit_bias"] = body.logit_bias
+    if body.seed is not None:
+        state["seed"] = body.seed
+    if isinstance(body, CompletionRequest):
+        _check_completion(body)
+        if body.logprobs is not None:
+            state["logprobs"] = body.logprobs
+    if isinstance(body, ChatCompletionRequest):
+        _check_chat(body)
+        if body.logprobs:
+            state["logprobs"] = body.top_logprobs or 0
+    try:
+        SamplingSettings.from_any(state)
+    except SamplingSettingsError as error:
+        message = str(error)
+        raise ApiError(400, message, param=message.split(" ", 1)[0]) from None
+    return state
+
+
+def check_logit_bias(state: dict[str, Any], vocab_size: int) -> None:
+    """OpenAI refuses biases for tokens the model does not have (the engine would drop them
+    silently)."""
+    for key in state.get("logit_bias") or {}:
+        token = int(key)
+        if not 0 <= token < vocab_size:
+            raise ApiError(
+                400,
+                f"logit_bias names token {key}, outside the model's vocabulary [0, {vocab_size})",
+                param="logit_bias",
+            )
+
+
+def choice_states(state: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """One state per choice: with a fixed seed, choice i uses seed + i so that the n
+    choices differ and the request still reproduces."""
+    seed = state.get("seed")
+    if n == 1 or seed is None or seed < 0:
+        return [dict(state) for _ in range(n)]
+    return [{**state, "seed": (seed + i) % 2**64} for i in range(n)]
+
+
+def _check_completion(body: CompletionRequest) -> None:
+    if body.best_of is not None and body.best_of != body.n:
+        raise ApiError(
+            400, "best_of is not supported (leave it out or equal to n)", param="best_of"
+        )
+    if body.suffix:
+        raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+    if isinstance(body.prompt, list) and not body.prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+
+
+def _check_chat(body: ChatCompletionRequest) -> None:
+    if body.tools:
+        raise ApiError(400, "tools (function calling) are not supported yet", param="tools")
+    kind = (body.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise ApiError(
+            400, f"response_format {kind!r} is not supported (only 'text')", param="response_format"
+        )
+
+
+def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as template input; content parts must be text."""
+    messages = []
+    for i, message in enumerate(body.messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(
+                        400,
+                        f"messages[{i}].content: only text parts are supported, got "
+                        f"{part.get('type')!r}",
+                        param=f"messages.{i}.content",
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        entry: dict[str, Any] = {"role": message.role, "content": content or ""}
+        if message.name:
+            entry["name"] = message.name
+        messages.append(entry)
+    return messages
