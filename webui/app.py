@@ -20,6 +20,7 @@ from webui import (
     sampler_controls,
 )
 from webui.context import AppContext
+from webui.presets import BUILTIN
 
 CSS = """
 .kestrel-error { color: #b91c1c; background: #fef2f2; border: 1px solid #fecaca;
@@ -28,8 +29,13 @@ CSS = """
 """
 
 
+# The preset of a first start: TGW's long-time default, which keeps small models on topic
+# (plain temperature-1 sampling makes a 135M model ramble).
+FIRST_RUN_PRESET = "simple-1"
+
+
 def _remembered_parameters(ctx: AppContext, remembered: dict[str, Any]) -> dict[str, Any]:
-    values = sampler_controls.defaults()
+    values = {**sampler_controls.defaults(), **BUILTIN[FIRST_RUN_PRESET]}
     saved = remembered.get("parameters")
     if isinstance(saved, dict):
         candidate = {**values, **{k: v for k, v in saved.items() if k in values}}
@@ -39,6 +45,13 @@ def _remembered_parameters(ctx: AppContext, remembered: dict[str, Any]) -> dict[
         except ValueError:  # settings.yaml edited by hand into nonsense: start from defaults
             pass
     return values
+
+
+def _remembered_preset(ctx: AppContext, remembered: dict[str, Any]) -> str:
+    name = remembered.get("preset")
+    if name in ctx.presets.names():
+        return str(name)
+    return "Default" if remembered.get("parameters") else FIRST_RUN_PRESET
 
 
 def build_app(ctx: AppContext) -> gr.Blocks:
