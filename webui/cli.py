@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 CACHE_TYPES = ("fp16", "fp8", "q8", "q6", "q4")
+# Folders default to the checkout's, wherever ui.py is started from (as TGW does).
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_gpu_split(text: str | None) -> list[float] | None:
@@ -46,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="model to load at start: a name in --models-dir or a path. Without it: the model "
         "loaded last time, else the default model (prepared on first use)",
     )
-    m.add_argument("--models-dir", "--model-dir", type=Path, default=Path("models"))
-    m.add_argument("--loras-dir", "--lora-dir", type=Path, default=Path("loras"))
+    m.add_argument("--models-dir", "--model-dir", type=Path, default=ROOT / "models",
+                   help="default: models/ beside ui.py")  # fmt: skip
+    m.add_argument("--loras-dir", "--lora-dir", type=Path, default=ROOT / "loras",
+                   help="default: loras/ beside ui.py")  # fmt: skip
     m.add_argument("--lora", nargs="+", default=[], help="LoRA names to load with the model")
     m.add_argument("--loader", help="kestrel, transformers, ... (default: picked from the files)")
     m.add_argument("--device", help="cpu, cuda, cuda:1 (default: the first GPU, else cpu)")
