@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--user-data-dir",
         type=Path,
-        default=Path("user_data"),
-        help="saved chats, presets and settings",
+        default=ROOT / "user_data",
+        help="saved chats, presets and settings (default: user_data/ beside ui.py)",
     )
     s.add_argument("--inbrowser", action="store_true", help="open the UI in a browser tab")
     return p
