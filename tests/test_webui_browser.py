@@ -1,0 +1,315 @@
+"""The web UI in a real browser: `python ui.py` as a user starts it (a subprocess on
+loopback, with a tiny random model, a broken model and a PEFT LoRA in temporary folders),
+driven by headless Chromium through Playwright.
+
+One server and one browser serve the whole module, and the tests run in file order as one
+user's visit would: a load error, then loading from the list, chatting (streaming, stop,
+regenerate, continue), parameters and presets, saved chats, two sessions at once, LoRA,
+unload. Skipped, saying why, where Chromium or Playwright is missing (CI installs the
+Debian `chromium` package in .ci/run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loader.base import LoadedModel
+from loader.kestrel_loader import KestrelModel
+
+from model_factory import make_tiny_llama
+
+CHROMIUM = "/usr/bin/chromium"
+if not os.path.exists(CHROMIUM):
+    pytest.skip(
+        f"browser tests need Chromium at {CHROMIUM} (Debian: apt-get install -y chromium)",
+        allow_module_level=True,
+    )
+sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
+expect = sync_api.expect
+
+pytestmark = pytest.mark.browser
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+]
+SLOW = 120_000  # ms: the CI machine may be busy; waits end as soon as the page is ready
+expect.set_options(timeout=SLOW)
+LORA_SUPPORTED = KestrelModel.load_lora is not LoadedModel.load_lora
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ui")
+    models, loras = root / "models", root / "loras"
+    model = make_tiny_llama(models / "tiny-llama", max_position_embeddings=4096)
+    # A model whose weights file is garbage: listed (it has a config.json), fails to load.
+    broken = models / "broken-model"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(models / "tiny-llama" / name, broken / name)
+    (broken / "model.safetensors").write_bytes(b"\x00not a safetensors file")
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    )
+    peft_model.save_pretrained(loras / "tiny-lora")
+    return {"root": root, "models": models, "loras": loras, "user": root / "user_data"}
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    port = _free_port()
+    log = (dirs["root"] / "server.log").open("w")
+    command = [
+        sys.executable, "ui.py", "--models-dir", str(dirs["models"]),
+        "--loras-dir", str(dirs["loras"]), "--user-data-dir", str(dirs["user"]),
+        "--port", str(port), "--no-default-model",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"ui.py exited with {proc.returncode}:\n{_tail(dirs)}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail(f"ui.py did not listen on {url} within 180 s:\n{_tail(dirs)}")
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def _tail(dirs) -> str:
+    return (dirs["root"] / "server.log").read_text(errors="replace")[-3000:]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, server):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(SLOW)
+    page.goto(server)
+    page.wait_for_selector("#chat-input textarea")
+    yield page
+    context.close()
+
+
+# -- helpers --------------------------------------------------------------------------------
+def tab(page, name: str) -> None:
+    page.get_by_role("tab", name=name).click()
+
+
+def choose(page, elem_id: str, label_start: str) -> None:
+    """Pick the option whose label starts with `label_start` in a Gradio dropdown."""
+    page.click(f"#{elem_id} input")
+    page.locator(f'[role=option][aria-label^="{label_start}"]').first.click()
+
+
+def set_value(page, elem_id: str, value) -> None:
+    """Type into a slider's number box or a number/text field, and commit it."""
+    box = page.locator(f"#{elem_id} input[type=number], #{elem_id} input, #{elem_id} textarea")
+    box.first.fill(str(value))
+    box.first.press("Enter")
+    box.first.blur()
+
+
+def status_tokens(text: str) -> int:
+    match = re.search(r"(\d+) tokens", text)
+    assert match, f"no token count in {text!r}"
+    return int(match.group(1))
+
+
+def bot_messages(page):
+    return page.locator("#chatbot .bot.message")
+
+
+def send(page, text: str) -> None:
+    page.fill("#chat-input textarea", text)
+    page.click("#chat-send")
+
+
+# -- the visit ------------------------------------------------------------------------------
+def test_load_error_is_shown_in_the_page(page):
+    tab(page, "Model")
+    choose(page, "model-select", "broken-model")
+    page.click("#model-load")
+    error = page.locator("#model-error")
+    expect(error).to_contain_text("could not load broken-model")
+    expect(error).to_contain_text("model.safetensors")
+    expect(page.locator("#model-status")).not_to_contain_text("Loaded")
+
+
+def test_load_a_model_from_the_list(page):
+    page.click("#model-select input")
+    labels = page.locator("[role=option]").all_inner_texts()
+    assert any(re.search(r"tiny-llama \(fp32, 0\.\d\d GB\)", t) for t in labels), labels
+    page.locator('[role=option][aria-label^="tiny-llama"]').first.click()
+    page.click("#model-load")
+    status = page.locator("#model-status")
+    expect(status).to_contain_text("Loaded tiny-llama")
+    expect(status).to_contain_text("LlamaForCausalLM")
+    expect(status).to_contain_text("context 4096 tokens")
+    expect(status).to_contain_text("cpu")  # memory per device
+    tab(page, "Chat")
+    page.get_by_text("Chat template (from the model)").click()
+    expect(page.locator("#chat-template")).to_contain_text("im_start")
+
+
+def test_chat_streams_a_reply_and_stop_ends_it(page):
+    tab(page, "Parameters")
+    set_value(page, "param-max_new_tokens", 3000)
+    page.check("#param-ban_eos_token input")
+    tab(page, "Chat")
+    send(page, "Tell me a long story")
+    expect(page.locator("#chatbot .user.message")).to_contain_text("Tell me a long story")
+    reply = bot_messages(page).last
+    expect(reply).not_to_be_empty()
+    first = len(reply.inner_text())
+    # Streaming: the same message grows while the status counts tokens.
+    page.wait_for_function(
+        "n => { const m = document.querySelectorAll('#chatbot .bot.message');"
+        " return m.length && m[m.length - 1].innerText.length > n; }",
+        arg=first,
+    )
+    expect(page.locator("#chat-status")).to_contain_text("tok/s")
+    page.click("#chat-stop")
+    expect(page.locator("#chat-status")).to_contain_text("stopped")
+    assert 0 < status_tokens(page.inner_text("#chat-status")) < 3000
+
+
+def test_a_sampler_change_applies_and_regenerate_continue_work(page):
+    tab(page, "Parameters")
+    set_value(page, "param-max_new_tokens", 7)
+    tab(page, "Chat")
+    page.click("#chat-regenerate")
+    expect(page.locator("#chat-status")).to_contain_text(re.compile(r"\b7 tokens.*length"))
+    assert bot_messages(page).count() == 1  # the stopped reply was replaced, not kept
+    before = bot_messages(page).last.inner_text()
+    page.click("#chat-continue")
+    expect(bot_messages(page).last).not_to_have_text(before)
+    expect(page.locator("#chat-status")).to_contain_text(re.compile(r"\b7 tokens.*length"))
+    after = bot_messages(page).last.inner_text()
+    assert bot_messages(page).count() == 1 and len(after) > len(before)
+
+
+def test_preset_round_trip_and_settings_are_remembered(page, dirs, server):
+    tab(page, "Parameters")
+    set_value(page, "param-temperature", 0.55)
+    set_value(page, "param-top_k", 33)
+    set_value(page, "preset-name", "mine")
+    page.click("#preset-save")
+    expect(page.locator("#params-status")).to_contain_text("Saved preset mine")
+    saved = (dirs["user"] / "presets" / "mine.yaml").read_text()
+    assert "temperature: 0.55" in saved and "top_k: 33" in saved
+    choose(page, "preset", "Default")
+    expect(page.locator("#params-status")).to_contain_text("Preset Default loaded")
+    expect(page.locator("#param-temperature input[type=number]")).to_have_value("1")
+    expect(page.locator("#param-max_new_tokens input[type=number]")).to_have_value("7")
+    choose(page, "preset", "mine")
+    expect(page.locator("#param-temperature input[type=number]")).to_have_value("0.55")
+    expect(page.locator("#param-top_k input[type=number]")).to_have_value("33")
+    # A new page (a reload, or the next start) comes back with the same settings.
+    other = page.context.browser.new_page()
+    other.goto(server)
+    tab(other, "Parameters")
+    expect(other.locator("#param-temperature input[type=number]")).to_have_value("0.55")
+    expect(other.locator("#param-max_new_tokens input[type=number]")).to_have_value("7")
+    other.close()
+
+
+def test_chat_is_saved_and_reopened(page, dirs):
+    tab(page, "Chat")
+    name = page.locator("#chat-name textarea, #chat-name input").first.input_value()
+    saved = json.loads((dirs["user"] / "chats" / f"{name}.json").read_text())
+    assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
+    reply = bot_messages(page).last.inner_text()
+    page.click("#chat-clear")
+    expect(bot_messages(page)).to_have_count(0)
+    assert page.locator("#chat-name textarea, #chat-name input").first.input_value() != name
+    choose(page, "chat-past", name)
+    page.click("#chat-open")
+    expect(page.locator("#chat-status")).to_contain_text(f"Opened {name}")
+    expect(bot_messages(page).last).to_have_text(reply)
+    expect(page.locator("#chatbot .user.message")).to_contain_text("Tell me a long story")
+
+
+def test_two_sessions_chat_at_once(page, browser, server):
+    second = browser.new_context().new_page()
+    second.set_default_timeout(SLOW)
+    second.goto(server)
+    second.wait_for_selector("#chat-input textarea")
+    for p in (page, second):
+        tab(p, "Parameters")
+        set_value(p, "param-max_new_tokens", 120)
+        tab(p, "Chat")
+        p.click("#chat-clear")
+    send(page, "first user")
+    send(second, "second user")
+    for p in (page, second):
+        expect(p.locator("#chat-status")).to_contain_text(re.compile(r"\b120 tokens.*length"))
+    assert "second user" not in page.inner_text("#chatbot")
+    assert "first user" not in second.inner_text("#chatbot")
+    second.context.close()
+
+
+def test_lora_panel(page):
+    tab(page, "Model")
+    choose(page, "lora-available", "tiny-lora")
+    page.click("#lora-load")
+    status = page.locator("#lora-status")
+    if not LORA_SUPPORTED:
+        expect(status).to_contain_text("does not load LoRA adapters")
+        return
+    expect(status).to_contain_text("Applied: tiny-lora × 1")
+    set_value(page, "lora-scale", 0.5)
+    expect(status).to_contain_text("tiny-lora × 0.5")
+    page.click("#lora-unload")
+    expect(status).to_contain_text("No LoRA applied")
+
+
+def test_unload(page):
+    tab(page, "Model")
+    page.click("#model-unload")
+    expect(page.locator("#model-status")).to_contain_text("Unloaded tiny-llama")
+    tab(page, "Chat")
+    send(page, "anyone there?")
+    expect(page.locator("#chat-error")).to_contain_text("Load a model first")

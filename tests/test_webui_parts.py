@@ -1,0 +1,234 @@
+"""The web UI's parts that need no browser: sampler controls against SamplingSettings, presets,
+crash-safe storage, saved chats, the command line, load options and prompt fitting."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.sampling_settings import SamplingSettings, SamplingSettingsError
+from webui import cli, load_options, sampler_controls
+from webui.presets import BUILTIN, Presets
+from webui.sessions import UserData
+from webui.storage import StorageError, atomic_write_text, read_json, write_json
+
+
+# -- sampler controls ---------------------------------------------------------------------
+def test_every_sampling_setting_has_a_control_with_its_default():
+    fields = {f.name for f in dataclasses.fields(SamplingSettings)}
+    shown = set(sampler_controls.CONTROL_NAMES)
+    assert fields - sampler_controls.NOT_SHOWN <= shown, fields - shown
+    assert sampler_controls.validate(sampler_controls.defaults()) == SamplingSettings(
+        extra={"truncation_length": 0}
+    )
+
+
+@pytest.mark.parametrize("control", [c for c in sampler_controls.CONTROLS if c.kind == "slider"])
+def test_slider_bounds_are_valid_settings(control):
+    for bound in (control.minimum, control.maximum):
+        values = {**sampler_controls.defaults(), control.name: bound}
+        sampler_controls.validate(values)  # raises on an out-of-range bound
+
+
+def test_bad_text_boxes_name_their_key():
+    with pytest.raises(ValueError, match="logit_bias"):
+        sampler_controls.validate({**sampler_controls.defaults(), "logit_bias": "{oops"})
+    with pytest.raises(SamplingSettingsError, match="custom_stopping_strings"):
+        sampler_controls.validate(
+            {**sampler_controls.defaults(), "custom_stopping_strings": '"unclosed'}
+        )
+    state = sampler_controls.state_from_values(
+        {**sampler_controls.defaults(), "logit_bias": '{"5": -2.5}'}
+    )
+    assert SamplingSettings.from_any(state).logit_bias == {5: -2.5}
+
+
+# -- presets ------------------------------------------------------------------------------
+def test_builtin_presets_are_valid_and_start_from_defaults(tmp_path):
+    presets = Presets(tmp_path)
+    defaults = sampler_controls.defaults()
+    for name, overrides in BUILTIN.items():
+        values = presets.load(name)
+        assert set(values) == set(sampler_controls.PRESET_NAMES)
+        assert values == {n: overrides.get(n, defaults[n]) for n in values}
+    assert "max_new_tokens" not in sampler_controls.PRESET_NAMES
+
+
+def test_preset_round_trip_writes_only_differences(tmp_path):
+    presets = Presets(tmp_path / "presets")
+    values = {**sampler_controls.defaults(), "temperature": 0.55, "top_k": 33.0, "seed": 7}
+    path = presets.save("mine", values)
+    # Only the samplers that differ: the seed is not a preset's business.
+    assert yaml.safe_load(path.read_text()) == {"temperature": 0.55, "top_k": 33}
+    assert "mine" in presets.names()
+    loaded = presets.load("mine")
+    assert loaded["temperature"] == 0.55 and loaded["top_k"] == 33 and "seed" not in loaded
+    assert loaded["top_p"] == sampler_controls.defaults()["top_p"]
+    presets.delete("mine")
+    assert "mine" not in presets.names()
+
+
+def test_preset_errors_are_clear(tmp_path):
+    presets = Presets(tmp_path)
+    with pytest.raises(StorageError, match="built-in"):
+        presets.save("Default", sampler_controls.defaults())
+    with pytest.raises(StorageError, match="invalid preset name"):
+        presets.save("../escape", sampler_controls.defaults())
+    (tmp_path / "typo.yaml").write_text("temprature: 0.5\n")
+    with pytest.raises(StorageError, match="temprature"):
+        presets.load("typo")
+    (tmp_path / "length.yaml").write_text("max_new_tokens: 5\n")
+    with pytest.raises(StorageError, match="max_new_tokens"):
+        presets.load("length")
+    (tmp_path / "bad.yaml").write_text("top_p: 0\n")
+    with pytest.raises(SamplingSettingsError, match="top_p"):
+        presets.load("bad")
+
+
+# -- storage ------------------------------------------------------------------------------
+def test_concurrent_saves_never_tear_the_file(tmp_path):
+    path = tmp_path / "chat.json"
+    write_json(path, {"writer": -1, "payload": ""})
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def reader():
+        while not stop.is_set():
+            data = read_json(path)  # raises on a torn file
+            assert len(data["payload"]) == (0 if data["writer"] < 0 else 200_000)
+            seen.append(data["writer"])
+
+    def writer(i: int):
+        for _ in range(5):
+            write_json(path, {"writer": i, "payload": str(i % 10) * 200_000})
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    r = threading.Thread(target=reader)
+    r.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    r.join()
+    final = read_json(path)
+    assert final["payload"] == str(final["writer"] % 10) * 200_000
+    assert seen, "the reader never ran"
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+
+
+def _write_forever(path: str) -> None:
+    i = 0
+    while True:
+        atomic_write_text(Path(path), json.dumps({"i": i, "pad": "x" * 500_000}))
+        i += 1
+
+
+def test_a_killed_writer_leaves_a_whole_file(tmp_path):
+    path = tmp_path / "settings.json"
+    write_json(path, {"i": -1, "pad": ""})
+    proc = multiprocessing.get_context("fork").Process(target=_write_forever, args=(str(path),))
+    proc.start()
+    time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    data = read_json(path)  # never a half-written file
+    assert data["i"] >= -1 and len(data["pad"]) in (0, 500_000)
+
+
+def test_saved_chats_round_trip_and_reject_bad_data(tmp_path):
+    user = UserData(tmp_path)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    user.save_chat("first", messages, "Be brief.")
+    time.sleep(0.01)
+    user.save_chat("second", messages[:1])
+    assert user.chat_names() == ["second", "first"]
+    assert user.load_chat("first") == (messages, "Be brief.")
+    with pytest.raises(StorageError, match="message 0"):
+        user.save_chat("bad", [{"role": "robot", "content": "x"}])
+    with pytest.raises(StorageError, match="invalid chat name"):
+        user.load_chat("../../etc/passwd")
+    (tmp_path / "chats" / "broken.json").write_text("{not json")
+    with pytest.raises(StorageError, match="broken.json"):
+        user.load_chat("broken")
+    user.update_settings(preset="min_p")
+    user.update_settings(system_prompt="S")
+    assert user.load_settings() == {"preset": "min_p", "system_prompt": "S"}
+
+
+# -- command line and load options ----------------------------------------------------------
+def test_cli_defaults_are_local_and_private():
+    args = cli.parse_args([])
+    assert cli.host(args) == "127.0.0.1" and args.share is False and args.port == 7860
+    assert cli.load_options(args) == {}
+    args = cli.parse_args(
+        [
+            "--listen",
+            "--max_seq_len",
+            "4096",
+            "--cache-type",
+            "q4",
+            "--gpu-split",
+            "20, 24",
+            "--autosplit",
+            "--tp",
+            "--rope-alpha",
+            "2.5",
+            "--nowebui",
+        ]
+    )
+    assert cli.host(args) == "0.0.0.0" and args.api is True
+    assert cli.load_options(args) == {
+        "max_seq_len": 4096,
+        "cache_type": "q4",
+        "gpu_split": [20.0, 24.0],
+        "autosplit": True,
+        "tensor_parallel": True,
+        "rope_alpha": 2.5,
+    }
+
+
+def test_gpu_split_errors_name_the_bad_part():
+    with pytest.raises(ValueError, match="'twenty'"):
+        cli.parse_gpu_split("20,twenty")
+    with pytest.raises(ValueError, match="more than 0"):
+        cli.parse_gpu_split("20,0")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--gpu-split", "x"])
+
+
+def test_load_kwargs_send_only_what_was_set():
+    assert load_options.load_kwargs(dict(load_options.NEUTRAL)) == {}
+    values = {
+        **load_options.NEUTRAL,
+        "max_seq_len": 2048,
+        "cache_type": "q8",
+        "gpu_split": "10,10",
+        "rope_scale": 2.0,
+        "device": "cpu",
+        "dtype": "float32",
+    }
+    kwargs = load_options.load_kwargs(values)
+    assert kwargs == {
+        "max_seq_len": 2048,
+        "cache_type": "q8",
+        "gpu_split": [10.0, 10.0],
+        "rope_scale": 2.0,
+        "device": "cpu",
+        "dtype": "float32",
+    }
+    assert load_options.values_from_kwargs(kwargs)["gpu_split"] == "10,10"
+    # Controls the chosen loader does not show are never sent.
+    assert load_options.load_kwargs(values, {"device", "dtype"}) == {
+        "device": "cpu",
+        "dtype": "float32",
+    }

@@ -1,0 +1,64 @@
+"""Kestrel's web UI: `python ui.py` and open http://127.0.0.1:7860.
+
+With no flags it loads the model used last time, or the default model (prepared on first
+use), and serves on 127.0.0.1 only. Flags are modelled on text-generation-webui's; see
+`python ui.py --help` and webui/cli.py. The tabs live in webui/.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# No usage reporting and no update checks from a local tool (must precede the import).
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+from webui import cli  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = cli.parse_args(argv)
+
+    from loader.manager import ModelManager
+    from webui import extensions, shared, startup
+    from webui.context import AppContext
+    from webui.sessions import UserData
+
+    shared.args = args
+    shared.manager = ModelManager(args.models_dir, args.loras_dir)
+    user_data = UserData(args.user_data_dir)
+    remembered = user_data.load_settings()
+    shared.settings.update(remembered.get("parameters") or {})
+    ctx = AppContext(shared.manager, user_data, args)
+
+    startup.load_initial_model(args, shared.manager, remembered)
+    startup.apply_startup_loras(args, ctx)
+    if args.extensions:
+        extensions.load_extensions(args.extensions)
+    if args.api:
+        from webui.api_server import start_api
+
+        start_api(args, block=args.nowebui)
+        if args.nowebui:
+            return 0
+
+    from webui.app import build_app, launch_kwargs
+
+    demo = build_app(ctx)
+    # Handlers share one model; generation handlers set their own (unlimited) limit and
+    # are batched by the scheduler, everything else runs a few at a time.
+    demo.queue(default_concurrency_limit=4)
+    demo.launch(
+        server_name=cli.host(args),
+        server_port=args.port,
+        share=args.share,
+        inbrowser=args.inbrowser,
+        ssr_mode=False,
+        show_error=True,
+        **launch_kwargs(ctx),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

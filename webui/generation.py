@@ -1,0 +1,181 @@
+"""What the Chat and Notebook tabs run: the shared generation flow (webui.text_generation,
+where extensions apply) plus what only the UI does — fitting the prompt into the context,
+continuing a reply, and the speed line under the output.
+
+`state` is the Parameters tab's values (webui.sampler_controls). Every function yields
+`Progress`: the cumulative reply text and a one-line status
+("12 tokens, 48.3 tok/s"). Errors are not raised into Gradio: they end the stream with the
+message in `error`, so the page shows it next to the output.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from loader.base import LoadedModel
+from webui import shared
+from webui.sampler_controls import state_from_values
+from webui.text_generation import ReplyChunk, prepare_chat, stream_chat_reply, stream_reply
+
+Message = dict[str, str]
+# A streamed page update costs a websocket message and a re-render; more than ~20 a second
+# only burns the CPU that generation needs.
+MIN_UPDATE_SECONDS = 0.05
+
+
+@dataclass
+class Progress:
+    text: str
+    status: str
+    done: bool = False
+    error: str | None = None
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+def _context(model: LoadedModel) -> int:
+    try:
+        context = int(model.info().get("context") or 0)
+    except Exception:  # info() is for display; a loader without it still generates
+        context = 0
+    return context or 2048
+
+
+def budget(model: LoadedModel, state: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens allowed, max_new_tokens) for this model and state: TGW's
+    truncation_length (0: the model's context) minus max_new_tokens, with at least a
+    quarter of the window kept for the prompt."""
+    context = _context(model)
+    limit = int(state.get("truncation_length") or 0) or context
+    limit = min(limit, context)
+    new = min(int(state.get("max_new_tokens") or 1), limit - limit // 4)
+    return limit - new, max(1, new)
+
+
+def fit_messages(model: LoadedModel, messages: list[Message], limit: int) -> list[Message]:
+    """Drop the oldest turns (keeping a system message and the last message) until the
+    templated prompt fits in `limit` tokens, as TGW's chat does."""
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    rest = messages[len(system) :]
+    while len(rest) > 1:
+        prompt = model.apply_chat_template(system + rest, add_generation_prompt=True)
+        if len(model.encode(prompt, add_bos=False)) <= limit:
+            break
+        rest = rest[1:]
+    return system + rest
+
+
+def _status(chunk: ReplyChunk, started: float, first: float | None, prefix: str = "") -> str:
+    elapsed = time.perf_counter() - started
+    decode = time.perf_counter() - first if first is not None else 0.0
+    speed = (
+        (chunk.completion_tokens - 1) / decode if decode > 0 and chunk.completion_tokens > 1 else 0
+    )
+    parts = [f"{chunk.completion_tokens} tokens", f"{speed:.1f} tok/s"]
+    if chunk.prompt_tokens:
+        parts.append(f"prompt {chunk.prompt_tokens} tokens")
+    parts.append(f"{elapsed:.1f} s")
+    if chunk.finish_reason:
+        parts.append({"cancelled": "stopped"}.get(chunk.finish_reason, chunk.finish_reason))
+    return prefix + ", ".join(parts)
+
+
+def _follow(chunks: Iterator[ReplyChunk], base: str = "") -> Iterator[Progress]:
+    started = time.perf_counter()
+    first: float | None = None
+    last_update = 0.0
+    try:
+        for chunk in chunks:
+            if first is None and chunk.completion_tokens:
+                first = time.perf_counter()
+            now = time.perf_counter()
+            if chunk.finish_reason is None and now - last_update < MIN_UPDATE_SECONDS:
+                continue
+            last_update = now
+            yield Progress(
+                base + chunk.text,
+                _status(chunk, started, first),
+                done=chunk.finish_reason is not None,
+                finish_reason=chunk.finish_reason,
+                completion_tokens=chunk.completion_tokens,
+                prompt_tokens=chunk.prompt_tokens,
+            )
+    except Exception as e:  # shown in the page; the server and the other sessions go on
+        yield Progress(base, f"error: {e}", done=True, error=f"{type(e).__name__}: {e}")
+
+
+def _model_or_error() -> LoadedModel | Progress:
+    if not shared.manager.is_loaded():
+        return Progress(
+            "", "no model is loaded", done=True, error="Load a model first (Model tab)."
+        )
+    return shared.manager.current()
+
+
+def chat_reply(
+    messages: list[Message], state: dict[str, Any], stop_event: threading.Event
+) -> Iterator[Progress]:
+    """The assistant's reply to `messages` (the last one is the user's)."""
+    model = _model_or_error()
+    if isinstance(model, Progress):
+        yield model
+        return
+    try:
+        state = state_from_values(state)
+        limit, new = budget(model, state)
+        fitted = fit_messages(model, messages, limit)
+    except Exception as e:
+        yield Progress("", f"error: {e}", done=True, error=f"{type(e).__name__}: {e}")
+        return
+    state = {**state, "max_new_tokens": new}
+    yield from _follow(stream_chat_reply(fitted, state, stop_event=stop_event, model=model))
+
+
+def continue_reply(
+    messages: list[Message], state: dict[str, Any], stop_event: threading.Event
+) -> Iterator[Progress]:
+    """More of the last assistant message: the prompt is the chat up to it plus its text,
+    and the new text is appended to it."""
+    model = _model_or_error()
+    if isinstance(model, Progress):
+        yield model
+        return
+    last = messages[-1]["content"]
+    try:
+        state = state_from_values(state)
+        limit, new = budget(model, state)
+        fitted = fit_messages(model, messages[:-1], limit - len(model.encode(last, add_bos=False)))
+        prompt, chat_state = prepare_chat(fitted, state, model=model)
+    except Exception as e:
+        yield Progress(last, f"error: {e}", done=True, error=f"{type(e).__name__}: {e}")
+        return
+    chat_state["max_new_tokens"] = new
+    chunks = stream_reply(
+        prompt + last, chat_state, is_chat=True, stop_event=stop_event, model=model
+    )
+    yield from _follow(chunks, base=last)
+
+
+def complete(prompt: str, state: dict[str, Any], stop_event: threading.Event) -> Iterator[Progress]:
+    """Raw completion (the Notebook tab): the text continues `prompt`; a prompt longer than
+    the budget loses its beginning, not its end."""
+    model = _model_or_error()
+    if isinstance(model, Progress):
+        yield model
+        return
+    try:
+        state = state_from_values(state)
+        limit, new = budget(model, state)
+        ids = model.encode(prompt, add_bos=False)
+        if len(ids) > limit:
+            prompt = model.decode(ids[-limit:])
+    except Exception as e:
+        yield Progress("", f"error: {e}", done=True, error=f"{type(e).__name__}: {e}")
+        return
+    state = {**state, "max_new_tokens": new}
+    yield from _follow(stream_reply(prompt, state, stop_event=stop_event, model=model))

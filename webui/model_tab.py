@@ -1,0 +1,240 @@
+"""The Model tab: the models directory, a loader with its controls, load/unload with a
+progress bar, what is loaded (loader, architecture, context, devices, VRAM per device) and
+any load error, shown in the page.
+
+Loading is one at a time for the whole server (Gradio's concurrency id "model"); the model
+is shared by every browser session, as it is in TGW.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Any
+
+import gradio as gr
+
+import loader
+from loader.manager import ModelManager
+from webui import load_options
+from webui.cli import CACHE_TYPES
+from webui.context import AppContext
+from webui.load_options import AUTO, OPTION_NAMES
+
+
+@dataclass
+class ModelTab:
+    model: gr.Dropdown
+    refresh: gr.Button
+    loader: gr.Dropdown
+    options: list[gr.components.Component]  # in load_options.OPTION_NAMES order
+    load: gr.Button
+    unload: gr.Button
+    status: gr.Markdown
+
+
+def model_choices(manager: ModelManager) -> list[tuple[str, str]]:
+    """(label, name) for the dropdown: "SmolLM2-135M-Instruct-fp16 (fp16, 0.54 GB)"."""
+    return [(f"{e.name} ({e.label})", e.name) for e in manager.list_models()]
+
+
+def _vram_lines(info: dict[str, Any]) -> list[str]:
+    lines = []
+    vram = info.get("vram_gib") or {}
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        cuda = False
+    for device in info.get("devices") or []:
+        if device in vram:
+            used = f"{float(vram[device]):.2f} GiB used by the model"
+            if cuda and device.startswith("cuda"):
+                free, total = torch.cuda.mem_get_info(torch.device(device))
+                used += f"; {free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+            lines.append(f"- `{device}`: {used}")
+        else:
+            lines.append(f"- `{device}`: system memory (no VRAM)")
+    return lines
+
+
+def describe_loaded(manager: ModelManager) -> str:
+    """Markdown for the status box: what is loaded, or that nothing is."""
+    if not manager.is_loaded():
+        return "No model loaded. Pick one above and press **Load**."
+    model = manager.current()
+    try:
+        info = model.info()
+    except Exception as e:  # display only
+        return f"Loaded **{manager.name}** (info unavailable: {e})"
+    facts = [
+        f"loader `{info.get('loader', model.loader_name)}`",
+        f"`{info.get('arch', '?')}`",
+        f"context {info.get('context', '?')} tokens",
+        f"cache {info.get('cache_type', 'fp16')}",
+    ]
+    if info.get("dtype"):
+        facts.append(f"weights {info['dtype']}")
+    if info.get("load_seconds") is not None:
+        facts.append(f"loaded in {info['load_seconds']:.1f} s")
+    lines = [f"Loaded **{manager.name}**: " + ", ".join(facts), "", "Memory per device:"]
+    return "\n".join(lines + _vram_lines(info))
+
+
+def _error(message: str) -> str:
+    # Error text comes from files on disk; escape it so it shows as text, not markup.
+    return f"<div class='kestrel-error' id='model-error'>Error: {html.escape(message)}</div>"
+
+
+def build(ctx: AppContext, remembered: dict[str, Any]) -> ModelTab:
+    values = load_options.values_from_kwargs(remembered.get("load_options") or {})
+    with gr.Row():
+        model_dd = gr.Dropdown(
+            model_choices(ctx.manager),
+            value=ctx.manager.name,
+            label=f"Model (from {ctx.manager.models_dir})",
+            elem_id="model-select",
+            scale=4,
+        )
+        refresh = gr.Button("Refresh list", elem_id="model-refresh", scale=1)
+    loader_dd = gr.Dropdown(
+        [AUTO, *loader.available()],
+        value=remembered.get("loader") or AUTO,
+        label="Loader",
+        info="auto: picked from the files",
+        elem_id="loader-select",
+    )
+    with gr.Row():
+        with gr.Column():
+            max_seq_len = gr.Slider(
+                0,
+                131072,
+                value=values["max_seq_len"],
+                step=256,
+                label="max_seq_len",
+                info="context length in tokens; 0: the model's (capped at 8192)",
+                elem_id="opt-max_seq_len",
+            )
+            cache_type = gr.Dropdown(
+                list(CACHE_TYPES),
+                value=values["cache_type"],
+                label="cache_type",
+                info="KV cache storage",
+                elem_id="opt-cache_type",
+            )
+            device = gr.Dropdown(
+                load_options.devices(),
+                value=values["device"],
+                label="device",
+                elem_id="opt-device",
+            )
+            dtype = gr.Dropdown(
+                list(load_options.DTYPES),
+                value=values["dtype"],
+                label="dtype",
+                info="auto: float16 on a GPU, float32 on the CPU",
+                elem_id="opt-dtype",
+            )
+        with gr.Column():
+            gpu_split = gr.Textbox(
+                value=values["gpu_split"],
+                label="gpu_split",
+                placeholder="20,24",
+                info="GiB per GPU, in order",
+                elem_id="opt-gpu_split",
+            )
+            autosplit = gr.Checkbox(
+                value=values["autosplit"],
+                label="autosplit",
+                info="fill the GPUs in order automatically",
+                elem_id="opt-autosplit",
+            )
+            tensor_parallel = gr.Checkbox(
+                value=values["tensor_parallel"],
+                label="tensor_parallel",
+                info="split every layer over the GPUs",
+                elem_id="opt-tensor_parallel",
+            )
+            rope_alpha = gr.Number(
+                value=values["rope_alpha"],
+                label="rope_alpha",
+                minimum=0.01,
+                info="NTK RoPE alpha (1: off)",
+                elem_id="opt-rope_alpha",
+            )
+            rope_scale = gr.Number(
+                value=values["rope_scale"],
+                label="rope_scale",
+                minimum=0.01,
+                info="linear RoPE scale (1: off)",
+                elem_id="opt-rope_scale",
+            )
+    by_name = dict(
+        max_seq_len=max_seq_len,
+        cache_type=cache_type,
+        gpu_split=gpu_split,
+        autosplit=autosplit,
+        tensor_parallel=tensor_parallel,
+        rope_alpha=rope_alpha,
+        rope_scale=rope_scale,
+        device=device,
+        dtype=dtype,
+    )
+    with gr.Row():
+        load = gr.Button("Load", variant="primary", elem_id="model-load")
+        unload = gr.Button("Unload", elem_id="model-unload")
+    status = gr.Markdown(describe_loaded(ctx.manager), elem_id="model-status")
+    return ModelTab(
+        model_dd, refresh, loader_dd, [by_name[n] for n in OPTION_NAMES], load, unload, status
+    )
+
+
+def wire(ctx: AppContext, tab: ModelTab) -> tuple[Any, Any]:
+    """Connect the tab; returns the load and unload events, for others to follow."""
+
+    # Gradio finds gr.Progress by its default, and only among positional parameters.
+    def load(name: str | None, loader_name: str, progress=gr.Progress(), *raw: Any) -> str:  # noqa: B008
+        if not name:
+            return _error("choose a model first")
+        shown = load_options.visible_options(loader_name)
+        try:
+            kwargs = load_options.load_kwargs(dict(zip(OPTION_NAMES, raw, strict=True)), shown)
+        except ValueError as e:
+            return _error(str(e))
+        chosen = None if loader_name in (None, "", AUTO) else loader_name
+        progress(0.05, desc=f"Loading {name}")
+        steps = [0.05]
+
+        def report(message: str) -> None:
+            steps.append(min(0.9, steps[-1] + 0.2))
+            progress(steps[-1], desc=message)
+
+        try:
+            ctx.manager.load(name, chosen, progress=report, **kwargs)
+        except Exception as e:  # any loader failure is shown, and the server goes on
+            return _error(f"could not load {name}: {e}")
+        progress(1.0, desc="Loaded")
+        ctx.user_data.update_settings(model=name, loader=chosen, load_options=kwargs)
+        return describe_loaded(ctx.manager)
+
+    def unload() -> str:
+        name = ctx.manager.name
+        ctx.manager.unload()
+        ctx.user_data.update_settings(model=None)
+        return f"Unloaded {name}." if name else "No model was loaded."
+
+    def refresh() -> Any:
+        return gr.update(choices=model_choices(ctx.manager))
+
+    def show_options(loader_name: str) -> list[Any]:
+        shown = load_options.visible_options(loader_name)
+        return [gr.update(visible=n in shown) for n in OPTION_NAMES]
+
+    loaded = tab.load.click(
+        load, [tab.model, tab.loader, *tab.options], [tab.status], concurrency_id="model"
+    )
+    unloaded = tab.unload.click(unload, None, [tab.status], concurrency_id="model")
+    tab.refresh.click(refresh, None, [tab.model])
+    tab.loader.change(show_options, [tab.loader], tab.options)
+    return loaded, unloaded
