@@ -3,7 +3,8 @@
 Order: --model (a name in the models directory, or a path anywhere); else the model loaded
 last time (settings.yaml), if it is still there; else the default model if it is already
 prepared; else, when the models directory holds no model at all, the default model is
-prepared (downloaded once, ~35 s on a small CPU) and loaded. With other models present and
+prepared (downloaded once, imported and converted to EXL2 4.0 bpw: a few minutes on a
+small CPU) and loaded. With other models present and
 nothing remembered, nothing is loaded: the user picks one in the Model tab.
 
 A failure to load is reported and the UI starts anyway (the Model tab shows the list).
@@ -17,7 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import loader
-from loader.default_model import DEFAULT_MODEL_DIRNAME, ensure_default_model
+from loader.default_model import (
+    DEFAULT_MODEL,
+    DEFAULT_MODEL_DIRNAME,
+    ensure_default_model,
+    packaged_model,
+)
 from loader.manager import ModelManager
 from webui.cli import load_options
 from webui.context import AppContext
@@ -47,7 +53,8 @@ def pick_model(
         return last, None
     if DEFAULT_MODEL_DIRNAME in names:
         return DEFAULT_MODEL_DIRNAME, None
-    if not names:
+    # Nothing there but (maybe) the default model's FP16 import: prepare its EXL2 form.
+    if not [n for n in names if n != packaged_model(DEFAULT_MODEL).dirname]:
         _say(f"no model in {manager.models_dir}: preparing the default model (once)")
         ensure_default_model(manager.models_dir)
         return DEFAULT_MODEL_DIRNAME, None
