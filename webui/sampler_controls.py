@@ -55,7 +55,7 @@ class Control:
 
 def _as_text(name: str, value: Any) -> str:
     """A list/dict default in the string form TGW's text boxes use."""
-    if name == "sampler_priority":
+    if name in ("sampler_priority", "banned_strings"):
         return "\n".join(value)
     if name == "dry_sequence_breakers":
         return ", ".join(json.dumps(s) for s in value)
@@ -92,6 +92,12 @@ CONTROLS: tuple[Control, ...] = (
         default_override="",
     ),
     _s("min_new_tokens", 0, 4096, 1, "length", "EOS is banned until this many tokens"),
+    Control(
+        "banned_strings",
+        "text",
+        "length",
+        info="one a line: never generated (the text is rewound and resampled)",
+    ),
     Control("ban_eos_token", "checkbox", "length"),
     Control("add_bos_token", "checkbox", "length"),
     Control("skip_special_tokens", "checkbox", "length"),
@@ -174,6 +180,9 @@ def state_from_values(values: dict[str, Any]) -> dict[str, Any]:
     kept (SamplingSettings accepts integral floats) and the JSON logit-bias box is parsed.
     Raises ValueError naming the key for a box that does not parse."""
     state = dict(values)
+    banned = state.get("banned_strings")
+    if isinstance(banned, str):
+        state["banned_strings"] = [line for line in banned.splitlines() if line.strip()]
     bias = state.get("logit_bias")
     if isinstance(bias, str):
         text = bias.strip()
