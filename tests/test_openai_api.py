@@ -371,9 +371,11 @@ def test_lora_endpoints(dirs: tuple[Path, Path], server: ApiServer, model) -> No
 
 # -- concurrency and cancellation -------------------------------------------------------------
 def test_32_concurrent_streaming_clients(client: openai.OpenAI, model) -> None:
+    # 32 tokens each keeps every job alive long enough to overlap with the others, even when
+    # a loaded machine staggers the 32 connections.
     prompts = [f"Client {i} says" for i in range(32)]
     expected = [""] * 32
-    for chunk in model.stream_many(prompts, {**GREEDY, "max_new_tokens": 6}):
+    for chunk in model.stream_many(prompts, {**GREEDY, "max_new_tokens": 32, "ban_eos_token": True}):
         expected[chunk.job_id] += chunk.text
     results: dict[int, str] = {}
     errors: list[BaseException] = []
@@ -383,7 +385,7 @@ def test_32_concurrent_streaming_clients(client: openai.OpenAI, model) -> None:
         try:
             barrier.wait()
             stream = client.completions.create(
-                model="tiny", prompt=prompts[i], max_tokens=6, temperature=0, stream=True,
+                model="tiny", prompt=prompts[i], max_tokens=32, temperature=0, stream=True,
                 extra_body={"ban_eos_token": True},
             )  # fmt: skip
             results[i] = "".join(c.choices[0].text for c in stream if c.choices)
