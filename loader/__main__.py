@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: a GPU)")
     parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32")
     parser.add_argument("--max-seq-len", type=int, default=None)
+    parser.add_argument(
+        "--cache-type",
+        default="fp16",
+        help="KV cache storage: fp16 (the model's dtype), fp8, q8, q6 or q4",
+    )
     parser.add_argument("-n", "--max-new-tokens", type=int, default=128)
     parser.add_argument("-t", "--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -62,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             dtype=args.dtype,
             max_seq_len=args.max_seq_len,
+            cache_type=args.cache_type,
         )
         prompt = args.prompt
         if args.chat:
