@@ -4,8 +4,9 @@ The cache holds, per layer, K and V as [pages, page_size, kv_heads, head_dim] on
 layer's device, in the model's dtype for cache_type "fp16", or as byte rows
 [pages, page_size, kv_heads, row_bytes] (codes and scales) for the quantized types fp8, q8,
 q6 and q4 (layouts: kernels.kv_quant). `write` quantizes new K/V as it stores them and the
-attention kernels dequantize tile by tile; `bytes_per_token` is what one token costs. A sequence owns a list of pages (its page table); token position p of a
-sequence lives in slot `pages[p // page_size] * page_size + p % page_size`.
+attention kernels dequantize tile by tile; `bytes_per_token` is what one token costs.
+A sequence owns a list of pages (its page table); token position p of a sequence lives in
+slot `pages[p // page_size] * page_size + p % page_size`.
 
 `ForwardBatch` describes one forward over several sequences: each contributes its new
 tokens (a prefill chunk or one decode token). The same object serves prefill and decode,

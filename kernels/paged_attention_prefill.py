@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import cast_rtne, device_guard
+from kernels.kv_quant import NATIVE, KVFormat
 from kernels.paged_attention_decode import (
     INTERPRETED,
     kv_token_offsets,
@@ -36,7 +37,6 @@ from kernels.paged_attention_decode import (
     scores_log2,
     storage_constants,
 )
-from kernels.kv_quant import NATIVE, KVFormat
 
 
 @triton.jit
