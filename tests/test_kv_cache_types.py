@@ -344,3 +344,14 @@ def test_unknown_cache_type_and_cache_gib(model_dir: Path) -> None:
             <= 2**20 + engine.cache.page_size * engine.cache.bytes_per_token
         )
     assert tokens["fp16"] < tokens["q8"] < tokens["q4"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_type", list(CACHE_TYPES))
+def test_cuda_graph_decode_with_every_cache_type(model_dir: Path, cache_type: str) -> None:
+    # Quantize-on-write and the rotations must be capturable: graph replay equals eager.
+    options = dict(device="cuda", dtype="float16", cache_tokens=None)
+    graphed = _engine(model_dir, cache_type, **options)
+    eager = _engine(model_dir, cache_type, **options, cuda_graphs=False)
+    assert graphed.graphs is not None and eager.graphs is None
+    assert _tokens(graphed, PROMPT) == _tokens(eager, PROMPT)
