@@ -91,7 +91,7 @@ class KVFormat:
 
     def bytes_per_head_row(self, head_dim: int, dtype: torch.dtype) -> int:
         if not self.quantized:
-            return head_dim * torch.empty((), dtype=dtype).element_size()
+            return head_dim * dtype.itemsize
         return self.row_bytes(head_dim)
 
 

@@ -18,9 +18,10 @@ Query tiles: G rows of D. For G >= `DECODE_DOT_MIN_GROUP` the rows are padded to
 multiplied with tl.dot (tensor cores; the padding costs nothing in a memory-bound kernel);
 below that a broadcast-multiply-and-sum in float32 avoids a mostly empty MMA.
 
-The K/V load is `load_kv_tile`: the one place that knows how the cache stores a token, so
-that a quantized storage type (fp8, q8, q6, q4) is added by changing that helper (and the
-arguments that reach it: scales), not the kernels.
+The K/V load is `load_kv_tile`: the one place that knows how the cache stores a token. The
+quantized storage formats (fp8, int8, int4; kernels.kv_quant) are dequantized there, tile by
+tile in registers, from byte rows that carry their own scales; K and V each have a format
+(K_KIND / V_KIND) and their own strides, since the q6 cache type stores them differently.
 """
 
 from __future__ import annotations
