@@ -32,7 +32,9 @@ from kernels.paged_attention import (
     paged_attention_reference,
     paged_attention_triton,
 )
-from tests.model_factory import make_tiny_llama
+from tools.perplexity import main as perplexity_main
+
+from model_factory import CORPUS, make_tiny_llama
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
@@ -344,6 +346,21 @@ def test_unknown_cache_type_and_cache_gib(model_dir: Path) -> None:
             <= 2**20 + engine.cache.page_size * engine.cache.bytes_per_token
         )
     assert tokens["fp16"] < tokens["q8"] < tokens["q4"]
+
+
+def test_perplexity_tool_compares_cache_types(model_dir: Path, tmp_path: Path, capsys) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(CORPUS), encoding="utf-8")
+    args = ["-m", str(model_dir), "--text", str(text), "--window", "40", "--windows", "2"]
+    perplexity_main([*args, "--no-bos", "--device", "cpu", "--cache-type", "fp16", "q4"])
+    out = capsys.readouterr().out
+    rows = [
+        line for line in out.splitlines() if line.startswith("| fp16") or line.startswith("| q4")
+    ]
+    assert len(rows) == 2 and "+0.0000" in rows[0]
+    fp16, q4 = (float(r.split("|")[2]) for r in rows)
+    # The cache type reaches the measurement: q4 costs something, and not much.
+    assert fp16 != q4 and abs(q4 / fp16 - 1) < 0.1
 
 
 @pytest.mark.gpu
