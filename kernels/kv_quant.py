@@ -6,8 +6,12 @@ A cache type names one storage format for K and one for V:
     fp16         native   native   2 (the model's dtype: float16, bfloat16 or float32)
     fp8          fp8      fp8      1.016
     q8           int8     int8     1.0625
-    q6           int8     int4     0.8125   (exllamav2's Q6 split: K is the sensitive half)
+    q6           int6     int6     0.8125
     q4           int4     int4     0.5625
+
+(exllamav2's Q6 stores 8-bit K and 4-bit V, the same bytes as 6/6; on SmolLM2-135M 6/6
+cost half as much perplexity, so q6 is 6-bit codes for both. K and V may still have
+different formats: the kernels take one each.)
 
 Packed layout. A native cache is [pages, page_size, kv_heads, head_dim] in the model's
 dtype. Every other format stores one byte row per (token, kv head):
@@ -21,12 +25,15 @@ sharing, prefix caching and copy-on-write stay byte copies of whole pages:
     int8   head_dim bytes, code c in 0..255, then head_dim / G scales: value = (c - 128) * s.
     int4   head_dim / 2 bytes, dims 2i (low nibble) and 2i+1 (high nibble) in byte i, then
            head_dim / G scales: value = (c - 8) * s.
+    int6   two planes: the low 4 bits of every code as int4 packs them (head_dim / 2
+           bytes), then the high 2 bits, dims 4j..4j+3 in byte j from bit 0 up (head_dim / 4
+           bytes), then head_dim / G scales: value = (c - 32) * s.
 
-Groups (int8/int4): G = 32 consecutive dims (16 when head_dim is not a multiple of 32) share
+Groups (int8/int6/int4): G = 32 consecutive dims (16 when head_dim is not a multiple of 32) share
 one float16 scale s = m / -2^(bits-1), m the group's element of largest magnitude (so m
 itself is exact, as llama.cpp's q4_0 does); codes are round-to-nearest-even, clamped.
 
-Rotation (int8/int4): before quantizing, each group of G dims is multiplied by the
+Rotation (int8/int6/int4): before quantizing, each group of G dims is multiplied by the
 orthonormal G x G Hadamard matrix H (symmetric, H @ H = I). That spreads a channel outlier
 over its group, so the shared scale no longer crushes the other 31 values (exllamav2
 rotates its Q4/Q6/Q8 cache the same way). Attention never undoes it per key: since
@@ -55,7 +62,7 @@ FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How one of K or V is stored. kind: "native", "fp8", "int8" or "int4"."""
+    """How one of K or V is stored. kind: "native", "fp8", "int8", "int6" or "int4"."""
 
     kind: str
 
@@ -65,11 +72,11 @@ class KVFormat:
 
     @property
     def bits(self) -> int:
-        return {"fp8": 8, "int8": 8, "int4": 4}[self.kind]
+        return {"fp8": 8, "int8": 8, "int6": 6, "int4": 4}[self.kind]
 
     @property
     def rotated(self) -> bool:
-        return self.kind in ("int8", "int4")
+        return self.kind in ("int8", "int6", "int4")
 
     def group_size(self, head_dim: int) -> int:
         """Dims per scale (the whole row for fp8)."""
@@ -83,7 +90,7 @@ class KVFormat:
         )
 
     def code_bytes(self, head_dim: int) -> int:
-        return head_dim // 2 if self.kind == "int4" else head_dim
+        return head_dim * self.bits // 8
 
     def row_bytes(self, head_dim: int) -> int:
         """Bytes of one (token, kv head) row: codes, then float16 scales."""
@@ -100,11 +107,11 @@ CACHE_TYPES: dict[str, tuple[KVFormat, KVFormat]] = {
     "fp16": (NATIVE, NATIVE),
     "fp8": (KVFormat("fp8"), KVFormat("fp8")),
     "q8": (KVFormat("int8"), KVFormat("int8")),
-    "q6": (KVFormat("int8"), KVFormat("int4")),
+    "q6": (KVFormat("int6"), KVFormat("int6")),
     "q4": (KVFormat("int4"), KVFormat("int4")),
 }
 # The kernels' constexpr for a format.
-KIND_CODES = {"native": 0, "fp8": 1, "int8": 2, "int4": 3}
+KIND_CODES = {"native": 0, "fp8": 1, "int8": 2, "int4": 3, "int6": 4}
 
 
 def cache_formats(cache_type: str) -> tuple[KVFormat, KVFormat]:
@@ -168,8 +175,14 @@ def quantize_rows(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
         q = torch.round(xg / safe).clamp(-half_range, half_range - 1)
         q = torch.where(s != 0, q, torch.zeros_like(q))
         codes = (q + half_range).to(torch.uint8).reshape(n, d)
-        if fmt.kind == "int4":
-            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        if fmt.kind in ("int4", "int6"):
+            low = codes & 15
+            packed = low[:, 0::2] | (low[:, 1::2] << 4)
+            if fmt.kind == "int6":
+                high = codes >> 4
+                pairs = high[:, 0::4] | high[:, 1::4] << 2 | high[:, 2::4] << 4 | high[:, 3::4] << 6
+                packed = torch.cat([packed, pairs], dim=1)
+            codes = packed
     return torch.cat([codes, scale.reshape(n, -1).contiguous().view(torch.uint8)], dim=1)
 
 
@@ -183,8 +196,14 @@ def dequantize_rows(rows: torch.Tensor, fmt: KVFormat, head_dim: int) -> torch.T
     if fmt.kind == "fp8":
         values = codes.contiguous().view(torch.float8_e4m3fn).float()
     else:
-        if fmt.kind == "int4":
-            codes = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(n, d)
+        if fmt.kind in ("int4", "int6"):
+            low = codes[:, : d // 2]
+            low = torch.stack([low & 15, low >> 4], dim=-1).reshape(n, d)
+            if fmt.kind == "int6":
+                high = codes[:, d // 2 :]
+                high = torch.stack([(high >> (2 * i)) & 3 for i in range(4)], dim=-1)
+                low = low | (high.reshape(n, d) << 4)
+            codes = low
         values = codes.float() - (1 << (fmt.bits - 1))
     return (values.reshape(n, d // g, g) * scales[..., None]).reshape(n, d)
 
@@ -249,12 +268,13 @@ def _kv_write_kernel(
     stride_x_head,
     stride_c_slot,
     stride_c_head,
-    KIND: tl.constexpr,  # 1 fp8, 2 int8, 3 int4
+    KIND: tl.constexpr,  # 1 fp8, 2 int8, 3 int4, 4 int6
     GROUPS: tl.constexpr,  # scales per row
     BLOCK_GROUPS: tl.constexpr,  # GROUPS padded to a power of two
     GROUP_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,  # GROUP_SIZE padded to a power of two (fp8's group is the row)
     CODE_BYTES: tl.constexpr,
+    HIGH_PLANE: tl.constexpr,  # int6: byte offset of the high bit pairs (head_dim / 2)
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -264,7 +284,30 @@ def _kv_write_kernel(
     scale_ptr = (row + CODE_BYTES).to(tl.pointer_type(tl.float16))
     grp = tl.arange(0, BLOCK_GROUPS)
     grp_mask = grp < GROUPS
-    if KIND == 3:
+    if KIND == 4:
+        # Quads (4j..4j+3): two bytes of low nibbles and one byte of high bit pairs.
+        quad = tl.arange(0, GROUP_SIZE // 4)
+        dim0 = grp[:, None] * GROUP_SIZE + 4 * quad[None, :]
+        quad_mask = grp_mask[:, None]
+        x0 = tl.load(x_row + dim0, mask=quad_mask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_row + dim0 + 1, mask=quad_mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + dim0 + 2, mask=quad_mask, other=0.0).to(tl.float32)
+        x3 = tl.load(x_row + dim0 + 3, mask=quad_mask, other=0.0).to(tl.float32)
+        mx = tl.max(tl.maximum(tl.maximum(x0, x1), tl.maximum(x2, x3)), axis=1)
+        mn = tl.min(tl.minimum(tl.minimum(x0, x1), tl.minimum(x2, x3)), axis=1)
+        m = tl.where(mx >= -mn, mx, mn)
+        s = (m / -32.0).to(tl.float16)
+        sf = s.to(tl.float32)[:, None]
+        c0 = _int_codes(x0, sf, 32)
+        c1 = _int_codes(x1, sf, 32)
+        c2 = _int_codes(x2, sf, 32)
+        c3 = _int_codes(x3, sf, 32)
+        tl.store(row + dim0 // 2, ((c0 & 15) | ((c1 & 15) << 4)).to(tl.uint8), mask=quad_mask)
+        tl.store(row + dim0 // 2 + 1, ((c2 & 15) | ((c3 & 15) << 4)).to(tl.uint8), mask=quad_mask)
+        high = (c0 >> 4) | ((c1 >> 4) << 2) | ((c2 >> 4) << 4) | ((c3 >> 4) << 6)
+        tl.store(row + HIGH_PLANE + dim0 // 4, high.to(tl.uint8), mask=quad_mask)
+        tl.store(scale_ptr + grp, s, mask=grp_mask)
+    elif KIND == 3:
         # Pairs (2i, 2i+1) share a byte: load the even and odd dims as two tiles.
         half_i = tl.arange(0, GROUP_SIZE // 2)
         dim_even = grp[:, None] * GROUP_SIZE + 2 * half_i[None, :]
@@ -330,6 +373,7 @@ def kv_cache_write_triton(
             GROUP_SIZE=g,
             BLOCK_G=triton.next_power_of_2(g),
             CODE_BYTES=fmt.code_bytes(d),
+            HIGH_PLANE=d // 2,
             num_warps=1,
         )
 

@@ -5,8 +5,8 @@ Contract (shapes):
                                   float32 (rows and heads may be strided)
     k_cache      [P, S, Hk, D]    P pages of S token slots (v_cache the same), q's dtype;
                  [P, S, Hk, R]    uint8 byte rows for a quantized storage format (k_format /
-                                  v_format, kernels.kv_quant: fp8, int8, int4; K and V may
-                                  differ, as in the q6 cache type, and then so do R and strides)
+                                  v_format, kernels.kv_quant: fp8, int8, int6, int4; K and V
+                                  may differ, and then so do R and strides)
     cu_seqlens   [B+1] int        q rows of sequence b are cu_seqlens[b]:cu_seqlens[b+1]
     context_lens [B] int          tokens of sequence b in the cache, the new ones included
     page_table   [B, maxpages]    page ids of sequence b, in order (int32/int64)

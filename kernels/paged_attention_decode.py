@@ -21,7 +21,7 @@ below that a broadcast-multiply-and-sum in float32 avoids a mostly empty MMA.
 The K/V load is `load_kv_tile`: the one place that knows how the cache stores a token. The
 quantized storage formats (fp8, int8, int4; kernels.kv_quant) are dequantized there, tile by
 tile in registers, from byte rows that carry their own scales; K and V each have a format
-(K_KIND / V_KIND) and their own strides, since the q6 cache type stores them differently.
+(K_KIND / V_KIND) and their own strides, so a type may store them differently.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def load_kv_tile(
 
     `cache_ptr` points at the kv head's dim 0 (its byte 0 for a quantized cache). The
     storage hook (layouts: kernels.kv_quant): KIND 0 is a plain gather of a native cache;
-    1 (fp8 e4m3), 2 (int8) and 3 (int4) dequantize bytes with the row's float16 scales,
+    1 (fp8 e4m3), 2 (int8), 3 (int4) and 4 (int6) dequantize bytes with the row's float16 scales,
     which follow CODE_BYTES code bytes, one per GROUP_SIZE dims. Rotated formats stay
     rotated: the caller rotates q and the output instead.
     """
@@ -99,10 +99,18 @@ def load_kv_tile(
         row = cache_ptr + token_offsets
         scale_ptr = (row + CODE_BYTES).to(tl.pointer_type(tl.float16))
         scale = tl.load(scale_ptr[:, None] + (dims // GROUP_SIZE)[None, :], mask=mask, other=0.0)
-        if KIND == 3:
+        if KIND == 3 or KIND == 4:
             packed = tl.load(row[:, None] + (dims // 2)[None, :], mask=mask, other=0)
-            codes = (packed >> ((dims & 1) * 4)[None, :]) & 15
-            values = (codes.to(tl.int32) - 8).to(tl.float32)
+            codes = ((packed >> ((dims & 1) * 4)[None, :]) & 15).to(tl.int32)
+            if KIND == 4:
+                # int6: the high bit pairs follow the nibble plane (head_dim / 2 bytes,
+                # two thirds of the code bytes).
+                high_ptrs = row[:, None] + (CODE_BYTES * 2 // 3 + dims // 4)[None, :]
+                high = tl.load(high_ptrs, mask=mask, other=0)
+                codes |= ((high >> ((dims & 3) * 2)[None, :]) & 3).to(tl.int32) << 4
+                values = (codes - 32).to(tl.float32)
+            else:
+                values = (codes - 8).to(tl.float32)
         else:
             codes = tl.load(row[:, None] + dims[None, :], mask=mask, other=0)
             if KIND == 2:
@@ -262,7 +270,7 @@ def _decode_kernel(
             alpha = tl.exp2(row_max - max_new)
             p = tl.exp2(s - max_new[:, None])
             row_sum = row_sum * alpha + tl.sum(p, axis=1)
-            if V_KIND != K_KIND:  # V rows have their own size (q6: int8 K, int4 V)
+            if V_KIND != K_KIND:  # V rows of another format have their own size
                 offsets = kv_token_offsets(
                     page_table_row, key_pos, key_mask, stride_v_page, stride_v_slot, PAGE_SIZE
                 )

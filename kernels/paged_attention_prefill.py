@@ -98,7 +98,7 @@ def _attend_keys(
         alpha = tl.exp2(row_max - max_new)
         p = tl.exp2(s - max_new[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        if V_KIND != K_KIND:  # V rows have their own size (q6: int8 K, int4 V)
+        if V_KIND != K_KIND:  # V rows of another format have their own size
             offsets = kv_token_offsets(
                 page_table_row, key_pos, key_mask, stride_v_page, stride_v_slot, PAGE_SIZE
             )

@@ -40,11 +40,11 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"
 )
 QUANTIZED = ["fp8", "q8", "q6", "q4"]
-KINDS = ["fp8", "int8", "int4"]
+KINDS = ["fp8", "int8", "int6", "int4"]
 # Output of attention over a quantized cache against the same attention over the float32
 # cache: relative L2 error over random unit-normal K/V with an outlier channel in K
-# (measured over CASES: fp8 2.8-3.4 %, q8 0.5-0.8 %, q6 8.1-9.2 %, q4 9.6-12.8 %).
-DISTANCE_FROM_FP16 = {"fp8": 0.05, "q8": 0.015, "q6": 0.15, "q4": 0.2}
+# (measured over CASES: fp8 2.8-3.4 %, q8 0.5-0.8 %, q6 2.2-3.0 %, q4 9.6-11.7 %).
+DISTANCE_FROM_FP16 = {"fp8": 0.05, "q8": 0.015, "q6": 0.05, "q4": 0.18}
 
 
 def _require_triton(device: str) -> None:
@@ -101,7 +101,7 @@ def test_round_trip(kind: str) -> None:
     back = dequantize_rows(rows, fmt, 128)
     if fmt.rotated:
         back = rotate(back, fmt.group_size(128))
-    bound = {"fp8": 0.04, "int8": 0.01, "int4": 0.12}[kind]
+    bound = {"fp8": 0.04, "int8": 0.01, "int6": 0.03, "int4": 0.12}[kind]
     assert _rel(back, x) < bound
     if kind == "fp8":
         # Codes are e4m3 of x / scale, the scale max|x| / 448 (float16) per row.
@@ -151,7 +151,7 @@ def test_bytes_per_token() -> None:
     assert per["fp16"] == heads * 2 * 256
     assert per["fp8"] == heads * 2 * (128 + 2)
     assert per["q8"] == heads * 2 * (128 + 8)
-    assert per["q6"] == heads * ((128 + 8) + (64 + 8))
+    assert per["q6"] == heads * 2 * (96 + 8)
     assert per["q4"] == heads * 2 * (64 + 8)
     assert per["q4"] < per["q6"] < per["fp8"] < per["q8"] < per["fp16"]
 
