@@ -361,6 +361,9 @@ def test_perplexity_tool_compares_cache_types(model_dir: Path, tmp_path: Path, c
     fp16, q4 = (float(r.split("|")[2]) for r in rows)
     # The cache type reaches the measurement: q4 costs something, and not much.
     assert fp16 != q4 and abs(q4 / fp16 - 1) < 0.1
+    # Chunked prefill reads the same quantized keys: the chunk size does not matter.
+    chunked = perplexity_main([*args, "--no-bos", "--cache-type", "q4", "--prefill-chunk", "8"])
+    assert chunked == pytest.approx(q4, rel=1e-4)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,8 @@ prefill writes K/V into the paged cache and attention reads every key back from 
 keys of the window's own chunk included, so every prediction is made from quantized K/V,
 as in decoding. --prefill-chunk below the window length additionally splits each window
 into chunks (later chunks read earlier ones from the cache); with this write-then-read
-design the numbers do not depend on it. The model is loaded once per cache type.
+design the numbers do not depend on it (beyond float rounding). The model is loaded once
+per cache type.
 """
 
 from __future__ import annotations
