@@ -45,8 +45,8 @@ instead, and for V the output is rotated back once per query row (P (vH) = (P v)
 Why these choices (perplexity of SmolLM2-135M-Instruct, 8 x 512 tokens of wiki.utf8,
 float32; fp16 cache 23.703): q4 as built 24.445; without rotation 25.547; rotating K only
 24.522; a 64-wide rotation with 32-dim groups 24.651; 16-dim groups 24.609; asymmetric
-min/max codes 24.497. q6 as 6/6 bits 23.750, as exllamav2's 8-bit K / 4-bit V 23.898
-without rotation. fp8 with the per-row scale 23.724, as a plain cast 23.915.
+min/max codes 24.497. q6 as 6/6 bits 23.750, as exllamav2's 8-bit K / 4-bit V 23.810
+(23.898 unrotated). fp8 with the per-row scale 23.724, as a plain cast 23.915.
 
 `kv_cache_write` quantizes new K or V rows [T, Hk, D] into the cache at flat slots (a Triton
 kernel on CUDA, `kv_cache_write_reference` otherwise); `dequantize_rows` is the torch
