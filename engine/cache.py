@@ -1,8 +1,12 @@
 """Paged KV cache and the batch description that one model forward consumes.
 
 The cache holds, per layer, K and V as [pages, page_size, kv_heads, head_dim] on that
-layer's device. A sequence owns a list of pages (its page table); token position p of a
-sequence lives in slot `pages[p // page_size] * page_size + p % page_size`.
+layer's device, in the model's dtype for cache_type "fp16", or as byte rows
+[pages, page_size, kv_heads, row_bytes] (codes and scales) for the quantized types fp8, q8,
+q6 and q4 (layouts: kernels.kv_quant). `write` quantizes new K/V as it stores them and the
+attention kernels dequantize tile by tile; `bytes_per_token` is what one token costs.
+A sequence owns a list of pages (its page table); token position p of a sequence lives in
+slot `pages[p // page_size] * page_size + p % page_size`.
 
 `ForwardBatch` describes one forward over several sequences: each contributes its new
 tokens (a prefill chunk or one decode token). The same object serves prefill and decode,
@@ -35,6 +39,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.kv_quant import CACHE_TYPES, cache_formats, kv_cache_write
+
+__all__ = ["CACHE_TYPES", "CacheFullError", "ForwardBatch", "PagedKVCache", "Sequence"]
+
+
+def cache_bytes_per_token(
+    cache_type: str, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of K and V that one token occupies over all layers."""
+    k_format, v_format = cache_formats(cache_type)
+    per_head = k_format.bytes_per_head_row(head_dim, dtype) + v_format.bytes_per_head_row(
+        head_dim, dtype
+    )
+    return num_layers * num_kv_heads * per_head
+
 
 class CacheFullError(RuntimeError):
     """No free pages are left for a sequence's new tokens."""
@@ -51,15 +70,35 @@ class PagedKVCache:
         page_size: int,
         dtype: torch.dtype,
         layer_devices: list[torch.device],
+        cache_type: str = "fp16",
     ) -> None:
         if len(layer_devices) != num_layers:
             raise ValueError(f"{len(layer_devices)} layer devices for {num_layers} layers")
         self.page_size = page_size
         self.num_pages = num_pages
-        self.dtype = dtype
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]
-        self.v = [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]
+        self.dtype = dtype  # the model's: what attention computes in and K/V arrive as
+        self.cache_type = cache_type
+        self.k_format, self.v_format = cache_formats(cache_type)
+        for fmt in (self.k_format, self.v_format):
+            if fmt.quantized:
+                fmt.group_size(head_dim)  # raises for a head_dim the format cannot group
+        self.bytes_per_token = cache_bytes_per_token(
+            cache_type,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+        )
+
+        def planes(fmt) -> list[torch.Tensor]:
+            if fmt.quantized:
+                shape = (num_pages, page_size, num_kv_heads, fmt.row_bytes(head_dim))
+                return [torch.zeros(shape, dtype=torch.uint8, device=d) for d in layer_devices]
+            shape = (num_pages, page_size, num_kv_heads, head_dim)
+            return [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]
+
+        self.k = planes(self.k_format)
+        self.v = planes(self.v_format)
         self._free = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
         self._hash_of: dict[int, bytes] = {}  # page -> prefix hash
@@ -79,6 +118,10 @@ class PagedKVCache:
     @property
     def capacity_tokens(self) -> int:
         return self.num_pages * self.page_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.capacity_tokens * self.bytes_per_token
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
@@ -152,11 +195,10 @@ class PagedKVCache:
         self._page_of.clear()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V [T, Hk, D] of new tokens at flat slot indices [T]."""
-        k_flat = self.k[layer].view(-1, *self.k[layer].shape[2:])
-        v_flat = self.v[layer].view(-1, *self.v[layer].shape[2:])
-        k_flat.index_copy_(0, slots, k.to(self.dtype))
-        v_flat.index_copy_(0, slots, v.to(self.dtype))
+        """Store K/V [T, Hk, D] of new tokens at flat slot indices [T], quantizing them
+        for a quantized cache type (a Triton kernel on CUDA)."""
+        kv_cache_write(k, self.k[layer], slots, self.k_format)
+        kv_cache_write(v, self.v[layer], slots, self.v_format)
 
 
 @dataclass

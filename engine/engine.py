@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cache import ForwardBatch, PagedKVCache, Sequence
+from engine.cache import CACHE_TYPES, ForwardBatch, PagedKVCache, Sequence, cache_bytes_per_token
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.fusion import fuse_projections
@@ -28,7 +28,6 @@ from engine.speculative import SPECULATIVE_MODES, DraftModel
 from engine.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 8192  # caps a 128k-context config so the cache fits a consumer GPU
-CACHE_TYPES = ("fp16",)
 
 
 class ContextLengthError(ValueError):
@@ -40,8 +39,11 @@ class EngineOptions:
     device: str | None = None
     dtype: str | None = None
     max_seq_len: int | None = None
-    cache_type: str = "fp16"
+    cache_type: str = "fp16"  # K/V storage: fp16 (the model's dtype), fp8, q8, q6, q4
     cache_tokens: int | None = None  # total cache size; default max_seq_len (one sequence)
+    # Size the cache by memory instead: as many tokens as fit this many GiB of the cache
+    # type (so a smaller type holds more tokens); cache_tokens wins when both are given.
+    cache_gib: float | None = None
     page_size: int = 256
     rope_alpha: float = 1.0
     prefill_chunk: int = 2048
@@ -104,8 +106,7 @@ class Engine:
         config = ModelConfig.from_dir(model_dir)
         if options.cache_type not in CACHE_TYPES:
             raise ValueError(
-                f"cache_type '{options.cache_type}' is not supported yet "
-                f"(available: {', '.join(CACHE_TYPES)})"
+                f"unknown cache_type '{options.cache_type}' (available: {', '.join(CACHE_TYPES)})"
             )
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device)
@@ -116,6 +117,20 @@ class Engine:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
         tokenizer = Tokenizer.from_dir(model_dir)
         cache_tokens = options.cache_tokens or max_seq_len
+        if options.cache_gib is not None and options.cache_tokens is None:
+            per_token = cache_bytes_per_token(
+                options.cache_type,
+                num_layers=config.num_hidden_layers,
+                num_kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                dtype=dtype,
+            )
+            cache_tokens = int(options.cache_gib * 2**30) // per_token
+            if cache_tokens < options.page_size:
+                raise ValueError(
+                    f"cache_gib={options.cache_gib} holds {cache_tokens} tokens of "
+                    f"{per_token} bytes ({options.cache_type}); one page needs {options.page_size}"
+                )
         placement = plan_for_model(
             str(model_dir),
             config,
@@ -145,6 +160,7 @@ class Engine:
             page_size=options.page_size,
             dtype=dtype,
             layer_devices=model.layer_devices,
+            cache_type=options.cache_type,
         )
         options = EngineOptions(**{**options.__dict__, "max_seq_len": max_seq_len})
         engine = cls(

@@ -141,6 +141,8 @@ class Attention(nn.Module):
             softcap=s.softcap,
             max_query_len=batch.max_query_len,
             max_context_len=batch.max_context_len,
+            k_format=cache.k_format,
+            v_format=cache.v_format,
         )
         return self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim))
 

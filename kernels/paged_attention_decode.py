@@ -18,9 +18,10 @@ Query tiles: G rows of D. For G >= `DECODE_DOT_MIN_GROUP` the rows are padded to
 multiplied with tl.dot (tensor cores; the padding costs nothing in a memory-bound kernel);
 below that a broadcast-multiply-and-sum in float32 avoids a mostly empty MMA.
 
-The K/V load is `load_kv_tile`: the one place that knows how the cache stores a token, so
-that a quantized storage type (fp8, q8, q6, q4) is added by changing that helper (and the
-arguments that reach it: scales), not the kernels.
+The K/V load is `load_kv_tile`: the one place that knows how the cache stores a token. The
+quantized storage formats (fp8, int8, int4; kernels.kv_quant) are dequantized there, tile by
+tile in registers, from byte rows that carry their own scales; K and V each have a format
+(K_KIND / V_KIND) and their own strides, so a type may store them differently.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import cast_rtne, device_guard, is_interpreted
+from kernels.kv_quant import KIND_CODES, NATIVE, KVFormat
 
 LOG2E = 1.4426950408889634
 
@@ -72,14 +74,54 @@ def kv_token_offsets(
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, token_offsets, dims, mask, COMPUTE_DTYPE: tl.constexpr):
+def load_kv_tile(
+    cache_ptr,
+    token_offsets,
+    dims,
+    mask,
+    COMPUTE_DTYPE: tl.constexpr,
+    KIND: tl.constexpr = 0,
+    CODE_BYTES: tl.constexpr = 0,
+    GROUP_SIZE: tl.constexpr = 1,
+):
     """[BLOCK_N, BLOCK_D] tile of K or V in COMPUTE_DTYPE (q's dtype); masked entries are 0.
 
-    `cache_ptr` points at the kv head's dim 0. The storage hook: for fp16/bf16/fp32 caches
-    this is a plain gather; a quantized cache dequantizes here.
+    `cache_ptr` points at the kv head's dim 0 (its byte 0 for a quantized cache). The
+    storage hook (layouts: kernels.kv_quant): KIND 0 is a plain gather of a native cache;
+    1 (fp8 e4m3), 2 (int8), 3 (int4) and 4 (int6) dequantize bytes with the row's float16 scales,
+    which follow CODE_BYTES code bytes, one per GROUP_SIZE dims. Rotated formats stay
+    rotated: the caller rotates q and the output instead.
     """
-    tile = tl.load(cache_ptr + token_offsets[:, None] + dims[None, :], mask=mask, other=0.0)
-    return tile.to(COMPUTE_DTYPE)
+    if KIND == 0:
+        tile = tl.load(cache_ptr + token_offsets[:, None] + dims[None, :], mask=mask, other=0.0)
+        return tile.to(COMPUTE_DTYPE)
+    else:
+        row = cache_ptr + token_offsets
+        scale_ptr = (row + CODE_BYTES).to(tl.pointer_type(tl.float16))
+        scale = tl.load(scale_ptr[:, None] + (dims // GROUP_SIZE)[None, :], mask=mask, other=0.0)
+        if KIND == 3 or KIND == 4:
+            packed = tl.load(row[:, None] + (dims // 2)[None, :], mask=mask, other=0)
+            codes = ((packed >> ((dims & 1) * 4)[None, :]) & 15).to(tl.int32)
+            if KIND == 4:
+                # int6: the high bit pairs follow the nibble plane (head_dim / 2 bytes,
+                # two thirds of the code bytes).
+                high_ptrs = row[:, None] + (CODE_BYTES * 2 // 3 + dims // 4)[None, :]
+                high = tl.load(high_ptrs, mask=mask, other=0)
+                codes |= ((high >> ((dims & 3) * 2)[None, :]) & 3).to(tl.int32) << 4
+                values = (codes - 32).to(tl.float32)
+            else:
+                values = (codes - 8).to(tl.float32)
+        else:
+            codes = tl.load(row[:, None] + dims[None, :], mask=mask, other=0)
+            if KIND == 2:
+                values = (codes.to(tl.int32) - 128).to(tl.float32)
+            else:
+                # e4m3 -> float16 bits: the 7 magnitude bits land on float16's exponent and
+                # mantissa fields (the exponent bias differs by 8), subnormals included; the
+                # missing 2^8 goes into the scale.
+                bits = ((codes & 0x7F).to(tl.int16) << 7) | ((codes & 0x80).to(tl.int16) << 8)
+                values = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+        return (values * scale.to(tl.float32)).to(COMPUTE_DTYPE)
 
 
 @triton.jit
@@ -139,6 +181,9 @@ def _decode_kernel(
     stride_kv_page,
     stride_kv_slot,
     stride_kv_head,
+    stride_v_page,
+    stride_v_slot,
+    stride_v_head,
     stride_pt_seq,
     stride_po_seq,
     stride_po_head,
@@ -161,6 +206,12 @@ def _decode_kernel(
     SOFTCAP: tl.constexpr,
     F32_OPERANDS: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_CODE_BYTES: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_CODE_BYTES: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -193,7 +244,7 @@ def _decode_kernel(
 
         page_table_row = page_table_ptr + seq.to(tl.int64) * stride_pt_seq
         k_head_ptr = k_cache_ptr + kv_head * stride_kv_head
-        v_head_ptr = v_cache_ptr + kv_head * stride_kv_head
+        v_head_ptr = v_cache_ptr + kv_head * stride_v_head
         # A finite start: rows that have seen only masked keys get weights 0, not NaN.
         row_max = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -205,7 +256,9 @@ def _decode_kernel(
                 page_table_row, key_pos, key_mask, stride_kv_page, stride_kv_slot, PAGE_SIZE
             )
             kv_mask = key_mask[:, None] & dim_mask[None, :]
-            k = load_kv_tile(k_head_ptr, offsets, dims, kv_mask, dtype)  # [BLOCK_N, BLOCK_D]
+            k = load_kv_tile(
+                k_head_ptr, offsets, dims, kv_mask, dtype, K_KIND, K_CODE_BYTES, K_GROUP
+            )  # [BLOCK_N, BLOCK_D]
             if USE_DOT:
                 qk = mma(q, tl.trans(k), F32_OPERANDS)
             else:
@@ -217,7 +270,13 @@ def _decode_kernel(
             alpha = tl.exp2(row_max - max_new)
             p = tl.exp2(s - max_new[:, None])
             row_sum = row_sum * alpha + tl.sum(p, axis=1)
-            v = load_kv_tile(v_head_ptr, offsets, dims, kv_mask, dtype)
+            if V_KIND != K_KIND:  # V rows of another format have their own size
+                offsets = kv_token_offsets(
+                    page_table_row, key_pos, key_mask, stride_v_page, stride_v_slot, PAGE_SIZE
+                )
+            v = load_kv_tile(
+                v_head_ptr, offsets, dims, kv_mask, dtype, V_KIND, V_CODE_BYTES, V_GROUP
+            )
             if USE_DOT:
                 # P is rounded to V's dtype for the tensor cores, as flash attention does.
                 p_lo = cast_rtne(p, dtype, EMULATE_BF16)
@@ -359,6 +418,8 @@ def decode_attention(
     max_context_len: int,
     split_tokens: int | None = None,
     dot: bool | None = None,
+    k_format: KVFormat = NATIVE,
+    v_format: KVFormat = NATIVE,
 ) -> torch.Tensor:
     """Decode attention (at most one new token per sequence); arguments already validated.
 
@@ -375,6 +436,7 @@ def decode_attention(
     if num_tokens == 0 or batch == 0:
         return out
 
+    storage = storage_constants(k_format, v_format, head_dim)
     block_d = max(16, triton.next_power_of_2(head_dim))
     use_dot = group >= DECODE_DOT_MIN_GROUP if dot is None else dot
     block_g, block_n, num_warps = _decode_config(group, block_d, use_dot, q.dtype)
@@ -415,6 +477,9 @@ def decode_attention(
             k_cache.stride(0),
             k_cache.stride(1),
             k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
             page_table.stride(0),
             part_out.stride(0) if split else 0,
             part_out.stride(1) if split else 0,
@@ -437,6 +502,7 @@ def decode_attention(
             SOFTCAP=softcap is not None,
             F32_OPERANDS=INTERPRETED or q.dtype == torch.float32,
             EMULATE_BF16=INTERPRETED,
+            **storage,
             num_warps=num_warps,
             num_stages=2,
         )
@@ -462,6 +528,16 @@ def decode_attention(
                 num_warps=1 if block_d <= 128 else 2,
             )
     return out
+
+
+def storage_constants(k_format: KVFormat, v_format: KVFormat, head_dim: int) -> dict[str, int]:
+    """The K_*/V_* constexprs of the attention kernels for the cache's storage formats."""
+    consts = {}
+    for prefix, fmt in (("K", k_format), ("V", v_format)):
+        consts[f"{prefix}_KIND"] = KIND_CODES[fmt.kind]
+        consts[f"{prefix}_CODE_BYTES"] = fmt.code_bytes(head_dim) if fmt.quantized else 0
+        consts[f"{prefix}_GROUP"] = fmt.group_size(head_dim) if fmt.quantized else 1
+    return consts
 
 
 def score_constants(scale: float, softcap: float | None) -> tuple[float, float]:

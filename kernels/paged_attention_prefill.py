@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import cast_rtne, device_guard
+from kernels.kv_quant import NATIVE, KVFormat
 from kernels.paged_attention_decode import (
     INTERPRETED,
     kv_token_offsets,
@@ -34,6 +35,7 @@ from kernels.paged_attention_decode import (
     mma,
     score_constants,
     scores_log2,
+    storage_constants,
 )
 
 
@@ -51,6 +53,8 @@ def _attend_keys(
     page_table_row,
     stride_kv_page,
     stride_kv_slot,
+    stride_v_page,
+    stride_v_slot,
     score_scale,
     softcap_log2,
     window,
@@ -63,6 +67,12 @@ def _attend_keys(
     SOFTCAP: tl.constexpr,
     F32_OPERANDS: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_CODE_BYTES: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_CODE_BYTES: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
     dtype = q.dtype
     for block_start in range(key_start, key_end, BLOCK_N):
@@ -74,7 +84,9 @@ def _attend_keys(
             page_table_row, key_pos, key_mask, stride_kv_page, stride_kv_slot, PAGE_SIZE
         )
         kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = load_kv_tile(k_head_ptr, offsets, dims, kv_mask, dtype)  # [BLOCK_N, BLOCK_D]
+        k = load_kv_tile(
+            k_head_ptr, offsets, dims, kv_mask, dtype, K_KIND, K_CODE_BYTES, K_GROUP
+        )  # [BLOCK_N, BLOCK_D]
         s = scores_log2(mma(q, tl.trans(k), F32_OPERANDS), score_scale, softcap_log2, SOFTCAP)
         if DIAGONAL:
             # Keys past the last row's position are masked here too (key_end - 1 is it).
@@ -86,7 +98,11 @@ def _attend_keys(
         alpha = tl.exp2(row_max - max_new)
         p = tl.exp2(s - max_new[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        v = load_kv_tile(v_head_ptr, offsets, dims, kv_mask, dtype)
+        if V_KIND != K_KIND:  # V rows of another format have their own size
+            offsets = kv_token_offsets(
+                page_table_row, key_pos, key_mask, stride_v_page, stride_v_slot, PAGE_SIZE
+            )
+        v = load_kv_tile(v_head_ptr, offsets, dims, kv_mask, dtype, V_KIND, V_CODE_BYTES, V_GROUP)
         acc = acc * alpha[:, None] + mma(cast_rtne(p, dtype, EMULATE_BF16), v, F32_OPERANDS)
         row_max = max_new
     return acc, row_max, row_sum
@@ -108,6 +124,9 @@ def _prefill_kernel(
     stride_kv_page,
     stride_kv_slot,
     stride_kv_head,
+    stride_v_page,
+    stride_v_slot,
+    stride_v_head,
     stride_pt_seq,
     num_seqs,
     score_scale,
@@ -124,6 +143,12 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr,
     F32_OPERANDS: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_CODE_BYTES: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_CODE_BYTES: tl.constexpr,
+    V_GROUP: tl.constexpr,
 ):
     block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -164,7 +189,7 @@ def _prefill_kernel(
 
         page_table_row = page_table_ptr + seq.to(tl.int64) * stride_pt_seq
         k_head_ptr = k_cache_ptr + kv_head * stride_kv_head
-        v_head_ptr = v_cache_ptr + kv_head * stride_kv_head
+        v_head_ptr = v_cache_ptr + kv_head * stride_v_head
         row_max = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -176,16 +201,18 @@ def _prefill_kernel(
         diag_start = key_lo + (first_pos + 1 - key_lo) // BLOCK_N * BLOCK_N
         acc, row_max, row_sum = _attend_keys(
             acc, row_max, row_sum, q, q_pos, key_lo, diag_start, k_head_ptr, v_head_ptr,
-            page_table_row, stride_kv_page, stride_kv_slot, score_scale, softcap_log2, window,
-            dims, dim_mask, PAGE_SIZE, BLOCK_N, False, WINDOW, SOFTCAP, F32_OPERANDS,
-            EMULATE_BF16,
+            page_table_row, stride_kv_page, stride_kv_slot, stride_v_page, stride_v_slot,
+            score_scale, softcap_log2, window, dims, dim_mask, PAGE_SIZE, BLOCK_N,
+            False, WINDOW, SOFTCAP, F32_OPERANDS, EMULATE_BF16,
+            K_KIND, K_CODE_BYTES, K_GROUP, V_KIND, V_CODE_BYTES, V_GROUP,
         )  # fmt: skip
         # The diagonal: the rest up to the last row's position, causally masked.
         acc, row_max, row_sum = _attend_keys(
             acc, row_max, row_sum, q, q_pos, diag_start, last_pos + 1, k_head_ptr, v_head_ptr,
-            page_table_row, stride_kv_page, stride_kv_slot, score_scale, softcap_log2, window,
-            dims, dim_mask, PAGE_SIZE, BLOCK_N, True, WINDOW, SOFTCAP, F32_OPERANDS,
-            EMULATE_BF16,
+            page_table_row, stride_kv_page, stride_kv_slot, stride_v_page, stride_v_slot,
+            score_scale, softcap_log2, window, dims, dim_mask, PAGE_SIZE, BLOCK_N,
+            True, WINDOW, SOFTCAP, F32_OPERANDS, EMULATE_BF16,
+            K_KIND, K_CODE_BYTES, K_GROUP, V_KIND, V_CODE_BYTES, V_GROUP,
         )  # fmt: skip
 
         out = acc / tl.where(row_sum > 0.0, row_sum, 1.0)[:, None]
@@ -218,6 +245,8 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    k_format: KVFormat = NATIVE,
+    v_format: KVFormat = NATIVE,
 ) -> torch.Tensor:
     """Prefill (any number of new tokens per sequence); arguments already validated."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -249,6 +278,9 @@ def prefill_attention(
             k_cache.stride(0),
             k_cache.stride(1),
             k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
             page_table.stride(0),
             batch,
             score_scale,
@@ -265,6 +297,7 @@ def prefill_attention(
             SOFTCAP=softcap is not None,
             F32_OPERANDS=INTERPRETED or q.dtype == torch.float32,
             EMULATE_BF16=INTERPRETED,
+            **storage_constants(k_format, v_format, head_dim),
             num_warps=num_warps,
             num_stages=num_stages,
         )

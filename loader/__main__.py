@@ -47,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tp", type=int, default=None, help="tensor parallel over N GPUs (one process each)"
     )
+    parser.add_argument(
+        "--cache-type",
+        default="fp16",
+        help="KV cache storage: fp16 (the model's dtype), fp8, q8, q6 or q4",
+    )
     parser.add_argument("-n", "--max-new-tokens", type=int, default=128)
     parser.add_argument("-t", "--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0)
@@ -121,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_len=args.max_seq_len,
             **_placement_args(args),
             **speculation,
+            cache_type=args.cache_type,
         )
         if args.tp or args.gpu_split or args.autosplit:
             print(f"placement: {model.info().get('placement')}", file=sys.stderr)

@@ -119,6 +119,8 @@ class KestrelModel(LoadedModel):
             "dtype": str(engine.dtype).removeprefix("torch."),
             "context": engine.max_seq_len,
             "cache_type": engine.options.cache_type,
+            "cache_tokens": engine.cache.capacity_tokens,
+            "cache_bytes_per_token": engine.cache.bytes_per_token,
             "devices": devices,
             "vram_gib": vram,
             "loras": engine.loras.info(),

@@ -375,7 +375,8 @@ def test_32_concurrent_streaming_clients(client: openai.OpenAI, model) -> None:
     # a loaded machine staggers the 32 connections.
     prompts = [f"Client {i} says" for i in range(32)]
     expected = [""] * 32
-    for chunk in model.stream_many(prompts, {**GREEDY, "max_new_tokens": 32, "ban_eos_token": True}):
+    settings = {**GREEDY, "max_new_tokens": 32, "ban_eos_token": True}
+    for chunk in model.stream_many(prompts, settings):
         expected[chunk.job_id] += chunk.text
     results: dict[int, str] = {}
     errors: list[BaseException] = []

@@ -2,6 +2,8 @@
 
     python tools/bench.py --shape llama3-8b --format gptq --prompts 512 2048 \
         --json bench/results/run.json
+    python tools/bench.py --shape llama3-8b --prompts 8192 --engines kestrel \
+        --cache-types fp16 fp8 q8 q6 q4 --json bench/results/kv_cache_types.json
 
 Builds a random-weight model of a real shape directly in the quantized format (random
 codes, realistic scales: speed does not depend on values), writes it once to --work so
@@ -11,6 +13,8 @@ both engines load the same files, then measures for each engine:
     graphs only after 205 identical calls);
   - prefill tok/s of the P-token prompt;
   - VRAM allocated after load.
+--cache-types repeats the Kestrel run per KV cache storage type (decode at long contexts is
+where the cache's bytes show).
 The GPU name and torch/Triton versions are printed and stored with the numbers. The full
 benchmark of DESIGN.md (concurrency, roofline, plots, transformers) grows from this file.
 """
@@ -167,13 +171,18 @@ def _median_runs(run, warmups: int = 2, runs: int = 5) -> float:
     return statistics.median(run() for _ in range(runs))
 
 
-def bench_kestrel(path: Path, prompt_len: int) -> dict:
+def bench_kestrel(path: Path, prompt_len: int, cache_type: str = "fp16") -> dict:
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     engine = Engine.load(
         path,
-        EngineOptions(device="cuda", dtype="float16", max_seq_len=prompt_len + NEW_TOKENS + 16),
+        EngineOptions(
+            device="cuda",
+            dtype="float16",
+            max_seq_len=prompt_len + NEW_TOKENS + 16,
+            cache_type=cache_type,
+        ),
     )
     load_s = time.perf_counter() - t0
     vram = (torch.cuda.memory_allocated() - base) / 2**30
@@ -205,6 +214,8 @@ def bench_kestrel(path: Path, prompt_len: int) -> dict:
         "prefill_tok_s": _median_runs(prefill),
         "vram_gib": vram,
         "load_s": load_s,
+        "cache_type": cache_type,
+        "cache_mib": engine.cache.total_bytes / 2**20,
     }
     engine.unload()
     return result
@@ -311,6 +322,12 @@ def main() -> int:
     parser.add_argument("--engines", nargs="+", default=["kestrel", "exllamav2"])
     parser.add_argument("--concurrency", type=int, nargs="*", default=[])
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--cache-types",
+        nargs="+",
+        default=["fp16"],
+        help="Kestrel KV cache types to measure (fp16 fp8 q8 q6 q4): one Kestrel run each",
+    )
     args = parser.parse_args()
     import triton
 
@@ -325,13 +342,20 @@ def main() -> int:
         "results": [],
     }
     for prompt_len in args.prompts:
-        for name in args.engines:
-            fn = bench_kestrel if name == "kestrel" else bench_exllamav2
+        runs = [
+            (name, cache_type)
+            for name in args.engines
+            for cache_type in (args.cache_types if name == "kestrel" else ["fp16"])
+        ]
+        for name, cache_type in runs:
             try:
-                r = fn(path, prompt_len)
+                if name == "kestrel":
+                    r = bench_kestrel(path, prompt_len, cache_type)
+                else:
+                    r = bench_exllamav2(path, prompt_len)
             except Exception as e:  # one engine failing must not lose the other's numbers
                 r = {"error": f"{type(e).__name__}: {e}"}
-            r.update(engine=name, prompt=prompt_len)
+            r.update(engine=name, prompt=prompt_len, cache_type=cache_type)
             info["results"].append(r)
             print(json.dumps(r), flush=True)
     if args.concurrency:
@@ -340,10 +364,11 @@ def main() -> int:
           f"{args.shape} {args.format}")  # fmt: skip
     for r in info["results"]:
         if "error" in r:
-            print(f"{r['engine']:10s} P={r['prompt']:5d}  {r['error']}")
+            print(f"{r['engine']:10s} P={r['prompt']:5d} {r['cache_type']:4s}  {r['error']}")
         else:
             print(
-                f"{r['engine']:10s} P={r['prompt']:5d}  decode {r['decode_tok_s']:7.1f} tok/s  "
+                f"{r['engine']:10s} P={r['prompt']:5d} {r['cache_type']:4s}  "
+                f"decode {r['decode_tok_s']:7.1f} tok/s  "
                 f"prefill {r['prefill_tok_s']:8.0f} tok/s  VRAM {r['vram_gib']:.2f} GiB  "
                 f"load {r['load_s']:.1f} s"
             )

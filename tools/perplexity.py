@@ -3,6 +3,7 @@
     python tools/perplexity.py -m models/exl2-4.0 --text ../shared/data/wiki.utf8 \
         --window 1024 --windows 40 --start-fraction 0.8 --no-bos
     python tools/perplexity.py -m models/fp16 --loader transformers --text FILE
+    python tools/perplexity.py -m models/fp16 --text FILE --cache-type q4 q6 q8 fp8 fp16
 
 Contract: the text from character `start_fraction·len` to the end is tokenized once
 (no BOS), cut into consecutive non-overlapping windows of `window` tokens (a short tail
@@ -11,6 +12,14 @@ goes through `LoadedModel.logits(ids)` (with a BOS token in front unless --no-bo
 every token of the window after its first (every token, with BOS) is predicted from the
 tokens before it in the window. Perplexity = exp(Σ NLL / number of predictions). The
 Kestrel and transformers loaders are measured by the same code, so their numbers compare.
+
+KV cache types (--cache-type, several for a table; the Kestrel loader): each window's
+prefill writes K/V into the paged cache and attention reads every key back from there, the
+keys of the window's own chunk included, so every prediction is made from quantized K/V,
+as in decoding. --prefill-chunk below the window length additionally splits each window
+into chunks (later chunks read earlier ones from the cache); with this write-then-read
+design the numbers do not depend on it (beyond float rounding). The model is loaded once
+per cache type.
 """
 
 from __future__ import annotations
@@ -107,26 +116,50 @@ def main(argv: list[str] | None = None) -> float:
     p.add_argument("--no-bos", action="store_true", help="do not put BOS in front of windows")
     p.add_argument("--device", help="cpu or cuda (default: the loader's choice)")
     p.add_argument("--dtype", help="float16, bfloat16 or float32 (default: the loader's)")
+    p.add_argument(
+        "--cache-type",
+        nargs="+",
+        default=None,
+        help="KV cache type(s): fp16 fp8 q8 q6 q4; several print a table (Kestrel loader)",
+    )
+    p.add_argument("--prefill-chunk", type=int, help="tokens per prefill chunk (Kestrel loader)")
     args = p.parse_args(argv)
     text = Path(args.text).read_text(encoding="utf-8")
-    model = loader.load(
-        args.model,
-        args.loader,
-        device=args.device,
-        dtype=args.dtype,
-        max_seq_len=args.window + (0 if args.no_bos else 1),
-    )
-    ppl = perplexity(
-        model,
-        text,
-        window=args.window,
-        windows=args.windows,
-        start_fraction=args.start_fraction,
-        add_bos=not args.no_bos,
-        progress=True,
-    )
-    print(f"perplexity {ppl:.4f}  ({args.model}, {model.loader_name}, window {args.window})")
-    return ppl
+    extra = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
+    results: list[tuple[str, float]] = []
+    for cache_type in args.cache_type or [None]:
+        if cache_type is not None:
+            extra["cache_type"] = cache_type
+        model = loader.load(
+            args.model,
+            args.loader,
+            device=args.device,
+            dtype=args.dtype,
+            max_seq_len=args.window + (0 if args.no_bos else 1),
+            **extra,
+        )
+        ppl = perplexity(
+            model,
+            text,
+            window=args.window,
+            windows=args.windows,
+            start_fraction=args.start_fraction,
+            add_bos=not args.no_bos,
+            progress=True,
+        )
+        label = f", cache {cache_type}" if cache_type else ""
+        print(
+            f"perplexity {ppl:.4f}  ({args.model}, {model.loader_name}, window {args.window}"
+            f"{label})"
+        )
+        results.append((cache_type or "default", ppl))
+        model.unload()
+    if len(results) > 1:
+        base = dict(results).get("fp16", results[0][1])
+        print("\n| cache type | perplexity | vs fp16 |\n|---|---|---|")
+        for name, ppl in results:
+            print(f"| {name} | {ppl:.4f} | {ppl - base:+.4f} ({(ppl / base - 1) * 100:+.2f}%) |")
+    return results[-1][1]
 
 
 if __name__ == "__main__":

@@ -69,6 +69,11 @@ class TensorParallelEngine(Engine):
                 f"cache_type '{options.cache_type}' is not supported yet "
                 f"(available: {', '.join(CACHE_TYPES)})"
             )
+        if options.cache_type != "fp16":
+            raise TensorParallelError(
+                f"cache_type '{options.cache_type}' is not available with tensor parallelism "
+                "yet (the ranks keep an fp16 cache); use cache_type='fp16' or one GPU"
+            )
         config = ModelConfig.from_dir(model_dir)
         if config.num_key_value_heads % world_size or config.num_attention_heads % world_size:
             raise TensorParallelError(
