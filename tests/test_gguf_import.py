@@ -469,12 +469,23 @@ def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_default_model_end_to_end(default_model: Path) -> None:
-    from loader.default_model import DEFAULT_MODEL_DIRNAME, ensure_default_model
+    from loader.default_model import (
+        DEFAULT_MODEL,
+        DEFAULT_MODEL_DIRNAME,
+        ensure_default_model,
+        packaged_model_path,
+    )
 
+    # The EXL2 conversion, beside the FP16 import it was made from.
     assert default_model.name == DEFAULT_MODEL_DIRNAME
+    config = json.loads((default_model / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "exl2"
+    fp16 = packaged_model_path(DEFAULT_MODEL, default_model.parent)
     # A second call finds it complete and returns at once; no download leftovers remain.
     assert ensure_default_model(default_model.parent, quiet=True) == default_model
-    assert [p.name for p in default_model.parent.iterdir()] == [DEFAULT_MODEL_DIRNAME]
+    assert sorted(p.name for p in default_model.parent.iterdir()) == sorted(
+        [DEFAULT_MODEL_DIRNAME, fp16.name]
+    )
 
     m = loader.load(default_model, "kestrel", device="cpu")
     try:
@@ -487,10 +498,15 @@ def test_default_model_end_to_end(default_model: Path) -> None:
 
         ids = m.encode(TEXT * 3, add_bos=False)[:40]
         assert len(ids) == 40
+    finally:
+        m.unload()
+    # The import itself: Kestrel and transformers agree on the FP16 weights.
+    m = loader.load(fp16, "kestrel", device="cpu")
+    try:
         got = m.logits(ids)
     finally:
         m.unload()
-    reference = loader.load(default_model, "transformers", device="cpu", dtype="float32")
+    reference = loader.load(fp16, "transformers", device="cpu", dtype="float32")
     try:
         want = reference.logits(ids)
     finally:
