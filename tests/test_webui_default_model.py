@@ -1,0 +1,88 @@
+"""The web UI as a new user meets it: `python ui.py` on a models directory holding only the
+default model (downloaded, imported and converted to EXL2 by conftest's session fixture),
+in headless Chromium: the default model is loaded at start and a chat message gets a
+streamed answer. Slow (the first conversion) and needs the network."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"browser tests need Chromium at {CHROMIUM}", allow_module_level=True)
+sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parent.parent
+SLOW = 180_000  # ms
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(proc: subprocess.Popen, port: int, log: Path) -> None:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"ui.py exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    pytest.fail(f"ui.py did not listen within 240 s:\n{log.read_text()[-3000:]}")
+
+
+def test_default_model_chats_in_the_browser(default_model_dir: Path, tmp_path: Path) -> None:
+    from loader.default_model import DEFAULT_MODEL_DIRNAME
+
+    port = _free_port()
+    log = tmp_path / "server.log"
+    command = [
+        sys.executable, "ui.py", "--models-dir", str(default_model_dir.parent),
+        "--user-data-dir", str(tmp_path / "user_data"), "--port", str(port),
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_listening(proc, port, log)
+        assert f"loading {DEFAULT_MODEL_DIRNAME}" in log.read_text()
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                      "--disable-component-update", "--no-first-run", "--disable-sync"],
+            )  # fmt: skip
+            page = browser.new_page()
+            page.set_default_timeout(SLOW)
+            sync_api.expect.set_options(timeout=SLOW)
+            page.goto(f"http://127.0.0.1:{port}")
+            page.wait_for_selector("#chat-input textarea")
+            page.fill("#chat-input textarea", "What is the capital of France?")
+            page.click("#chat-send")
+            # The status ends with the finish reason once the streamed answer is complete.
+            sync_api.expect(page.locator("#chat-status")).to_contain_text(
+                re.compile(r"tok/s.*, (stop|length)$")
+            )
+            reply = page.locator("#chatbot .bot.message").last
+            sync_api.expect(reply).not_to_be_empty()
+            assert len(reply.inner_text().split()) >= 2, reply.inner_text()
+            browser.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
