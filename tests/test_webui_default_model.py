@@ -74,7 +74,7 @@ def test_default_model_chats_in_the_browser(default_model_dir: Path, tmp_path: P
             page.click("#chat-send")
             # The status ends with the finish reason once the streamed answer is complete.
             sync_api.expect(page.locator("#chat-status")).to_contain_text(
-                re.compile(r"tok/s.*, (stop|length)$")
+                re.compile(r"tok/s.*, (stop|length)\b")
             )
             reply = page.locator("#chatbot .bot.message").last
             sync_api.expect(reply).not_to_be_empty()
