@@ -171,6 +171,38 @@ def _median_runs(run, warmups: int = 2, runs: int = 5) -> float:
     return statistics.median(run() for _ in range(runs))
 
 
+def decode_tok_s(engine: Engine, prompt: list[int]) -> float:
+    """Batch-1 decode speed after `prompt`: NEW_TOKENS greedy steps, median of 5 runs."""
+
+    def run() -> float:
+        seq = Sequence()
+        token = int(engine.prefill(seq, prompt)[-1].argmax())
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(NEW_TOKENS):
+            token = int(engine.forward([seq], [[token]])[-1].argmax())
+        elapsed = time.perf_counter() - t
+        seq.release(engine.cache)
+        return NEW_TOKENS / elapsed
+
+    return _median_runs(run)
+
+
+def prefill_tok_s(engine: Engine, prompt: list[int]) -> float:
+    """Prefill speed of `prompt` (tokens/s), median of 5 runs."""
+
+    def run() -> float:
+        seq = Sequence()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.prefill(seq, prompt)
+        torch.cuda.synchronize()
+        seq.release(engine.cache)
+        return len(prompt) / (time.perf_counter() - t)
+
+    return _median_runs(run)
+
+
 def bench_kestrel(path: Path, prompt_len: int, cache_type: str = "fp16") -> dict:
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -189,29 +221,9 @@ def bench_kestrel(path: Path, prompt_len: int, cache_type: str = "fp16") -> dict
     vocab = engine.config.vocab_size
     prompt = torch.randint(2, vocab, (prompt_len,)).tolist()
 
-    def prefill() -> float:
-        seq = Sequence()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.prefill(seq, prompt)
-        torch.cuda.synchronize()
-        seq.release(engine.cache)
-        return prompt_len / (time.perf_counter() - t)
-
-    def decode() -> float:
-        seq = Sequence()
-        token = int(engine.prefill(seq, prompt)[-1].argmax())
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(NEW_TOKENS):
-            token = int(engine.forward([seq], [[token]])[-1].argmax())
-        elapsed = time.perf_counter() - t
-        seq.release(engine.cache)
-        return NEW_TOKENS / elapsed
-
     result = {
-        "decode_tok_s": _median_runs(decode),
-        "prefill_tok_s": _median_runs(prefill),
+        "decode_tok_s": decode_tok_s(engine, prompt),
+        "prefill_tok_s": prefill_tok_s(engine, prompt),
         "vram_gib": vram,
         "load_s": load_s,
         "cache_type": cache_type,

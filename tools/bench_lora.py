@@ -26,8 +26,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench import NEW_TOKENS, SHAPES, _linears, _median_runs, build_model  # noqa: E402
-from engine.cache import Sequence  # noqa: E402
+from bench import (  # noqa: E402
+    NEW_TOKENS,
+    SHAPES,
+    _linears,
+    _median_runs,
+    build_model,
+    decode_tok_s,
+    prefill_tok_s,
+)
 from engine.engine import Engine, EngineOptions  # noqa: E402
 
 
@@ -51,34 +58,6 @@ def build_adapter(path: Path, shape_name: str, rank: int) -> Path:
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}
     (path / "adapter_config.json").write_text(json.dumps(config, indent=1))
     return path
-
-
-def decode_tok_s(engine: Engine, prompt: list[int]) -> float:
-    def run() -> float:
-        seq = Sequence()
-        token = int(engine.prefill(seq, prompt)[-1].argmax())
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(NEW_TOKENS):
-            token = int(engine.forward([seq], [[token]])[-1].argmax())
-        elapsed = time.perf_counter() - t
-        seq.release(engine.cache)
-        return NEW_TOKENS / elapsed
-
-    return _median_runs(run)
-
-
-def prefill_tok_s(engine: Engine, prompt: list[int]) -> float:
-    def run() -> float:
-        seq = Sequence()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.prefill(seq, prompt)
-        torch.cuda.synchronize()
-        seq.release(engine.cache)
-        return len(prompt) / (time.perf_counter() - t)
-
-    return _median_runs(run)
 
 
 def aggregate_tok_s(engine: Engine, jobs: int, loras: dict[str, float]) -> float:
