@@ -10,6 +10,15 @@ told the context may be that long (`max_context_len` sizes the decode kernel's g
 must not change between replays). Buckets are padded with dummy sequences whose one token
 lands in a scratch page that no real sequence owns.
 
+Steps of a few tokens per sequence (speculative verification: the last token and its
+drafts; a draft model catching up on accepted tokens) replay graphs captured for B rows of
+T tokens each (T in TOKEN_BUCKETS, B * T <= MAX_GRAPH_TOKENS). A row with fewer tokens is
+padded at its end: the padding tokens write their K/V to the scratch page, and causal
+attention keeps every real token from seeing them, so the real tokens' logits are those of
+an unpadded forward. Without these graphs such a step ran eagerly, ~600 launches from
+Python: on an H200 the 8B model's verify step took ~25 ms, which made speculative decoding
+slower than plain decoding.
+
 Steps where some row uses a LoRA adapter replay a second set of graphs, captured with the
 LoRA kernels and a static [B, slots] scale buffer that each step fills. They hold the
 adapters' stack addresses, so they are dropped whenever the LoRA manager's `version`
@@ -29,6 +38,42 @@ if TYPE_CHECKING:
     from engine.lora import LoraManager
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+TOKEN_BUCKETS = (1, 2, 4, 8)  # new tokens per row of a graph
+MAX_GRAPH_TOKENS = 64  # rows * tokens of a multi-token graph (its activations, its logits)
+
+
+def stage_rows(
+    host: torch.Tensor,
+    sequences: list[Sequence],
+    new_tokens: list[list[int]],
+    tokens_per_row: int,
+    page_size: int,
+    scratch_page: int,
+) -> None:
+    """Fill a graph's host rows [B, 3T + 1 + max_pages] for a step: per row its T token
+    ids, T positions, T cache slots, the context length, then its page table. Sequences have
+    been advanced past their new tokens. A row with n < T tokens is padded at its end
+    (token 0, the last real position, a slot in the scratch page) and claims a context of
+    start + T, so its real tokens keep their positions (ctx - T + i); bucket rows past the
+    sequences are all padding over the scratch page."""
+    T = tokens_per_row
+    scratch = scratch_page * page_size
+    host.zero_()
+    host[:, 2 * T : 3 * T] = scratch + torch.arange(T) % page_size
+    host[:, 3 * T] = T
+    host[:, 3 * T + 1 :] = scratch_page
+    host[:, T : 2 * T] = torch.arange(T)
+    for b, (seq, tokens) in enumerate(zip(sequences, new_tokens, strict=True)):
+        n = len(tokens)
+        start = seq.length - n
+        host[b, :n] = torch.tensor(tokens)
+        # Padding repeats the last real position (inside the rope tables).
+        host[b, T : 2 * T] = torch.arange(start, start + T).clamp(max=seq.length - 1)
+        for i in range(n):
+            p = start + i
+            host[b, 2 * T + i] = seq.pages[p // page_size] * page_size + p % page_size
+        host[b, 3 * T] = start + T
+        host[b, 3 * T + 1 : 3 * T + 1 + len(seq.pages)] = torch.tensor(seq.pages)
 
 
 class _Graph:
@@ -42,27 +87,31 @@ class _Graph:
         scratch_page: int,
         device: torch.device,
         lora: LoraManager | None = None,
+        tokens_per_row: int = 1,
     ) -> None:
         self.batch_size = batch_size
+        self.tokens_per_row = T = tokens_per_row
         self.scratch_page = scratch_page
         self.page_size = cache.page_size
         B = batch_size
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
         self.batch = ForwardBatch(
-            token_ids=torch.zeros(B, **i64),
-            positions=torch.zeros(B, **i64),
-            slots=torch.full((B,), scratch_page * cache.page_size, **i64),
-            cu_seqlens=torch.arange(B + 1, **i32),
-            context_lens=torch.ones(B, **i32),
+            token_ids=torch.zeros(B * T, **i64),
+            positions=torch.zeros(B * T, **i64),
+            slots=torch.full((B * T,), scratch_page * cache.page_size, **i64),
+            cu_seqlens=torch.arange(B + 1, **i32) * T,
+            context_lens=torch.full((B,), T, **i32),
             page_table=torch.full((B, max_pages), scratch_page, **i32),
-            logits_indices=torch.arange(B, **i64),
-            max_query_len=1,
+            logits_indices=torch.arange(B * T, **i64),
+            max_query_len=T,
             max_context_len=max_context,
         )
-        # Host staging rows, copied to the device buffers in one go per step.
-        self.host = torch.zeros((B, 4 + max_pages), dtype=torch.int64).pin_memory()
-        self.device_rows = torch.zeros((B, 4 + max_pages), **i64)
+        # Host staging rows, copied to the device buffers in one go per step: per row its
+        # T tokens, T positions, T slots, the context length, then the page table.
+        self.width = 3 * T + 1 + max_pages
+        self.host = torch.zeros((B, self.width), dtype=torch.int64).pin_memory()
+        self.device_rows = torch.zeros((B, self.width), **i64)
 
         # A LoRA graph reads each row's adapter scales from a static buffer.
         lora_batch = lora.static_batch(B, device) if lora is not None else None
@@ -97,38 +146,33 @@ class _Graph:
         tokens: list[int],
         lora_scales: torch.Tensor | None = None,
     ) -> None:
-        """Write the step's inputs into the device rows (`device_rows`) and, in a LoRA
-        graph, the rows' adapter scales."""
-        n = len(sequences)
+        """Write a one-token step's inputs into the device rows (`device_rows`) and, in a
+        LoRA graph, the rows' adapter scales."""
         if self.lora_scales is not None:
             self.lora_scales.zero_()
             if lora_scales is not None:
-                self.lora_scales[:n].copy_(lora_scales)
-        host = self.host
-        host[:, 0] = 0
-        host[:, 1] = 0
-        host[:, 2] = self.scratch_page * self.page_size
-        host[:, 3] = 1
-        host[:, 4:] = self.scratch_page
-        for b, (seq, token) in enumerate(zip(sequences, tokens, strict=True)):
-            pos = seq.length - 1  # the caller has reserved and advanced the sequence
-            host[b, 0] = token
-            host[b, 1] = pos
-            host[b, 2] = seq.pages[pos // self.page_size] * self.page_size + pos % self.page_size
-            host[b, 3] = seq.length
-            host[b, 4 : 4 + len(seq.pages)] = torch.tensor(seq.pages)
-        self.device_rows.copy_(host, non_blocking=True)
+                self.lora_scales[: len(sequences)].copy_(lora_scales)
+        self.stage_many(sequences, [[t] for t in tokens])
+
+    def stage_many(self, sequences: list[Sequence], new_tokens: list[list[int]]) -> None:
+        """Write the inputs of a step of up to `tokens_per_row` new tokens per sequence.
+        The caller has reserved the pages and advanced each sequence's length past its new
+        tokens; rows are padded (see the module docstring)."""
+        stage_rows(self.host, sequences, new_tokens, self.tokens_per_row, self.page_size,
+                   self.scratch_page)  # fmt: skip
+        self.device_rows.copy_(self.host, non_blocking=True)
 
     def replay(self) -> torch.Tensor:
-        """Run the captured forward on what `device_rows` holds; logits [batch_size, vocab].
+        """Run the captured forward on what `device_rows` holds; logits
+        [batch_size * tokens_per_row, vocab].
         (Tensor-parallel ranks other than 0 receive `device_rows` instead of staging them.)"""
-        rows = self.device_rows
+        rows, T = self.device_rows, self.tokens_per_row
         batch = self.batch
-        batch.token_ids.copy_(rows[:, 0])
-        batch.positions.copy_(rows[:, 1])
-        batch.slots.copy_(rows[:, 2])
-        batch.context_lens.copy_(rows[:, 3])
-        batch.page_table.copy_(rows[:, 4:])
+        batch.token_ids.copy_(rows[:, :T].reshape(-1))
+        batch.positions.copy_(rows[:, T : 2 * T].reshape(-1))
+        batch.slots.copy_(rows[:, 2 * T : 3 * T].reshape(-1))
+        batch.context_lens.copy_(rows[:, 3 * T])
+        batch.page_table.copy_(rows[:, 3 * T + 1 :])
         self.graph.replay()
         return self.logits
 
@@ -144,14 +188,58 @@ class DecodeGraphs:
         self.device = model.lm_head_device
         # The scratch page absorbs the K/V writes of padding rows; no sequence owns it.
         self.scratch_page = cache.allocate(1)[0]
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[tuple[int, int], _Graph] = {}  # (rows, tokens per row)
         # Graphs with LoRA kernels, valid while the adapters' stacks stay where they were.
-        self._lora_graphs: dict[int, _Graph] = {}
+        self._lora_graphs: dict[tuple[int, int], _Graph] = {}
         self._lora_version = -1
 
     @staticmethod
     def bucket(batch_size: int) -> int | None:
         return next((b for b in BUCKETS if b >= batch_size), None)
+
+    def multi_token_shape(
+        self, sequences: list[Sequence], new_tokens: list[list[int]]
+    ) -> tuple[int, int] | None:
+        """(rows, tokens per row) of the graph that can run this step, or None: every row
+        has 1..8 new tokens, rows * tokens fit MAX_GRAPH_TOKENS, and the padded rows stay
+        inside the page table."""
+        longest = max((len(t) for t in new_tokens), default=0)
+        if min((len(t) for t in new_tokens), default=0) < 1:
+            return None
+        T = next((t for t in TOKEN_BUCKETS if t >= longest), None)
+        B = self.bucket(len(sequences))
+        if T is None or B is None or B * T > MAX_GRAPH_TOKENS:
+            return None
+        room = self.max_pages * self.cache.page_size
+        if any(seq.length + T > room for seq in sequences):
+            return None
+        return B, T
+
+    def forward_many(
+        self,
+        sequences: list[Sequence],
+        new_tokens: list[list[int]],
+        shape: tuple[int, int],
+        logits_counts: list[int] | None = None,
+    ) -> torch.Tensor:
+        """A step of a few tokens per sequence (`multi_token_shape` gave `shape`): the
+        logits of each sequence's last `logits_counts[b]` new tokens (default 1), in order,
+        as Engine.forward returns them."""
+        B, T = shape
+        for seq, tokens in zip(sequences, new_tokens, strict=True):
+            seq.reserve(self.cache, seq.length + len(tokens))
+            seq.length += len(tokens)
+        graph = self.graph(B, tokens_per_row=T)
+        graph.stage_many(sequences, new_tokens)
+        logits = graph.replay()
+        if T == 1:
+            return logits[: len(sequences)]
+        rows: list[int] = []
+        for b, tokens in enumerate(new_tokens):
+            keep = min(logits_counts[b] if logits_counts else 1, len(tokens))
+            rows.extend(range(b * T + len(tokens) - keep, b * T + len(tokens)))
+        index = torch.tensor(rows, dtype=torch.int64).pin_memory()
+        return logits[index.to(logits.device, non_blocking=True)]
 
     def decode(
         self,
@@ -170,18 +258,22 @@ class DecodeGraphs:
         assert size is not None, "more sequences than the largest bucket"
         return self.graph(size, lora).run(sequences, tokens, lora_scales)
 
-    def graph(self, size: int, lora: LoraManager | None = None) -> _Graph:
-        """The captured forward of bucket `size` (with LoRA kernels when `lora` is given),
-        captured on first use."""
+    def graph(
+        self, size: int, lora: LoraManager | None = None, *, tokens_per_row: int = 1
+    ) -> _Graph:
+        """The captured forward of bucket `size` with `tokens_per_row` new tokens per row
+        (with LoRA kernels when `lora` is given: one token per row), captured on first use."""
         graphs = self._graphs
+        key = (size, tokens_per_row)
         if lora is not None:
+            assert tokens_per_row == 1, "LoRA graphs take one token per row"
             if lora.version != self._lora_version:
                 self._lora_graphs.clear()  # they read stacks that no longer exist
                 self._lora_version = lora.version
             graphs = self._lora_graphs
-        graph = graphs.get(size)
+        graph = graphs.get(key)
         if graph is None:
-            graph = graphs[size] = _Graph(
+            graph = graphs[key] = _Graph(
                 self.model,
                 self.cache,
                 size,
@@ -190,6 +282,7 @@ class DecodeGraphs:
                 self.scratch_page,
                 self.device,
                 lora,
+                tokens_per_row,
             )
         return graph
 

@@ -249,18 +249,24 @@ class Engine:
             loras = [self.loras.default] * len(sequences)
         lengths = [len(t) for t in new_tokens]
         lora_scales = self.loras.scales(loras)
-        if (
-            self.graphs is not None
-            and not all_logits
-            and logits_counts is None
-            and all(n == 1 for n in lengths)
-            and self.graphs.bucket(len(sequences)) is not None
-            and (lora_scales is None or (LORA_GRAPHS and self.loras.graphable(loras)))
-        ):
-            tokens = [t[0] for t in new_tokens]
+        if self.graphs is not None and not all_logits:
             if lora_scales is None:
-                return self.graphs.decode(sequences, tokens)
-            return self.graphs.decode(sequences, tokens, lora=self.loras, lora_scales=lora_scales)
+                # Decode steps, speculative verification and short chunks: a graph of
+                # B rows x T tokens (engine/cuda_graph.py).
+                shape = self.graphs.multi_token_shape(sequences, new_tokens)
+                if shape is not None:
+                    return self.graphs.forward_many(sequences, new_tokens, shape, logits_counts)
+            elif (
+                LORA_GRAPHS
+                and logits_counts is None
+                and all(n == 1 for n in lengths)
+                and self.graphs.bucket(len(sequences)) is not None
+                and self.loras.graphable(loras)
+            ):
+                tokens = [t[0] for t in new_tokens]
+                return self.graphs.decode(
+                    sequences, tokens, lora=self.loras, lora_scales=lora_scales
+                )
         lora_batch = None
         if lora_scales is not None:
             if all_logits:

@@ -102,6 +102,9 @@ _DOT_MAX_BLOCK_K = 64
 _DOT_MAX_ITERS = 16
 _DOT_NUM_WARPS = 4
 _DOT_NUM_STAGES = 3
+# Unpack each packed word once and split it by shifts (see _plane_codes_wide) rather than
+# gathering the word of every row.
+_DOT_WIDE = True
 # Dequantization tile (elementwise: stores dominate).
 _DEQUANT_BLOCK_K = 32
 _DEQUANT_BLOCK_N = 128
@@ -155,6 +158,37 @@ def _segment_codes_2d(
         )
         codes = codes | (codes1 << P1_SHIFT)
     return codes
+
+
+@triton.jit
+def _plane_codes_wide(
+    plane_ptr,
+    plane_stride,
+    r0,
+    k_end,
+    cols,
+    col_ok,
+    BITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Codes [BLOCK_K, BLOCK_N] of one plane for the chunk of rows [r0, r0 + BLOCK_K) (r0 a
+    multiple of the rows per word): each int32 word is loaded once, as a [W, BLOCK_N] tile,
+    and split into its RPW codes by shifts, then laid out as rows. The row-gathering
+    `_segment_codes_2d` loads every word RPW times (from L1), which made the mid-M path
+    bound by load instructions rather than by the tensor cores or DRAM. Codes of rows past
+    k_end are garbage; the caller's x is zero there."""
+    RPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = BLOCK_K // RPW
+    word = tl.arange(0, W)[:, None, None]  # [W, 1, 1]
+    lane = tl.arange(0, RPW)[None, :, None]  # [1, RPW, 1]
+    words = tl.load(
+        plane_ptr + (r0 // RPW + word) * plane_stride + cols[None, None, :],
+        mask=(r0 + word * RPW < k_end) & col_ok[None, None, :],
+        other=0,
+    )  # [W, 1, N]
+    codes = (words >> (lane * BITS)) & ((1 << BITS) - 1)  # [W, RPW, N]
+    return tl.reshape(codes, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -532,6 +566,7 @@ def _dot_kernel(
     P1_BITS: tl.constexpr,
     P1_SHIFT: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    WIDE: tl.constexpr,  # unpack whole words (BLOCK_K a multiple of every plane's RPW)
     ITERS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -558,20 +593,36 @@ def _dot_kernel(
     for it in range(ITERS):
         rows = k_begin + it * BLOCK_K + offs_k  # [BLOCK_K], segment-relative
         row_ok = rows < k_end
-        codes = _segment_codes_2d(
-            p0_ptr,
-            p0_stride,
-            p1_ptr,
-            p1_stride,
-            rows[:, None],
-            cols[None, :],
-            row_ok[:, None] & col_ok[None, :],
-            NUM_PLANES,
-            P0_BITS,
-            P0_SHIFT,
-            P1_BITS,
-            P1_SHIFT,
-        )
+        if WIDE:
+            r0 = k_begin + it * BLOCK_K
+            codes = (
+                _plane_codes_wide(
+                    p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K, BLOCK_N
+                )
+                << P0_SHIFT
+            )
+            if NUM_PLANES == 2:
+                codes = codes | (
+                    _plane_codes_wide(
+                        p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K, BLOCK_N
+                    )
+                    << P1_SHIFT
+                )
+        else:
+            codes = _segment_codes_2d(
+                p0_ptr,
+                p0_stride,
+                p1_ptr,
+                p1_stride,
+                rows[:, None],
+                cols[None, :],
+                row_ok[:, None] & col_ok[None, :],
+                NUM_PLANES,
+                P0_BITS,
+                P0_SHIFT,
+                P1_BITS,
+                P1_SHIFT,
+            )
         if HAS_PERM:
             x_cols = tl.load(perm_ptr + row_start + rows, mask=row_ok, other=0)
         else:
@@ -937,6 +988,7 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, out32: torch.Tensor) -> 
             GROUPED=grouped,
             **_plane_meta(segment),
             EMULATE_BF16=_INTERPRETED,
+            WIDE=_DOT_WIDE and all(block_k % (32 // p.bits) == 0 for p in segment.planes),
             ITERS=iters,
             BLOCK_M=block_m,
             BLOCK_N=block_n,

@@ -73,13 +73,20 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--work", default="/tmp/kestrel-bench")
     parser.add_argument("--out", default=".")
+    parser.add_argument("--cache-type", default="fp16", help="KV cache storage: fp16 fp8 q8 q6 q4")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
     engine = Engine.load(
-        path, EngineOptions(device="cuda", dtype="float16", max_seq_len=args.prompt + 256)
+        path,
+        EngineOptions(
+            device="cuda",
+            dtype="float16",
+            max_seq_len=args.prompt + 256,
+            cache_type=args.cache_type,
+        ),
     )
     bandwidth = _read_bandwidth()
     # Bytes one decode step must read: every linear's storage, the norms, one embedding row.
@@ -103,7 +110,7 @@ def main() -> int:
     step_ms = (time.perf_counter() - t) / steps * 1e3
 
     # 2. The graph alone, back to back.
-    graph = engine.graphs._graphs[1].graph if engine.graphs is not None else None
+    graph = engine.graphs._graphs[(1, 1)].graph if engine.graphs is not None else None
     replay_ms = None
     if graph is not None:
         torch.cuda.synchronize()

@@ -1,0 +1,144 @@
+"""Multi-token CUDA graphs (engine/cuda_graph.py): a step of B rows x T tokens, rows padded
+at their end. On the CPU: the padded inputs that `stage_rows` writes, run through the
+model, give the real tokens the logits of an unpadded forward and leave the cache as the
+unpadded forward does. On a GPU: graph replays equal eager forwards, for decode steps,
+speculative verification shapes and short chunks."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.cache import ForwardBatch, Sequence
+from engine.cuda_graph import MAX_GRAPH_TOKENS, DecodeGraphs, stage_rows
+from engine.engine import Engine, EngineOptions
+
+from model_factory import make_tiny_llama
+
+PAGE = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-graph")
+    make_tiny_llama(path, seed=3)
+    return path
+
+
+def _engine(path: Path, **options) -> Engine:
+    opts = dict(device="cpu", dtype="float32", max_seq_len=128, page_size=PAGE, cache_tokens=512)
+    opts.update(options)
+    return Engine.load(path, EngineOptions(**opts))
+
+
+def _padded_batch(host: torch.Tensor, T: int, max_context: int) -> ForwardBatch:
+    """The ForwardBatch a graph of T tokens per row builds from its host rows."""
+    B = host.shape[0]
+    return ForwardBatch(
+        token_ids=host[:, :T].reshape(-1).clone(),
+        positions=host[:, T : 2 * T].reshape(-1).clone(),
+        slots=host[:, 2 * T : 3 * T].reshape(-1).clone(),
+        cu_seqlens=(torch.arange(B + 1) * T).to(torch.int32),
+        context_lens=host[:, 3 * T].to(torch.int32),
+        page_table=host[:, 3 * T + 1 :].to(torch.int32),
+        logits_indices=torch.arange(B * T),
+        max_query_len=T,
+        max_context_len=max_context,
+    )
+
+
+def test_stage_rows_layout():
+    seq = Sequence(pages=[5, 2], length=11)  # 3 new tokens at positions 8, 9, 10
+    host = torch.full((2, 3 * 4 + 1 + 4), -7, dtype=torch.int64)
+    stage_rows(host, [seq], [[31, 32, 33]], tokens_per_row=4, page_size=PAGE, scratch_page=9)
+    row, pad = host[0].tolist(), host[1].tolist()
+    assert row[:4] == [31, 32, 33, 0]
+    assert row[4:8] == [8, 9, 10, 10]  # padding repeats the last position
+    assert row[8:12] == [2 * PAGE + 0, 2 * PAGE + 1, 2 * PAGE + 2, 9 * PAGE + 3]
+    assert row[12] == 8 + 4  # start + T: real tokens keep positions ctx - T + i
+    assert row[13:] == [5, 2, 9, 9]
+    assert pad[:4] == [0, 0, 0, 0] and pad[4:8] == [0, 1, 2, 3]
+    assert pad[8:12] == [9 * PAGE + i for i in range(4)] and pad[12] == 4
+    assert pad[13:] == [9, 9, 9, 9]
+
+
+def test_multi_token_shape_limits(model_dir: Path):
+    engine = _engine(model_dir)
+    graphs = object.__new__(DecodeGraphs)  # the shape rule needs no captured graph
+    graphs.cache, graphs.max_pages = engine.cache, 128 // PAGE
+    seqs = [Sequence(length=10) for _ in range(3)]
+    assert graphs.multi_token_shape(seqs, [[1], [1, 2, 3], [1, 2]]) == (4, 4)
+    assert graphs.multi_token_shape(seqs[:1], [[1] * 5]) == (1, 8)
+    assert graphs.multi_token_shape(seqs[:1], [[1] * 9]) is None  # a prefill chunk
+    assert graphs.multi_token_shape(seqs, [[1], [], [1]]) is None
+    many = [Sequence(length=10) for _ in range(MAX_GRAPH_TOKENS // 4 + 1)]
+    assert graphs.multi_token_shape(many, [[1, 2, 3, 4]] * len(many)) is None
+    assert graphs.multi_token_shape([Sequence(length=125)], [[1, 2]]) == (1, 2)
+    assert graphs.multi_token_shape([Sequence(length=125)], [[1, 2, 3]]) is None  # 125 + 4
+
+
+def test_padded_rows_give_the_unpadded_logits_and_cache(model_dir: Path):
+    """The padding scheme itself, through the model's CPU path: a verify-shaped step of
+    rows with 3, 1 and 2 new tokens, padded to T = 4 in a bucket of 4 rows."""
+    eager, padded = _engine(model_dir), _engine(model_dir)
+    scratch = padded.cache.allocate(1)[0]
+    prompts = [[3, 9, 4, 7, 1, 8, 2, 6, 5], [11, 12, 13], [21, 22, 23, 24, 25, 26, 27, 28]]
+    states = {}
+    for name, engine in (("eager", eager), ("padded", padded)):
+        seqs = [Sequence() for _ in prompts]
+        for seq, prompt in zip(seqs, prompts, strict=True):
+            engine.prefill(seq, prompt)
+        states[name] = seqs
+    new = [[40, 41, 42], [43], [44, 45]]
+    counts = [3, 1, 2]
+    want = eager.forward(states["eager"], new, logits_counts=counts)
+
+    seqs = states["padded"]
+    for seq, tokens in zip(seqs, new, strict=True):
+        seq.reserve(padded.cache, seq.length + len(tokens))
+        seq.length += len(tokens)
+    T, B, max_pages = 4, 4, 128 // PAGE
+    host = torch.zeros((B, 3 * T + 1 + max_pages), dtype=torch.int64)
+    stage_rows(host, seqs, new, T, PAGE, scratch)
+    logits = padded.model(_padded_batch(host, T, 128), padded.cache)
+    rows = [
+        b * T + i for b, (n, c) in enumerate(zip(map(len, new), counts)) for i in range(n - c, n)
+    ]
+    torch.testing.assert_close(logits[rows], want, rtol=1e-5, atol=1e-5)
+
+    # The next plain step sees the same cache in both engines.
+    nxt = [[50], [51], [52]]
+    torch.testing.assert_close(
+        padded.forward(seqs, copy.deepcopy(nxt)), eager.forward(states["eager"], nxt),
+        rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_multi_token_graphs_equal_eager_forwards(model_dir: Path):
+    """Graph replays (decode, verify shapes with padding, short chunks) give the eager
+    forward's logits, and leave the same cache behind (the following steps agree)."""
+    gpu = dict(device="cuda", dtype="float16")
+    graphed, eager = _engine(model_dir, **gpu), _engine(model_dir, **gpu, cuda_graphs=False)
+    assert graphed.graphs is not None and eager.graphs is None
+    prompts = [[3, 9, 4, 7, 1, 8, 2, 6, 5], [11, 12, 13], [21, 22, 23, 24, 25, 26, 27, 28]]
+    seqs = {e: [Sequence() for _ in prompts] for e in ("g", "e")}
+    for key, engine in (("g", graphed), ("e", eager)):
+        for seq, prompt in zip(seqs[key], prompts, strict=True):
+            engine.prefill(seq, prompt)
+    steps = [
+        ([[40], [41], [42]], None),
+        ([[43, 44, 45, 46, 47], [48], [49, 50]], [5, 1, 2]),  # T = 8, padded
+        ([[51, 52], [53, 54], [55, 56]], [2, 2, 2]),
+        ([[57, 58, 59], [60], [61]], None),  # a short chunk: last logits only
+        ([[62], [63], [64]], None),
+    ]
+    for new, counts in steps:
+        got = graphed.forward(seqs["g"], new, logits_counts=counts)
+        want = eager.forward(seqs["e"], new, logits_counts=counts)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert {(4, 1), (4, 2), (4, 4), (4, 8)} <= set(graphed.graphs._graphs)
