@@ -105,7 +105,9 @@ def test_padded_rows_give_the_unpadded_logits_and_cache(model_dir: Path):
     stage_rows(host, seqs, new, T, PAGE, scratch)
     logits = padded.model(_padded_batch(host, T, 128), padded.cache)
     rows = [
-        b * T + i for b, (n, c) in enumerate(zip(map(len, new), counts)) for i in range(n - c, n)
+        b * T + i
+        for b, (n, c) in enumerate(zip(map(len, new), counts, strict=True))
+        for i in range(n - c, n)
     ]
     torch.testing.assert_close(logits[rows], want, rtol=1e-5, atol=1e-5)
 
