@@ -7,6 +7,7 @@ copy of the model in host memory, and a shape mismatch is reported per tensor by
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,6 +78,7 @@ def load_causal_lm(
     config = config or ModelConfig.from_dir(model_dir)
     cls = architecture_class(config.architecture, source=config.source)
     store = WeightStore(model_dir)
+    check_layer_count(config, store)
     with torch.device("meta"):
         model = cls(config, tensor_names=set(store.names()))
     placement = placement or Placement.single(device, config.num_hidden_layers)
@@ -114,6 +116,21 @@ def load_causal_lm(
     store.close()
     model.eval()
     return model
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layer_count(config: ModelConfig, store: WeightStore) -> None:
+    """A config that counts more layers than the weights hold is refused up front (before
+    the model is built), naming both numbers, rather than as a missing tensor."""
+    indices = [int(m[1]) for n in store.names() if (m := _LAYER_INDEX.search(n))]
+    held = max(indices) + 1 if indices else 0
+    if config.num_hidden_layers > held:
+        raise WeightError(
+            f"{config.source}: num_hidden_layers is {config.num_hidden_layers}, but the weights "
+            f"in {store.model_dir} hold {held} layer(s)"
+        )
 
 
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
