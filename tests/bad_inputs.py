@@ -65,3 +65,12 @@ class Serving:
         assert generate(self.model) == self.answer
         cache = self.model.engine.cache
         assert cache.free_pages == cache.num_pages
+
+
+def cases(argnames: str, table: list[tuple[Any, ...]]) -> Any:
+    """`pytest.mark.parametrize` over rows (id, *values): the id names the bad input."""
+    import pytest
+
+    return pytest.mark.parametrize(
+        argnames, [row[1:] for row in table], ids=[row[0] for row in table]
+    )

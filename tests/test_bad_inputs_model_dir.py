@@ -25,6 +25,7 @@ from engine.weights import WeightError
 from bad_inputs import (
     DROP,
     Serving,
+    cases,
     copy_model,
     edit_config,
     read_safetensors_header,
@@ -149,9 +150,7 @@ SAFETENSORS_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "damage, match", [c[1:] for c in SAFETENSORS_CASES], ids=[c[0] for c in SAFETENSORS_CASES]
-)
+@cases("damage, match", SAFETENSORS_CASES)
 def test_damaged_safetensors(tiny, tmp_path, serving, damage, match):
     path = copy_model(tiny, tmp_path / "m")
     damage(path)
@@ -218,9 +217,7 @@ TENSOR_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "edit, options, match", [c[1:] for c in TENSOR_CASES], ids=[c[0] for c in TENSOR_CASES]
-)
+@cases("edit, options, match", TENSOR_CASES)
 def test_tensor_that_does_not_fit(tiny, tmp_path, serving, edit, options, match):
     path = copy_model(tiny, tmp_path / "m")
     _tensors(edit)(path)
@@ -283,9 +280,7 @@ INDEX_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "index, outside, match", [c[1:] for c in INDEX_CASES], ids=[c[0] for c in INDEX_CASES]
-)
+@cases("index, outside, match", INDEX_CASES)
 def test_bad_shard_index(tiny, tmp_path, serving, index, outside, match):
     path = copy_model(tiny, tmp_path / "m")
     _shard(path, index, tmp_path / outside if outside else None)
@@ -378,9 +373,7 @@ CONFIG_FILES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "content, match", [c[1:] for c in CONFIG_FILES], ids=[c[0] for c in CONFIG_FILES]
-)
+@cases("content, match", CONFIG_FILES)
 def test_bad_config_file(tiny, tmp_path, serving, content, match):
     path = copy_model(tiny, tmp_path / "m")
     if content is None:
@@ -406,9 +399,7 @@ TOKENIZER_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "name, content, match", [c[1:] for c in TOKENIZER_CASES], ids=[c[0] for c in TOKENIZER_CASES]
-)
+@cases("name, content, match", TOKENIZER_CASES)
 def test_bad_tokenizer(tiny, tmp_path, serving, name, content, match):
     path = copy_model(tiny, tmp_path / "m")
     file = path / name
