@@ -49,7 +49,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:  # torch's message lists a dozen device types Kestrel does not run
+        raise ValueError(f"device '{device}' is not supported (use cpu or cuda[:N])") from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device '{device}' asked for, but no CUDA GPU is available")
