@@ -117,6 +117,10 @@ class ModelConfig:
         architectures = cfg.get("architectures") or []
         if not isinstance(architectures, list) or not architectures:
             raise ConfigError(f"{source}: required key 'architectures' is missing or empty")
+        if not all(isinstance(a, str) for a in architectures):
+            raise ConfigError(
+                f"{source}: 'architectures' must be a list of class names, got {architectures!r}"
+            )
 
         heads = ints["num_attention_heads"]
         kv_heads = _int(cfg, "num_key_value_heads", source, default=heads)

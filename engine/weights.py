@@ -187,7 +187,7 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
             continue
         if not isinstance(entry, dict):
             raise WeightError(f"{file}: tensor '{name}' has an unreadable header entry {entry!r}")
-        if entry.get("dtype") not in _DTYPES:
+        if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in _DTYPES:
             raise WeightError(
                 f"{file}: tensor '{name}' has dtype {entry.get('dtype')!r}, which Kestrel "
                 f"does not read (known: {', '.join(_DTYPES)})"

@@ -350,6 +350,7 @@ HUGE = [
     ("bos_token_id", 1.5, ConfigError, r"'bos_token_id' must be a token id .*1\.5"),
     ("architectures", [], ConfigError, r"'architectures' is missing or empty"),
     ("architectures", ["EvilForCausalLM"], ValueError, r"'EvilForCausalLM' is not supported"),
+    ("architectures", [["Llama"]], ConfigError, r"'architectures' must be a list of class"),
 ]
 
 
