@@ -11,6 +11,7 @@ raises `ConfigError` naming the key and the file.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,9 @@ REQUIRED_KEYS = (
     "num_attention_heads",
     "vocab_size",
 )
+# Far above any real model (Llama 3.1 405B has 126); a larger count is a corrupt file, and
+# building that many layers would hang the load before the weights could disagree.
+MAX_LAYERS = 4096
 
 
 class ConfigError(ValueError):
@@ -113,6 +117,10 @@ class ModelConfig:
         architectures = cfg.get("architectures") or []
         if not isinstance(architectures, list) or not architectures:
             raise ConfigError(f"{source}: required key 'architectures' is missing or empty")
+        if not all(isinstance(a, str) for a in architectures):
+            raise ConfigError(
+                f"{source}: 'architectures' must be a list of class names, got {architectures!r}"
+            )
 
         heads = ints["num_attention_heads"]
         kv_heads = _int(cfg, "num_key_value_heads", source, default=heads)
@@ -121,21 +129,36 @@ class ModelConfig:
                 f"{source}: num_attention_heads ({heads}) must be a multiple of "
                 f"num_key_value_heads ({kv_heads})"
             )
-        head_dim = cfg.get("head_dim") or ints["hidden_size"] // heads
-        eos = cfg.get("eos_token_id")
-        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if ints["num_hidden_layers"] > MAX_LAYERS:
+            raise ConfigError(
+                f"{source}: 'num_hidden_layers' is {ints['num_hidden_layers']}, more than any "
+                f"model has (at most {MAX_LAYERS} accepted)"
+            )
+        if cfg.get("head_dim") is not None:
+            head_dim = _int(cfg, "head_dim", source)
+        elif ints["hidden_size"] < heads:
+            raise ConfigError(
+                f"{source}: hidden_size ({ints['hidden_size']}) is smaller than "
+                f"num_attention_heads ({heads}) and there is no head_dim"
+            )
+        else:
+            head_dim = ints["hidden_size"] // heads
+        eos_list = _token_ids(cfg, "eos_token_id", source)
+        bos = _token_ids(cfg, "bos_token_id", source)
+        if len(bos) > 1:
+            raise ConfigError(f"{source}: 'bos_token_id' must be one token id, got {bos}")
 
         return cls(
             architectures=list(architectures),
             num_key_value_heads=kv_heads,
-            head_dim=int(head_dim),
+            head_dim=head_dim,
             max_position_embeddings=_int(cfg, "max_position_embeddings", source, default=2048),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_positive_float(cfg, "rms_norm_eps", source, default=1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=str(cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))),
-            bos_token_id=cfg.get("bos_token_id"),
+            bos_token_id=bos[0] if bos else None,
             eos_token_id=eos_list,
             rope=_rope_parameters(cfg, source),
             rope_by_layer_type=_rope_by_layer_type(cfg, source),
@@ -152,6 +175,27 @@ def _int(cfg: dict[str, Any], key: str, source: str, default: int | None = None)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{source}: '{key}' must be a positive integer, got {value!r}")
     return value
+
+
+def _positive_float(cfg: dict[str, Any], key: str, source: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{source}: '{key}' must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _token_ids(cfg: dict[str, Any], key: str, source: str) -> list[int]:
+    """A token id or a list of them (HF allows both); None: none."""
+    value = cfg.get(key)
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise ConfigError(f"{source}: '{key}' must be a token id or a list of them, got {value!r}")
+    return values
 
 
 def _nested_rope(cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -190,7 +234,7 @@ def _rope_parameters(cfg: dict[str, Any], source: str) -> RopeParameters:
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     known = set(RopeParameters.__dataclass_fields__)
     params = {k: v for k, v in merged.items() if k in known}
-    params["rope_theta"] = float(theta)
+    params["rope_theta"] = _positive_float({"rope_theta": theta}, "rope_theta", source, 10000.0)
     params["rope_type"] = str(rope_type)
     params.setdefault("partial_rotary_factor", float(cfg.get("partial_rotary_factor", 1.0)))
     return RopeParameters(**params)

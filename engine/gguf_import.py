@@ -118,6 +118,31 @@ def _check_gguf_file(path: Path) -> None:
         raise GGUFImportError(
             f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})"
         )
+    _check_gguf_layout(path)
+
+
+def _check_gguf_layout(path: Path) -> None:
+    """Header readable and every tensor's bytes inside the file: a truncated download is
+    named as such here, not as a reshape error deep inside transformers."""
+    try:
+        import gguf  # noqa: F401  (without it, _require_packages names what to install)
+    except ImportError:
+        return
+    try:
+        reader = fast_gguf_reader_class()(str(path))
+    except Exception as e:  # the reader raises struct, numpy and unicode errors alike
+        raise GGUFImportError(
+            f"{path}: unreadable GGUF file, truncated or corrupt "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size:
+            raise GGUFImportError(
+                f"{path} is truncated: tensor '{tensor.name}' ends at byte {end}, "
+                f"the file has {size}"
+            )
 
 
 def gguf_architecture(path: str | Path) -> str | None:
@@ -224,7 +249,7 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> 
             model = AutoModelForCausalLM.from_pretrained(
                 where, gguf_file=name, dtype=torch.float32, **_dequantize_option()
             )
-    except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
+    except Exception as e:  # a damaged file fails in many ways inside gguf and transformers
         arch = gguf_architecture(gguf_path)
         what = f"architecture '{arch}'" if arch else "a model"
         raise GGUFImportError(

@@ -7,6 +7,7 @@ copy of the model in host memory, and a shape mismatch is reported per tensor by
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,7 +49,10 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:  # torch's message lists a dozen device types Kestrel does not run
+        raise ValueError(f"device '{device}' is not supported (use cpu or cuda[:N])") from None
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device '{device}' asked for, but no CUDA GPU is available")
@@ -77,6 +81,7 @@ def load_causal_lm(
     config = config or ModelConfig.from_dir(model_dir)
     cls = architecture_class(config.architecture, source=config.source)
     store = WeightStore(model_dir)
+    check_layer_count(config, store)
     with torch.device("meta"):
         model = cls(config, tensor_names=set(store.names()))
     placement = placement or Placement.single(device, config.num_hidden_layers)
@@ -114,6 +119,21 @@ def load_causal_lm(
     store.close()
     model.eval()
     return model
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_layer_count(config: ModelConfig, store: WeightStore) -> None:
+    """A config that counts more layers than the weights hold is refused up front (before
+    the model is built), naming both numbers, rather than as a missing tensor."""
+    indices = [int(m[1]) for n in store.names() if (m := _LAYER_INDEX.search(n))]
+    held = max(indices) + 1 if indices else 0
+    if config.num_hidden_layers > held:
+        raise WeightError(
+            f"{config.source}: num_hidden_layers is {config.num_hidden_layers}, but the weights "
+            f"in {store.model_dir} hold {held} layer(s)"
+        )
 
 
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

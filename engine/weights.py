@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from engine.paths import PathConfinementError, confined_path
 
 _DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8),
@@ -68,7 +70,14 @@ class WeightStore:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise WeightError(f"cannot read {index}: {e}") from e
-            files = sorted({self.model_dir / f for f in weight_map.values()})
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise WeightError(f"{index}: 'weight_map' must be a non-empty object")
+            try:  # an index names its shards: they must lie in the model directory
+                files = sorted(
+                    {confined_path(self.model_dir, f, what="shard") for f in weight_map.values()}
+                )
+            except PathConfinementError as e:
+                raise WeightError(f"{index}: {e}") from None
             missing = [f.name for f in files if not f.is_file()]
             if missing:
                 raise WeightError(f"{index} names missing shard(s): {', '.join(missing)}")
@@ -107,23 +116,51 @@ class WeightStore:
         device: torch.device | str = "cpu",
         shape: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
-        """Read one tensor; `shape`, when given, is checked before reading the data."""
+        """Read one tensor; `shape`, when given, is checked before reading the data.
+
+        With `dtype` the tensor is a model weight: it must be floating point and, after the
+        cast, finite. A NaN or inf weight is refused, not warned about: it turns every
+        logit it reaches into NaN, and the model would answer with garbage or token 0."""
         info = self.info(name)
         if shape is not None and tuple(shape) != info.shape:
             raise WeightError(
                 f"tensor '{name}' in {info.file.name} has shape {list(info.shape)}, "
                 f"the model expects {list(shape)}"
             )
-        handle = self._handles.get(info.file)
-        if handle is None:
-            handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-        tensor = handle.get_tensor(name)  # type: ignore[attr-defined]
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        return tensor.to(device)
+        if dtype is not None and not info.dtype.is_floating_point:
+            raise WeightError(
+                f"tensor '{name}' in {info.file.name} has dtype "
+                f"{str(info.dtype).removeprefix('torch.')}, the model expects a floating-point "
+                "weight (float16, bfloat16 or float32)"
+            )
+        try:
+            handle = self._handles.get(info.file)
+            if handle is None:
+                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+            tensor = handle.get_tensor(name)  # type: ignore[attr-defined]
+        except (SafetensorError, OSError) as e:  # a header our check let through
+            raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
+        if dtype is None:
+            return tensor.to(device)
+        cast = tensor.to(device=device, dtype=dtype)
+        if not bool(torch.isfinite(cast).all()):
+            raise WeightError(_not_finite(name, info, tensor, cast))
+        return cast
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _not_finite(name: str, info: TensorInfo, stored: torch.Tensor, cast: torch.Tensor) -> str:
+    bad = int((~torch.isfinite(cast)).sum())
+    where = f"tensor '{name}' in {info.file.name}"
+    if bool(torch.isfinite(stored).all()):  # finite on disk: the cast overflowed
+        return (
+            f"{where} has {bad} values beyond the range of {str(cast.dtype).removeprefix('torch.')}"
+            f" (largest magnitude {stored.abs().max().item():.4g}); load it with "
+            "dtype='bfloat16' or 'float32'"
+        )
+    return f"{where} holds {bad} NaN or infinite values of {cast.numel()}: the file is corrupt"
 
 
 def _read_header(file: Path) -> dict[str, TensorInfo]:
@@ -137,19 +174,32 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
             raise WeightError(f"{file}: corrupt or truncated safetensors header")
         try:
             header = json.loads(f.read(header_len))
-        except ValueError as e:
+        except ValueError as e:  # UnicodeDecodeError is one
             raise WeightError(f"{file}: corrupt safetensors header ({e})") from e
+    if not isinstance(header, dict):
+        raise WeightError(
+            f"{file}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)"
+        )
     data_size = size - 8 - header_len
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, itemsize = _DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            start, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise WeightError(f"{file}: tensor '{name}' has an unreadable header entry") from e
+        if not isinstance(entry, dict):
+            raise WeightError(f"{file}: tensor '{name}' has an unreadable header entry {entry!r}")
+        if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in _DTYPES:
+            raise WeightError(
+                f"{file}: tensor '{name}' has dtype {entry.get('dtype')!r}, which Kestrel "
+                f"does not read (known: {', '.join(_DTYPES)})"
+            )
+        dtype, itemsize = _DTYPES[entry["dtype"]]
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not _naturals(shape) or not _naturals(offsets) or len(offsets) != 2:
+            raise WeightError(
+                f"{file}: tensor '{name}' has an unreadable header entry (shape {shape!r}, "
+                f"data_offsets {offsets!r}: expected non-negative integers)"
+            )
+        shape, (start, end) = tuple(shape), offsets
         numel = 1
         for d in shape:
             numel *= d
@@ -165,3 +215,10 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
             )
         tensors[name] = TensorInfo(file=file, dtype=dtype, shape=shape)
     return tensors
+
+
+def _naturals(values: object) -> bool:
+    """A list of non-negative ints (JSON bools and floats are not sizes)."""
+    return isinstance(values, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
+    )

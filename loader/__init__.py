@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
+from engine.config import ConfigError, ModelConfig
 from loader import kestrel_loader, transformers_loader
 from loader.base import Chunk, LoadedModel, LoaderError, UnsupportedFeatureError
 from loader.settings_schema import Control, SettingsSchema, schema_for
@@ -90,6 +91,10 @@ def load(
     if loader is None:
         loader = next((name for name, p in loaders.items() if p.can_load(model_path)), None)
         if loader is None:
+            try:  # the config's own error says more than "no loader" where it is the cause
+                ModelConfig.from_dir(model_path)
+            except ConfigError as e:
+                raise LoaderError(f"no loader can load {path}: {e}") from None
             raise LoaderError(
                 f"no loader can load {path} (is there a config.json and weights?); "
                 f"loaders: {', '.join(loaders)}"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import loader
+from engine.paths import PathConfinementError, confined_path
 from loader.base import LoadedModel, LoaderError
 
 
@@ -63,21 +64,15 @@ class LoraEntry:
 def resolve_name(directory: Path, name: str, what: str = "model") -> Path:
     """`directory/name` if `name` is one existing entry of `directory`, else a clear error.
 
-    Rejects anything that could escape the directory: separators, "..", absolute paths,
-    empty names, NUL bytes, and symlinks that point outside it."""
-    if not isinstance(name, str) or not name or name in {".", ".."}:
-        raise UnknownNameError(f"invalid {what} name {name!r}")
-    if "/" in name or "\\" in name or "\x00" in name or Path(name).is_absolute():
-        raise UnknownNameError(
-            f"invalid {what} name {name!r}: a name is one entry of {directory}, not a path"
-        )
-    root = directory.resolve()
-    candidate = (directory / name).resolve()
-    if candidate.parent != root and root not in candidate.parents:
-        raise UnknownNameError(f"{what} {name!r} points outside {directory}")
-    if not (directory / name).exists():
+    Rejects anything that could escape the directory (engine/paths.py): separators, "..",
+    absolute paths, empty names, NUL bytes, and symlinks that point outside it."""
+    try:
+        path = confined_path(directory, name, what=what, single_component=True)
+    except PathConfinementError as e:
+        raise UnknownNameError(str(e)) from None
+    if not path.exists():
         raise UnknownNameError(f"no {what} named {name!r} in {directory}")
-    return directory / name
+    return path
 
 
 def _size(path: Path) -> int:
@@ -203,14 +198,21 @@ class ModelManager:
 
         On failure the manager holds no model and the error propagates: a half-loaded
         model never stays around holding memory."""
+        # Names are checked before the current model goes: a bad name leaves it serving.
         path = self.resolve_model(name)
+        draft = options.get("draft_model")
+        load_options = dict(options)
+        if draft:  # a name from the UI or the API: confined to the models directory too
+            load_options["draft_model"] = resolve_name(self.models_dir, draft, "draft model")
         with self._lock:
             self.unload()
-            if describe_model(path).format == "gguf":
-                path = self._import_gguf(path, progress)
+            path = self._gguf_imported(path, progress)
+            if draft:
+                draft_dir = self._gguf_imported(load_options["draft_model"], progress)
+                load_options["draft_model"] = str(draft_dir)
             if progress:
                 progress(f"loading {name}")
-            model = loader.load(path, loader_name, **options)
+            model = loader.load(path, loader_name, **load_options)
             self._model, self._name, self._options = model, name, dict(options)
             return model
 
@@ -232,6 +234,10 @@ class ModelManager:
                     torch.cuda.empty_cache()
             except ImportError:  # pragma: no cover - torch is a hard dependency
                 pass
+
+    def _gguf_imported(self, path: Path, progress: Callable[[str], None] | None) -> Path:
+        """`path`, or for a .gguf entry its FP16 import (made once)."""
+        return self._import_gguf(path, progress) if describe_model(path).format == "gguf" else path
 
     def _import_gguf(self, path: Path, progress: Callable[[str], None] | None) -> Path:
         from engine.gguf_import import import_gguf

@@ -7,6 +7,7 @@ so both loaders stream identically for the same logits.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,12 @@ NAME = "transformers"
 
 
 def can_load(path: Path) -> bool:
-    return (path / "config.json").is_file()
+    """A readable config.json object: transformers decides the rest (and explains it)."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict)
 
 
 def load(

@@ -105,10 +105,17 @@ def read_config(path: Path) -> dict[str, Any]:
         raise LoraError(f"{file}: use_dora is true; DoRA adapters are not supported")
     if config.get("bias", "none") not in ("none", None):
         raise LoraError(f"{file}: bias '{config['bias']}' is not supported (only 'none')")
-    for key in ("r", "lora_alpha"):
-        value = config.get(key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise LoraError(f"{file}: '{key}' must be a positive number, got {value!r}")
+    rank = config.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise LoraError(f"{file}: 'r' must be a positive integer, got {rank!r}")
+    alpha = config.get("lora_alpha")
+    if (
+        isinstance(alpha, bool)
+        or not isinstance(alpha, int | float)
+        or not math.isfinite(alpha)
+        or alpha <= 0
+    ):
+        raise LoraError(f"{file}: 'lora_alpha' must be a positive number, got {alpha!r}")
     return config
 
 
@@ -139,12 +146,48 @@ def read_tensors(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     raise LoraError(f"{path} has neither {SAFETENSORS_FILE} nor {PICKLE_FILE}")
 
 
+def _check_values(file: Path, key: str, tensor: torch.Tensor) -> None:
+    # Refused rather than warned about, as for model weights (engine/weights.py): one NaN
+    # in an adapter makes every answer that selects it garbage.
+    if not tensor.is_floating_point():
+        raise LoraError(
+            f"{file}: tensor '{key}' has dtype {str(tensor.dtype).removeprefix('torch.')}, "
+            "a LoRA weight must be floating point"
+        )
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise LoraError(f"{file}: tensor '{key}' holds {bad} NaN or infinite values")
+
+
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     # peft's get_pattern_key: the first pattern that matches the end of the module name.
     for key, value in (patterns or {}).items():
         if re.match(rf"(.*\.)?({key})$", module):
             return value
     return default
+
+
+def _pattern_number(
+    config: dict[str, Any], key: str, module: str, default: float, file: Path
+) -> Any:
+    """`rank_pattern` / `alpha_pattern` value for `module`: a positive number (an int for
+    ranks), else a LoraError naming the key."""
+    patterns = config.get(key) or {}
+    if not isinstance(patterns, dict):
+        raise LoraError(f"{file}: '{key}' must be an object, got {patterns!r}")
+    try:
+        value = _pattern_value(patterns, module, default)
+    except re.error as e:
+        raise LoraError(f"{file}: '{key}' holds a bad pattern ({e})") from None
+    want = int if key == "rank_pattern" else (int, float)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, want)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise LoraError(f"{file}: '{key}' gives {module} {value!r}, not a positive number")
+    return value
 
 
 def _strip(key: str) -> str:
@@ -178,6 +221,7 @@ def read_adapter(
     )
     pairs: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     for key, tensor in tensors.items():
+        _check_values(file, key, tensor)
         short = _strip(key)
         match = _LORA_KEY.match(short)
         if match:
@@ -228,12 +272,12 @@ def read_adapter(
                 f"{module} (in {target.in_features}, out {target.out_features}): the adapter "
                 "was made for another model size"
             )
-        r = int(_pattern_value(config.get("rank_pattern") or {}, module, rank))
+        r = _pattern_number(config, "rank_pattern", module, rank, cfg_file)
         if a.shape[0] != r:
             raise LoraError(
                 f"{file}: '{a_key}' has rank {a.shape[0]}, {cfg_file.name} says r={r} for {module}"
             )
-        mod_alpha = float(_pattern_value(config.get("alpha_pattern") or {}, module, alpha))
+        mod_alpha = _pattern_number(config, "alpha_pattern", module, alpha, cfg_file)
         scaling = mod_alpha / math.sqrt(r) if rslora else mod_alpha / r
         part = LoraPart(a=a.float(), b=b.float() * scaling, offset=target.offset)
         adapter.parts.setdefault(target.linear, []).append(part)

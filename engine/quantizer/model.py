@@ -26,6 +26,7 @@ from torch import nn
 from engine.architectures import ARCHITECTURES, architecture_class
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.config import ModelConfig
+from engine.loading import check_layer_count
 from engine.modules import Linear, Rotary
 from engine.weights import WeightStore
 
@@ -101,6 +102,7 @@ class LayerwiseModel:
         self.config = ModelConfig.from_dir(model_dir)
         supported_for_conversion(self.config)
         self.store = WeightStore(model_dir)
+        check_layer_count(self.config, self.store)
         self.device, self.dtype = device, dtype
         cls = architecture_class(self.config.architecture, source=self.config.source)
         with torch.device("meta"):

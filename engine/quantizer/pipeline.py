@@ -56,6 +56,7 @@ from engine.quantizer.strategy import (
     written_bpw,
 )
 from engine.quantizer.writer import publish, write_output
+from engine.weights import WeightError
 
 QUANTIZER_VERSION = "kestrel-0.1.0"
 MIN_BITS, MAX_BITS = 2.0, 8.0
@@ -119,6 +120,9 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
     is_gguf = src.is_file() and src.suffix.lower() == ".gguf"
     if not is_gguf and not src.is_dir():
         raise ConvertError(f"input must be a model directory or a .gguf file: {src}")
+    if not is_gguf and (out.resolve() == src.resolve() or src.resolve() in out.resolve().parents):
+        # The output (and OUT.partial) would become part of the model being read.
+        raise ConvertError(f"output {out} lies inside the input directory {src}; choose another -o")
     if not options.measure_only and out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"output {out} already exists; choose another -o or remove it")
     texts, dataset = _calibration(options)
@@ -167,6 +171,8 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         _run(job, model_dir, out, options, device, texts, measurement, _Steps(options), result)
     except ConversionStopped:
         pass
+    except WeightError as e:  # found only when the layer is read (a NaN weight, say)
+        raise ConvertError(f"{e} (the work so far stays in {job.path})") from None
     result.seconds = time.perf_counter() - started
     return result
 

@@ -1,0 +1,49 @@
+"""Confining names read from requests or files to one directory.
+
+`confined_path(root, name, what=...)` is the one check every name that comes from outside
+(a model or LoRA name from the UI or the API, a shard file named by a checkpoint's index
+JSON) goes through before it is joined to a directory: the name must be a relative path
+that stays inside `root` after symlinks are resolved. Anything else raises
+`PathConfinementError` (a ValueError) naming the name, what it was for and the directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+
+class PathConfinementError(ValueError):
+    """A name would reach outside the directory it must stay in."""
+
+
+def confined_path(
+    root: str | Path, name: str, *, what: str = "file", single_component: bool = False
+) -> Path:
+    """`root / name`, checked to stay inside `root` (symlinks resolved).
+
+    `single_component=True` accepts only one entry of `root` (a model or LoRA name), never
+    a path with separators. Existence is not checked: callers say "not found" their way."""
+    if not isinstance(name, str) or not name or "\x00" in name or name in {".", ".."}:
+        raise PathConfinementError(f"invalid {what} name {name!r}")
+    # Both spellings of absolute paths and drive letters, whatever this OS is: a name
+    # written on Windows reaches a Linux server through the API too.
+    absolute = PurePosixPath(name).is_absolute() or PureWindowsPath(name).anchor != ""
+    if absolute:
+        raise PathConfinementError(
+            f"invalid {what} name {name!r}: an absolute path; it must lie inside {root}"
+        )
+    if single_component and ("/" in name or "\\" in name):
+        raise PathConfinementError(
+            f"invalid {what} name {name!r}: a name is one entry of {root}, not a path"
+        )
+    if ".." in PurePosixPath(name.replace("\\", "/")).parts:
+        raise PathConfinementError(f"invalid {what} name {name!r}: '..' leaves {root}")
+    base = Path(root)
+    candidate = base / name
+    resolved_root = base.resolve()
+    resolved = candidate.resolve()
+    if resolved_root not in resolved.parents:
+        raise PathConfinementError(
+            f"{what} {name!r} points outside {root} (it resolves to {resolved})"
+        )
+    return candidate
