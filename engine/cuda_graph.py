@@ -282,6 +282,8 @@ class DecodeGraphs:
                 lora,
                 capture=self.capture,
             )
+        # A LoRA graph replays only against the stacks it was captured with.
+        assert lora is None or graph.lora_version == lora.version, "stale LoRA graph"
         return graph
 
     def drop_lora_graphs(self) -> None:
