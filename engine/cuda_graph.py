@@ -10,6 +10,11 @@ told the context may be that long (`max_context_len` sizes the decode kernel's g
 must not change between replays). Buckets are padded with dummy sequences whose one token
 lands in a scratch page that no real sequence owns.
 
+A captured graph keeps raw device addresses, not tensors: every tensor its kernels read
+must be owned by the `_Graph` for as long as it may replay (a tensor that only a local
+variable of the capture held is freed after it, and the allocator hands its memory to the
+next small tensor, e.g. the sampler's, which the replay then reads as input).
+
 Steps of a few tokens per sequence (speculative verification: the last token and its
 drafts; a draft model catching up on accepted tokens) replay graphs captured for B rows of
 T tokens each (T in TOKEN_BUCKETS, B * T <= MAX_GRAPH_TOKENS). A row with fewer tokens is
@@ -20,14 +25,22 @@ Python: on an H200 the 8B model's verify step took ~25 ms, which made speculativ
 slower than plain decoding.
 
 Steps where some row uses a LoRA adapter replay a second set of graphs, captured with the
-LoRA kernels and a static [B, slots] scale buffer that each step fills. They hold the
-adapters' stack addresses, so they are dropped whenever the LoRA manager's `version`
-changes (an adapter was loaded or unloaded) and captured again on next use.
+LoRA kernels and a static `LoraBatch` owned by the graph: segment starts [B+1] (one row
+each) and a [B, slots] scale buffer that each step fills (0 for padding rows and unused
+slots), so scales and adapter mixes change per step without a new capture. Python-side
+branches of the LoRA modules are taken once, at capture, as for a step where no row uses a
+replacement (modules_to_save); steps that do run eagerly (`LoraManager.graphable`). The
+graphs also hold the addresses of the adapters' stacks and slot maps, so they are dropped
+whenever the LoRA manager's `version` changes (an adapter was loaded or unloaded: stacks
+re-allocated, slots renumbered) and captured again on next use.
+
+`capture=False` builds the same static buffers and stages them the same way, but runs the
+forward on them eagerly instead of replaying: the CPU tests check the graph path's inputs
+with it, and on a GPU it separates a wrong input from a wrong capture.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,9 +48,11 @@ import torch
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 
 if TYPE_CHECKING:
-    from engine.lora import LoraManager
+    from engine.lora import LoraBatch, LoraManager
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
 TOKEN_BUCKETS = (1, 2, 4, 8)  # new tokens per row of a graph
 MAX_GRAPH_TOKENS = 64  # rows * tokens of a multi-token graph (its activations, its logits)
 
@@ -88,11 +103,17 @@ class _Graph:
         device: torch.device,
         lora: LoraManager | None = None,
         tokens_per_row: int = 1,
+        *,
+        capture: bool = True,
     ) -> None:
+        self.model = model
+        self.cache = cache
         self.batch_size = batch_size
         self.tokens_per_row = T = tokens_per_row
         self.scratch_page = scratch_page
         self.page_size = cache.page_size
+        self.device = device
+        self.replays = 0
         B = batch_size
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
@@ -107,29 +128,60 @@ class _Graph:
             max_query_len=T,
             max_context_len=max_context,
         )
-        # Host staging rows, copied to the device buffers in one go per step: per row its
-        # T tokens, T positions, T slots, the context length, then the page table.
+        # Host staging rows, copied to the device buffers in one go per step (pinned on a
+        # GPU, so the copy is asynchronous): per row its T tokens, T positions, T slots,
+        # the context length, then the page table (`stage_rows`).
+        pin = device.type == "cuda"
         self.width = 3 * T + 1 + max_pages
-        self.host = torch.zeros((B, self.width), dtype=torch.int64).pin_memory()
+        self.host = _host((B, self.width), torch.int64, pin)
         self.device_rows = torch.zeros((B, self.width), **i64)
+        # Recorded after the step's copies: the next step waits for it before it rewrites
+        # the pinned host buffers, which an unfinished asynchronous copy may still read.
+        self._copied = torch.cuda.Event() if pin else None
 
-        # A LoRA graph reads each row's adapter scales from a static buffer.
-        lora_batch = lora.static_batch(B, device) if lora is not None else None
-        self.lora_scales = lora_batch.body.scales if lora_batch is not None else None
-        active = lora.active(lora_batch) if lora is not None else contextlib.nullcontext()
+        # LoRA: the graph owns the static batch its LoRA kernels read (see the docstring),
+        # and remembers the manager's version, i.e. which stacks it was captured against.
+        self.lora = lora
+        self.lora_version = lora.version if lora is not None else None
+        self.lora_batch: LoraBatch | None = (
+            lora.static_batch(B, device) if lora is not None else None
+        )
+        self.lora_host = (
+            _host(tuple(self.lora_batch.body.scales.shape), torch.float32, pin)
+            if self.lora_batch is not None
+            else None
+        )
 
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+        if capture:
+            self._capture(device)
+
+    @property
+    def lora_scales(self) -> torch.Tensor | None:
+        """The static [batch_size, slots] scale buffer the LoRA kernels read (device)."""
+        return self.lora_batch.body.scales if self.lora_batch is not None else None
+
+    def forward(self) -> torch.Tensor:
+        """The forward that is captured: the model on the static batch, with the static LoRA
+        batch active in a LoRA graph. Logits [batch_size * tokens_per_row, vocab]."""
+        if self.lora is None:
+            return self.model(self.batch, self.cache)
+        with self.lora.active(self.lora_batch):
+            return self.model(self.batch, self.cache)
+
+    def _capture(self, device: torch.device) -> None:
         # Warm up outside the graph: compiles kernels and fills the quant kernels' caches,
         # which take one host sync the first time they see a weight.
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with active:
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    model(self.batch, cache)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = model(self.batch, cache)
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.forward()
 
     def run(
         self,
@@ -146,26 +198,54 @@ class _Graph:
         tokens: list[int],
         lora_scales: torch.Tensor | None = None,
     ) -> None:
-        """Write a one-token step's inputs into the device rows (`device_rows`) and, in a
-        LoRA graph, the rows' adapter scales."""
-        if self.lora_scales is not None:
-            self.lora_scales.zero_()
+        """Write the step's inputs into the device rows (`device_rows`) and, in a LoRA
+        graph, the rows' adapter scales [len(sequences), slots] into the static scale
+        buffer (padding rows: 0, no adapter)."""
+        n = len(sequences)
+        if n > self.batch_size:
+            raise ValueError(f"{n} sequences do not fit the graph of bucket {self.batch_size}")
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self.lora_host is not None:
+            self.lora_host.zero_()
             if lora_scales is not None:
-                self.lora_scales[: len(sequences)].copy_(lora_scales)
-        self.stage_many(sequences, [[t] for t in tokens])
+                if lora_scales.shape != (n, self.lora_host.shape[1]):
+                    raise ValueError(
+                        f"LoRA scales of shape {tuple(lora_scales.shape)} given to a decode "
+                        f"graph captured for {self.lora_host.shape[1]} adapter slots and {n} "
+                        "rows: the adapters changed since the capture (a stale graph)"
+                    )
+                self.lora_host[:n] = lora_scales
+            scales = self.lora_scales
+            assert scales is not None
+            scales.copy_(self.lora_host, non_blocking=True)
+        elif lora_scales is not None:
+            raise ValueError("LoRA scales given to a decode graph captured without LoRA")
+        self._stage_rows(sequences, [[t] for t in tokens])
 
     def stage_many(self, sequences: list[Sequence], new_tokens: list[list[int]]) -> None:
-        """Write the inputs of a step of up to `tokens_per_row` new tokens per sequence.
-        The caller has reserved the pages and advanced each sequence's length past its new
-        tokens; rows are padded (see the module docstring)."""
+        """Write the inputs of a step of up to `tokens_per_row` new tokens per sequence
+        (no LoRA). The caller has reserved the pages and advanced each sequence's length
+        past its new tokens; rows are padded (see the module docstring)."""
+        if len(sequences) > self.batch_size:
+            raise ValueError(
+                f"{len(sequences)} sequences do not fit the graph of bucket {self.batch_size}"
+            )
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._stage_rows(sequences, new_tokens)
+
+    def _stage_rows(self, sequences: list[Sequence], new_tokens: list[list[int]]) -> None:
         stage_rows(self.host, sequences, new_tokens, self.tokens_per_row, self.page_size,
                    self.scratch_page)  # fmt: skip
         self.device_rows.copy_(self.host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
 
     def replay(self) -> torch.Tensor:
         """Run the captured forward on what `device_rows` holds; logits
-        [batch_size * tokens_per_row, vocab].
-        (Tensor-parallel ranks other than 0 receive `device_rows` instead of staging them.)"""
+        [batch_size * tokens_per_row, vocab]. (Tensor-parallel ranks other than 0 receive
+        `device_rows` instead of staging them.)"""
         rows, T = self.device_rows, self.tokens_per_row
         batch = self.batch
         batch.token_ids.copy_(rows[:, :T].reshape(-1))
@@ -173,15 +253,33 @@ class _Graph:
         batch.slots.copy_(rows[:, 2 * T : 3 * T].reshape(-1))
         batch.context_lens.copy_(rows[:, 3 * T])
         batch.page_table.copy_(rows[:, 3 * T + 1 :])
+        self.replays += 1
+        if self.graph is None:
+            return self.forward()
         self.graph.replay()
+        assert self.logits is not None
         return self.logits
 
 
-class DecodeGraphs:
-    """Captured decode forwards, one per bucket, made on first use."""
+def _host(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    host = torch.zeros(shape, dtype=dtype)
+    return host.pin_memory() if pin else host
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, max_seq_len: int) -> None:
+
+class DecodeGraphs:
+    """Captured decode forwards, one per bucket, made on first use (`capture=False`: the
+    same static buffers run eagerly, see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedKVCache,
+        max_seq_len: int,
+        *,
+        capture: bool = True,
+    ) -> None:
         self.model = model
+        self.capture = capture
         self.cache = cache
         self.max_pages = -(-max_seq_len // cache.page_size)
         self.max_context = max_seq_len
@@ -192,6 +290,7 @@ class DecodeGraphs:
         # Graphs with LoRA kernels, valid while the adapters' stacks stay where they were.
         self._lora_graphs: dict[tuple[int, int], _Graph] = {}
         self._lora_version = -1
+        self.lora_steps = 0  # decode steps that ran a LoRA graph (benchmarks, tests)
 
     @staticmethod
     def bucket(batch_size: int) -> int | None:
@@ -256,7 +355,10 @@ class DecodeGraphs:
             seq.length += 1
         size = self.bucket(len(sequences))
         assert size is not None, "more sequences than the largest bucket"
-        return self.graph(size, lora).run(sequences, tokens, lora_scales)
+        graph = self.graph(size, lora)
+        if lora is not None:
+            self.lora_steps += 1
+        return graph.run(sequences, tokens, lora_scales)
 
     def graph(
         self, size: int, lora: LoraManager | None = None, *, tokens_per_row: int = 1
@@ -283,7 +385,10 @@ class DecodeGraphs:
                 self.device,
                 lora,
                 tokens_per_row,
+                capture=self.capture,
             )
+        # A LoRA graph replays only against the stacks it was captured with.
+        assert lora is None or graph.lora_version == lora.version, "stale LoRA graph"
         return graph
 
     def drop_lora_graphs(self) -> None:

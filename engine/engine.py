@@ -34,6 +34,14 @@ class ContextLengthError(ValueError):
     """A prompt (plus the tokens asked for) does not fit the model's context."""
 
 
+# Default of EngineOptions.lora_cuda_graphs: decode steps that apply LoRA adapters replay
+# their own CUDA graphs. It was off after an H200 run (2026-11-22) where the LoRA graphs gave
+# other greedy tokens than the eager path after a few steps: the graphs' segment-start
+# buffer was owned by nothing after capture, so its memory went to the next small tensor
+# and the replays read that as input (engine/cuda_graph.py now keeps it with the graph).
+LORA_GRAPHS = True
+
+
 @dataclass
 class EngineOptions:
     device: str | None = None
@@ -48,6 +56,8 @@ class EngineOptions:
     rope_alpha: float = 1.0
     prefill_chunk: int = 2048
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (single-GPU engines)
+    # ... also the decode steps that apply LoRA adapters (off: those run eagerly)
+    lora_cuda_graphs: bool = LORA_GRAPHS
     max_batch: int = 64  # concurrent jobs; more wait in the scheduler's queue
     prefix_caching: bool = True  # reuse the cached pages of a repeated prompt prefix
     fuse_projections: bool = True  # q/k/v and gate/up as one linear each (engine/fusion.py)
@@ -62,13 +72,6 @@ class EngineOptions:
     draft_model: str | None = None
     num_draft_tokens: int = 4
     speculative_max_batch: int = 16  # more decoding jobs than this: steps without drafts
-
-
-# Decode steps that apply LoRA adapters replay their own CUDA graphs only when this is on.
-# Off: on an H200 (2026-11-22) the LoRA graphs gave other greedy tokens than the eager path
-# after a few steps (tests/test_lora.py::test_cuda_graph_lora_decode_equals_eager), while the
-# LoRA kernels alone match their reference there; until that is found, LoRA steps run eagerly.
-LORA_GRAPHS = False
 
 
 class Engine:
@@ -91,6 +94,9 @@ class Engine:
         self.max_seq_len = options.max_seq_len or DEFAULT_MAX_SEQ_LEN
         self.load_seconds = load_seconds
         self.graphs: DecodeGraphs | None = None
+        # LoRA decode steps replay graphs (when `graphs` exist); tools/bench_lora.py flips it
+        # between measurements to compare with eager LoRA steps on one engine.
+        self.lora_graphs = options.lora_cuda_graphs
         self.placement: Placement | None = None  # set by load
         self.tp_world_size = 1  # set by engine/tensor_parallel for a sharded model
         self.draft_engine: Engine | None = None  # speculative="draft": the draft model
@@ -175,10 +181,20 @@ class Engine:
         )
         engine.placement = placement
         if use_graphs:
-            engine.graphs = DecodeGraphs(model, cache, max_seq_len)
-            engine.loras.listeners.append(engine.graphs.drop_lora_graphs)
+            engine.enable_decode_graphs()
         engine.setup_speculation()
         return engine
+
+    def enable_decode_graphs(self, *, capture: bool = True) -> DecodeGraphs:
+        """Run batched decode steps through `DecodeGraphs` (one spare cache page needed).
+        `capture=False` runs their static buffers eagerly: the graph path on any device,
+        for tests (Engine.load enables captured graphs on a single CUDA device)."""
+        if self.graphs is not None:
+            raise RuntimeError("decode graphs are already enabled on this engine")
+        self.graphs = DecodeGraphs(self.model, self.cache, self.max_seq_len, capture=capture)
+        # Loading or unloading an adapter re-allocates the stacks the LoRA graphs read.
+        self.loras.listeners.append(self.graphs.drop_lora_graphs)
+        return self.graphs
 
     def setup_speculation(self) -> None:
         """Turn on the speculative decoding the options ask for (loads the draft model)."""
@@ -257,7 +273,7 @@ class Engine:
                 if shape is not None:
                     return self.graphs.forward_many(sequences, new_tokens, shape, logits_counts)
             elif (
-                LORA_GRAPHS
+                self.lora_graphs
                 and logits_counts is None
                 and all(n == 1 for n in lengths)
                 and self.graphs.bucket(len(sequences)) is not None
@@ -328,6 +344,8 @@ class Engine:
             self.draft_engine.unload()
             self.draft_engine = None
         if self.graphs is not None:
+            if self.graphs.drop_lora_graphs in self.loras.listeners:
+                self.loras.listeners.remove(self.graphs.drop_lora_graphs)
             self.graphs.release()
             self.graphs = None
         self.model = None  # type: ignore[assignment]

@@ -449,9 +449,10 @@ def test_bad_adapters_give_clear_errors(tiny: Path, adapters: dict[str, Path], t
 
 @pytest.mark.gpu
 def test_cuda_graph_lora_decode_equals_eager(tiny: Path, adapters: dict[str, Path], tmp_path):
-    """With CUDA graphs on, mixed-adapter decode steps give the tokens of an engine without
-    graphs; loading another adapter mid-run is picked up. LoRA steps replay their own graphs
-    only when engine.engine.LORA_GRAPHS is on (off until they match on a GPU)."""
+    """With CUDA graphs on (default options), mixed-adapter decode steps give the tokens of
+    an engine without graphs; loading another adapter mid-run is picked up. LoRA steps
+    replay their own graphs when engine.engine.LORA_GRAPHS (the default of
+    lora_cuda_graphs) is on; tests/test_lora_graphs.py covers them in detail."""
     from engine.engine import LORA_GRAPHS
 
     c = _make_adapter(_hf(tiny), tmp_path / "C", 5, r=16, lora_alpha=16, target_modules=ALL)

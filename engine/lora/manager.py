@@ -266,7 +266,11 @@ class LoraManager:
         return not any(self.adapters[n].replacements for s in selections for n in s)
 
     def static_batch(self, batch_size: int, device: torch.device) -> LoraBatch:
-        """Device buffers of a decode step of `batch_size` rows, for graph capture."""
+        """Device buffers of a decode step of `batch_size` rows (one segment per row), for
+        graph capture. The caller must own the result as long as the graph may replay: the
+        kernels keep the addresses of `starts` and `scales`, and each step fills `scales`.
+        `host_scales` stay 0: the host-side branches (replacements) are taken at capture as
+        for a step where no row uses one, which `graphable` makes true of every replay."""
         scales = torch.zeros((batch_size, len(self.adapters)), dtype=torch.float32)
         seg = LoraSegments(
             starts=torch.arange(batch_size + 1, dtype=torch.int32, device=device),
