@@ -34,6 +34,10 @@ class ContextLengthError(ValueError):
     """A prompt (plus the tokens asked for) does not fit the model's context."""
 
 
+class EmptyPromptError(ContextLengthError):
+    """A prompt without a single token."""
+
+
 @dataclass
 class EngineOptions:
     device: str | None = None
@@ -224,7 +228,7 @@ class Engine:
 
     def check_length(self, prompt_tokens: int, new_tokens: int = 0) -> None:
         if prompt_tokens == 0:
-            raise ContextLengthError("the prompt is empty: at least one token is needed")
+            raise EmptyPromptError("the prompt is empty: at least one token is needed")
         if prompt_tokens + new_tokens > self.max_seq_len:
             raise ContextLengthError(
                 f"the prompt has {prompt_tokens} tokens"

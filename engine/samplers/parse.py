@@ -154,8 +154,8 @@ def parse_logit_bias(name: str, value: Any) -> dict[int, float]:
             ):
                 raise SamplingSettingsError(
                     f"{name} must map token ids (>= 0) to numbers in [-{MAX_BIAS:g}, "
-                    f"{MAX_BIAS:g}] (ban a token with custom_token_bans): {key!r}: {bias!r} is not, "
-                    f"got {value!r}"
+                    f"{MAX_BIAS:g}] (ban a token with custom_token_bans): {key!r}: {bias!r} "
+                    f"is not, got {value!r}"
                 )
             out[token] = float(bias)
         return out
