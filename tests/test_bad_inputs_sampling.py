@@ -15,7 +15,7 @@ from engine.sampling_settings import SamplingSettings, SamplingSettingsError
 
 from model_factory import make_tiny_llama
 
-hypothesis = pytest.importorskip("hypothesis")
+hypothesis = pytest.importorskip("hypothesis")  # requirements-dev.txt
 st = hypothesis.strategies
 given, settings, HealthCheck = hypothesis.given, hypothesis.settings, hypothesis.HealthCheck
 

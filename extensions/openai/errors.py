@@ -98,6 +98,13 @@ def error_for(error: BaseException, prompt_param: str = "messages") -> ApiError:
     return ApiError(500, f"internal error: {type(error).__name__}: {message}", type="server_error")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in _TYPE_TAGS or "[" in part or part.startswith("function-")
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -108,6 +115,8 @@ def install_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {}
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        while location and _is_type_tag(location[-1]):
+            location.pop()  # pydantic names the union member tried ("prompt.str"): not a field
         if first.get("type") == "json_invalid":
             message = f"malformed JSON in the request body: {first.get('msg', '')}"
             return ApiError(400, message, code="invalid_json").response()
@@ -128,7 +137,8 @@ def install_handlers(app: FastAPI) -> None:
             )
             return ApiError(400, message, code="invalid_json").response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return ApiError(exc.status_code, str(exc.detail), type=kind).response()
+        code = "request_too_large" if exc.status_code == 413 else None  # extensions/openai/limits
+        return ApiError(exc.status_code, str(exc.detail), type=kind, code=code).response()
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception) -> JSONResponse:
