@@ -201,9 +201,15 @@ class ModelManager:
     ) -> LoadedModel:
         """Unload the current model (if any) and load `name` from the models directory.
 
-        On failure the manager holds no model and the error propagates: a half-loaded
-        model never stays around holding memory."""
+        A bad name, or a bad value of a control in the loader's settings schema, fails
+        before anything is unloaded. On a later failure the manager holds no model and the
+        error propagates: a half-loaded model never stays around holding memory."""
         path = self.resolve_model(name)
+        if loader_name is not None:
+            # A bad value of a control the loader publishes is refused before the current
+            # model is unloaded (options outside its schema are left to the loader).
+            schema = loader.settings_schema(loader_name)
+            schema.check({k: v for k, v in options.items() if k in schema.names()})
         with self._lock:
             self.unload()
             if describe_model(path).format == "gguf":
