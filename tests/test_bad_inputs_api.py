@@ -324,3 +324,14 @@ else:
         assert error["param"] in fields or error["param"] == "max_tokens"
         stats = manager.current().backend.scheduler.stats()
         assert stats["running"] == 0
+
+
+def test_stream_events_survive_line_splitting_clients() -> None:
+    # Generated text may hold U+2028/U+2029/U+0085, which JSON leaves raw and str.splitlines()
+    # (httpx's aiter_lines, many SSE readers) takes for line breaks.
+    from extensions.openai.generation import _sse
+
+    text = "a\u2028b\x85c\u2029d\ne"
+    event = _sse({"text": text}).decode()
+    lines = event.splitlines()
+    assert lines == [lines[0], ""] and json.loads(lines[0][len("data: ") :]) == {"text": text}

@@ -82,9 +82,15 @@ def _usage(choices: list[Choice], n: int) -> dict[str, int]:
     }
 
 
+# Line breaks to str.splitlines() (and so to httpx's aiter_lines and many hand-written SSE
+# readers) that JSON leaves raw: generated text holding one would cut an event in two.
+_LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_ESCAPE_BREAKS = str.maketrans(_LINE_BREAKS)
+
+
 def _sse(data: dict[str, Any] | str) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {text}\n\n".encode()
+    return f"data: {text.translate(_ESCAPE_BREAKS)}\n\n".encode()
 
 
 class _Request:
