@@ -396,8 +396,12 @@ class Scheduler:
                         if not self._step(queue=True) and not self._running:
                             self._stalled()
                         ready = [e for job in jobs for e in self._drain(job)]
-                yield from ready
                 failed = next((job for job in jobs if job.error is not None), None)
+                if failed is not None:
+                    # Raise instead of yielding the "error" final event: a consumer that
+                    # stops at a finish_reason would otherwise never see the exception.
+                    ready = [e for e in ready if e.finish_reason != "error"]
+                yield from ready
                 if failed is not None:
                     raise failed.error
         finally:

@@ -335,3 +335,56 @@ def test_stream_events_survive_line_splitting_clients() -> None:
     event = _sse({"text": text}).decode()
     lines = event.splitlines()
     assert lines == [lines[0], ""] and json.loads(lines[0][len("data: ") :]) == {"text": text}
+
+
+# -- capacity and memory faults through the API --------------------------------------------
+def test_more_requests_than_batch_and_cache_are_queued(
+    server: ApiServer, manager: ModelManager
+) -> None:
+    # 16 concurrent requests on max_batch 8 and a 512-token cache: they wait or are
+    # preempted, and every one is answered in full.
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {**COMPLETION, "max_tokens": 40, "ban_eos_token": True}
+
+    def one(i: int) -> httpx.Response:
+        return _post(server, "/completions", {**body, "prompt": [5 + i] * (30 + 2 * i)})
+
+    with ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(one, range(16)))
+    assert [r.status_code for r in responses] == [200] * 16
+    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in responses)
+    _still_serves(server, manager)
+
+
+def test_out_of_memory_fails_one_request_with_503(server: ApiServer, manager: ModelManager):
+    import threading
+
+    import torch
+
+    model = manager.current().backend.model
+    real = model.forward
+    raised = threading.Event()
+
+    def forward(batch, cache):  # a big prefill step runs out of memory, once
+        if not raised.is_set() and batch.token_ids.numel() > 150:
+            raised.set()
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(batch, cache)
+
+    small = {**COMPLETION, "max_tokens": 30, "ban_eos_token": True, "stream": True}
+    model.forward = forward
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=small, timeout=60) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data:"))  # it is running
+            big = _post(server, "/completions", {**COMPLETION, "prompt": [9] * 200})
+            rest = [line for line in lines if line.startswith("data:")]
+    finally:
+        del model.forward
+    error = _error(big, 503)
+    assert error["code"] == "out_of_memory" and "ran out of memory" in error["message"]
+    assert raised.is_set() and rest[-1] == "data: [DONE]" and '"error"' not in "".join(rest)
+    finishes = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in rest[:-1]]
+    assert finishes[-1] == "length"  # the running stream went on to its end
+    _still_serves(server, manager)
