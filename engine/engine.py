@@ -42,6 +42,10 @@ class ContextLengthError(ValueError):
 LORA_GRAPHS = True
 
 
+class EmptyPromptError(ContextLengthError):
+    """A prompt without a single token."""
+
+
 @dataclass
 class EngineOptions:
     device: str | None = None
@@ -240,7 +244,7 @@ class Engine:
 
     def check_length(self, prompt_tokens: int, new_tokens: int = 0) -> None:
         if prompt_tokens == 0:
-            raise ContextLengthError("the prompt is empty: at least one token is needed")
+            raise EmptyPromptError("the prompt is empty: at least one token is needed")
         if prompt_tokens + new_tokens > self.max_seq_len:
             raise ContextLengthError(
                 f"the prompt has {prompt_tokens} tokens"

@@ -20,6 +20,9 @@ Contract:
   sampler is not given), mirostat_mode 1 (llama.cpp only in TGW too), adaptive_p,
   guidance_scale/negative_prompt, contrastive search, beams, min_length and grammars.
   Banned strings are the generator's job (it must rewind the text), not the sampler's.
+- Sizes are bounded so that no accepted value can overflow inside a step (where it would
+  fail the whole batch): counts up to 2**31 - 1, floats up to 1e6 in size, logit_bias in
+  [-100, 100] (OpenAI's range), at most 256 stop / banned strings of 1000 characters each.
 - Greedy decoding when `do_sample` is False or `temperature` is 0, as in TGW.
 """
 
@@ -39,6 +42,7 @@ from engine.samplers.parse import (
     as_token_ids,
     check_bool,
     check_range,
+    check_strings,
     parse_logit_bias,
     parse_loras,
     parse_sequence_breakers,
@@ -61,18 +65,33 @@ _NEUTRAL_VALUES: dict[str, Any] = {
 }
 _STOP_KEYS = ("stop", "stopping_strings", "custom_stopping_strings")
 
+# Token counts and lengths reach torch as 64-bit ints (top_k, slices): a bound far above
+# any context keeps a huge value a clear error instead of an overflow inside a step, where
+# it would fail every job of the batch. max_new_tokens is clamped to the context instead.
+MAX_COUNT = 2**31 - 1
+# Every float setting is at most this large in size: beyond it a value can only overflow
+# float32 logits (a bias of 1e39 is inf), and no sampler means anything there.
+MAX_FLOAT = 1e6
 _Rule = tuple[str, Callable[[Any], bool], str]
 _INT_RULES: tuple[_Rule, ...] = (
     ("max_new_tokens", lambda v: v >= 0, ">= 0"),
-    ("top_k", lambda v: v >= 0, ">= 0 (0 turns it off)"),
-    ("repetition_penalty_range", lambda v: v >= 0, ">= 0 (0 means the whole context)"),
+    ("top_k", lambda v: 0 <= v <= MAX_COUNT, f"in [0, {MAX_COUNT}] (0 turns it off)"),
+    (
+        "repetition_penalty_range",
+        lambda v: 0 <= v <= MAX_COUNT,
+        f"in [0, {MAX_COUNT}] (0 means the whole context)",
+    ),
     # torch.Generator.manual_seed takes at most 64 bits.
     ("seed", lambda v: -1 <= v < 2**64, "-1 (random) or in [0, 2**64)"),
-    ("dry_allowed_length", lambda v: v >= 1, ">= 1"),
-    ("dry_penalty_last_n", lambda v: v >= -1, "-1 (repetition_penalty_range), 0 (all) or > 0"),
+    ("dry_allowed_length", lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]"),
+    (
+        "dry_penalty_last_n",
+        lambda v: -1 <= v <= MAX_COUNT,
+        f"-1 (repetition_penalty_range), 0 (all) or in [1, {MAX_COUNT}]",
+    ),
     ("mirostat_mode", lambda v: v in (0, 1, 2), "0 (off), 1 (not implemented) or 2"),
-    ("no_repeat_ngram_size", lambda v: v >= 0, ">= 0 (0 turns it off)"),
-    ("min_new_tokens", lambda v: v >= 0, ">= 0"),
+    ("no_repeat_ngram_size", lambda v: 0 <= v <= MAX_COUNT, f"in [0, {MAX_COUNT}] (0: off)"),
+    ("min_new_tokens", lambda v: 0 <= v <= MAX_COUNT, f"in [0, {MAX_COUNT}]"),
 )
 _FLOAT_RULES: tuple[_Rule, ...] = (
     ("temperature", lambda v: v >= 0, ">= 0"),
@@ -179,6 +198,7 @@ class SamplingSettings:
         for name, ok, expected in _FLOAT_RULES:
             value = as_float(name, getattr(self, name))
             check_range(name, value, ok(value), expected)
+            check_range(name, value, abs(value) <= MAX_FLOAT, f"at most {MAX_FLOAT:g} in size")
             setattr(self, name, value)
         for name in _BOOL_FIELDS:
             check_bool(name, getattr(self, name))
@@ -194,12 +214,13 @@ class SamplingSettings:
                 f"sampler_priority {e}, got {self.sampler_priority!r}"
             ) from None
         self.sampler_priority = priority or list(TGW_PRIORITY)
-        self.stop = as_str_list("stop", self.stop)
+        self.stop = check_strings("stop", as_str_list("stop", self.stop))
         if isinstance(self.banned_strings, str):
             self.banned_strings = [self.banned_strings]
-        self.banned_strings = [b for b in as_str_list("banned_strings", self.banned_strings) if b]
+        banned = [b for b in as_str_list("banned_strings", self.banned_strings) if b]
+        self.banned_strings = check_strings("banned_strings", banned)
         self.stop_token_ids = as_token_ids("stop_token_ids", self.stop_token_ids)
-        self.loras = parse_loras("loras", self.loras)
+        self.loras = parse_loras("loras", self.loras, MAX_FLOAT)
         if not isinstance(self.extra, dict):
             raise SamplingSettingsError(f"extra must be a dict, got {self.extra!r}")
 

@@ -23,7 +23,10 @@ Contract:
   no background thread. Closing such an iterator early cancels its unfinished jobs.
 - `cancel(job)` frees the job's pages at once, whatever its state, and ends it with
   finish_reason "cancelled". A failing forward ends the jobs of that step with "error" (their
-  streams raise the exception) and leaves the scheduler usable.
+  streams raise the exception) and leaves the scheduler usable. A forward that runs out of
+  memory (torch.OutOfMemoryError, MemoryError) ends only one job of the step, the one that
+  fed the most tokens, with a `GenerationMemoryError` and frees its pages; the step is
+  undone for the others, which go on as if it had not happened (`step()` does not raise).
 - Admission and preemption: a job is admitted when the free pages hold its prompt with one
   page to spare per running job; its output is not reserved. When a step's decode tokens
   do not fit, the youngest running job is preempted: its pages are freed and it waits first
@@ -100,6 +103,10 @@ class SchedulerError(RuntimeError):
 
 class QueueFullError(SchedulerError):
     """`max_waiting` jobs already wait."""
+
+
+class GenerationMemoryError(RuntimeError):
+    """A job's step ran out of (GPU or host) memory; that job ended, the others go on."""
 
 
 class Job:
@@ -189,6 +196,7 @@ class _Row:
     job: Job
     feed: list[int]
     drafts: list[int] = field(default_factory=list)
+    chunk: bool = False  # a prefill chunk (counted in job.prefill_tokens)
 
 
 class Scheduler:
@@ -388,8 +396,12 @@ class Scheduler:
                         if not self._step(queue=True) and not self._running:
                             self._stalled()
                         ready = [e for job in jobs for e in self._drain(job)]
-                yield from ready
                 failed = next((job for job in jobs if job.error is not None), None)
+                if failed is not None:
+                    # Raise instead of yielding the "error" final event: a consumer that
+                    # stops at a finish_reason would otherwise never see the exception.
+                    ready = [e for e in ready if e.finish_reason != "error"]
+                yield from ready
                 if failed is not None:
                     raise failed.error
         finally:
@@ -406,14 +418,19 @@ class Scheduler:
                 self._unblock()
             return []
         batch = [row.job for row in rows]
+        lengths = [job.sequence.length for job in batch]
         try:
             counts = [1 + len(row.drafts) for row in rows]
-            logits = self.engine.forward(
-                [job.sequence for job in batch],
-                [row.feed + row.drafts for row in rows],
-                logits_counts=counts if any(r.drafts for r in rows) else None,
-                loras=[job.loras for job in batch],
-            )
+            try:
+                logits = self.engine.forward(
+                    [job.sequence for job in batch],
+                    [row.feed + row.drafts for row in rows],
+                    logits_counts=counts if any(r.drafts for r in rows) else None,
+                    loras=[job.loras for job in batch],
+                )
+            except (torch.OutOfMemoryError, MemoryError) as error:
+                # One job ends (its final event is also queued); the others run again.
+                return [self._out_of_memory(rows, lengths, error)]
             results = self._sample(rows, logits, counts)
         except BaseException as error:
             for job in batch:
@@ -463,6 +480,39 @@ class Scheduler:
             budget -= self._add_chunk(job, budget, rows)
         return rows
 
+    def _out_of_memory(
+        self, rows: list[_Row], lengths: list[int], error: BaseException
+    ) -> GenerationEvent:
+        """A forward ran out of memory: end one job of the step with "error" (the one that
+        fed the most tokens, its prefill chunk being the likely cause; the youngest among
+        equals), free its pages, and undo the step for the others, which run again on the
+        next step. Nothing was sampled yet, so their samplers and outputs are untouched;
+        only their sequences advanced (ForwardBatch.build) and are trimmed back."""
+        order = {job: n for n, job in enumerate(self._running)}
+        culprit = max(
+            range(len(rows)),
+            key=lambda n: (len(rows[n].feed) + len(rows[n].drafts), order.get(rows[n].job, -1)),
+        )
+        cache = self.engine.cache
+        tokens = sum(len(row.feed) + len(row.drafts) for row in rows)
+        for n, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+            if row.chunk:
+                row.job.prefill_tokens -= len(row.feed)
+            if n != culprit:
+                trim_sequence(cache, row.job.sequence, length)
+        job = rows[culprit].job
+        first_line = (str(error) or type(error).__name__).splitlines()[0]
+        job.error = GenerationMemoryError(
+            f"job {job.id} ran out of memory in a step of {tokens} tokens over {len(rows)} "
+            f"jobs ({type(error).__name__}: {first_line}); it was stopped and its cache pages "
+            "freed, the other jobs go on. A shorter prompt, fewer new tokens, or a smaller "
+            "prefill_chunk or max_batch at load time avoid it"
+        )
+        self._finish(job, "error")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # give the failed step's blocks back before the next
+        return job.events[-1]
+
     def _to_feed(self, job: Job) -> int:
         return len(job.tokens) - job.sequence.length
 
@@ -484,7 +534,7 @@ class Scheduler:
         if count <= 0:
             return 0
         self._reserved += self._pages_for(job, count)
-        rows.append(_Row(job, job.tokens[seq.length : seq.length + count]))
+        rows.append(_Row(job, job.tokens[seq.length : seq.length + count], chunk=True))
         job.prefill_tokens += count
         return count
 

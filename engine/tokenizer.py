@@ -368,7 +368,18 @@ class Tokenizer:
         )
 
     def encode(self, text: str, *, add_bos: bool | None = True, special: bool = True) -> list[int]:
-        """Token ids of `text`; `add_bos=None` means `add_bos_default`."""
+        """Token ids of `text`; `add_bos=None` means `add_bos_default`. Text that is not a
+        string or holds a lone surrogate (a JSON "\\ud800" escape: not Unicode text) is a
+        TokenizerError naming where, not a backend's TypeError."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"can only encode text (str), got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TokenizerError(
+                f"the text holds a lone surrogate {text[e.start]!r} at character {e.start}: "
+                "it is not valid Unicode (an unpaired \\ud800-\\udfff escape?)"
+            ) from None
         ids = self._backend.encode(text, special)
         if add_bos is None:
             add_bos = self.add_bos_default

@@ -196,14 +196,19 @@ class ModelManager:
     ) -> LoadedModel:
         """Unload the current model (if any) and load `name` from the models directory.
 
-        On failure the manager holds no model and the error propagates: a half-loaded
-        model never stays around holding memory."""
-        # Names are checked before the current model goes: a bad name leaves it serving.
+        A bad name, or a bad value of a control in the loader's settings schema, fails
+        before anything is unloaded. On a later failure the manager holds no model and the
+        error propagates: a half-loaded model never stays around holding memory."""
         path = self.resolve_model(name)
         draft = options.get("draft_model")
         load_options = dict(options)
         if draft:  # a name from the UI or the API: confined to the models directory too
             load_options["draft_model"] = resolve_name(self.models_dir, draft, "draft model")
+        if loader_name is not None:
+            # A bad value of a control the loader publishes is refused before the current
+            # model is unloaded (options outside its schema are left to the loader).
+            schema = loader.settings_schema(loader_name)
+            schema.check({k: v for k, v in options.items() if k in schema.names()})
         with self._lock:
             self.unload()
             path = self._gguf_imported(path, progress)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from engine.samplers.parse import SamplingSettingsError, as_int
 from loader.base import LoadedModel
 from webui import shared
 from webui.sampler_controls import state_from_values
@@ -51,10 +52,25 @@ def budget(model: LoadedModel, state: dict[str, Any]) -> tuple[int, int]:
     truncation_length (0: the model's context) minus max_new_tokens, with at least a
     quarter of the window kept for the prompt."""
     context = _context(model)
-    limit = int(state.get("truncation_length") or 0) or context
-    limit = min(limit, context)
-    new = min(int(state.get("max_new_tokens") or 1), limit - limit // 4)
+    truncation = _count(state, "truncation_length", 0, "0 (the model's context) or more")
+    limit = min(truncation or context, context)
+    new = min(_count(state, "max_new_tokens", 1, "1 or more"), limit - limit // 4)
     return limit - new, max(1, new)
+
+
+def _count(state: dict[str, Any], key: str, minimum: int, expected: str) -> int:
+    """A token count from the page: Gradio sends integral floats, an empty box None (the
+    default, `minimum`). Anything else fails naming the key, not with int()'s message."""
+    value = state.get(key)
+    if value is None or value == "":
+        return minimum
+    try:
+        count = as_int(key, value)
+    except SamplingSettingsError:
+        raise SamplingSettingsError(f"{key} must be a whole number, got {value!r}") from None
+    if count < minimum:
+        raise SamplingSettingsError(f"{key} must be {expected}, got {value!r}")
+    return count
 
 
 def fit_messages(model: LoadedModel, messages: list[Message], limit: int) -> list[Message]:

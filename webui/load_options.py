@@ -9,6 +9,7 @@ split) are not sent at all, so a loader is only ever asked for what the user set
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -95,9 +96,11 @@ def load_kwargs(values: dict[str, Any], shown: set[str] | None = None) -> dict[s
     if shown is not None:
         values = {k: v for k, v in values.items() if k in shown}
     out: dict[str, Any] = {}
-    seq = int(values.get("max_seq_len") or 0)
+    seq = _number(values, "max_seq_len", whole=True) or 0
+    if seq < 0:
+        raise ValueError(f"max_seq_len must be 0 (the model's own) or more, got {seq}")
     if seq > 0:
-        out["max_seq_len"] = seq
+        out["max_seq_len"] = int(seq)
     if values.get("cache_type") not in (None, "", "fp16"):
         out["cache_type"] = values["cache_type"]
     split = parse_gpu_split(values.get("gpu_split"))
@@ -107,14 +110,30 @@ def load_kwargs(values: dict[str, Any], shown: set[str] | None = None) -> dict[s
         if values.get(flag):
             out[flag] = True
     for rope in ("rope_alpha", "rope_scale"):
-        value = values.get(rope)
-        if value is not None and float(value) != 1.0:
-            out[rope] = float(value)
+        value = _number(values, rope)
+        if value is not None and value != 1.0:
+            out[rope] = value
     for choice in ("device", "dtype"):
         value = values.get(choice)
         if value and value != AUTO:
             out[choice] = value
     return out
+
+
+def _number(values: dict[str, Any], key: str, *, whole: bool = False) -> float | None:
+    """A finite number from a control (None when empty); a ValueError naming the key for
+    text, NaN, infinity or (with `whole`) a fraction."""
+    value = values.get(key)
+    if value is None or value == "":
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or (whole and not number.is_integer()):
+        kind = "a whole number" if whole else "a finite number"
+        raise ValueError(f"{key} must be {kind}, got {value!r}")
+    return number
 
 
 def values_from_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,12 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+# OpenAI's documented range for logit_bias: beyond it a bias only bans or forces a token.
+MAX_BIAS = 100.0
+# A stop or banned string is matched against the text after every token.
+MAX_STRINGS = 256
+MAX_STRING_CHARS = 1000
+
 
 class SamplingSettingsError(ValueError):
     """A sampling setting has a value of the wrong type or out of range."""
@@ -54,6 +60,21 @@ def as_str_list(name: str, value: Any) -> list[str]:
     if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
         return list(value)
     raise SamplingSettingsError(f"{name} must be a list of strings, got {value!r}")
+
+
+def check_strings(name: str, strings: list[str]) -> list[str]:
+    """`strings` if there are at most MAX_STRINGS of at most MAX_STRING_CHARS each."""
+    if len(strings) > MAX_STRINGS:
+        raise SamplingSettingsError(
+            f"{name} takes at most {MAX_STRINGS} strings, got {len(strings)}"
+        )
+    for i, text in enumerate(strings):
+        if len(text) > MAX_STRING_CHARS:
+            raise SamplingSettingsError(
+                f"{name} strings are at most {MAX_STRING_CHARS} characters, got "
+                f"{len(text)} in string {i} ({text[:40]!r}...)"
+            )
+    return strings
 
 
 def as_token_ids(name: str, value: Any) -> list[int]:
@@ -129,20 +150,24 @@ def parse_logit_bias(name: str, value: Any) -> dict[int, float]:
                 token is None
                 or not isinstance(bias, numbers.Real)
                 or isinstance(bias, bool)
-                or not math.isfinite(bias)
+                or not -MAX_BIAS <= bias <= MAX_BIAS  # NaN fails this too
             ):
-                break
+                raise SamplingSettingsError(
+                    f"{name} must map token ids (>= 0) to numbers in [-{MAX_BIAS:g}, "
+                    f"{MAX_BIAS:g}] (ban a token with custom_token_bans): {key!r}: {bias!r} "
+                    f"is not, got {value!r}"
+                )
             out[token] = float(bias)
-        else:
-            return out
+        return out
     raise SamplingSettingsError(
-        f"{name} must map token ids (>= 0) to finite numbers, got {value!r}"
+        f"{name} must map token ids (>= 0) to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
+        f"got {value!r}"
     )
 
 
-def parse_loras(name: str, value: Any) -> dict[str, float] | None:
-    """A request's LoRA selection: None (the model's), {name: finite scale}, or a list of
-    names (scale 1 each)."""
+def parse_loras(name: str, value: Any, max_scale: float = math.inf) -> dict[str, float] | None:
+    """A request's LoRA selection: None (the model's), {name: finite scale of at most
+    `max_scale` in size}, or a list of names (scale 1 each)."""
     if value is None:
         return None
     if isinstance(value, list | tuple) and all(isinstance(v, str) and v for v in value):
@@ -153,6 +178,12 @@ def parse_loras(name: str, value: Any) -> dict[str, float] | None:
             if not isinstance(key, str) or not key:
                 break
             out[key] = as_float(f"{name}['{key}']", scale)
+            check_range(
+                f"{name}['{key}']",
+                scale,
+                abs(out[key]) <= max_scale,
+                f"at most {max_scale:g} in size",
+            )
         else:
             return out
     raise SamplingSettingsError(

@@ -14,7 +14,7 @@
 Names are entries of the manager's models/LoRA directories, never paths. Keys are
 `Authorization: Bearer <key>`. With `local_only` (no --listen) requests must name a
 loopback host, which stops DNS-rebinding pages from reaching the API. CORS is off unless
-origins are given.
+origins are given. Request bodies over `max_body_bytes` (32 MiB) are refused with a 413.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from extensions.openai import generation
 from extensions.openai.errors import ApiError, error_for, install_handlers
+from extensions.openai.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from extensions.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,7 +40,7 @@ from extensions.openai.schemas import (
     LoraRequest,
 )
 from loader.base import LoadedModel
-from loader.manager import ModelManager
+from loader.manager import ModelManager, UnknownNameError
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
@@ -99,9 +100,11 @@ def create_app(
     admin_key: str | None = None,
     cors_origins: Sequence[str] = (),
     local_only: bool = True,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     app = FastAPI(title="Kestrel OpenAI-compatible API", docs_url=None, redoc_url=None)
     install_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -124,7 +127,7 @@ def create_app(
         if requested and requested != name:
             raise ApiError(
                 404,
-                f"the model {requested!r} is not loaded (loaded: {name!r}); load it through "
+                f"the model {requested[:200]!r} is not loaded (loaded: {name!r}); load it through "
                 "/v1/internal/model/load with the admin key",
                 param="model",
                 code="model_not_found",
@@ -207,7 +210,11 @@ def create_app(
             )
         loaded = {}
         for name, weight in zip(body.lora_names, weights, strict=True):
-            loaded[model.load_lora(manager.resolve_lora(name), name)] = weight
+            try:
+                path = manager.resolve_lora(name)
+            except UnknownNameError as error:
+                raise ApiError(404, str(error), param="lora_names", code="lora_not_found") from None
+            loaded[model.load_lora(path, name)] = weight
         model.set_loras(loaded)
         return {"status": "loaded", "lora_names": list(loaded)}
 

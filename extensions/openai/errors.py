@@ -17,13 +17,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.cache import CacheFullError
 from engine.chat_template import ChatTemplateError
-from engine.engine import ContextLengthError
+from engine.engine import ContextLengthError, EmptyPromptError
+from engine.lora import LoraError
 from engine.samplers.parse import SamplingSettingsError
-from engine.scheduler import QueueFullError, SchedulerError
+from engine.scheduler import GenerationMemoryError, QueueFullError, SchedulerError
 from loader.base import LoaderError, UnsupportedFeatureError
 from loader.manager import ModelNotLoadedError, UnknownNameError
 
 log = logging.getLogger(__name__)
+MAX_MESSAGE_CHARS = 1000
 
 
 class ApiError(Exception):
@@ -36,6 +38,9 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
     ) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:  # values are echoed: a 1 MB prompt must not be
+            cut = len(message) - MAX_MESSAGE_CHARS
+            message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} more characters)"
         super().__init__(message)
         self.status = status
         self.message = message
@@ -57,11 +62,14 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
-def error_for(error: BaseException) -> ApiError:
-    """The API error for an exception raised while serving a request."""
+def error_for(error: BaseException, prompt_param: str = "messages") -> ApiError:
+    """The API error for an exception raised while serving a request; `prompt_param` is
+    the body field a prompt problem is reported under ("prompt" or "messages")."""
     if isinstance(error, ApiError):
         return error
     message = str(error) or type(error).__name__
+    if isinstance(error, EmptyPromptError):
+        return ApiError(400, message, param=prompt_param, code="empty_prompt")
     if isinstance(error, ModelNotLoadedError):
         return ApiError(
             503, f"{message}: load one first", type="server_error", code="model_not_loaded"
@@ -71,11 +79,15 @@ def error_for(error: BaseException) -> ApiError:
     if isinstance(error, UnsupportedFeatureError):
         return ApiError(501, message, type="not_implemented_error", code="unsupported")
     if isinstance(error, ContextLengthError | CacheFullError):
-        return ApiError(400, message, param="messages", code="context_length_exceeded")
+        return ApiError(400, message, param=prompt_param, code="context_length_exceeded")
     if isinstance(error, SamplingSettingsError):
         return ApiError(400, message, param=message.split(" ", 1)[0])
     if isinstance(error, ChatTemplateError):
         return ApiError(400, message, param="messages", code="chat_template_error")
+    if isinstance(error, GenerationMemoryError):
+        return ApiError(503, message, type="server_error", code="out_of_memory")
+    if isinstance(error, LoraError):
+        return ApiError(400, message, param="loras")
     if isinstance(error, QueueFullError):
         return ApiError(429, message, type="server_error", code="queue_full")
     if isinstance(error, SchedulerError):  # the model was unloaded under the request
@@ -84,6 +96,13 @@ def error_for(error: BaseException) -> ApiError:
         return ApiError(400, message)
     log.exception("request failed", exc_info=error)
     return ApiError(500, f"internal error: {type(error).__name__}: {message}", type="server_error")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in _TYPE_TAGS or "[" in part or part.startswith("function-")
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -96,6 +115,8 @@ def install_handlers(app: FastAPI) -> None:
         errors = exc.errors()
         first = errors[0] if errors else {}
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        while location and _is_type_tag(location[-1]):
+            location.pop()  # pydantic names the union member tried ("prompt.str"): not a field
         if first.get("type") == "json_invalid":
             message = f"malformed JSON in the request body: {first.get('msg', '')}"
             return ApiError(400, message, code="invalid_json").response()
@@ -107,8 +128,17 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        cause = exc.__cause__
+        if isinstance(cause, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+            bad = cause.object[cause.start : cause.start + 1]
+            message = (
+                f"the request body is not valid UTF-8: byte 0x{bad.hex()} at position "
+                f"{cause.start} ({cause.reason}); send JSON encoded as UTF-8"
+            )
+            return ApiError(400, message, code="invalid_json").response()
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return ApiError(exc.status_code, str(exc.detail), type=kind).response()
+        code = "request_too_large" if exc.status_code == 413 else None  # extensions/openai/limits
+        return ApiError(exc.status_code, str(exc.detail), type=kind, code=code).response()
 
     @app.exception_handler(Exception)
     async def _any(request: Request, exc: Exception) -> JSONResponse:

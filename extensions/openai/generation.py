@@ -82,9 +82,15 @@ def _usage(choices: list[Choice], n: int) -> dict[str, int]:
     }
 
 
+# Line breaks to str.splitlines() (and so to httpx's aiter_lines and many hand-written SSE
+# readers) that JSON leaves raw: generated text holding one would cut an event in two.
+_LINE_BREAKS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_ESCAPE_BREAKS = str.maketrans(_LINE_BREAKS)
+
+
 def _sse(data: dict[str, Any] | str) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return f"data: {text}\n\n".encode()
+    return f"data: {text.translate(_ESCAPE_BREAKS)}\n\n".encode()
 
 
 class _Request:
@@ -99,6 +105,7 @@ class _Request:
         self.stop = threading.Event()
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
         self.watcher: asyncio.Task[None] | None = None
+        self.prompt_param = "prompt" if isinstance(body, CompletionRequest) else "messages"
 
     def start(self, sources: list[ChunkSource]) -> Events:
         # Watch for a disconnect from now on: a request may wait in the scheduler's queue.
@@ -119,7 +126,7 @@ class _Request:
             raise ApiError(500, "generation produced nothing", type="server_error") from None
         except Exception as error:
             self.finish()
-            raise error_for(error) from error
+            raise error_for(error, self.prompt_param) from error
 
     async def collect(
         self,
@@ -132,7 +139,7 @@ class _Request:
             async for index, chunk in events:
                 on_chunk(index, chunk)
         except Exception as error:
-            raise error_for(error) from error
+            raise error_for(error, self.prompt_param) from error
         finally:
             self.finish()
 
@@ -156,7 +163,7 @@ class _Request:
                 yield piece
             yield _sse("[DONE]")
         except Exception as error:  # after the headers: report in-band, then end the stream
-            yield _sse(error_for(error).body())
+            yield _sse(error_for(error, self.prompt_param).body())
             yield _sse("[DONE]")
         finally:
             self.finish()
@@ -180,8 +187,17 @@ async def completions(
     request: Request, body: CompletionRequest, model: LoadedModel, name: str
 ) -> Any:
     state = build_state(body)
-    check_logit_bias(state, model.backend.tokenizer.vocab_size)
+    vocab_size = model.backend.tokenizer.vocab_size
+    check_logit_bias(state, vocab_size)
     prompts = _prompts(body)
+    for prompt in prompts:
+        bad = [t for t in prompt if not 0 <= t < vocab_size] if isinstance(prompt, list) else []
+        if bad:
+            raise ApiError(
+                400,
+                f"prompt token ids {bad[:5]} are outside the model's vocabulary [0, {vocab_size})",
+                param="prompt",
+            )
     n = body.n
     req = _Request(request, model, name, body)
     tokenizer = model.backend.tokenizer

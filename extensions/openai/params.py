@@ -25,6 +25,24 @@ _NOT_SETTINGS = {
     "stop_event", "parallel_tool_calls", "metadata", "store", "service_tier",
 }  # fmt: skip
 _OPENAI_SETTINGS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+# OpenAI's message roles ("developer" is the newer name of "system", "function" the older
+# name of "tool"); the chat template decides what each becomes.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def check_text(text: str, param: str) -> str:
+    """`text` if it is Unicode text: JSON can carry a lone surrogate ("\\ud800"), which no
+    tokenizer takes and no response could echo as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(
+            400,
+            f"{param} holds a lone surrogate {text[e.start]!r} at character {e.start}: it is "
+            "not valid Unicode text (an unpaired \\ud800-\\udfff escape)",
+            param=param,
+        ) from None
+    return text
 
 
 def build_state(body: SamplingFields) -> dict[str, Any]:
@@ -47,7 +65,7 @@ def build_state(body: SamplingFields) -> dict[str, Any]:
     state["max_new_tokens"] = max_tokens
     if body.stop is not None:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop)
-        state["stop"] = stop
+        state["stop"] = [check_text(s, "stop") for s in stop]
     if body.logit_bias:
         state["logit_bias"] = body.logit_bias
     if body.seed is not None:
@@ -99,6 +117,10 @@ def _check_completion(body: CompletionRequest) -> None:
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
     if isinstance(body.prompt, list) and not body.prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt")
+    texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    for text in texts:
+        if isinstance(text, str):
+            check_text(text, "prompt")
 
 
 def _check_chat(body: ChatCompletionRequest) -> None:
@@ -115,6 +137,12 @@ def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as template input; content parts must be text."""
     messages = []
     for i, message in enumerate(body.messages):
+        if message.role not in ROLES:
+            raise ApiError(
+                400,
+                f"messages[{i}].role must be one of {', '.join(ROLES)}, got {message.role[:100]!r}",
+                param=f"messages.{i}.role",
+            )
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -128,6 +156,7 @@ def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
                     )
                 texts.append(part["text"])
             content = "\n".join(texts)
+        check_text(content or "", f"messages.{i}.content")
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name:
             entry["name"] = message.name
