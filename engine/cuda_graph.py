@@ -337,8 +337,10 @@ class DecodeGraphs:
         for b, tokens in enumerate(new_tokens):
             keep = min(logits_counts[b] if logits_counts else 1, len(tokens))
             rows.extend(range(b * T + len(tokens) - keep, b * T + len(tokens)))
-        index = torch.tensor(rows, dtype=torch.int64).pin_memory()
-        return logits[index.to(logits.device, non_blocking=True)]
+        index = torch.tensor(rows, dtype=torch.int64)
+        if logits.device.type == "cuda":
+            index = index.pin_memory().to(logits.device, non_blocking=True)
+        return logits[index]
 
     def decode(
         self,

@@ -137,7 +137,7 @@ def _scales(m, paths: dict[str, Path]) -> list[list[int]]:
     for scale in (1.0, 0.25, -1.0, 2.0):
         runs.append(_tokens(m, IDS, {**GREEDY, "loras": {"A": scale}}))
         if graphs is not None:
-            seen.append(graphs._lora_graphs.get(1))
+            seen.append(graphs._lora_graphs.get((1, 1)))
     runs += _many(m, [{**GREEDY, "loras": {"A": 0.5}}, {**GREEDY, "loras": {"A": 1.5}}])
     if graphs is not None:
         # A scale is a value in the static buffer: no capture per request.
@@ -153,7 +153,7 @@ def _hot_load(m, paths: dict[str, Path]) -> list[list[int]]:
 
     def hot(i: int) -> None:
         if i == 6:
-            before.append(graphs._lora_graphs.get(4) if graphs is not None else None)
+            before.append(graphs._lora_graphs.get((4, 1)) if graphs is not None else None)
             assert m.unload_lora("X") is True  # A moves to slot 0, the stacks are rebuilt
             m.load_lora(paths["C"])
         if i == 12:
@@ -162,7 +162,7 @@ def _hot_load(m, paths: dict[str, Path]) -> list[list[int]]:
     settings = [{"A": 1.0}, {"A": 0.5}, {}]  # bucket 4: one padding row
     runs = _many(m, [{**GREEDY, "max_new_tokens": 16, "loras": s} for s in settings], hot)
     if graphs is not None:
-        after = graphs._lora_graphs.get(4)
+        after = graphs._lora_graphs.get((4, 1))
         assert before[0] is not None and after is not None and after is not before[0]
     # Requests for the adapters loaded mid-run, one of them beside B's replacement (eager).
     runs.append(_tokens(m, IDS, {**GREEDY, "loras": {"C": 1.0}}))
