@@ -43,7 +43,14 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import Backend, resolve_backend
-from kernels.kv_quant import NATIVE, KVFormat, check_cache_tensor, dequantize_rows, rotate
+from kernels.kv_quant import (
+    NATIVE,
+    KVFormat,
+    check_cache_tensor,
+    dequantize_rows,
+    rotate,
+    rotate_native,
+)
 from kernels.paged_attention_decode import decode_attention
 from kernels.paged_attention_prefill import prefill_attention
 
@@ -208,7 +215,7 @@ def paged_attention_triton(
     )  # fmt: skip
     head_dim = q.shape[-1]
     if k_format.rotated:
-        q = rotate(q, k_format.group_size(head_dim)).to(q.dtype)
+        q = rotate_native(q, k_format.group_size(head_dim))
     if q.stride(-1) != 1:
         q = q.contiguous()
     cu_seqlens = cu_seqlens.contiguous()
@@ -239,7 +246,7 @@ def paged_attention_triton(
     else:
         out = prefill_attention(*args, **common)
     if v_format.rotated:
-        out = rotate(out, v_format.group_size(head_dim)).to(out.dtype)
+        out = rotate_native(out, v_format.group_size(head_dim))
     return out
 
 

@@ -83,6 +83,10 @@ def load_kv_tile(
     KIND: tl.constexpr = 0,
     CODE_BYTES: tl.constexpr = 0,
     GROUP_SIZE: tl.constexpr = 1,
+    key_mask=None,
+    HEAD_DIM: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr = 0,
+    BLOCK_D: tl.constexpr = 0,
 ):
     """[BLOCK_N, BLOCK_D] tile of K or V in COMPUTE_DTYPE (q's dtype); masked entries are 0.
 
@@ -91,6 +95,11 @@ def load_kv_tile(
     1 (fp8 e4m3), 2 (int8), 3 (int4) and 4 (int6) dequantize bytes with the row's float16 scales,
     which follow CODE_BYTES code bytes, one per GROUP_SIZE dims. Rotated formats stay
     rotated: the caller rotates q and the output instead.
+
+    Quantized rows start 16-byte aligned (KVFormat.row_bytes), so codes are loaded as
+    contiguous runs (int4: [BLOCK_N, BLOCK_D / 2] bytes, split into nibbles and interleaved
+    with tl.join) and the scales as [BLOCK_N, groups], broadcast over their groups by a
+    reshape, instead of one byte and one scale gather per element.
     """
     if KIND == 0:
         tile = tl.load(cache_ptr + token_offsets[:, None] + dims[None, :], mask=mask, other=0.0)
@@ -98,10 +107,13 @@ def load_kv_tile(
     else:
         row = cache_ptr + token_offsets
         scale_ptr = (row + CODE_BYTES).to(tl.pointer_type(tl.float16))
-        scale = tl.load(scale_ptr[:, None] + (dims // GROUP_SIZE)[None, :], mask=mask, other=0.0)
         if KIND == 3 or KIND == 4:
-            packed = tl.load(row[:, None] + (dims // 2)[None, :], mask=mask, other=0)
-            codes = ((packed >> ((dims & 1) * 4)[None, :]) & 15).to(tl.int32)
+            HALF: tl.constexpr = BLOCK_D // 2
+            half = tl.arange(0, HALF)
+            byte_mask = key_mask[:, None] & (half < HEAD_DIM // 2)[None, :]
+            packed = tl.load(row[:, None] + half[None, :], mask=byte_mask, other=0).to(tl.int32)
+            # Dim 2j is byte j's low nibble, dim 2j + 1 its high one.
+            codes = tl.reshape(tl.join(packed & 15, (packed >> 4) & 15), (BLOCK_N, BLOCK_D))
             if KIND == 4:
                 # int6: the high bit pairs follow the nibble plane (head_dim / 2 bytes,
                 # two thirds of the code bytes).
@@ -121,7 +133,19 @@ def load_kv_tile(
                 # missing 2^8 goes into the scale.
                 bits = ((codes & 0x7F).to(tl.int16) << 7) | ((codes & 0x80).to(tl.int16) << 8)
                 values = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-        return (values * scale.to(tl.float32)).to(COMPUTE_DTYPE)
+        if BLOCK_D % GROUP_SIZE == 0:
+            GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
+            grp = tl.arange(0, GROUPS)
+            scale_mask = key_mask[:, None] & (grp < HEAD_DIM // GROUP_SIZE)[None, :]
+            scale = tl.load(scale_ptr[:, None] + grp[None, :], mask=scale_mask, other=0.0)
+            grouped = tl.reshape(values, (BLOCK_N, GROUPS, GROUP_SIZE))
+            values = tl.reshape(grouped * scale.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_D))
+        else:  # fp8 of a head_dim that is no power of two: one scale per row, gathered
+            scale = tl.load(
+                scale_ptr[:, None] + (dims // GROUP_SIZE)[None, :], mask=mask, other=0.0
+            )
+            values = values * scale.to(tl.float32)
+        return tl.where(mask, values, 0.0).to(COMPUTE_DTYPE)
 
 
 @triton.jit
@@ -257,7 +281,18 @@ def _decode_kernel(
             )
             kv_mask = key_mask[:, None] & dim_mask[None, :]
             k = load_kv_tile(
-                k_head_ptr, offsets, dims, kv_mask, dtype, K_KIND, K_CODE_BYTES, K_GROUP
+                k_head_ptr,
+                offsets,
+                dims,
+                kv_mask,
+                dtype,
+                K_KIND,
+                K_CODE_BYTES,
+                K_GROUP,
+                key_mask,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
             )  # [BLOCK_N, BLOCK_D]
             if USE_DOT:
                 qk = mma(q, tl.trans(k), F32_OPERANDS)
@@ -275,7 +310,18 @@ def _decode_kernel(
                     page_table_row, key_pos, key_mask, stride_v_page, stride_v_slot, PAGE_SIZE
                 )
             v = load_kv_tile(
-                v_head_ptr, offsets, dims, kv_mask, dtype, V_KIND, V_CODE_BYTES, V_GROUP
+                v_head_ptr,
+                offsets,
+                dims,
+                kv_mask,
+                dtype,
+                V_KIND,
+                V_CODE_BYTES,
+                V_GROUP,
+                key_mask,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
             )
             if USE_DOT:
                 # P is rounded to V's dtype for the tensor cores, as flash attention does.

@@ -73,6 +73,8 @@ def _attend_keys(
     V_KIND: tl.constexpr,
     V_CODE_BYTES: tl.constexpr,
     V_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     dtype = q.dtype
     for block_start in range(key_start, key_end, BLOCK_N):
@@ -85,7 +87,18 @@ def _attend_keys(
         )
         kv_mask = key_mask[:, None] & dim_mask[None, :]
         k = load_kv_tile(
-            k_head_ptr, offsets, dims, kv_mask, dtype, K_KIND, K_CODE_BYTES, K_GROUP
+            k_head_ptr,
+            offsets,
+            dims,
+            kv_mask,
+            dtype,
+            K_KIND,
+            K_CODE_BYTES,
+            K_GROUP,
+            key_mask,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
         )  # [BLOCK_N, BLOCK_D]
         s = scores_log2(mma(q, tl.trans(k), F32_OPERANDS), score_scale, softcap_log2, SOFTCAP)
         if DIAGONAL:
@@ -102,7 +115,20 @@ def _attend_keys(
             offsets = kv_token_offsets(
                 page_table_row, key_pos, key_mask, stride_v_page, stride_v_slot, PAGE_SIZE
             )
-        v = load_kv_tile(v_head_ptr, offsets, dims, kv_mask, dtype, V_KIND, V_CODE_BYTES, V_GROUP)
+        v = load_kv_tile(
+            v_head_ptr,
+            offsets,
+            dims,
+            kv_mask,
+            dtype,
+            V_KIND,
+            V_CODE_BYTES,
+            V_GROUP,
+            key_mask,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+        )
         acc = acc * alpha[:, None] + mma(cast_rtne(p, dtype, EMULATE_BF16), v, F32_OPERANDS)
         row_max = max_new
     return acc, row_max, row_sum
@@ -204,7 +230,7 @@ def _prefill_kernel(
             page_table_row, stride_kv_page, stride_kv_slot, stride_v_page, stride_v_slot,
             score_scale, softcap_log2, window, dims, dim_mask, PAGE_SIZE, BLOCK_N,
             False, WINDOW, SOFTCAP, F32_OPERANDS, EMULATE_BF16,
-            K_KIND, K_CODE_BYTES, K_GROUP, V_KIND, V_CODE_BYTES, V_GROUP,
+            K_KIND, K_CODE_BYTES, K_GROUP, V_KIND, V_CODE_BYTES, V_GROUP, HEAD_DIM, BLOCK_D,
         )  # fmt: skip
         # The diagonal: the rest up to the last row's position, causally masked.
         acc, row_max, row_sum = _attend_keys(
@@ -212,7 +238,7 @@ def _prefill_kernel(
             page_table_row, stride_kv_page, stride_kv_slot, stride_v_page, stride_v_slot,
             score_scale, softcap_log2, window, dims, dim_mask, PAGE_SIZE, BLOCK_N,
             True, WINDOW, SOFTCAP, F32_OPERANDS, EMULATE_BF16,
-            K_KIND, K_CODE_BYTES, K_GROUP, V_KIND, V_CODE_BYTES, V_GROUP,
+            K_KIND, K_CODE_BYTES, K_GROUP, V_KIND, V_CODE_BYTES, V_GROUP, HEAD_DIM, BLOCK_D,
         )  # fmt: skip
 
         out = acc / tl.where(row_sum > 0.0, row_sum, 1.0)[:, None]
