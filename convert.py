@@ -38,7 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-ss", "--shard_size", type=int, default=8192, help="max shard size, MB")
     p.add_argument("-nr", "--no_resume", action="store_true", help="start over, drop OUT.partial")
     p.add_argument("--device", help="cpu or cuda[:N] (default: cuda when available)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's)")
+    p.add_argument(
+        "--threads", type=int, help="CPU threads for torch (default: the idle cores, on a CPU)"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument(
         "--rtn",
@@ -53,12 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.bits is None and not args.output_measurement:
         print("convert.py: error: -b/--bits is required (except with -om)", file=sys.stderr)
         return 2
-    if args.threads:
-        # On a loaded or small CPU one thread can beat several: the quantizer's many small
-        # ops pay for every thread handoff.
-        import torch
-
-        torch.set_num_threads(args.threads)
     options = ConvertOptions(
         # A measurement does not depend on the target; any valid value serves with -om.
         bits=args.bits if args.bits is not None else 4.0,
@@ -76,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         progress=not args.quiet,
         rtn=args.rtn,
+        threads=args.threads,
     )
     try:
         result = convert(args.in_dir, args.out_dir, options)

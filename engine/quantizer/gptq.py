@@ -1,6 +1,8 @@
 """GPTQ for one linear into EXL2 groups: act-order, damping, blockwise error feedback.
 
-    result = gptq_quantize(weight [n, k], hessian [k, k], profile, name=...)
+    perm, upper = prepare_hessian(hessian [k, k])           # once per input (q/k/v share it)
+    result = gptq_quantize(weight [n, k], perm, upper, profile, name=...)
+    results = gptq_quantize_many(weight, perm, upper, profiles)  # one sweep, many profiles
     tensors = result.pack(bias)            # pack_exl2 output, reconstruction-checked
 
 Contract:
@@ -12,9 +14,16 @@ Contract:
   more times) before `QuantizationError` names the tensor.
 - Groups are quantized in order. Each group's scales are fitted on the group's weights as
   the error feedback of earlier groups left them (the converter's order), with
-  `fit_scales`; codes are rounded to nearest; each row's error is spread over the
-  group's later rows through the inverse Hessian's Cholesky factor, and the group's error
+  `fit_scales`; codes are rounded to nearest; each row's error is spread over the later
+  rows of its block through the inverse Hessian's Cholesky factor, and the block's error
   over all later rows with one matmul.
+- `gptq_quantize_many` quantizes one weight at several profiles in one sweep: the
+  candidates sit side by side as columns ([k, C·n]; GPTQ treats columns independently,
+  only a group's scale fit looks across them, and that is done per candidate), so the row
+  loop and the error-feedback matmuls run once for all of them. Blocks end at every
+  group boundary of any candidate. Each result is what `gptq_quantize` gives for its
+  profile alone up to float rounding (the same sums, in another order); with one profile
+  the blocks are the groups and the arithmetic is the same.
 - `result.dequantized` [n, k] fp32 (original order) is exactly what dequantize_exl2 gives
   back from `result.pack()`; pack() checks that and raises `QuantizationError` naming
   the tensor on a mismatch.
@@ -22,22 +31,39 @@ Contract:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.quant.exl2 import Exl2Tensors, dequantize_exl2
-from engine.quant.exl2_writer import fit_exl2_scales, pack_exl2
+from engine.quant.exl2_writer import pack_exl2
 from engine.quantizer.profiles import Profile
+from engine.quantizer.scales import SCALE_SEARCHES, dequant_scales, fit_scales
+
+__all__ = [
+    "SCALE_SEARCHES",
+    "GptqResult",
+    "QuantizationError",
+    "check_reconstruction",
+    "dequant_scales",
+    "fit_scales",
+    "gptq_quantize",
+    "gptq_quantize_many",
+    "output_error",
+    "prepare_hessian",
+    "rtn_factors",
+]
 
 DEFAULT_DAMP = 0.1
 _DAMP_RETRIES = 8
-# The converter's scale search: factors p on 97 points in [0.70, 1.20], score Σ|err|^3.5.
-_P_GRID = torch.linspace(0, 1, 97, dtype=torch.float64)
-_P_VALUES = (0.70 * (1 - _P_GRID) + 1.20 * _P_GRID).tolist()
-_ERR_NORM = 3.5
-SCALE_SEARCHES = ("full", "fast", "coarse")
+# Candidates quantized together hold k·n·C fp32 values three times over (weights, results,
+# codes); beyond this many per sweep they are split, so a large linear's ten candidates
+# do not crowd a GPU (a 135M model's largest linear with ten candidates holds 9M).
+BATCH_ELEMENTS = 1 << 26
+# fp32 values of one column slice of a block's errors in the CPU row loop (512 KB).
+_ROW_LOOP_ELEMENTS = 1 << 17
 
 
 class QuantizationError(RuntimeError):
@@ -45,95 +71,10 @@ class QuantizationError(RuntimeError):
     back as computed); the message names the tensor."""
 
 
-def fit_scales(
-    x: torch.Tensor, bits: int, search: str = "full"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(scale codes int32 [n], scale_max fp16 [], scale fp16 [n]) of one group x [rows, n].
-
-    "full" is fit_exl2_scales (all 97 factors). "fast" scores every 8th factor, then the
-    neighbours of the best; "coarse" only every 16th (7 points, for the measurement).
-    Both follow the same rule on fewer points, in cache-sized column blocks, which is what
-    makes CPU conversion practical; "fast" picks the same factor as "full" on almost every
-    group.
-    """
-    if search == "full":
-        return fit_exl2_scales(x, bits)
-    if search not in SCALE_SEARCHES:
-        raise ValueError(f"scale search must be one of {SCALE_SEARCHES}, got {search!r}")
-    maxq, qzero = 2**bits - 1, 2 ** (bits - 1)
-    base = (x.abs().amax(dim=0) + 1e-12) / (maxq / 2)
-    smax = base.max()
-    qscale = torch.clamp(torch.round(torch.sqrt(base / smax) * 16), 1, 16)
-    trial = (qscale / 16) ** 2 * smax
-    # Σ|q·s·p − x|^3.5 = Σ_c trial_c^3.5 · Σ_r |round(r/p)·p − r|^3.5 with r = x / trial.
-    ratio = x / trial  # [rows, n]
-    weight = trial.double().pow(_ERR_NORM)
-    score = _grid_scores_numpy if x.device.type == "cpu" else _grid_scores_torch
-    coarse = list(range(0, 97, 8 if search == "fast" else 16))
-    scores = score(ratio, weight, coarse, -qzero, maxq - qzero)
-    best = coarse[int(np.argmin(scores))]
-    if search == "fast":
-        fine = list(range(max(0, best - 7), min(97, best + 8)))
-        best = fine[int(np.argmin(score(ratio, weight, fine, -qzero, maxq - qzero)))]
-    scale_codes = qscale.to(torch.int32) - 1
-    scale_max = (smax * _P_VALUES[best]).to(torch.float16)
-    return scale_codes, scale_max, dequant_scales(scale_codes, scale_max)
-
-
-def dequant_scales(scale_codes: torch.Tensor, scale_max: torch.Tensor) -> torch.Tensor:
-    """fp16 scales [n] of one group, rounded as engine.quant.exl2.exl2_scales rounds them
-    (that function takes packed codes; this one is the same arithmetic on one group, so
-    the GPTQ loop needs no pack/unpack per group; check_reconstruction holds them equal)."""
-    squares = ((scale_codes + 1) * (scale_codes + 1)).to(torch.float16)
-    premultiplied = (scale_max.float() / 256).to(torch.float16)
-    return (squares.float() * premultiplied.float()).to(torch.float16)
-
-
-def _grid_scores_numpy(
-    ratio: torch.Tensor, weight: torch.Tensor, points: list[int], qmin: int, qmax: int
-) -> np.ndarray:
-    # numpy, in column blocks that stay in cache: torch's per-op threading overhead on
-    # small tensors is larger than the work here.
-    r_all = ratio.t().contiguous().numpy()  # [n, rows]
-    w_all = weight.numpy()
-    n, rows = r_all.shape
-    scores = np.zeros(len(points))
-    block = max(1, 16384 // max(1, rows))
-    buf = np.empty((2, min(block, n), rows), dtype=np.float32)
-    for c0 in range(0, n, block):
-        r = r_all[c0 : c0 + block]
-        w = w_all[c0 : c0 + block]
-        b, t = buf[0, : r.shape[0]], buf[1, : r.shape[0]]
-        for j, i in enumerate(points):
-            p = _P_VALUES[i]
-            np.multiply(r, 1.0 / p, out=b)
-            np.rint(b, out=b)
-            np.clip(b, qmin, qmax, out=b)
-            b *= p
-            b -= r
-            np.abs(b, out=b)
-            # |e|^3.5 as e^2 · e · sqrt(e): a fraction of pow's cost.
-            np.sqrt(b, out=t)
-            t *= b
-            b *= b
-            b *= t
-            scores[j] += float(b.sum(axis=1, dtype=np.float64) @ w)
-    return scores
-
-
-def _grid_scores_torch(
-    ratio: torch.Tensor, weight: torch.Tensor, points: list[int], qmin: int, qmax: int
-) -> np.ndarray:
-    ps = torch.tensor([_P_VALUES[i] for i in points], device=ratio.device)[:, None, None]
-    e = (torch.clamp(torch.round(ratio[None] / ps), qmin, qmax) * ps - ratio[None]).abs()
-    per_column = e.pow(_ERR_NORM).sum(dim=1).double()  # [p, n]
-    return (per_column @ weight.to(per_column)).cpu().numpy()
-
-
 @dataclass
 class GptqResult:
     name: str
-    codes: torch.Tensor  # int32 [k, n], stored (permuted) row order
+    codes: torch.Tensor  # int32 [k, n], stored (permuted) row order (may be a view)
     group_bits: list[int]
     group_sizes: list[int]
     scale_codes: torch.Tensor  # int32 [G, n]
@@ -143,7 +84,7 @@ class GptqResult:
 
     def pack(self, bias: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         tensors = pack_exl2(
-            self.codes,
+            self.codes.contiguous(),
             self.group_bits,
             self.group_sizes,
             self.scale_codes,
@@ -214,80 +155,148 @@ def gptq_quantize(
     scale_search: str = "full",
 ) -> GptqResult:
     """GPTQ of weight [n, k] (HF layout) with a prepared (perm, U) (see module docstring)."""
+    return _gptq_sweep(weight, perm, upper, [profile], name, scale_search)[0]
+
+
+def gptq_quantize_many(
+    weight: torch.Tensor,
+    perm: torch.Tensor,
+    upper: torch.Tensor,
+    profiles: Sequence[Profile],
+    *,
+    name: str = "linear",
+    scale_search: str = "full",
+    batch_elements: int = BATCH_ELEMENTS,
+) -> list[GptqResult]:
+    """GPTQ of weight [n, k] at each of `profiles`, in as few sweeps as `batch_elements`
+    allows; results in the order of `profiles`."""
     n, k = weight.shape
-    w = weight.detach().to(device=upper.device, dtype=torch.float32).t()[perm].contiguous()
-    group_bits, group_sizes = profile.layout(k)
-    codes = torch.empty(k, n, dtype=torch.int32, device=w.device)
+    per_sweep = max(1, batch_elements // max(1, n * k))
+    results: list[GptqResult] = []
+    for i in range(0, len(profiles), per_sweep):
+        chunk = list(profiles[i : i + per_sweep])
+        results += _gptq_sweep(weight, perm, upper, chunk, name, scale_search)
+    return results
+
+
+def _gptq_sweep(
+    weight: torch.Tensor,
+    perm: torch.Tensor,
+    upper: torch.Tensor,
+    profiles: list[Profile],
+    name: str,
+    scale_search: str,
+) -> list[GptqResult]:
+    n, k = weight.shape
+    count = len(profiles)
+    device = upper.device
+    # Candidate c owns columns c·n .. (c+1)·n of every [k, C·n] buffer.
+    w = weight.detach().to(device=device, dtype=torch.float32).t()[perm].repeat(1, count)
+    layouts = [p.layout(k) for p in profiles]
+    starting: dict[int, list[tuple[int, int, int]]] = {}  # row -> (candidate, bits, rows)
+    for c, (group_bits, group_sizes) in enumerate(layouts):
+        a = 0
+        for bits, size in zip(group_bits, group_sizes, strict=True):
+            starting.setdefault(a, []).append((c, bits, size))
+            a += size
+    cuts = sorted(starting) + [k]
+    codes = torch.empty(k, count * n, dtype=torch.int32, device=device)
     quant = torch.empty_like(w)
-    scale_codes, scale_max = [], []
-    a = 0
-    for bits, size in zip(group_bits, group_sizes, strict=True):
-        b = a + size
-        sc, smax, scale = fit_scales(w[a:b], bits, scale_search)
-        scale_codes.append(sc)
-        scale_max.append(smax)
-        s = scale.float()
-        s = torch.where(s == 0, torch.ones_like(s), s)  # an all-zero column: codes stay zero
-        rows = _quantize_rows_numpy if w.device.type == "cpu" else _quantize_rows_torch
-        signed, err = rows(w[a:b], upper[a:b, a:b], s, bits, quant[a:b])
-        codes[a:b] = signed.to(torch.int32) + 2 ** (bits - 1)
+    scale = torch.empty(count * n, dtype=torch.float32, device=device)
+    qmin, qmax = torch.empty_like(scale), torch.empty_like(scale)
+    scale_codes: list[list[torch.Tensor]] = [[] for _ in profiles]
+    scale_max: list[list[torch.Tensor]] = [[] for _ in profiles]
+    rows = _quantize_rows_numpy if device.type == "cpu" else _quantize_rows_torch
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        for c, bits, size in starting[a]:
+            cols = slice(c * n, (c + 1) * n)
+            sc, smax, s = fit_scales(w[a : a + size, cols], bits, scale_search)
+            scale_codes[c].append(sc)
+            scale_max[c].append(smax)
+            s = s.float()
+            scale[cols] = torch.where(s == 0, torch.ones_like(s), s)  # all-zero column: codes 0
+            qmin[cols] = -(2 ** (bits - 1))
+            qmax[cols] = 2 ** (bits - 1) - 1
+        err = rows(w[a:b], upper[a:b, a:b], scale, qmin, qmax, quant[a:b], codes[a:b])
         if b < k:
             w[b:].addmm_(upper[a:b, b:].t(), err, alpha=-1.0)
-        a = b
     invperm = torch.argsort(perm)
-    return GptqResult(
-        name=name,
-        codes=codes,
-        group_bits=group_bits,
-        group_sizes=group_sizes,
-        scale_codes=torch.stack(scale_codes),
-        scale_max=torch.stack(scale_max),
-        invperm=invperm,
-        dequantized=quant[invperm].t().contiguous(),
-    )
+    # One transpose for all candidates; each result is a row slice of it (a view).
+    dequantized = quant[invperm].t().contiguous()  # [C·n, k]
+    return [
+        GptqResult(
+            name=name,
+            codes=codes[:, c * n : (c + 1) * n],
+            group_bits=layouts[c][0],
+            group_sizes=layouts[c][1],
+            scale_codes=torch.stack(scale_codes[c]),
+            scale_max=torch.stack(scale_max[c]),
+            invperm=invperm,
+            dequantized=dequantized[c * n : (c + 1) * n],
+        )
+        for c in range(count)
+    ]
 
 
 # The row loop is sequential by nature (each row sees the error of the rows before it in
-# its group). Row i's correction is gathered when it is reached, U[a:i, i]ᵀ·E[a:i] (one
+# its block). Row i's correction is gathered when it is reached, U[a:i, i]ᵀ·E[a:i] (one
 # GEMV), rather than pushed to all later rows after each row: the same arithmetic with
 # one small op fewer per row. On the CPU numpy runs these vector ops with a fraction of
-# torch's per-call overhead, which is what the loop's time is made of.
+# torch's per-call overhead, which is what the loop's time is made of. Bounds and scales
+# are per column, as candidates of different widths share the loop.
 
 
 def _quantize_rows_numpy(
-    w: torch.Tensor, u: torch.Tensor, scale: torch.Tensor, bits: int, quant_out: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize rows w [g, n] in order; returns (signed codes [g, n] float, errors [g, n]),
-    writes the dequantized rows into quant_out."""
-    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    w: torch.Tensor,
+    u: torch.Tensor,
+    scale: torch.Tensor,
+    qmin: torch.Tensor,
+    qmax: torch.Tensor,
+    quant_out: torch.Tensor,
+    codes_out: torch.Tensor,
+) -> torch.Tensor:
+    """Quantize rows w [g, m] in order; returns the errors [g, m] (divided by U's
+    diagonal, ready for the feedback matmul), writes the dequantized rows into quant_out
+    and the unsigned codes (signed + 2^(bits-1)) into codes_out."""
     wn, un = w.numpy(), u.contiguous().numpy()
-    s = scale.numpy()
+    s, lo, hi = scale.numpy(), qmin.numpy(), qmax.numpy()
     inv_s = 1.0 / s
-    g, n = wn.shape
-    signed = np.empty((g, n), dtype=np.float32)
-    err = np.empty((g, n), dtype=np.float32)
+    g, m = wn.shape
+    signed = np.empty((g, m), dtype=np.float32)
+    err = np.empty((g, m), dtype=np.float32)
     q = quant_out.numpy()
-    row = np.empty(n, dtype=np.float32)
-    for i in range(g):
-        if i:
-            np.subtract(wn[i], un[:i, i] @ err[:i], out=row)
-        else:
-            row[:] = wn[i]
-        c = signed[i]
-        np.multiply(row, inv_s, out=c)
-        np.rint(c, out=c)
-        np.maximum(c, qmin, out=c)
-        np.minimum(c, qmax, out=c)
-        np.multiply(c, s, out=q[i])
-        np.subtract(row, q[i], out=err[i])
-        err[i] /= un[i, i]
-    return torch.from_numpy(signed), torch.from_numpy(err)
+    # Columns are independent here; in slices whose errors stay in L2 the GEMVs over the
+    # rows before run several times faster than over ten candidates' full width.
+    width = max(256, _ROW_LOOP_ELEMENTS // g)
+    for c0 in range(0, m, width):
+        cs = slice(c0, min(m, c0 + width))
+        e, row = err[:, cs], np.empty(cs.stop - c0, dtype=np.float32)
+        for i in range(g):
+            if i:
+                np.subtract(wn[i, cs], un[:i, i] @ e[:i], out=row)
+            else:
+                row[:] = wn[i, cs]
+            c = signed[i, cs]
+            np.multiply(row, inv_s[cs], out=c)
+            np.rint(c, out=c)
+            np.maximum(c, lo[cs], out=c)
+            np.minimum(c, hi[cs], out=c)
+            np.multiply(c, s[cs], out=q[i, cs])
+            np.subtract(row, q[i, cs], out=e[i])
+            e[i] /= un[i, i]
+    np.subtract(signed, lo, out=codes_out.numpy(), casting="unsafe")
+    return torch.from_numpy(err)
 
 
 def _quantize_rows_torch(
-    w: torch.Tensor, u: torch.Tensor, scale: torch.Tensor, bits: int, quant_out: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    w: torch.Tensor,
+    u: torch.Tensor,
+    scale: torch.Tensor,
+    qmin: torch.Tensor,
+    qmax: torch.Tensor,
+    quant_out: torch.Tensor,
+    codes_out: torch.Tensor,
+) -> torch.Tensor:
     inv_s = 1.0 / scale
     signed = torch.empty_like(w)
     err = torch.empty_like(w)
@@ -297,7 +306,8 @@ def _quantize_rows_torch(
         signed[i] = c
         quant_out[i] = c * scale
         err[i] = (row - quant_out[i]) / u[i, i]
-    return signed, err
+    codes_out.copy_(signed - qmin)
+    return err
 
 
 def output_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> float:

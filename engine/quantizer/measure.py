@@ -4,7 +4,8 @@ stream, layer by layer, with unquantized states fed forward (as exllamav2 measur
     out_states, record = measure_layer(runner, i, states, scale_search="coarse")
 
 For each module of the layer (attention, MLP) and each `ModuleCandidate` of its table,
-every linear is GPTQ-quantized at the candidate's profile (each (linear, profile) once),
+every linear is GPTQ-quantized at the candidate's profile (each (linear, profile) once,
+all profiles of a linear in one sweep: gptq.gptq_quantize_many),
 the module is run on its calibration inputs, and the candidate is scored
 
     err = sqrt(mean over tokens t of ‖y_cand[t] − y_ref[t]‖² / ‖h_out[t]‖²)
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.quantizer.capture import capture_layer
-from engine.quantizer.gptq import gptq_quantize, prepare_hessian
+from engine.quantizer.gptq import gptq_quantize_many, prepare_hessian
 from engine.quantizer.model import CalibrationRunner, ModuleSpec, module_specs
 from engine.quantizer.profiles import LADDER, ROLE_OF_LINEAR, ModuleCandidate, module_candidates
 
@@ -113,11 +114,12 @@ def _measure_module(
         perm, upper = prepare_hessian(cap.hessians[group.names[0]], damp=damp, name=group.names[0])
         for name in group.names:
             rungs = sorted({dict(c.rungs)[role_of(name)] for c in candidates})
-            for rung in rungs:
-                result = gptq_quantize(
-                    originals[name].float(), perm, upper, LADDER[rung],
-                    name=name, scale_search=scale_search,
-                )  # fmt: skip
+            # All rungs in one sweep: they share the row loop and the error feedback.
+            results = gptq_quantize_many(
+                originals[name].float(), perm, upper, [LADDER[r] for r in rungs],
+                name=name, scale_search=scale_search,
+            )  # fmt: skip
+            for rung, result in zip(rungs, results, strict=True):
                 # Kept in host memory: ten versions of a big layer would crowd a GPU.
                 dequantized[name, rung] = result.dequantized.to("cpu", originals[name].dtype)
                 if tick:
@@ -142,9 +144,9 @@ def _measure_module(
                     w = dequantized[name, rungs[role_of(name)]]
                     lin.weight = nn.Parameter(w.to(originals[name].device))
             z = _output_linear_input(runner, layer_idx, spec, out_linear, x_in)
-            for cand in members:
-                w_out = dequantized[out_name, dict(cand.rungs)[out_role]]
-                err = _relative_error(runner, z, w_out, out_linear.bias, y_ref, stream_norm)
+            w_outs = [dequantized[out_name, dict(c.rungs)[out_role]] for c in members]
+            errs = _relative_errors(runner, z, w_outs, out_linear.bias, y_ref, stream_norm)
+            for cand, err in zip(members, errs, strict=True):
                 profiles = {role: LADDER[i].name for role, i in cand.rungs}
                 results.append({"profiles": profiles, "err": err})
     finally:
@@ -153,32 +155,54 @@ def _measure_module(
     return results
 
 
+class _StopAtOutputLinear(Exception):
+    pass
+
+
 def _output_linear_input(
     runner: CalibrationRunner, layer_idx: int, spec: ModuleSpec, out_linear: nn.Module, x_in
 ) -> torch.Tensor:
+    """The input [R, L, d] of the module's output linear when the module runs on x_in.
+
+    Each chunk's forward stops there: the module's own output linear would be wasted work,
+    every candidate applies its own (a third of an MLP forward)."""
     pieces: list[torch.Tensor] = []
-    handle = out_linear.register_forward_pre_hook(lambda m, args: pieces.append(args[0].cpu()))
+
+    def grab(module, args):
+        pieces.append(args[0].cpu())
+        raise _StopAtOutputLinear
+
+    handle = out_linear.register_forward_pre_hook(grab)
     try:
-        runner.run_module(layer_idx, spec.path, x_in)
+        for rows in runner.chunks(x_in.shape[0]):
+            try:
+                runner.run_module(layer_idx, spec.path, x_in[rows])
+            except _StopAtOutputLinear:
+                pass
     finally:
         handle.remove()
     rows, length = x_in.shape[:2]
     return torch.cat(pieces).reshape(rows, length, -1)
 
 
-def _relative_error(
+def _relative_errors(
     runner: CalibrationRunner,
     z: torch.Tensor,
-    w_out: torch.Tensor,
+    w_outs: list[torch.Tensor],
     bias: torch.Tensor | None,
     y_ref: torch.Tensor,
     stream_norm: torch.Tensor,
-) -> float:
+) -> list[float]:
+    """The score of each output weight in w_outs [n, d] applied to z [R, L, d] (one matmul
+    for all of them)."""
     device, dtype = runner.lm.device, runner.lm.dtype
-    w_out = w_out.to(device)
+    count, n = len(w_outs), w_outs[0].shape[0]
+    w_all = torch.cat([w.to(device) for w in w_outs])  # [count·n, d]
+    bias_all = bias.repeat(count) if bias is not None else None
     errs = []
     for rows in runner.chunks(z.shape[0]):
-        y = F.linear(z[rows].to(device, dtype), w_out, bias).float()
-        diff = (y - y_ref[rows].to(device).float()).norm(dim=-1).cpu()  # [r, L]
-        errs.append((diff / stream_norm[rows]).square().flatten())
-    return float(torch.cat(errs).mean().sqrt())
+        y = F.linear(z[rows].to(device, dtype), w_all, bias_all).float()
+        y = y.unflatten(-1, (count, n))  # [r, L, count, n]
+        diff = (y - y_ref[rows].to(device).float()[:, :, None]).norm(dim=-1).cpu()
+        errs.append((diff / stream_norm[rows][:, :, None]).square().flatten(0, 1))  # [r·L, c]
+    return torch.cat(errs).mean(dim=0).sqrt().tolist()

@@ -16,6 +16,8 @@ Contract:
   is imported first (into OUT.partial/input); if it then fails a check, OUT.partial goes.
 - OUT appears complete (one rename) or not at all. A killed run leaves OUT.partial; the
   same command resumes it (finished layers are not redone); `resume=False` starts over.
+- On a CPU, torch runs `threads` threads during the call (default: the cores the load
+  average leaves idle, engine/quantizer/threads.py); the caller's count is restored.
 - `stop_after_layers=N` stops (finished=False) after N layer steps (measured or
   quantized) in this call: the Python-level stand-in for a kill, for tests.
 """
@@ -26,6 +28,7 @@ import hashlib
 import json
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,6 +58,7 @@ from engine.quantizer.strategy import (
     read_measurement,
     written_bpw,
 )
+from engine.quantizer.threads import cpu_threads, idle_cpu_threads
 from engine.quantizer.writer import publish, write_output
 from engine.weights import WeightError
 
@@ -93,6 +97,7 @@ class ConvertOptions:
     shard_mb: int = 8192
     progress: bool = True
     stop_after_layers: int | None = None
+    threads: int | None = None  # torch CPU threads meanwhile; None: on a CPU, the idle cores
 
 
 @dataclass
@@ -167,8 +172,12 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
                 shutil.rmtree(job.path, ignore_errors=True)
             raise e if isinstance(e, ConvertError) else ConvertError(str(e)) from e
 
+    threads = options.threads or (idle_cpu_threads() if device.type == "cpu" else None)
+    if device.type == "cpu" and not options.threads:
+        _say(options, f"{threads} CPU thread(s): the idle cores (--threads to choose)")
     try:
-        _run(job, model_dir, out, options, device, texts, measurement, _Steps(options), result)
+        with cpu_threads(threads) if threads else nullcontext():
+            _run(job, model_dir, out, options, device, texts, measurement, _Steps(options), result)
     except ConversionStopped:
         pass
     except WeightError as e:  # found only when the layer is read (a NaN weight, say)
@@ -206,6 +215,8 @@ def _check_options(o: ConvertOptions) -> None:
         raise ConvertError("measure_only needs measurement_out, the file to save it in")
     if o.shard_mb <= 0:
         raise ConvertError(f"shard size must be positive, got {o.shard_mb} MB")
+    if o.threads is not None and (not isinstance(o.threads, int) or o.threads <= 0):
+        raise ConvertError(f"threads must be a positive integer, got {o.threads!r}")
 
 
 def _calibration(o: ConvertOptions) -> tuple[list[str], str]:
