@@ -168,8 +168,9 @@ def rotate_native(x: torch.Tensor, group: int) -> torch.Tensor:
     float32. The float32 version costs a cast, an FMA-unit GEMM and a cast back, four times
     per layer and step (q, k, v, output): on an H200 that was ~0.8 ms of an 8B model's 3 ms
     decode step. Used for q and the attention output, which are rounded to their dtype
-    anyway; the cache write keeps float32 so that codes come from unrounded values. Every entry of H is +-1/sqrt(group), so rounding H to float16 scales the
-    result by one constant (1 - 1.1e-4 for group 32), far below the cache's own error."""
+    anyway; the cache write keeps float32 so that codes come from unrounded values. Every
+    entry of H is +-1/sqrt(group), so rounding H to float16 scales the result by one
+    constant (1 - 1.1e-4 for group 32), far below the cache's own error."""
     if x.dtype == torch.float32 or x.device.type == "cpu":
         return rotate(x, group).to(x.dtype)
     key = (group, x.device, x.dtype)
