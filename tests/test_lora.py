@@ -488,7 +488,8 @@ def test_unload_frees_gpu_memory(tiny: Path, tmp_path: Path):
     assert torch.cuda.memory_allocated() > before
     assert m.unload_lora("big") is True
     gc.collect()
-    assert torch.cuda.memory_allocated() == before
+    # <=: unloading may also free what the first adapter load replaced (empty stacks).
+    assert torch.cuda.memory_allocated() <= before
     # LoRA decode graphs are freed with the adapters they were captured for.
     m.load_lora(tmp_path / "big")
     m.generate(IDS, {**GREEDY, "loras": {"big": 1.0}})
