@@ -291,6 +291,9 @@ class DecodeGraphs:
         self._lora_graphs: dict[tuple[int, int], _Graph] = {}
         self._lora_version = -1
         self.lora_steps = 0  # decode steps that ran a LoRA graph (benchmarks, tests)
+        # Device memory the captures took (their private pools, the static buffers): graphs
+        # are captured on first use, so a server's memory grows with the shapes it meets.
+        self.captured_bytes = 0
 
     @staticmethod
     def bucket(batch_size: int) -> int | None:
@@ -377,6 +380,7 @@ class DecodeGraphs:
             graphs = self._lora_graphs
         graph = graphs.get(key)
         if graph is None:
+            before = self._allocated()
             graph = graphs[key] = _Graph(
                 self.model,
                 self.cache,
@@ -389,9 +393,27 @@ class DecodeGraphs:
                 tokens_per_row,
                 capture=self.capture,
             )
+            self.captured_bytes += self._allocated() - before
         # A LoRA graph replays only against the stacks it was captured with.
         assert lora is None or graph.lora_version == lora.version, "stale LoRA graph"
         return graph
+
+    def _allocated(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return torch.cuda.memory_allocated(self.device)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, tokens per row) a graph can be captured for."""
+        return [
+            (b, t) for t in TOKEN_BUCKETS for b in BUCKETS if t == 1 or b * t <= MAX_GRAPH_TOKENS
+        ]
+
+    def capture_all(self) -> None:
+        """Capture every shape now (no LoRA), e.g. before a server measures its memory:
+        otherwise each new shape a step meets allocates its graph's pool then."""
+        for size, tokens in self.shapes():
+            self.graph(size, tokens_per_row=tokens)
 
     def drop_lora_graphs(self) -> None:
         """Free the LoRA graphs (and their memory pools) now; they are captured again

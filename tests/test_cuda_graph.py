@@ -144,3 +144,23 @@ def test_multi_token_graphs_equal_eager_forwards(model_dir: Path):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert {(4, 1), (4, 2), (4, 4), (4, 8)} <= set(graphed.graphs._graphs)
+
+
+def test_static_buffer_path_equals_eager_and_capture_all(model_dir: Path):
+    """The graph path's static buffers run eagerly (capture=False, on the CPU): every
+    shape can be made up front (what tools/soak.py does before measuring memory), and
+    verify-shaped and decode steps through them give the eager engine's logits."""
+    eager, graphed = _engine(model_dir), _engine(model_dir)
+    graphs = graphed.enable_decode_graphs(capture=False)
+    graphs.capture_all()
+    assert len(graphs.shapes()) == 7 + 6 + 5 + 4  # T = 1, 2, 4, 8 with B * T <= 64
+    assert set(graphs._graphs) == set(graphs.shapes())
+    prompts = [[3, 9, 4, 7, 1, 8, 2, 6, 5, 4], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    seqs = {name: [Sequence() for _ in prompts] for name in ("e", "g")}
+    for name, engine in (("e", eager), ("g", graphed)):
+        for seq, prompt in zip(seqs[name], prompts, strict=True):
+            engine.prefill(seq, prompt)
+    for new, counts in (([[40, 41, 42], [43]], [3, 1]), ([[44], [45]], None)):
+        got = graphed.forward(seqs["g"], new, logits_counts=counts)
+        want = eager.forward(seqs["e"], new, logits_counts=counts)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
