@@ -99,7 +99,7 @@ def test_bad_load_fields_name_the_key(values: dict, key: str) -> None:
     ("name", "options", "text"),
     [
         ("../outside", {}, "not a path"),
-        ("/etc", {}, "not a path"),
+        ("/etc", {}, "absolute path"),
         ("..", {}, "invalid model name"),
         ("nope", {}, "no model named 'nope'"),
         ("tiny", {"cache_type": "evil"}, "cache_type"),
