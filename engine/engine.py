@@ -159,6 +159,13 @@ class Engine:
             cache_tokens=cache_tokens,
             page_size=options.page_size,
             prefill_chunk=options.prefill_chunk,
+            cache_token_bytes=cache_bytes_per_token(
+                options.cache_type,
+                num_layers=1,
+                num_kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+                dtype=dtype,
+            ),
         )
         model = load_causal_lm(
             model_dir, device=device, dtype=dtype, config=config, placement=placement

@@ -211,3 +211,46 @@ def test_single_device_info_shows_the_placement(tiny: Path):
     assert placement["layers"] == {"cpu": "0-2"}
     assert placement["mode"] == "single" and placement["tp_world_size"] == 1
     m.unload()
+
+
+def test_single_gpu_load_that_does_not_fit_says_how_much_is_missing():
+    from engine.placement import check_single_device_fit
+
+    fp = _footprint()  # 12 GiB of weights and 1 GiB of cache
+    check_single_device_fit(fp, GPU[0], fp.total_bytes)  # exactly enough: loads
+    with pytest.raises(PlacementError) as info:
+        check_single_device_fit(fp, GPU[0], 10 * GIB)
+    message = str(info.value)
+    assert "does not fit on cuda:0" in message
+    assert f"{(fp.total_bytes - 10 * GIB) / GIB:.2f} GiB more GPU memory is missing" in message
+    assert "cache_type" in message and "gpu_split" in message
+
+
+@pytest.mark.parametrize("cache_type", ["fp16", "q4"])
+def test_footprint_of_every_architecture_counts_its_weights(tmp_path: Path, cache_type: str):
+    """Every CUDA load now reads the footprint first: it must work for every architecture,
+    count all the weights once and size the cache by its storage type."""
+    from test_architectures import CASES
+
+    from engine.cache import cache_bytes_per_token
+
+    from model_factory import make_tiny_model
+
+    for case, (config_cls, overrides, _) in CASES.items():
+        path = tmp_path / case
+        hf = make_tiny_model(path, config_cls, **overrides)
+        config = ModelConfig.from_dir(path)
+        per_token = cache_bytes_per_token(
+            cache_type, num_layers=1, num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim, dtype=torch.float16,
+        )  # fmt: skip
+        fp = model_footprint(
+            WeightStore(path), config, dtype=torch.float16, cache_tokens=64, page_size=16,
+            prefill_chunk=32, cache_token_bytes=per_token,
+        )  # fmt: skip
+        weights = fp.total_bytes - fp.cache_bytes_per_layer * fp.num_layers
+        stored = {n: p for n, p in hf.state_dict().items()}
+        tied = [n for n in stored if n.startswith("lm_head.")] if fp.tied_head else []
+        want = sum(p.numel() * 2 for n, p in stored.items() if n not in tied)
+        assert weights == want, case
+        assert fp.cache_bytes_per_layer == (64 // 16 + 1) * 16 * per_token, case

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.placement.plan import GIB, ModelFootprint, Placement, PlacementError, plan_placement
+from engine.placement.plan import (
+    GIB,
+    ModelFootprint,
+    Placement,
+    PlacementError,
+    check_single_device_fit,
+    plan_placement,
+)
 
 __all__ = [
     "GIB",
@@ -82,14 +89,17 @@ def plan_for_model(
     cache_tokens: int,
     page_size: int,
     prefill_chunk: int,
+    cache_token_bytes: int | None = None,
 ) -> Placement:
-    """Read the checkpoint's footprint (headers only) and choose the placement."""
+    """Read the checkpoint's footprint (headers only) and choose the placement. A model
+    loaded whole onto one GPU is checked against that GPU's free memory first."""
     from engine.config import ModelConfig
     from engine.placement.footprint import model_footprint
     from engine.weights import WeightStore
 
     assert isinstance(config, ModelConfig)
-    if not options.splits and not options.cpu_offload:
+    single = not options.splits and not options.cpu_offload
+    if single and device.type != "cuda":
         return Placement.single(device, config.num_hidden_layers)
     footprint = model_footprint(
         WeightStore(model_dir),
@@ -98,5 +108,9 @@ def plan_for_model(
         cache_tokens=cache_tokens,
         page_size=page_size,
         prefill_chunk=prefill_chunk,
+        cache_token_bytes=cache_token_bytes,
     )
+    if single:
+        check_single_device_fit(footprint, device, free_gpu_bytes([device])[0])
+        return Placement.single(device, config.num_hidden_layers)
     return choose_placement(footprint, options, default_device=device)

@@ -64,9 +64,11 @@ def model_footprint(
     page_size: int,
     prefill_chunk: int,
     kv_heads: int | None = None,
+    cache_token_bytes: int | None = None,
 ) -> ModelFootprint:
     """The footprint of the checkpoint in `store` with a cache of `cache_tokens` tokens
-    (rounded up to pages, plus the one scratch page of the decode graphs)."""
+    (rounded up to pages, plus the one scratch page of the decode graphs), each taking
+    `cache_token_bytes` per layer (K and V; default: the model's dtype, unquantized)."""
     layers = [0] * config.num_hidden_layers
     embed = head = 0
     for name in store.names():
@@ -82,7 +84,9 @@ def model_footprint(
     tied = config.tie_word_embeddings and not any(n.startswith("lm_head.") for n in store.names())
     pages = -(-cache_tokens // page_size) + 1
     kv = kv_heads if kv_heads is not None else config.num_key_value_heads
-    cache_per_layer = 2 * pages * page_size * kv * config.head_dim * dtype.itemsize
+    if cache_token_bytes is None:  # K and V of one token and layer, in the model's dtype
+        cache_token_bytes = 2 * kv * config.head_dim * dtype.itemsize
+    cache_per_layer = pages * page_size * cache_token_bytes
     # Activations of one prefill chunk: hidden rows, q/k/v, the MLP's three intermediates,
     # in float32 at worst; the dense scratch of the largest quantized linear; and the
     # float32 logits of a whole chunk (logits() asks for every row).

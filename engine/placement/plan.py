@@ -211,3 +211,19 @@ def _raise_not_fit(
         f"{_gib(missing)} more GPU memory is missing. Shorten max_seq_len / cache_tokens, "
         "add GPUs, lower the reserve, or enable cpu_offload."
     )
+
+
+def check_single_device_fit(fp: ModelFootprint, device: torch.device, free_bytes: int) -> None:
+    """A model loaded whole onto one GPU: refuse it before any weight moves when its
+    weights and KV cache exceed the GPU's free memory, saying how much is missing
+    (otherwise the load dies halfway with CUDA's out-of-memory error). The prefill
+    workspace is left out on purpose: the estimate must never refuse a model that fits."""
+    need = fp.total_bytes
+    if need <= free_bytes:
+        return
+    raise PlacementError(
+        f"the model does not fit on {device}: it needs {_gib(need)} (weights + KV cache) and "
+        f"{_gib(free_bytes)} is free; {_gib(need - free_bytes)} more GPU memory is missing. "
+        "Shorten max_seq_len / cache_tokens, use a quantized cache (cache_type) or fewer "
+        "bits per weight, or spread the model with gpu_split / autosplit (and cpu_offload)."
+    )
