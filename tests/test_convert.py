@@ -331,3 +331,57 @@ def test_allocation_is_optimal_under_budget():
 
 def test_head_profiles_cover_exllamav2_head_bits():
     assert sorted(HEAD_PROFILES) == [2, 3, 4, 5, 6, 8]
+
+
+def _kill_when(proc, job_file: Path, ready, timeout: float = 120.0) -> bool:
+    """SIGKILL `proc` as soon as its job.json satisfies `ready`; False if it ended first."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            state = json.loads(job_file.read_text())["state"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            state = None
+        if state is not None and ready(state):
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.002)
+    return False
+
+
+@pytest.mark.slow
+def test_sigkilled_conversion_resumes_to_the_same_output(tmp_path: Path):
+    """convert.py killed with SIGKILL (no cleanup runs) once while measuring and once while
+    quantizing, then run again: it resumes from what it had saved and writes the output an
+    uninterrupted run writes, byte for byte."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "fp"
+    make_tiny_llama(src, num_hidden_layers=8, **SHAPE)
+    root = Path(__file__).resolve().parent.parent
+    flags = ["-b", "4.0", "-r", "8", "-l", "128", "-mr", "4", "-ml", "128", "--device", "cpu",
+             "--threads", "1"]  # fmt: skip
+
+    def start(out: Path) -> subprocess.Popen:
+        cmd = [sys.executable, str(root / "convert.py"), "-i", str(src), "-o", str(out), *flags]
+        return subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    reference = tmp_path / "reference"
+    assert start(reference).wait() == 0
+    out = tmp_path / "killed"
+    job_file = tmp_path / "killed.partial" / "job.json"
+    measuring = lambda s: 1 <= len(s.get("measurement", {}).get("layers", [])) < 8  # noqa: E731
+    quantizing = lambda s: 1 <= s.get("quantized_layers", 0) < 8  # noqa: E731
+    for ready in (measuring, quantizing):
+        assert _kill_when(start(out), job_file, ready), "the conversion ended before the kill"
+        assert not out.exists() and job_file.is_file()
+    finish = start(out)
+    _, err = finish.communicate()
+    assert finish.returncode == 0, err.decode()[-2000:]
+    assert not job_file.parent.exists()
+    for name in sorted(p.name for p in reference.iterdir()):
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
