@@ -328,9 +328,7 @@ class DecodeGraphs:
         logits of each sequence's last `logits_counts[b]` new tokens (default 1), in order,
         as Engine.forward returns them."""
         B, T = shape
-        for seq, tokens in zip(sequences, new_tokens, strict=True):
-            seq.reserve(self.cache, seq.length + len(tokens))
-            seq.length += len(tokens)
+        self._advance(sequences, [len(t) for t in new_tokens])
         graph = self.graph(B, tokens_per_row=T)
         graph.stage_many(sequences, new_tokens)
         logits = graph.replay()
@@ -355,15 +353,20 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """One decode step: logits [len(sequences), vocab] (float32). With `lora`, the rows'
         adapter scales `lora_scales` [len(sequences), slots] (CPU) go into a LoRA graph."""
-        for seq in sequences:
-            seq.reserve(self.cache, seq.length + 1)
-            seq.length += 1
+        self._advance(sequences, [1] * len(sequences))
         size = self.bucket(len(sequences))
         assert size is not None, "more sequences than the largest bucket"
         graph = self.graph(size, lora)
         if lora is not None:
             self.lora_steps += 1
         return graph.run(sequences, tokens, lora_scales)
+
+    def _advance(self, sequences: list[Sequence], counts: list[int]) -> None:
+        """Reserve pages for each sequence's new tokens and move its length past them (the
+        graph's forward fills those slots)."""
+        for seq, count in zip(sequences, counts, strict=True):
+            seq.reserve(self.cache, seq.length + count)
+            seq.length += count
 
     def graph(
         self, size: int, lora: LoraManager | None = None, *, tokens_per_row: int = 1
@@ -405,9 +408,7 @@ class DecodeGraphs:
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, tokens per row) a graph can be captured for."""
-        return [
-            (b, t) for t in TOKEN_BUCKETS for b in BUCKETS if t == 1 or b * t <= MAX_GRAPH_TOKENS
-        ]
+        return [(b, t) for t in TOKEN_BUCKETS for b in BUCKETS if b * t <= MAX_GRAPH_TOKENS]
 
     def capture_all(self) -> None:
         """Capture every shape now (no LoRA), e.g. before a server measures its memory:

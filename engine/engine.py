@@ -134,14 +134,16 @@ class Engine:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
         tokenizer = Tokenizer.from_dir(model_dir)
         cache_tokens = options.cache_tokens or max_seq_len
+        # K and V bytes of one token in one layer, in the cache's storage type.
+        layer_token_bytes = cache_bytes_per_token(
+            options.cache_type,
+            num_layers=1,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+        )
         if options.cache_gib is not None and options.cache_tokens is None:
-            per_token = cache_bytes_per_token(
-                options.cache_type,
-                num_layers=config.num_hidden_layers,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                dtype=dtype,
-            )
+            per_token = layer_token_bytes * config.num_hidden_layers
             cache_tokens = int(options.cache_gib * 2**30) // per_token
             if cache_tokens < options.page_size:
                 raise ValueError(
@@ -159,13 +161,7 @@ class Engine:
             cache_tokens=cache_tokens,
             page_size=options.page_size,
             prefill_chunk=options.prefill_chunk,
-            cache_token_bytes=cache_bytes_per_token(
-                options.cache_type,
-                num_layers=1,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                dtype=dtype,
-            ),
+            cache_token_bytes=layer_token_bytes,
         )
         model = load_causal_lm(
             model_dir, device=device, dtype=dtype, config=config, placement=placement

@@ -45,6 +45,21 @@ def _read_bandwidth() -> float:
     return 4 * 2**30 / best
 
 
+def distinct_linears(
+    model: torch.nn.Module,
+) -> tuple[dict[tuple[int, int], QuantizedLinear], dict[tuple[int, int], int]]:
+    """One quantized linear per (in_features, out_features) shape, and how many of each
+    shape the model has (what the tuning tools time and weight)."""
+    shapes: dict[tuple[int, int], QuantizedLinear] = {}
+    counts: dict[tuple[int, int], int] = {}
+    for mod in model.modules():
+        if isinstance(mod, QuantizedLinear):
+            key = (mod.in_features, mod.out_features)
+            shapes.setdefault(key, mod)
+            counts[key] = counts.get(key, 0) + 1
+    return shapes, counts
+
+
 def _graph_time(fn, calls: int = 50, reps: int = 5) -> float:
     """Seconds per call of fn() replayed in a CUDA graph of `calls` calls (best of reps)."""
     stream = torch.cuda.Stream()

@@ -24,9 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 import kernels.quant_matmul_triton as qmt  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
-from engine.quantized_linear import QuantizedLinear  # noqa: E402
 from tools.bench import build_model  # noqa: E402
-from tools.profile_decode import _graph_time, _read_bandwidth  # noqa: E402
+from tools.profile_decode import _graph_time, _read_bandwidth, distinct_linears  # noqa: E402
 
 WARPS = (2, 4, 8)
 COLS = (4, 8, 16)
@@ -47,14 +46,7 @@ def main() -> int:
     engine = Engine.load(path, EngineOptions(device="cuda", dtype="float16", max_seq_len=256))
     bandwidth = _read_bandwidth()
 
-    shapes: dict[tuple[int, int], QuantizedLinear] = {}
-    counts: dict[tuple[int, int], int] = {}
-    for mod in engine.model.modules():
-        if isinstance(mod, QuantizedLinear):
-            shapes.setdefault((mod.in_features, mod.out_features), mod)
-            counts[(mod.in_features, mod.out_features)] = (
-                counts.get((mod.in_features, mod.out_features), 0) + 1
-            )
+    shapes, counts = distinct_linears(engine.model)
     defaults = (
         qmt._GEMV_NUM_WARPS,
         dict(qmt._GEMV_COLS_PER_THREAD),

@@ -26,9 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 import kernels.quant_matmul_triton as qmt  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
-from engine.quantized_linear import QuantizedLinear  # noqa: E402
 from tools.bench import build_model  # noqa: E402
-from tools.profile_decode import _graph_time, _read_bandwidth  # noqa: E402
+from tools.profile_decode import _graph_time, _read_bandwidth, distinct_linears  # noqa: E402
 
 M_VALUES = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128)
 # Dot-path sweep: (wide unpack, programs per SM, max BLOCK_K, warps, stages, max BLOCK_M).
@@ -58,13 +57,7 @@ def main() -> int:
     path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
     engine = Engine.load(path, EngineOptions(device="cuda", dtype="float16", max_seq_len=256))
     bandwidth = _read_bandwidth()
-    shapes: dict[tuple[int, int], QuantizedLinear] = {}
-    counts: dict[tuple[int, int], int] = {}
-    for mod in engine.model.modules():
-        if isinstance(mod, QuantizedLinear):
-            key = (mod.in_features, mod.out_features)
-            shapes.setdefault(key, mod)
-            counts[key] = counts.get(key, 0) + 1
+    shapes, counts = distinct_linears(engine.model)
     step_bytes = sum(shapes[k].storage_bits // 8 * c for k, c in counts.items())
     defaults = (qmt._DOT_WIDE, qmt._DOT_PROGRAMS_PER_SM, qmt._DOT_MAX_BLOCK_K,
                 qmt._DOT_NUM_WARPS, qmt._DOT_NUM_STAGES)  # fmt: skip
