@@ -146,6 +146,7 @@ def _hadamard_cpu(size: int) -> torch.Tensor:
 
 
 _HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
+_HADAMARD_NATIVE: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def hadamard(size: int, device: torch.device) -> torch.Tensor:
@@ -178,9 +179,6 @@ def rotate_native(x: torch.Tensor, group: int) -> torch.Tensor:
     if h is None:
         h = _HADAMARD_NATIVE[key] = hadamard(group, x.device).to(x.dtype)
     return (x.reshape(-1, group) @ h).reshape(x.shape)
-
-
-_HADAMARD_NATIVE: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
 
 # ---------------------------------------------------------------------------------------------

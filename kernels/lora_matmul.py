@@ -255,16 +255,13 @@ def lora_matmul_triton(
         x.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
     )  # fmt: skip
     if max_seg_len == 1:
-        # Every program runs the whole shrink (x . A over K) serially before its expand, so
-        # its latency is the number of K tiles: on an H200, 256-wide tiles (16 serial loads
-        # at K = 4096) made rank-16 LoRA cost ~25 us per projection, 64% of an 8B decode
-        # step. 16384-element A tiles over 8 warps (64 values per thread) take 4.
-        block_k = max(16, min(triton.next_power_of_2(k), 16384 // block_r))
+        # Tiles of at most 4096 elements ([R, K] of A, [N, R] of B) stay in registers.
+        block_k = max(16, 4096 // block_r)
         block_n = min(256, max(16, 4096 // block_r))
         with device_guard(x):
             _lora_decode_kernel[(groups, triton.cdiv(n, block_n))](
                 *args, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-                EMULATE_BF16=emulate_bf16, num_warps=8,
+                EMULATE_BF16=emulate_bf16,
             )  # fmt: skip
         return y
     long = max_seg_len > 16
