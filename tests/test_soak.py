@@ -28,15 +28,17 @@ def test_short_cpu_soak_passes_and_reports_latency(model_dir: Path, tmp_path: Pa
     status = soak.main([
         "--model", str(model_dir), "--device", "cpu", "--dtype", "float32",
         "--clients", "8", "--duration", "8", "--max-prompt", "64", "--max-tokens", "32",
-        "--cancel-rate", "0.3", "--max-seq-len", "256", "--cache-tokens", "256",
+        "--cancel-rate", "0.3", "--max-seq-len", "128", "--cache-tokens", "128",
         "--page-size", "16", "--json", str(out),
     ])  # fmt: skip
     report = json.loads(out.read_text())
     assert status == 0, report["failures"]
     assert report["ok"] and report["errors"] == 0 and report["failures"] == []
     assert report["finished"] >= 8 and report["cancelled"] >= 1, report
-    assert report["pages"]["free_after"] == report["pages"]["usable"] == 16
-    assert report["pages"]["preemptions"] > 0  # 8 jobs of up to 96 tokens in 256
+    assert report["pages"]["free_after"] == report["pages"]["usable"] == 8
+    # 8 clients with jobs of up to 96 tokens (6 pages) share 8 pages: any two that decode at
+    # once outgrow the cache (with 16 pages, a slow CI run once saw no preemption).
+    assert report["pages"]["preemptions"] > 0
     for key in ("p50", "p90", "p99"):
         assert report["ttft_ms"][key] > 0
     assert report["time_per_output_token_ms"]["p50"] > 0 and report["tok_s_aggregate"] > 0
