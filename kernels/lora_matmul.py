@@ -17,10 +17,14 @@ can use tensor-core dots. Several slots may be active in one segment (A + B at 0
 rows of a segment whose scales are all 0 get nothing added. Math is in float32; the sum of
 the adapters' deltas is rounded once into y's dtype.
 
-The Triton kernels compute shrink (x @ A^T, [M, R]) and expand (@ B^T) in one program per
-(segment, row tile, column tile): one launch per linear. The shrink is repeated for every
-column tile; at decode (one row per segment, its own kernel with vector math and wide K
-tiles) that re-reads A from L2, which costs less than a second launch per linear.
+Prefill chunks (segments of several rows) run one Triton program per (segment, row tile,
+column tile) that computes shrink (x @ A^T, [M, R]) and expand (@ B^T) with tensor-core
+dots; the shrink is repeated per column tile, which 256-wide tiles keep to a few percent.
+Decode steps (one row per segment) run two kernels instead: `lora_shrink` splits x·A^T over
+K tiles (one load of A per program, float32 partials), `lora_expand` sums the partials and
+adds their product with B. A single decode kernel would have to repeat the whole shrink, 16
+to 64 serial K loads, in every column tile; split, each kernel is one wave of loads, and
+the shrink can run on a side stream beside the base layer's matmul (engine/lora/layers.py).
 `lora_matmul` dispatches: Triton on CUDA tensors, the reference otherwise (see
 kernels.backend).
 """
@@ -32,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import Backend, cast_rtne, device_guard, is_interpreted, resolve_backend
+from kernels.quant_matmul_triton import GemvShare, finish_gemv_tile
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -177,15 +182,50 @@ def _lora_kernel(
 
 
 @triton.jit
-def _lora_decode_kernel(
-    x_ptr, y_ptr, a_ptr, b_ptr, slot_map_ptr, seg_starts_ptr, seg_scales_ptr,
-    N, K, R, S,
-    stride_xm, stride_ym, stride_al, stride_ar, stride_bl, stride_bn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+def _lora_shrink_kernel(
+    x_ptr, a_ptr, part_ptr, slot_map_ptr, seg_starts_ptr, seg_scales_ptr,
+    K, R, S, SPLITS,
+    stride_xm, stride_al, stride_ar,
+    BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    # One row per segment (decode). Program (g, split) reduces one K tile of x·A^T for each
+    # active slot of segment g into part[g, s, split, :]: every program does one load of A,
+    # so the whole shrink is one wave of loads spread over many SMs.
+    g = tl.program_id(0)
+    split = tl.program_id(1)
+    row = tl.load(seg_starts_ptr + g)
+    has_row = row < tl.load(seg_starts_ptr + g + 1)
+    ks = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_mask = ks < K
+    rank = tl.arange(0, BLOCK_R)
+    rank_mask = rank < R
+    if has_row:
+        xv = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_mask, other=0.0)
+        xv = xv.to(tl.float32)
+        for s in range(0, S):
+            scale = tl.load(seg_scales_ptr + g * S + s)
+            local = tl.load(slot_map_ptr + s)
+            if (scale != 0.0) & (local >= 0):
+                a_base = a_ptr + local.to(tl.int64) * stride_al
+                at = tl.load(
+                    a_base + rank[:, None] * stride_ar + ks[None, :],
+                    mask=rank_mask[:, None] & k_mask[None, :],
+                    other=0.0,
+                )  # [BLOCK_R, BLOCK_K]
+                part = tl.sum(at.to(tl.float32) * xv[None, :], axis=1)
+                tl.store(part_ptr + ((g * S + s) * SPLITS + split) * BLOCK_R + rank, part)
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr, b_ptr, part_ptr, slot_map_ptr, seg_starts_ptr, seg_scales_ptr,
+    N, R, S, SPLITS,
+    stride_ym, stride_bl, stride_bn,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):  # fmt: skip
-    # One row per segment (decode): vector math instead of 16-row dot tiles, and wide K
-    # tiles, so a program reads its adapter's A in a few large loads.
+    # Program (g, column tile): sums the shrink's partials of each active slot (a few KB,
+    # from L2), scales them, multiplies by its tile of B and adds the total to y once.
     g = tl.program_id(0)
     tile_n = tl.program_id(1)
     row = tl.load(seg_starts_ptr + g)
@@ -194,34 +234,223 @@ def _lora_decode_kernel(
     col_mask = cols < N
     rank = tl.arange(0, BLOCK_R)
     rank_mask = rank < R
+    splits = tl.arange(0, BLOCK_SPLITS)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for s in range(0, S):
         scale = tl.load(seg_scales_ptr + g * S + s)
         local = tl.load(slot_map_ptr + s)
         if has_row & (scale != 0.0) & (local >= 0):
-            shrunk = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            a_base = a_ptr + local.to(tl.int64) * stride_al
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_mask = ks < K
-                xv = tl.load(x_ptr + row.to(tl.int64) * stride_xm + ks, mask=k_mask, other=0.0)
-                at = tl.load(
-                    a_base + rank[:, None] * stride_ar + ks[None, :],
-                    mask=rank_mask[:, None] & k_mask[None, :],
-                    other=0.0,
-                )  # [BLOCK_R, BLOCK_K]
-                shrunk += tl.sum(at.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
+            parts = tl.load(
+                part_ptr + ((g * S + s) * SPLITS + splits[:, None]) * BLOCK_R + rank[None, :],
+                mask=(splits < SPLITS)[:, None],
+                other=0.0,
+            )  # [BLOCK_SPLITS, BLOCK_R]
+            shrunk = tl.sum(parts, axis=0) * scale
             bt = tl.load(
                 b_ptr + local.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + rank[None, :],
                 mask=col_mask[:, None] & rank_mask[None, :],
                 other=0.0,
             )  # [BLOCK_N, BLOCK_R]
-            acc += tl.sum(bt.to(tl.float32) * (shrunk * scale)[None, :], axis=1)
+            acc += tl.sum(bt.to(tl.float32) * shrunk[None, :], axis=1)
     if has_row:
         offs = row.to(tl.int64) * stride_ym + cols
         y = tl.load(y_ptr + offs, mask=col_mask, other=0.0)
         out = cast_rtne(y.to(tl.float32) + acc, y_ptr.dtype.element_ty, EMULATE_BF16)
         tl.store(y_ptr + offs, out, mask=col_mask)
+
+
+@triton.jit
+def _lora_expand_gemv_kernel(
+    sums_ptr, y_ptr, counters_ptr, b_ptr, part_ptr, slot_map_ptr, seg_starts_ptr,
+    seg_scales_ptr,
+    n, N, R, S, G, SPLITS, arrivals,
+    stride_bl, stride_bn,
+    GEMV_BLOCK_N: tl.constexpr, SUB_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, M_ROWS: tl.constexpr,
+):  # fmt: skip
+    # The expand as extra split-K programs of a decode GEMV (kernels.quant_matmul_triton.
+    # GemvShare): program (tile, sub) adds the LoRA terms of SUB_N columns of GEMV column
+    # tile `tile` to the GEMV's float32 sums, then arrives at the tile's counter; the last
+    # arrival (this or a GEMV program) writes y. No read-modify-write of y, no ordering
+    # against the GEMV, and one rounding of base + delta.
+    tile = tl.program_id(0)
+    sub = tl.program_id(1)
+    cols = tile * GEMV_BLOCK_N + sub * SUB_N + tl.arange(0, SUB_N)
+    col_ok = cols < N
+    rank = tl.arange(0, BLOCK_R)
+    rank_mask = rank < R
+    splits = tl.arange(0, BLOCK_SPLITS)
+    for g in range(0, G):
+        row = tl.load(seg_starts_ptr + g)
+        has_row = row < tl.load(seg_starts_ptr + g + 1)
+        acc = tl.zeros((SUB_N,), dtype=tl.float32)
+        for s in range(0, S):
+            scale = tl.load(seg_scales_ptr + g * S + s)
+            local = tl.load(slot_map_ptr + s)
+            if has_row & (scale != 0.0) & (local >= 0):
+                parts = tl.load(
+                    part_ptr + ((g * S + s) * SPLITS + splits[:, None]) * BLOCK_R + rank[None, :],
+                    mask=(splits < SPLITS)[:, None],
+                    other=0.0,
+                )
+                shrunk = tl.sum(parts, axis=0) * scale
+                b_base = b_ptr + local.to(tl.int64) * stride_bl
+                bt = tl.load(
+                    b_base + cols[:, None] * stride_bn + rank[None, :],
+                    mask=col_ok[:, None] & rank_mask[None, :],
+                    other=0.0,
+                )
+                acc += tl.sum(bt.to(tl.float32) * shrunk[None, :], axis=1)
+        if has_row:
+            tl.atomic_add(sums_ptr + row * n + cols, acc, mask=col_ok, sem="relaxed")
+    tile_cols = tile * GEMV_BLOCK_N + tl.arange(0, GEMV_BLOCK_N)
+    finish_gemv_tile(
+        sums_ptr, y_ptr, counters_ptr + tile, arrivals, n, tile_cols, tile_cols < n, M_ROWS
+    )
+
+
+# Elements of one program's tile of A ([R, K]) in the shrink, and of B ([N, R]) in the
+# expand: small enough for registers, and small enough that even a 4096-wide projection
+# spreads its shrink over 16+ programs (latency, not bytes, bounds these kernels).
+SHRINK_TILE = 4096
+EXPAND_TILE = 4096
+
+
+def _rank_block(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))
+
+
+def _shrink_block_k(k: int, rank: int) -> int:
+    return min(max(16, SHRINK_TILE // _rank_block(rank)), max(16, triton.next_power_of_2(k)))
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    slot_map: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_scales: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """First half of a decode step's LoRA (one row per segment): the per-K-tile partial sums
+    of x·A^T of every active (segment, slot), float32 [G, S, splits, R_block]. Entries of
+    inactive slots are left unwritten; `lora_expand` never reads them. `out` (from
+    `lora_partials_shape`) lets a caller allocate it on another stream than the kernel's."""
+    if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
+        raise ValueError(
+            f"x [T, K] and a [L, R, K] expected, got {tuple(x.shape)}, {tuple(a.shape)}"
+        )
+    if x.stride(1) != 1 or not a.is_contiguous():
+        raise ValueError("x needs contiguous rows and a must be contiguous")
+    shape = lora_partials_shape(x.shape[1], a.shape[1], seg_scales.shape[0], seg_scales.shape[1])
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32, device=x.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor of shape {shape}")
+    groups, slots, splits, block_r = shape
+    if groups == 0 or slots == 0:
+        return out
+    k, rank = x.shape[1], a.shape[1]
+    with device_guard(x):
+        _lora_shrink_kernel[(groups, splits)](
+            x, a, out, slot_map.to(torch.int32), seg_starts.to(torch.int32),
+            seg_scales.to(torch.float32),
+            k, rank, slots, splits,
+            x.stride(0), a.stride(0), a.stride(1),
+            BLOCK_K=_shrink_block_k(k, rank), BLOCK_R=block_r,
+        )  # fmt: skip
+    return out
+
+
+def lora_partials_shape(k: int, rank: int, groups: int, slots: int) -> tuple[int, int, int, int]:
+    """Shape of `lora_shrink`'s output for inputs of width k, stacks of rank `rank`, G
+    segments and S slots."""
+    return (groups, slots, triton.cdiv(k, _shrink_block_k(k, rank)), _rank_block(rank))
+
+
+def lora_gemv_arrivals(gemv_block_n: int, rank: int) -> int:
+    """Programs per GEMV column tile that `lora_expand_into_gemv` adds (GemvShare.extra)
+    for stacks of rank `rank`: pass `functools.partial(lora_gemv_arrivals, rank=rank)` to
+    `gemv_share`."""
+    return gemv_block_n // _expand_sub_n(gemv_block_n, rank)
+
+
+def _expand_sub_n(block_n: int, rank: int) -> int:
+    return min(block_n, max(16, EXPAND_TILE // _rank_block(rank)))
+
+
+def lora_expand_into_gemv(
+    share: GemvShare,
+    partials: torch.Tensor,
+    b: torch.Tensor,
+    slot_map: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_scales: torch.Tensor,
+) -> None:
+    """The expand of `lora_expand`, added into a decode GEMV's sums instead of y (see
+    GemvShare): y = round(x @ W + bias + delta), complete once both kernels have run, in
+    either order. share.extra must be `lora_gemv_arrivals(share.tiling.block_n, rank)`;
+    b [L, N, R] may cover fewer columns than the GEMV (padded quantized outputs)."""
+    if not b.is_contiguous() or b.dim() != 3 or partials.dim() != 4:
+        raise ValueError("b must be a contiguous [L, N, R] stack and partials [G, S, splits, R]")
+    groups, slots, splits, block_r = partials.shape
+    m, n = share.y.shape
+    block_n = share.tiling.block_n
+    sub_n = _expand_sub_n(block_n, b.shape[2])
+    if share.extra != block_n // sub_n:
+        raise ValueError(
+            f"the GEMV was opened for {share.extra} programs per tile, not {block_n // sub_n}"
+        )
+    if b.shape[1] > n or seg_starts.shape != (groups + 1,):
+        raise ValueError(
+            f"b {tuple(b.shape)} / seg_starts {tuple(seg_starts.shape)} do not fit "
+            f"y {tuple(share.y.shape)}"
+        )
+    with device_guard(share.y):
+        _lora_expand_gemv_kernel[(share.tiling.n_tiles, block_n // sub_n)](
+            share.sums, share.y, share.counters, b, partials,
+            slot_map.to(torch.int32), seg_starts.to(torch.int32), seg_scales.to(torch.float32),
+            n, b.shape[1], b.shape[2], slots, groups, splits, share.arrivals,
+            b.stride(0), b.stride(1),
+            GEMV_BLOCK_N=block_n, SUB_N=sub_n, BLOCK_R=block_r,
+            BLOCK_SPLITS=triton.next_power_of_2(max(splits, 1)), M_ROWS=m,
+        )  # fmt: skip
+
+
+def lora_expand(
+    y: torch.Tensor,
+    partials: torch.Tensor,
+    b: torch.Tensor,
+    slot_map: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_scales: torch.Tensor,
+) -> torch.Tensor:
+    """Second half: y[row of g] += sum over active slots s of scale[g, s] * shrink · B_s^T,
+    in place (one rounding into y's dtype); returns y."""
+    if y.stride(1) != 1 or not b.is_contiguous():
+        raise ValueError("y needs contiguous rows and b must be contiguous")
+    if b.dim() != 3 or b.shape[1] != y.shape[1] or partials.dim() != 4:
+        raise ValueError(
+            f"y [T, N], b [L, N, R] and partials [G, S, splits, R] expected, got "
+            f"{tuple(y.shape)}, {tuple(b.shape)}, {tuple(partials.shape)}"
+        )
+    groups, slots, splits, block_r = partials.shape
+    if groups == 0 or slots == 0:
+        return y
+    n, rank = y.shape[1], b.shape[2]
+    block_n = min(256, max(16, EXPAND_TILE // block_r))
+    emulate_bf16 = _INTERPRETED and y.dtype == torch.bfloat16
+    with device_guard(y):
+        _lora_expand_kernel[(groups, triton.cdiv(n, block_n))](
+            y, b, partials, slot_map.to(torch.int32), seg_starts.to(torch.int32),
+            seg_scales.to(torch.float32),
+            n, rank, slots, splits,
+            y.stride(0), b.stride(0), b.stride(1),
+            BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_SPLITS=triton.next_power_of_2(splits),
+            EMULATE_BF16=emulate_bf16,
+        )  # fmt: skip
+    return y
 
 
 _INTERPRETED = is_interpreted(_lora_kernel)
@@ -255,15 +484,8 @@ def lora_matmul_triton(
         x.stride(0), y.stride(0), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
     )  # fmt: skip
     if max_seg_len == 1:
-        # Tiles of at most 4096 elements ([R, K] of A, [N, R] of B) stay in registers.
-        block_k = max(16, 4096 // block_r)
-        block_n = min(256, max(16, 4096 // block_r))
-        with device_guard(x):
-            _lora_decode_kernel[(groups, triton.cdiv(n, block_n))](
-                *args, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-                EMULATE_BF16=emulate_bf16,
-            )  # fmt: skip
-        return y
+        partials = lora_shrink(x, a, slot_map, seg_starts, seg_scales)
+        return lora_expand(y, partials, b, slot_map, seg_starts, seg_scales)
     long = max_seg_len > 16
     block_m = 64 if long else 16
     # Every column tile repeats the shrink of its rows: at prefill, 256-wide tiles keep

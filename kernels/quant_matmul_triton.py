@@ -56,8 +56,10 @@ under numpy >= 2.4 (triton-lang/triton#9171), and the tests run the kernels ther
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -517,11 +519,11 @@ def _gemv_kernel(
         tl.atomic_add(out_ptr + 2 * n + cols, acc2, mask=col_ok, sem="relaxed")
     if M_ROWS > 3:
         tl.atomic_add(out_ptr + 3 * n + cols, acc3, mask=col_ok, sem="relaxed")
-    _finish_tile(out_ptr, y_ptr, counter_ptr + pid_n, arrivals, n, cols, col_ok, M_ROWS)
+    finish_gemv_tile(out_ptr, y_ptr, counter_ptr + pid_n, arrivals, n, cols, col_ok, M_ROWS)
 
 
 @triton.jit
-def _finish_tile(out_ptr, y_ptr, counter, arrivals, n, cols, col_ok, M_ROWS: tl.constexpr):
+def finish_gemv_tile(out_ptr, y_ptr, counter, arrivals, n, cols, col_ok, M_ROWS: tl.constexpr):
     """The last program of a column tile to finish writes the tile's sums as y and leaves
     the workspace as it found it (zeros, counter 0), so no zero-fill or cast kernel runs
     around the GEMV. The barrier makes every thread's atomics precede the counter's
@@ -886,14 +888,20 @@ def _gemv_block_n(M: int, n: int, grouped: bool) -> int:
     return min(cols_per_thread * 32 * _GEMV_NUM_WARPS, max(128, triton.next_power_of_2(n)))
 
 
-def _launch_gemv(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
-    """y [M, n] (x's dtype) = x2d [M <= 4, k] @ W (+ bias): one launch per segment, summing
-    in the device's self-resetting float32 workspace (see _finish_tile).
+@dataclasses.dataclass(frozen=True)
+class GemvTiling:
+    """How one decode GEMV splits its work: column tiles of block_n, split-K slices of
+    iters chunks of block_k rows, and the programs (arrivals) each column tile counts."""
 
-    If the GPU-side gaps between these launches show in decode profiles, the next step is
-    one launch per linear: the split-K axis spanning all segments, with a branch per segment
-    (its plane layout as constexprs).
-    """
+    block_k: int
+    block_n: int
+    n_tiles: int
+    iters: int
+    grouped: bool
+    arrivals: int
+
+
+def _gemv_tiling(x2d: torch.Tensor, qw: QuantizedWeight) -> GemvTiling:
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
     block_k = _GEMV_BLOCK_K
     grouped = _chunks_in_groups(qw, block_k)
@@ -901,10 +909,81 @@ def _launch_gemv(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> Non
     n_tiles = triton.cdiv(n, block_n)
     iters = _split(k, n_tiles, block_k, _GEMV_PROGRAMS_PER_SM, _GEMV_MAX_ITERS, x2d.device)
     rows_per_split = iters * block_k
+    arrivals = sum(
+        triton.cdiv(s.row_end - s.row_start, rows_per_split)
+        for s in qw.segments
+        if s.row_end > s.row_start
+    )
+    return GemvTiling(block_k, block_n, n_tiles, iters, grouped, arrivals)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvShare:
+    """A decode GEMV that other kernels add into (kernels/lora_matmul.py's expand): they
+    atomically add float32 terms to `sums` (row stride n) and arrive at `counters[tile]`
+    through `finish_gemv_tile` like one more split-K program, `extra` times per column tile.
+    Whichever program arrives last writes the tile of y, so the order of the GEMV and the
+    added kernels does not matter: they may run on two streams at once."""
+
+    y: torch.Tensor  # [M, n] in x's dtype
+    sums: torch.Tensor  # the device's float32 workspace, zero between calls
+    counters: torch.Tensor  # int32 per column tile, zero between calls
+    tiling: GemvTiling
+    extra: int
+
+    @property
+    def arrivals(self) -> int:
+        return self.tiling.arrivals + self.extra
+
+
+def gemv_share(
+    x2d: torch.Tensor, qw: QuantizedWeight, extra_per_tile: Callable[[int], int]
+) -> GemvShare | None:
+    """Open the decode GEMV of x2d [M, k] @ W to `extra_per_tile(block_n)` added programs per
+    column tile, or None when x2d would take another path (M > _GEMV_MAX_M, empty shapes).
+    Launch
+    it with `launch_gemv_shared`; the added kernels need `tiling.block_n`, `tiling.n_tiles`
+    and `arrivals`. The workspace must not be used by another GEMV until both are done."""
+    _check_args(x2d, qw)
+    M, n = x2d.shape[0], qw.out_features
+    if x2d.dim() != 2 or x2d.stride(1) != 1 or M == 0 or n == 0 or _choose_path(M) != "gemv":
+        return None
+    tiling = _gemv_tiling(x2d, qw)
+    sums, counters = _workspace(x2d.device, M * n, tiling.n_tiles)
+    y = torch.empty((M, n), dtype=x2d.dtype, device=x2d.device)
+    return GemvShare(y, sums, counters, tiling, extra_per_tile(tiling.block_n))
+
+
+def launch_gemv_shared(x2d: torch.Tensor, qw: QuantizedWeight, share: GemvShare) -> None:
+    """The GEMV's own programs of a `gemv_share`; y is complete once the added programs
+    have arrived too (stream order or an event join)."""
+    with device_guard(x2d):
+        _launch_gemv(x2d, qw, share.y, share.tiling, share.extra)
+
+
+def _launch_gemv(
+    x2d: torch.Tensor,
+    qw: QuantizedWeight,
+    y: torch.Tensor,
+    tiling: GemvTiling | None = None,
+    extra_arrivals: int = 0,
+) -> None:
+    """y [M, n] (x's dtype) = x2d [M <= 4, k] @ W (+ bias): one launch per segment, summing
+    in the device's self-resetting float32 workspace (see finish_gemv_tile). `extra_arrivals`
+    programs of other kernels per column tile add to the same sums (see GemvShare).
+
+    If the GPU-side gaps between these launches show in decode profiles, the next step is
+    one launch per linear: the split-K axis spanning all segments, with a branch per segment
+    (its plane layout as constexprs).
+    """
+    M, n = x2d.shape[0], qw.out_features
+    t = tiling if tiling is not None else _gemv_tiling(x2d, qw)
+    block_k, block_n, n_tiles, iters, grouped = t.block_k, t.block_n, t.n_tiles, t.iters, t.grouped
+    rows_per_split = iters * block_k
     perm = qw.perm if qw.perm is not None else qw.row_group  # dummy pointer when absent
     bias = qw.bias if qw.bias is not None else qw.scales
     segments = [s for s in qw.segments if s.row_end > s.row_start]
-    arrivals = sum(triton.cdiv(s.row_end - s.row_start, rows_per_split) for s in segments)
+    arrivals = t.arrivals + extra_arrivals
     out32, counters = _workspace(x2d.device, M * n, n_tiles)
     first = True
     for segment in segments:

@@ -3,6 +3,7 @@ Triton kernel (interpreted on the CPU, compiled on a GPU) against the reference.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -17,6 +18,7 @@ CASES = [
     ([1, 1, 1, 1], 64, 48, 8),
     ([1, 1, 1, 0, 1], 600, 300, 16),  # decode kernel: several K and column tiles
     ([1, 1, 1], 200, 80, 64),  # decode kernel at a high rank: narrower K tiles
+    ([1, 0, 1, 1], 3000, 40, 5),  # decode: 12 K splits summed under a 16-wide mask
     ([3, 0, 5, 1], 72, 40, 12),
     ([70, 1, 2], 96, 136, 16),
     ([2, 2], 40, 24, 3),
@@ -123,3 +125,54 @@ def test_bad_arguments_are_named():
         lora_matmul(y, x, a, b, slot_map, starts[:2], scales[:2], max_seg_len=2)
     with pytest.raises(ValueError, match="share a float dtype"):
         lora_matmul(y.half(), x, a, b, slot_map, starts, scales, max_seg_len=2)
+
+
+@pytest.mark.parametrize("gemv_first", [True, False], ids=["gemv_first", "expand_first"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2])
+def test_expand_into_gemv(m, dtype, gemv_first, device):
+    """The decode expand as extra programs of the quantized GEMV (GemvShare): in either
+    launch order y = round(x @ W + bias + LoRA delta), and the shared workspace is left
+    zeroed for the next GEMV. The adapters cover 200 of the 256 (padded) columns."""
+    _require_triton(device)
+    from test_quant_matmul_kernels import make_weight
+
+    import kernels.quant_matmul_triton as qmt
+    from kernels.lora_matmul import lora_expand_into_gemv, lora_gemv_arrivals, lora_shrink
+    from kernels.quant_matmul import quant_matmul_reference
+
+    qw = make_weight(320, 256, [4, 3], device=device, seed=3)
+    lengths = [1] * m
+    _, x, a, b, slot_map, starts, scales = _inputs(lengths, 320, 200, 12, dtype, device)
+    if m == 2:
+        scales[1] = torch.tensor([0.0, 0.0, 0.5, -0.75], device=device)  # two slots at once
+    want = quant_matmul_reference(x.float(), qw)
+    want[:, :200] = lora_matmul_reference(
+        want[:, :200].clone(), x.float(), a.float(), b.float(), slot_map, starts, scales,
+        max_seg_len=1,
+    )  # fmt: skip
+    for _ in range(2):  # the second call finds the workspace as the first left it
+        share = qmt.gemv_share(x, qw, functools.partial(lora_gemv_arrivals, rank=12))
+        assert share is not None and share.tiling.grouped
+        partials = lora_shrink(x, a, slot_map, starts, scales)
+        if gemv_first:
+            qmt.launch_gemv_shared(x, qw, share)
+        lora_expand_into_gemv(share, partials, b, slot_map, starts, scales)
+        if not gemv_first:
+            qmt.launch_gemv_shared(x, qw, share)
+        tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+        torch.testing.assert_close(share.y.float(), want, rtol=tol, atol=tol)
+        sums, counters = qmt._WORKSPACES[share.sums.device]
+        assert not sums.any() and not counters.any()
+
+
+def test_gemv_share_declines_other_paths():
+    """Rows past the GEMV's limit take the dot path: no share, the caller expands alone."""
+    from test_quant_matmul_kernels import make_weight
+
+    import kernels.quant_matmul_triton as qmt
+
+    qw = make_weight(64, 128, [4])
+    assert qmt.gemv_share(torch.randn(qmt._GEMV_MAX_M + 1, 64), qw, lambda _: 1) is None
+    share = qmt.gemv_share(torch.randn(1, 64), qw, lambda block_n: block_n // 16)
+    assert share is not None and share.extra == share.tiling.block_n // 16

@@ -326,3 +326,71 @@ def test_replacement_steps_run_eagerly(tiny: Path, adapters: dict[str, Path]):
         engine.lora_graphs = False
         engine.forward(sequences, [[7], [8]], loras=[{"A": 1.0}, {}])
         assert engine.graphs.lora_steps == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_quantized_decode_lora_in_graph_equals_reference(rows: int):
+    """A decode step of LoraLinear on a quantized base (GEMV sizes: the expand adds into the
+    GEMV's sums; 4 rows: the dot path and a separate expand), eagerly and replayed from a
+    CUDA graph whose LoRA kernels ran on a side stream: both equal the dequantized base plus
+    the reference delta, for inputs and scales set after capture. The base has padded
+    columns (out_features < n)."""
+    from test_quant_matmul_kernels import make_weight
+
+    from engine.lora.layers import LoraBatch, LoraLinear, LoraSegments, LoraState
+    from engine.quantized_linear import QuantizedLinear
+    from kernels.lora_matmul import lora_matmul_reference
+    from kernels.quant_matmul import quant_matmul_reference
+
+    torch.manual_seed(0)
+    qw = make_weight(512, 384, [4, 3], device="cuda", seed=5)
+    state = LoraState()
+    layer = LoraLinear(QuantizedLinear(qw, 352, "exl2"), state, head=False)
+    layer.lora_a = (torch.randn(2, 16, 512, device="cuda") / 512**0.5).half()
+    layer.lora_b = (torch.randn(2, 352, 16, device="cuda") * 0.05).half()
+    layer.slot_map = torch.tensor([1, -1, 0], dtype=torch.int32, device="cuda")
+    scales = torch.zeros(rows, 3)
+    seg = LoraSegments(
+        starts=torch.arange(rows + 1, dtype=torch.int32, device="cuda"),
+        scales=scales.cuda(),
+        max_len=1,
+        host_starts=list(range(rows + 1)),
+        host_scales=scales,
+    )
+    x = torch.zeros(rows, 512, dtype=torch.float16, device="cuda")
+    state.current = LoraBatch(body=seg, head=seg)
+
+    def want() -> torch.Tensor:
+        base = quant_matmul_reference(x.float(), qw)[:, :352]
+        return lora_matmul_reference(
+            base, x.float(), layer.lora_a.float(), layer.lora_b.float(), layer.slot_map,
+            seg.starts, seg.scales, max_seg_len=1,
+        )  # fmt: skip
+
+    def fill(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        x.copy_(torch.randn(rows, 512, generator=gen))
+        s = torch.randn(rows, 3, generator=gen)
+        s[0, 1] = 0.0
+        if rows > 1:
+            s[1] = 0.0  # a row without adapters
+        seg.scales.copy_(s)
+
+    fill(1)
+    eager = layer(x)
+    torch.testing.assert_close(eager.float(), want(), rtol=3e-3, atol=3e-3)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x)  # warm-up outside the capture (the GEMV caches its tiling check)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    for seed in (2, 3, 4):
+        fill(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), want(), rtol=3e-3, atol=3e-3)
+    state.current = None

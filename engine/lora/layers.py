@@ -1,8 +1,9 @@
 """Modules that add LoRA deltas to a base layer, and the per-forward batch they read.
 
-`LoraLinear` wraps any linear (dense `Linear` or `QuantizedLinear`: only its forward is
-used, so the delta is applied unmerged on every weight format): y = base(x), then
-`kernels.lora_matmul` adds each row's adapters. `LoraEmbedding` wraps `embed_tokens` for
+`LoraLinear` wraps any linear (dense `Linear` or `QuantizedLinear`; the delta is applied
+unmerged on every weight format): y = base(x), then `kernels.lora_matmul` adds each row's
+adapters. Decode steps on a quantized base fold the delta into the base's GEMV instead
+(see `LoraLinear._decode`). `LoraEmbedding` wraps `embed_tokens` for
 adapters that replace it (modules_to_save). Both read the batch of the forward in flight
 from a `LoraState` that the engine sets around `model(...)`; with no batch set (no request
 in the step uses an adapter) they are the base layer plus one attribute check, and a layer
@@ -15,13 +16,32 @@ in torch over the rows that use it, so steps that need it run eagerly (not as a 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.lora_matmul import lora_matmul
+from engine.quantized_linear import QuantizedLinear
+from kernels.lora_matmul import (
+    lora_expand,
+    lora_expand_into_gemv,
+    lora_gemv_arrivals,
+    lora_matmul,
+    lora_partials_shape,
+    lora_shrink,
+)
+from kernels.quant_matmul_triton import gemv_share, launch_gemv_shared
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream
 
 
 @dataclass
@@ -81,12 +101,31 @@ class LoraLinear(nn.Module):
         return self.lora_a is None and not self.replacements
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         batch = self.state.current
         if batch is None:
-            return y
+            return self.base(x)
         seg = batch.head if self.head else batch.body
+        if self.lora_a is not None and seg.max_len == 1 and x.is_cuda:
+            return self._decode(x, seg)
         x2 = x.reshape(-1, self.in_features)
+        y = self._base_and_replacements(x, x2, seg)
+        if self.lora_a is not None:
+            lora_matmul(
+                y.view(-1, self.out_features),
+                x2,
+                self.lora_a,
+                self.lora_b,
+                self.slot_map,
+                seg.starts,
+                seg.scales,
+                max_seg_len=seg.max_len,
+            )
+        return y
+
+    def _base_and_replacements(
+        self, x: torch.Tensor, x2: torch.Tensor, seg: LoraSegments
+    ) -> torch.Tensor:
+        y = self.base(x)
         if y.stride(-1) != 1:
             y = y.contiguous()
         y2 = y.view(-1, self.out_features)
@@ -97,17 +136,53 @@ class LoraLinear(nn.Module):
                 rows, scale = (t.to(y.device) for t in found)
                 own = F.linear(x2[rows], weight)
                 y2[rows] = y2[rows] + scale[:, None].to(y.dtype) * (own - y2[rows])
-        if self.lora_a is not None:
-            lora_matmul(
-                y2,
-                x2,
-                self.lora_a,
-                self.lora_b,
-                self.slot_map,
-                seg.starts,
-                seg.scales,
-                max_seg_len=seg.max_len,
+        return y
+
+    def _decode(self, x: torch.Tensor, seg: LoraSegments) -> torch.Tensor:
+        """A decode step on CUDA (one row per segment): the shrink, then the expand, each
+        one wave of small loads (kernels.lora_matmul). On a quantized base at GEMV sizes the
+        expand adds into the GEMV's own sums (GemvShare), so y is written once and nothing
+        runs after the GEMV. While a CUDA graph is captured, the LoRA kernels go on a side
+        stream: in the graph they overlap the base matmul (they need only x), which hides
+        them. Eager steps keep one stream: a switch costs more host time than it hides."""
+        assert self.lora_a is not None and self.lora_b is not None and self.slot_map is not None
+        x2 = x.reshape(-1, self.in_features)
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        a, b, slot_map, starts, scales = (
+            self.lora_a,
+            self.lora_b,
+            self.slot_map,
+            seg.starts,
+            seg.scales,
+        )
+        partials = torch.empty(
+            lora_partials_shape(self.in_features, a.shape[1], scales.shape[0], scales.shape[1]),
+            dtype=torch.float32,
+            device=x.device,
+        )
+        share = None
+        if isinstance(self.base, QuantizedLinear) and not self.replacements:
+            share = gemv_share(
+                x2, self.base.qweight, functools.partial(lora_gemv_arrivals, rank=a.shape[1])
             )
+        main = torch.cuda.current_stream(x.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        side = _side_stream(x.device) if capturing else main
+        if capturing:
+            side.wait_stream(main)
+        with torch.cuda.stream(side):
+            lora_shrink(x2, a, slot_map, starts, scales, out=partials)
+            if share is not None:
+                lora_expand_into_gemv(share, partials, b, slot_map, starts, scales)
+        if share is not None:
+            launch_gemv_shared(x2, self.base.qweight, share)
+            y = share.y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
+        else:
+            y = self._base_and_replacements(x, x2, seg)
+        if capturing:
+            main.wait_stream(side)
+        if share is None:
+            lora_expand(y.view(-1, self.out_features), partials, b, slot_map, starts, scales)
         return y
 
     def extra_repr(self) -> str:
