@@ -220,6 +220,39 @@ def _memory() -> int | None:
     return torch.cuda.memory_allocated()
 
 
+def _record_allocation_sites(on: bool) -> None:
+    """From the baseline on, CUDA allocations remember their Python stack (state only, not
+    an event history), so memory still held at the end can be traced to its allocator."""
+    if torch.cuda.is_available():
+        torch.cuda.memory._record_memory_history("state" if on else None, stacks="python")
+
+
+def _growth_sites(top: int = 12) -> list[dict[str, Any]]:
+    """Blocks allocated after the baseline and still live, summed by the innermost frame in
+    the project's code (tools/soak.py and the server's threads excluded): where a growth
+    of torch.cuda.memory_allocated() comes from."""
+    if not torch.cuda.is_available():
+        return []
+    sites: dict[str, list[int]] = {}
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment["blocks"]:
+            frames = block.get("frames") or []
+            if block["state"] != "active_allocated" or not frames:
+                continue  # free, or allocated before the baseline (no stack recorded)
+            ours = [
+                f
+                for f in frames
+                if str(ROOT) in f["filename"] and not f["filename"].endswith("soak.py")
+            ]
+            where = ours[:3] or frames[:1]
+            key = " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in where)
+            entry = sites.setdefault(key, [0, 0])
+            entry[0] += block["size"]
+            entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"site": k, "mib": round(v[0] / 2**20, 2), "blocks": v[1]} for k, v in ranked]
+
+
 def _latency(results: list[RequestResult], seconds: float) -> dict[str, Any]:
     ttft = [r.ttft for r in results if r.ttft is not None]
     gaps = [g for r in results for g in r.gaps]
@@ -257,13 +290,16 @@ def run_soak(model: LoadedModel, name: str, config: SoakConfig) -> dict[str, Any
                 graphs.capture_all()
         captured_before = graphs.captured_bytes if graphs is not None else 0
         memory_before = _memory()
+        _record_allocation_sites(True)
         started = time.perf_counter()
         results = _run_clients(url, config, vocab, warmup=False)
         seconds = time.perf_counter() - started
         idle_after = wait_idle(model, config.idle_timeout)
         memory_after = _memory()
+        growth_sites = _growth_sites()
         captured = (graphs.captured_bytes if graphs is not None else 0) - captured_before
     finally:
+        _record_allocation_sites(False)
         server.stop()
         logging.getLogger().removeHandler(errors)
     failures = [f"warm-up: {r.error}" for r in warm if r.error]
@@ -298,6 +334,7 @@ def run_soak(model: LoadedModel, name: str, config: SoakConfig) -> dict[str, Any
             "before": memory_before,
             "after": memory_after,
             "graph_captures_during_run": captured,
+            "growth_sites": growth_sites,
         },
         "failures": failures[:50],
         "ok": not failures,
