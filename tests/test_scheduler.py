@@ -287,3 +287,40 @@ def test_loader_stream_many_and_threads(model_dir: Path):
     for t in threads:
         t.join(timeout=60)
     assert [results[i] for i in range(3)] == ref
+
+
+def test_streaming_steps_run_on_one_thread(model_dir: Path, monkeypatch):
+    """Streams consumed from several threads (as the API server does, a thread per request)
+    have every forward run on the scheduler's one step thread: on a GPU each thread that
+    runs a matmul keeps its own cuBLAS workspace for the life of the process. A consumer
+    that already holds the engine lock steps inline instead of deadlocking."""
+    engine = _engine(model_dir)
+    sched = engine.scheduler
+    threads_seen: set[str] = set()
+    forward = engine.forward
+
+    def recording(*args, **kwargs):
+        threads_seen.add(threading.current_thread().name)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "forward", recording)
+    settings = {**GREEDY, "max_new_tokens": 5}
+    want = [_single(engine, p, settings)[0] for p in PROMPTS[:4]]
+    threads_seen.clear()
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = _ids(list(sched.stream(sched.submit(PROMPTS[i], settings))))
+
+    workers = [threading.Thread(target=run, args=(i,), name=f"consumer-{i}") for i in range(4)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(timeout=120)
+    assert [results.get(i) for i in range(4)] == want
+    assert len(threads_seen) == 1 and threads_seen.pop().startswith("kestrel-step")
+    with engine.lock:  # re-entrant caller: inline, on this thread
+        assert _ids(list(sched.stream(sched.submit(PROMPTS[0], settings)))) == want[0]
+    assert threads_seen == {threading.current_thread().name}
+    sched.close()
+    assert sched._stepper is None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import platform
@@ -216,6 +217,7 @@ def page_failures(stats: dict[str, Any]) -> list[str]:
 def _memory() -> int | None:
     if not torch.cuda.is_available():
         return None
+    gc.collect()  # finished jobs in reference cycles hold their samplers' tensors until then
     torch.cuda.synchronize()
     return torch.cuda.memory_allocated()
 
