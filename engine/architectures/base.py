@@ -101,13 +101,29 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in float32, on the last layer's device."""
-        first = self.model.embed_tokens.weight.device
-        h = self.embed(batch.on(first).token_ids)
-        for layer, device, rotary in zip(
-            self.model.layers, self.layer_devices, self._layer_rotary, strict=True
-        ):
-            h = layer(h.to(device), batch.on(device), cache, rotary)
+        """Logits [len(batch.logits_indices), vocab] in float32, on the head's device."""
+        h = self.forward_embed(batch)
+        h = self.forward_layers(h, batch, cache, 0, len(self.model.layers))
+        return self.forward_head(h, batch)
+
+    # The forward in three parts, so that the decode graphs of a layer-split model
+    # (engine/cuda_graph.py) can capture each device's share as its own graph and still
+    # run exactly this code.
+    def forward_embed(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, hidden] of the batch's tokens, on the embeddings' device."""
+        return self.embed(batch.on(self.model.embed_tokens.weight.device).token_ids)
+
+    def forward_layers(
+        self, h: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, start: int, stop: int
+    ) -> torch.Tensor:
+        """Decoder layers [start, stop) on h [T, hidden]; h follows each layer's device."""
+        for i in range(start, stop):
+            device = self.layer_devices[i]
+            h = self.model.layers[i](h.to(device), batch.on(device), cache, self._layer_rotary[i])
+        return h
+
+    def forward_head(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final norm + lm_head on the rows of h that want logits: float32 [N, vocab]."""
         device = self.lm_head_device
         h = h.to(device)[batch.on(device).logits_indices]
         logits = self.lm_head(self.model.norm(h))
