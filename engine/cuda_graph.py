@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: one captured forward per batch-size bucket.
+"""CUDA graphs for decode steps: one captured forward per batch-size bucket (per device
+segment of a layer-split model).
 
 A decode step of a quantized 8B model is some 600 small kernel launches; launched one by
 one from Python they cost more than the kernels themselves. `DecodeGraphs` captures the
@@ -34,13 +35,33 @@ graphs also hold the addresses of the adapters' stacks and slot maps, so they ar
 whenever the LoRA manager's `version` changes (an adapter was loaded or unloaded: stacks
 re-allocated, slots renumbered) and captured again on next use.
 
+A layer-split model (engine/placement/) is captured as one graph per device: a segment
+runs the embeddings and the layers on the first device, the next segment the layers on
+the next device, ..., the last one ends with the final norm and head (`plan_segments`).
+A CUDA graph (and torch's capture, with its memory pool) belongs to one device, so each
+segment is captured on its own device's stream, with its own static batch (page table,
+positions, slots, context lengths: the page numbers are the same on every device, since
+each layer's K/V planes have all pages on that layer's device) and, in a LoRA graph, its
+own static LoRA batch. A step stages the host rows once and copies them to every
+segment's device, then replays the segments in order; between two replays the previous
+segment's static output (hidden states [B*T, hidden]) is copied into the next segment's
+static input buffer, device to device (torch orders the copy after the first device's
+work and the next device's work after the copy, so nothing waits on the host). Eagerly,
+a split decode step is ~600 launches from Python plus a copy per boundary: on 2 H200s
+10x slower than one GPU's graph. A single-device model is one segment.
+
 `capture=False` builds the same static buffers and stages them the same way, but runs the
 forward on them eagerly instead of replaying: the CPU tests check the graph path's inputs
-with it, and on a GPU it separates a wrong input from a wrong capture.
+with it, and on a GPU it separates a wrong input from a wrong capture. `split_at` cuts a
+one-device model into segments too, so the segmented path (the copies between segments,
+each segment's own buffers) is tested on the CPU and captured on a single GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,30 +112,68 @@ def stage_rows(
         host[b, 3 * T + 1 : 3 * T + 1 + len(seq.pages)] = torch.tensor(seq.pages)
 
 
-class _Graph:
+@dataclass(frozen=True)
+class Segment:
+    """The share of a forward that one graph captures: on `device`, the embeddings (the
+    first segment), decoder layers [start, stop), then the final norm and head (the last)."""
+
+    device: torch.device
+    start: int
+    stop: int
+    embed: bool
+    head: bool
+
+
+def plan_segments(model: torch.nn.Module, split_at: Collection[int] = ()) -> list[Segment]:
+    """The model's forward cut where the device changes (a layer split: one segment per
+    device), and also before each layer index in `split_at` (tests: a model on one device
+    run as several segments). A single-device model is one segment."""
+    layers = len(model.layer_devices)
+    if any(not 0 <= i <= layers for i in split_at):
+        raise ValueError(f"split_at {sorted(split_at)} must name layers 0..{layers}")
+    # Parts in forward order: embeddings, layer 0 .. layer L-1, head.
+    devices = [model.model.embed_tokens.weight.device, *model.layer_devices, model.lm_head_device]
+    starts = [0] + [
+        part
+        for part in range(1, layers + 2)
+        if devices[part] != devices[part - 1] or part - 1 in split_at
+    ]
+    ends = [*starts[1:], layers + 2]
+    return [
+        Segment(
+            device=devices[a],
+            start=max(a, 1) - 1,
+            stop=min(b, layers + 1) - 1,
+            embed=a == 0,
+            head=b == layers + 2,
+        )
+        for a, b in zip(starts, ends, strict=True)
+    ]
+
+
+class _SegmentGraph:
+    """One segment of a `_Graph`: the static batch and LoRA batch on its device, its
+    static input (the previous segment's hidden states; the first reads token ids) and
+    its captured forward, whose output stays where the capture put it."""
+
     def __init__(
         self,
         model: torch.nn.Module,
         cache: PagedKVCache,
+        segment: Segment,
         batch_size: int,
+        tokens_per_row: int,
+        width: int,
         max_pages: int,
         max_context: int,
         scratch_page: int,
-        device: torch.device,
-        lora: LoraManager | None = None,
-        tokens_per_row: int = 1,
-        *,
-        capture: bool = True,
+        lora: LoraManager | None,
     ) -> None:
         self.model = model
         self.cache = cache
-        self.batch_size = batch_size
-        self.tokens_per_row = T = tokens_per_row
-        self.scratch_page = scratch_page
-        self.page_size = cache.page_size
-        self.device = device
-        self.replays = 0
-        B = batch_size
+        self.segment = segment
+        self.device = device = segment.device
+        B, T = batch_size, tokens_per_row
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
         self.batch = ForwardBatch(
@@ -128,60 +187,161 @@ class _Graph:
             max_query_len=T,
             max_context_len=max_context,
         )
-        # Host staging rows, copied to the device buffers in one go per step (pinned on a
-        # GPU, so the copy is asynchronous): per row its T tokens, T positions, T slots,
-        # the context length, then the page table (`stage_rows`).
-        pin = device.type == "cuda"
-        self.width = 3 * T + 1 + max_pages
-        self.host = _host((B, self.width), torch.int64, pin)
-        self.device_rows = torch.zeros((B, self.width), **i64)
-        # Recorded after the step's copies: the next step waits for it before it rewrites
-        # the pinned host buffers, which an unfinished asynchronous copy may still read.
-        self._copied = torch.cuda.Event() if pin else None
-
-        # LoRA: the graph owns the static batch its LoRA kernels read (see the docstring),
-        # and remembers the manager's version, i.e. which stacks it was captured against.
+        # The step's rows on this device (see _Graph), unpacked into `batch` per replay.
+        self.device_rows = torch.zeros((B, width), **i64)
         self.lora = lora
-        self.lora_version = lora.version if lora is not None else None
         self.lora_batch: LoraBatch | None = (
             lora.static_batch(B, device) if lora is not None else None
         )
+        # The previous segment's output copied here before each replay; set by _Graph.
+        self.hidden: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+
+    def forward(self) -> torch.Tensor:
+        """The forward that is captured: this segment's share of the model on the static
+        batch (and the static LoRA batch in a LoRA graph). Hidden states [B*T, hidden],
+        or from the last segment the logits [B*T, vocab]."""
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            if self.lora is not None:
+                stack.enter_context(self.lora.active(self.lora_batch))
+            seg, model = self.segment, self.model
+            h = model.forward_embed(self.batch) if seg.embed else self.hidden
+            assert h is not None, "a segment after the first needs its input buffer"
+            h = model.forward_layers(h, self.batch, self.cache, seg.start, seg.stop)
+            return model.forward_head(h, self.batch) if seg.head else h
+
+    def warm_up(self) -> torch.Tensor:
+        """Run the forward eagerly on a side stream, as a capture needs first: it compiles
+        kernels and fills the quant kernels' caches, which take one host sync the first
+        time they see a weight. Returns the output (the next segment's first input)."""
+        device = self.device
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    out = self.forward()
+            torch.cuda.current_stream(device).wait_stream(stream)
+        return out
+
+    def capture(self) -> None:
+        device = self.device
+        with torch.cuda.device(device):
+            self.graph = torch.cuda.CUDAGraph()
+            # A capture stream of this device: torch.cuda.graph's default one is made once,
+            # on whichever device was current then.
+            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device)):
+                self.output = self.forward()
+
+    def load_rows(self) -> None:
+        """Unpack `device_rows` into the static batch (on this device, asynchronously)."""
+        rows, batch = self.device_rows, self.batch
+        T = batch.max_query_len
+        batch.token_ids.copy_(rows[:, :T].reshape(-1))
+        batch.positions.copy_(rows[:, T : 2 * T].reshape(-1))
+        batch.slots.copy_(rows[:, 2 * T : 3 * T].reshape(-1))
+        batch.context_lens.copy_(rows[:, 3 * T])
+        batch.page_table.copy_(rows[:, 3 * T + 1 :])
+
+    def replay(self) -> torch.Tensor:
+        if self.graph is None:
+            return self.forward()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
+        assert self.output is not None
+        return self.output
+
+
+class _Graph:
+    """The captured forward of one shape: one `_SegmentGraph` per segment (a layer-split
+    model: one per device), replayed in order with the hidden states copied from each
+    segment's static output into the next one's static input."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedKVCache,
+        batch_size: int,
+        max_pages: int,
+        max_context: int,
+        scratch_page: int,
+        segments: list[Segment],
+        lora: LoraManager | None = None,
+        tokens_per_row: int = 1,
+        *,
+        capture: bool = True,
+    ) -> None:
+        self.batch_size = batch_size
+        self.tokens_per_row = T = tokens_per_row
+        self.scratch_page = scratch_page
+        self.page_size = cache.page_size
+        self.replays = 0
+        B = batch_size
+        # Host staging rows, copied to every segment's device in one go per step (pinned
+        # when a segment is on a GPU, so the copies are asynchronous): per row its T tokens,
+        # T positions, T slots, the context length, then the page table (`stage_rows`).
+        pin = any(s.device.type == "cuda" for s in segments)
+        self.width = 3 * T + 1 + max_pages
+        self.host = _host((B, self.width), torch.int64, pin)
+        self.segments = [
+            _SegmentGraph(
+                model, cache, s, B, T, self.width, max_pages, max_context, scratch_page, lora
+            )
+            for s in segments
+        ]
+        # Recorded after a step's copies, one per GPU: the next step waits for them before it
+        # rewrites the pinned host buffers, which an unfinished asynchronous copy may read.
+        self._copied = {
+            s.device: torch.cuda.Event() for s in segments if s.device.type == "cuda" and pin
+        }
+
+        # LoRA: each segment owns the static batch its LoRA kernels read (see the module
+        # docstring); the graph remembers the manager's version, i.e. which stacks it was
+        # captured against.
+        self.lora = lora
+        self.lora_version = lora.version if lora is not None else None
         self.lora_host = (
-            _host(tuple(self.lora_batch.body.scales.shape), torch.float32, pin)
-            if self.lora_batch is not None
-            else None
+            _host((B, len(lora.adapters)), torch.float32, pin) if lora is not None else None
         )
 
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
+        self.captured = capture
         if capture:
-            self._capture(device)
+            # Every segment warms up before any is captured, each on the previous one's
+            # real output: a capture runs nothing, so its output buffer holds no values yet,
+            # and a warm-up on such garbage could leave NaN K/V in the scratch page.
+            hidden: torch.Tensor | None = None
+            for seg in self.segments:
+                if hidden is not None:
+                    # Owned by the segment for the graph's lifetime: its replays read it.
+                    seg.hidden = torch.empty_like(hidden, device=seg.device)
+                    seg.hidden.copy_(hidden)
+                hidden = seg.warm_up()
+            for seg in self.segments:
+                seg.capture()
+
+    @property
+    def device_rows(self) -> torch.Tensor:
+        """The first segment's device rows [batch_size, width]. (Tensor-parallel ranks
+        other than 0 receive them instead of staging them; their models are one segment.)"""
+        assert len(self.segments) == 1, "device_rows of a multi-segment graph"
+        return self.segments[0].device_rows
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The captured graph of a one-segment model (tools/profile_decode.py replays it)."""
+        assert len(self.segments) == 1, "a multi-segment graph has one graph per segment"
+        return self.segments[0].graph
+
+    @property
+    def lora_batch(self) -> LoraBatch | None:
+        """The first segment's static LoRA batch (each segment owns one on its device)."""
+        return self.segments[0].lora_batch
 
     @property
     def lora_scales(self) -> torch.Tensor | None:
-        """The static [batch_size, slots] scale buffer the LoRA kernels read (device)."""
+        """The first segment's static [batch_size, slots] LoRA scale buffer (device)."""
         return self.lora_batch.body.scales if self.lora_batch is not None else None
-
-    def forward(self) -> torch.Tensor:
-        """The forward that is captured: the model on the static batch, with the static LoRA
-        batch active in a LoRA graph. Logits [batch_size * tokens_per_row, vocab]."""
-        if self.lora is None:
-            return self.model(self.batch, self.cache)
-        with self.lora.active(self.lora_batch):
-            return self.model(self.batch, self.cache)
-
-    def _capture(self, device: torch.device) -> None:
-        # Warm up outside the graph: compiles kernels and fills the quant kernels' caches,
-        # which take one host sync the first time they see a weight.
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self.forward()
 
     def run(
         self,
@@ -198,14 +358,13 @@ class _Graph:
         tokens: list[int],
         lora_scales: torch.Tensor | None = None,
     ) -> None:
-        """Write the step's inputs into the device rows (`device_rows`) and, in a LoRA
-        graph, the rows' adapter scales [len(sequences), slots] into the static scale
+        """Write the step's inputs into every segment's device rows and, in a LoRA graph,
+        the rows' adapter scales [len(sequences), slots] into every segment's static scale
         buffer (padding rows: 0, no adapter)."""
         n = len(sequences)
         if n > self.batch_size:
             raise ValueError(f"{n} sequences do not fit the graph of bucket {self.batch_size}")
-        if self._copied is not None:
-            self._copied.synchronize()
+        self._wait_copies()
         if self.lora_host is not None:
             self.lora_host.zero_()
             if lora_scales is not None:
@@ -216,9 +375,9 @@ class _Graph:
                         "rows: the adapters changed since the capture (a stale graph)"
                     )
                 self.lora_host[:n] = lora_scales
-            scales = self.lora_scales
-            assert scales is not None
-            scales.copy_(self.lora_host, non_blocking=True)
+            for seg in self.segments:
+                assert seg.lora_batch is not None
+                seg.lora_batch.body.scales.copy_(self.lora_host, non_blocking=True)
         elif lora_scales is not None:
             raise ValueError("LoRA scales given to a decode graph captured without LoRA")
         self._stage_rows(sequences, [[t] for t in tokens])
@@ -231,34 +390,38 @@ class _Graph:
             raise ValueError(
                 f"{len(sequences)} sequences do not fit the graph of bucket {self.batch_size}"
             )
-        if self._copied is not None:
-            self._copied.synchronize()
+        self._wait_copies()
         self._stage_rows(sequences, new_tokens)
+
+    def _wait_copies(self) -> None:
+        for event in self._copied.values():
+            event.synchronize()
 
     def _stage_rows(self, sequences: list[Sequence], new_tokens: list[list[int]]) -> None:
         stage_rows(self.host, sequences, new_tokens, self.tokens_per_row, self.page_size,
                    self.scratch_page)  # fmt: skip
-        self.device_rows.copy_(self.host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self.device))
+        for seg in self.segments:
+            seg.device_rows.copy_(self.host, non_blocking=True)
+            event = self._copied.get(seg.device)
+            if event is not None:
+                event.record(torch.cuda.current_stream(seg.device))
 
     def replay(self) -> torch.Tensor:
-        """Run the captured forward on what `device_rows` holds; logits
-        [batch_size * tokens_per_row, vocab]. (Tensor-parallel ranks other than 0 receive
-        `device_rows` instead of staging them.)"""
-        rows, T = self.device_rows, self.tokens_per_row
-        batch = self.batch
-        batch.token_ids.copy_(rows[:, :T].reshape(-1))
-        batch.positions.copy_(rows[:, T : 2 * T].reshape(-1))
-        batch.slots.copy_(rows[:, 2 * T : 3 * T].reshape(-1))
-        batch.context_lens.copy_(rows[:, 3 * T])
-        batch.page_table.copy_(rows[:, 3 * T + 1 :])
+        """Run the captured forward on what the device rows hold; logits
+        [batch_size * tokens_per_row, vocab] on the last segment's device."""
         self.replays += 1
-        if self.graph is None:
-            return self.forward()
-        self.graph.replay()
-        assert self.logits is not None
-        return self.logits
+        out: torch.Tensor | None = None
+        for seg in self.segments:
+            seg.load_rows()
+            if out is not None:
+                if seg.hidden is None:  # uncaptured: sized by the first step's output
+                    seg.hidden = torch.empty_like(out, device=seg.device)
+                # Device to device: torch orders it after the previous segment's replay (the
+                # source device's stream) and this segment's replay after it.
+                seg.hidden.copy_(out, non_blocking=True)
+            out = seg.replay()
+        assert out is not None
+        return out
 
 
 def _host(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -277,13 +440,18 @@ class DecodeGraphs:
         max_seq_len: int,
         *,
         capture: bool = True,
+        split_at: Collection[int] = (),
     ) -> None:
         self.model = model
         self.capture = capture
         self.cache = cache
         self.max_pages = -(-max_seq_len // cache.page_size)
         self.max_context = max_seq_len
-        self.device = model.lm_head_device
+        # One segment per device of a layer split (plus cuts before the layers `split_at`
+        # names, which tests use to run a one-device model as several segments).
+        self.segments = plan_segments(model, split_at)
+        if capture and any(s.device.type != "cuda" for s in self.segments):
+            raise ValueError("decode graphs are captured on CUDA devices only (capture=False)")
         # The scratch page absorbs the K/V writes of padding rows; no sequence owns it.
         self.scratch_page = cache.allocate(1)[0]
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (rows, tokens per row)
@@ -391,7 +559,7 @@ class DecodeGraphs:
                 self.max_pages,
                 self.max_context,
                 self.scratch_page,
-                self.device,
+                self.segments,
                 lora,
                 tokens_per_row,
                 capture=self.capture,
@@ -402,9 +570,8 @@ class DecodeGraphs:
         return graph
 
     def _allocated(self) -> int:
-        if self.device.type != "cuda":
-            return 0
-        return torch.cuda.memory_allocated(self.device)
+        devices = {s.device for s in self.segments if s.device.type == "cuda"}
+        return sum(torch.cuda.memory_allocated(d) for d in devices)
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, tokens per row) a graph can be captured for."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +59,7 @@ class EngineOptions:
     page_size: int = 256
     rope_alpha: float = 1.0
     prefill_chunk: int = 2048
-    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (single-GPU engines)
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (one per GPU of a split)
     # ... also the decode steps that apply LoRA adapters (off: those run eagerly)
     lora_cuda_graphs: bool = LORA_GRAPHS
     max_batch: int = 64  # concurrent jobs; more wait in the scheduler's queue
@@ -169,8 +169,10 @@ class Engine:
         if options.fuse_projections:
             fuse_projections(model)
         model.setup_rotary(max_seq_len, rope_alpha=options.rope_alpha)
-        # Decode graphs are captured on one device; a split model runs eagerly.
-        use_graphs = options.cuda_graphs and placement.devices == [device] and device.type == "cuda"
+        # Decode graphs: one per bucket on a single GPU, one per device segment of a layer
+        # split (engine/cuda_graph.py). A placement with CPU-offloaded parts stays eager:
+        # its CPU layers, not launches, bound the step.
+        use_graphs = options.cuda_graphs and all(d.type == "cuda" for d in placement.devices)
         cache = PagedKVCache(
             num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads,
@@ -192,13 +194,19 @@ class Engine:
         engine.setup_speculation()
         return engine
 
-    def enable_decode_graphs(self, *, capture: bool = True) -> DecodeGraphs:
+    def enable_decode_graphs(
+        self, *, capture: bool = True, split_at: Collection[int] = ()
+    ) -> DecodeGraphs:
         """Run batched decode steps through `DecodeGraphs` (one spare cache page needed).
         `capture=False` runs their static buffers eagerly: the graph path on any device,
-        for tests (Engine.load enables captured graphs on a single CUDA device)."""
+        for tests (Engine.load enables captured graphs when every part is on a GPU).
+        `split_at`: layers that start a graph segment of their own even on the device of
+        the layer before (tests run a one-device model as a layer split that way)."""
         if self.graphs is not None:
             raise RuntimeError("decode graphs are already enabled on this engine")
-        self.graphs = DecodeGraphs(self.model, self.cache, self.max_seq_len, capture=capture)
+        self.graphs = DecodeGraphs(
+            self.model, self.cache, self.max_seq_len, capture=capture, split_at=split_at
+        )
         # Loading or unloading an adapter re-allocates the stacks the LoRA graphs read.
         self.loras.listeners.append(self.graphs.drop_lora_graphs)
         return self.graphs
