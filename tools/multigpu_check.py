@@ -7,7 +7,9 @@ random-weight model; greedy tokens compared between them, decode/prefill tok/s f
 Builds the model with tools/bench.py's builder (random codes, realistic scales) once under
 --work. Modes:
   single    everything on cuda:0 (an out-of-memory error is recorded if it does not fit)
-  split     layer split: gpu_split gives cuda:0 half the model's footprint, cuda:1 the rest
+  split     layer split: gpu_split gives cuda:0 half the model's footprint, cuda:1 the rest;
+            decode replays one CUDA graph segment per GPU (engine/cuda_graph.py)
+  split_eager  the same split without CUDA graphs (every step launched from Python)
   autosplit layer split from measured free memory (fills cuda:0 first)
   tp        tensor parallel over 2 GPUs (NCCL, decode as CUDA graphs)
   tp_eager  the same without CUDA graphs
@@ -42,7 +44,7 @@ from engine.placement.footprint import model_footprint  # noqa: E402
 from engine.weights import WeightStore  # noqa: E402
 from tools.bench import SHAPES, build_model  # noqa: E402
 
-MODES = ("single", "split", "autosplit", "tp", "tp_eager")
+MODES = ("single", "split", "split_eager", "autosplit", "tp", "tp_eager")
 NEW_TOKENS = 128
 
 
@@ -74,9 +76,10 @@ def _half_split(path: Path, max_seq_len: int) -> list[float]:
 def load_engine(mode: str, path: Path, max_seq_len: int) -> Engine:
     if mode == "single":
         return Engine.load(path, _options(max_seq_len, device="cuda:0"))
-    if mode == "split":
+    if mode in ("split", "split_eager"):
         split = _half_split(path, max_seq_len)
-        return Engine.load(path, _options(max_seq_len, gpu_split=split))
+        graphs = mode == "split"
+        return Engine.load(path, _options(max_seq_len, gpu_split=split, cuda_graphs=graphs))
     if mode == "autosplit":
         return Engine.load(path, _options(max_seq_len, autosplit=True))
     from engine.tensor_parallel.engine import TensorParallelEngine
@@ -153,6 +156,10 @@ def run_mode(mode: str, path: Path, args: argparse.Namespace) -> dict:
         "placement": engine.placement.describe() if engine.placement is not None else None,
         "tp_world_size": engine.tp_world_size,
         "cuda_graphs": engine.graphs is not None,
+        # Devices of the graph segments replayed per decode step (one per GPU of a split).
+        "graph_segments": (
+            [str(s.device) for s in engine.graphs.segments] if engine.graphs is not None else []
+        ),
     }
     try:
         result.update(measure(engine, prompt, greedy_prompt, args.greedy))
