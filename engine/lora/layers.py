@@ -54,6 +54,16 @@ class LoraSegments:
     host_starts: list[int]
     host_scales: torch.Tensor  # [G, S] float32 on the CPU
 
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`starts` and `scales` on `device`: a layer-split model's layers sit on several
+        GPUs and the kernels read these from their own (copied once per device, per step)."""
+        if self.starts.device == device:
+            return self.starts, self.scales
+        copies = self.__dict__.setdefault("_copies", {})
+        if device not in copies:
+            copies[device] = (self.starts.to(device), self.scales.to(device))
+        return copies[device]
+
     def rows_using(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Rows whose segment has slot `slot` active, and the scale of each (CPU)."""
         rows, scales = [], []
@@ -116,8 +126,7 @@ class LoraLinear(nn.Module):
                 self.lora_a,
                 self.lora_b,
                 self.slot_map,
-                seg.starts,
-                seg.scales,
+                *seg.on(x.device),
                 max_seg_len=seg.max_len,
             )
         return y
@@ -152,8 +161,7 @@ class LoraLinear(nn.Module):
             self.lora_a,
             self.lora_b,
             self.slot_map,
-            seg.starts,
-            seg.scales,
+            *seg.on(x.device),
         )
         partials = torch.empty(
             lora_partials_shape(self.in_features, a.shape[1], scales.shape[0], scales.shape[1]),
