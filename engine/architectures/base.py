@@ -13,6 +13,11 @@ Hooks an architecture may override or set:
 - `unit_offset_norm`: the final norm multiplies by (1 + w) (Gemma);
 - `final_logit_softcap`: logits become cap * tanh(logits / cap) (Gemma 2).
 
+A layer with `forward_residual(x, residual, batch, cache, rotary) -> (x, residual)` (see
+engine.modules.DecoderLayer) runs that way while `fuse_kernels` is on: the hidden state
+stays split in two until the next norm adds them in its own kernel. The result is that
+of the layers' plain `forward`, bit for bit where the kernels' roundings are torch's.
+
 `tensor_names` gives the checkpoint's tensor names to architectures whose module layout
 depends on how the checkpoint was saved (MoE experts stored per expert or fused).
 """
@@ -47,6 +52,8 @@ class CausalLM(nn.Module):
     # HF architecture names this class serves (config.json "architectures").
     architectures: tuple[str, ...] = ()
     unit_offset_norm: bool = False
+    # Residual adds fused into the next norm (layers' forward_residual); see engine.fusion.
+    fuse_kernels: bool = True
 
     def __init__(self, config: ModelConfig, *, tensor_names: Collection[str] | None = None) -> None:
         super().__init__()
@@ -103,14 +110,32 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in float32, on the last layer's device."""
         first = self.model.embed_tokens.weight.device
-        h = self.embed(batch.on(first).token_ids)
+        # The hidden state is h = x + residual; residual None means h = x.
+        x = self.embed(batch.on(first).token_ids)
+        residual: torch.Tensor | None = None
         for layer, device, rotary in zip(
             self.model.layers, self.layer_devices, self._layer_rotary, strict=True
         ):
-            h = layer(h.to(device), batch.on(device), cache, rotary)
+            x = x.to(device)
+            residual = residual.to(device) if residual is not None else None
+            if self.fuse_kernels and hasattr(layer, "forward_residual"):
+                x, residual = layer.forward_residual(x, residual, batch.on(device), cache, rotary)
+                continue
+            if residual is not None:
+                x, residual = residual + x, None
+            x = layer(x, batch.on(device), cache, rotary)
         device = self.lm_head_device
-        h = h.to(device)[batch.on(device).logits_indices]
-        logits = self.lm_head(self.model.norm(h))
+        rows = batch.on(device).logits_indices
+        x = x.to(device)
+        norm = self.model.norm
+        if residual is None:
+            normed = norm(x[rows])
+        elif rows.shape[0] == x.shape[0]:
+            # Decode: every row is wanted. Norm first, then one gather instead of two.
+            normed = norm.forward_add(x, residual.to(device))[0][rows]
+        else:
+            normed = norm.forward_add(x[rows], residual.to(device)[rows])[0]
+        logits = self.lm_head(normed)
         if self.final_logit_softcap is not None:
             # In the activation dtype, as transformers caps them.
             cap = self.final_logit_softcap
