@@ -194,7 +194,6 @@ class GatedMLP(nn.Module):
         if act not in ACTIVATIONS:
             raise ValueError(f"activation '{act}' is not supported ({', '.join(ACTIVATIONS)})")
         self.act_name = act
-        self.act = ACTIVATIONS[act]
         self.gate_proj = Linear(hidden, intermediate, bias)
         self.up_proj = Linear(hidden, intermediate, bias)
         self.down_proj = Linear(intermediate, hidden, bias)
@@ -219,7 +218,6 @@ class FusedGatedMLP(nn.Module):
         if act not in ACTIVATIONS:
             raise ValueError(f"activation '{act}' is not supported ({', '.join(ACTIVATIONS)})")
         self.act_name = act
-        self.act = ACTIVATIONS[act]
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias)
         self.down_proj = Linear(intermediate, hidden, bias)
 

@@ -46,7 +46,6 @@ class ExpertMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.act_name = act
-        self.act = ACTIVATIONS[act]
         self.names = names
         gate, up, down = names
         setattr(self, gate, Linear(hidden, intermediate))
@@ -66,7 +65,6 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
         self.act_name = act
-        self.act = ACTIVATIONS[act]
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False
         )
