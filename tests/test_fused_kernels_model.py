@@ -212,10 +212,15 @@ def test_triton_kernels_in_the_model_match_unfused(
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cuda_fused_equals_unfused(arch: str, dtype: str, model_dirs: dict[str, Path]) -> None:
     """On the GPU every fused kernel rounds as the ops it replaces: prefill logits (eager)
-    and greedy decode (CUDA graphs) of fused and unfused engines are equal bit for bit."""
-    fused = _engine(model_dirs[arch], fuse=True, device="cuda", dtype=dtype)
-    plain = _engine(model_dirs[arch], fuse=False, device="cuda", dtype=dtype)
-    assert fused.graphs is not None  # decode steps replay graphs
+    and greedy decode (CUDA graphs where the architecture captures) of fused and unfused
+    engines are equal bit for bit."""
+    # Gemma's embedding scale (a host tensor copied per forward) and the MoE's host loop
+    # over experts cannot be captured, fused or not: those decode eagerly here.
+    graphs = arch in ("llama", "phi3-partial-rotary")
+    options = dict(device="cuda", dtype=dtype, cuda_graphs=graphs)
+    fused = _engine(model_dirs[arch], fuse=True, **options)
+    plain = _engine(model_dirs[arch], fuse=False, **options)
+    assert (fused.graphs is not None) == graphs
     assert torch.equal(fused.logits(PROMPT), plain.logits(PROMPT))
     fused_tokens, fused_rows = _greedy(fused, PROMPT, STEPS)
     plain_tokens, plain_rows = _greedy(plain, PROMPT, STEPS)
