@@ -208,8 +208,7 @@ class _SegmentGraph:
             seg, model = self.segment, self.model
             h = model.forward_embed(self.batch) if seg.embed else self.hidden
             assert h is not None, "a segment after the first needs its input buffer"
-            h = model.forward_layers(h, self.batch, self.cache, seg.start, seg.stop)
-            return model.forward_head(h, self.batch) if seg.head else h
+            return model.forward_span(h, self.batch, self.cache, seg.start, seg.stop, head=seg.head)
 
     def warm_up(self) -> torch.Tensor:
         """Run the forward eagerly on a side stream, as a capture needs first: it compiles

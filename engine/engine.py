@@ -19,7 +19,7 @@ import torch
 from engine.cache import CACHE_TYPES, ForwardBatch, PagedKVCache, Sequence, cache_bytes_per_token
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
-from engine.fusion import fuse_projections
+from engine.fusion import fuse_projections, set_kernel_fusion
 from engine.loading import load_causal_lm, resolve_device, resolve_dtype
 from engine.lora import LoraManager
 from engine.placement import Placement, PlacementOptions, plan_for_model
@@ -65,6 +65,8 @@ class EngineOptions:
     max_batch: int = 64  # concurrent jobs; more wait in the scheduler's queue
     prefix_caching: bool = True  # reuse the cached pages of a repeated prompt prefix
     fuse_projections: bool = True  # q/k/v and gate/up as one linear each (engine/fusion.py)
+    # Residual add + norm, SiLU * up, RoPE + KV write as one kernel each (same results).
+    fuse_kernels: bool = True
     # Layer split (engine/placement/): GiB per GPU, or auto from free memory; CPU offload.
     gpu_split: list[float] | None = None
     autosplit: bool = False
@@ -168,6 +170,8 @@ class Engine:
         )
         if options.fuse_projections:
             fuse_projections(model)
+        if not options.fuse_kernels:
+            set_kernel_fusion(model, False)
         model.setup_rotary(max_seq_len, rope_alpha=options.rope_alpha)
         # Decode graphs: one per bucket on a single GPU, one per device segment of a layer
         # split (engine/cuda_graph.py). A placement with CPU-offloaded parts stays eager:
@@ -236,6 +240,7 @@ class Engine:
                 max_batch=options.max_batch,
                 prefix_caching=False,
                 fuse_projections=options.fuse_projections,
+                fuse_kernels=options.fuse_kernels,
             )
             self.draft_engine = Engine.load(options.draft_model, draft_options)
             draft = DraftModel(self.draft_engine, self.config.vocab_size)

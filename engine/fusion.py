@@ -15,6 +15,11 @@ An attention module then runs its existing fused path (`qkv_proj`, as Phi-3's ch
 has it), and a GatedMLP its `gate_up_proj` path. The source tensors are released, so
 fusion costs no memory. Outputs are unchanged: a column of the fused product is computed
 exactly as the column of its part.
+
+`set_kernel_fusion(model, enabled)` switches the other kind of fusion, of small ops into one
+kernel launch (residual add + RMSNorm, SiLU * up, RoPE + KV cache write; engine/modules.py),
+which every module that has it does by default. Turning it off gives the separate ops, for
+comparisons and measurements.
 """
 
 from __future__ import annotations
@@ -141,3 +146,15 @@ def fuse_projections(model: nn.Module) -> int:
     if fused and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the parts' memory goes back to the cache's pool
     return fused
+
+
+def set_kernel_fusion(model: nn.Module, enabled: bool) -> int:
+    """Turn the fused small-op kernels on or off in every module of `model` that has them
+    (a `fuse_kernels` flag: CausalLM, Attention, the gated MLPs and MoE experts); returns
+    how many modules were set. Results are the same either way; launches per layer differ."""
+    count = 0
+    for module in model.modules():
+        if isinstance(getattr(type(module), "fuse_kernels", None), bool):
+            module.fuse_kernels = enabled
+            count += 1
+    return count

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.modules import ACTIVATIONS, Linear
+from engine.modules import ACTIVATIONS, Linear, gated_activation
 
 # Mixtral's expert names: w1 gate, w3 up, w2 down.
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
@@ -39,11 +39,13 @@ QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 class ExpertMLP(nn.Module):
     """down(act(gate(x)) * up(x)) under the checkpoint's own linear names."""
 
+    fuse_kernels: bool = True  # SiLU and the product as one kernel (gated_activation)
+
     def __init__(
         self, hidden: int, intermediate: int, act: str, names: tuple[str, str, str]
     ) -> None:
         super().__init__()
-        self.act = ACTIVATIONS[act]
+        self.act_name = act
         self.names = names
         gate, up, down = names
         setattr(self, gate, Linear(hidden, intermediate))
@@ -52,15 +54,17 @@ class ExpertMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)
-        return down(self.act(gate(x)) * up(x))
+        return down(gated_activation(self.act_name, gate(x), up(x), fused=self.fuse_kernels))
 
 
 class FusedExperts(nn.Module):
     """All experts' weights in two 3-D tensors (transformers 5's layout)."""
 
+    fuse_kernels: bool = True  # SiLU and the product as one kernel (gated_activation)
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
-        self.act = ACTIVATIONS[act]
+        self.act_name = act
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False
         )
@@ -70,7 +74,8 @@ class FusedExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down_proj[e])
+        hidden = gated_activation(self.act_name, gate, up, fused=self.fuse_kernels)
+        return F.linear(hidden, self.down_proj[e])
 
 
 class SparseMoE(nn.Module):

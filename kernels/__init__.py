@@ -6,10 +6,20 @@
 is the op itself, which shadows the module of the same name).
 """
 
+from kernels.activation import silu_mul
 from kernels.backend import Backend
 from kernels.paged_attention import paged_attention
 from kernels.quant_matmul_triton import quant_matmul
-from kernels.rms_norm import rms_norm
-from kernels.rope import apply_rope
+from kernels.rms_norm import add_rms_norm, rms_norm
+from kernels.rope import apply_rope, apply_rope_write
 
-__all__ = ["Backend", "apply_rope", "paged_attention", "quant_matmul", "rms_norm"]
+__all__ = [
+    "Backend",
+    "add_rms_norm",
+    "apply_rope",
+    "apply_rope_write",
+    "paged_attention",
+    "quant_matmul",
+    "rms_norm",
+    "silu_mul",
+]

@@ -12,7 +12,12 @@ repeats them step for step: it rounds y to x.dtype before the weight multiply, a
 multiply of two 16-bit floats is exact in float32, so its outputs differ from the reference
 only where rsqrt or the row sum round differently (a few float32 ulps before the final cast).
 
-`rms_norm` dispatches: Triton on CUDA tensors, the reference otherwise (see kernels.backend).
+`add_rms_norm(x, residual, ...)` is a pre-norm block's residual add fused with the next norm:
+it returns (rms_norm(residual + x), residual + x), the sum rounded to x.dtype before the norm
+reads it, exactly as the two separate ops compute it. The same kernel serves both (the add is
+a constexpr branch), so its normed rows equal `rms_norm`'s bit for bit on either path.
+
+Both dispatch: Triton on CUDA tensors, the reference otherwise (see kernels.backend).
 """
 
 from __future__ import annotations
@@ -68,13 +73,18 @@ def rms_norm_reference(
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,
+    residual_ptr,  # HAS_RESIDUAL: the stream x is added to; else unused (x again)
     weight_ptr,
     out_ptr,
+    residual_out_ptr,  # HAS_RESIDUAL: where residual + x goes; else unused (out again)
     x_row_stride,
+    residual_row_stride,
     out_row_stride,
+    residual_out_row_stride,
     D,
     eps,
     UNIT_OFFSET: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     N_BLOCKS: tl.constexpr,
@@ -83,7 +93,9 @@ def _rms_norm_kernel(
     # One program per row. int64 row offsets: rows * stride passes 2**31 in long prefills.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
+    residual_row = residual_ptr + row * residual_row_stride
     out_row = out_ptr + row * out_row_stride
+    residual_out_row = residual_out_ptr + row * residual_out_row_stride
     x_dtype = x_ptr.dtype.element_ty
     out_dtype = out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_D)
@@ -91,6 +103,16 @@ def _rms_norm_kernel(
     if SINGLE_PASS:
         mask = cols < D
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            # The sum is rounded to the activation dtype before the norm reads it, as the
+            # unfused path's torch add stores it: both outputs match that path bit for bit.
+            summed = cast_rtne(
+                x + tl.load(residual_row + cols, mask=mask, other=0.0).to(tl.float32),
+                x_dtype,
+                EMULATE_BF16,
+            )
+            tl.store(residual_out_row + cols, summed, mask=mask)
+            x = summed.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = x * rstd
@@ -108,12 +130,23 @@ def _rms_norm_kernel(
             start = block * BLOCK_D
             mask = start + cols < D
             x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(residual_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                summed = cast_rtne(x + r, x_dtype, EMULATE_BF16)
+                tl.store(residual_out_row + start + cols, summed, mask=mask)
+                x = summed.to(tl.float32)
             acc += x * x
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / D + eps)
         for block in range(N_BLOCKS):
             start = block * BLOCK_D
             mask = start + cols < D
             x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                # Recomputed from the inputs (never aliased to residual_out), not read back
+                # from residual_out: no ordering question between this program's stores
+                # and loads.
+                r = tl.load(residual_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                x = cast_rtne(x + r, x_dtype, EMULATE_BF16).to(tl.float32)
             w = tl.load(weight_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
             y = x * rstd
             if UNIT_OFFSET:
@@ -133,6 +166,52 @@ def _num_warps(block_d: int) -> int:
     return max(1, min(16, block_d // 512))
 
 
+def _launch(
+    x2d: torch.Tensor,
+    residual2d: torch.Tensor | None,
+    weight: torch.Tensor,
+    out2d: torch.Tensor,
+    residual_out2d: torch.Tensor | None,
+    eps: float,
+    unit_offset: bool,
+) -> None:
+    # x2d [N, D] (and residual2d) with unit last-dim stride; rows may be strided.
+    D = x2d.shape[1]
+    single_pass = D <= _MAX_SINGLE_PASS_D
+    block_d = triton.next_power_of_2(D) if single_pass else 4096
+    has_residual = residual2d is not None
+    # Without a residual the kernel never touches those pointers; pass x and out again.
+    residual2d = residual2d if residual2d is not None else x2d
+    residual_out2d = residual_out2d if residual_out2d is not None else out2d
+    with device_guard(x2d):
+        _rms_norm_kernel[(x2d.shape[0],)](
+            x2d,
+            residual2d,
+            weight,
+            out2d,
+            residual_out2d,
+            x2d.stride(0),
+            residual2d.stride(0),
+            out2d.stride(0),
+            residual_out2d.stride(0),
+            D,
+            float(eps),
+            UNIT_OFFSET=unit_offset,
+            HAS_RESIDUAL=has_residual,
+            SINGLE_PASS=single_pass,
+            BLOCK_D=block_d,
+            N_BLOCKS=triton.cdiv(D, block_d),
+            EMULATE_BF16=_INTERPRETED,
+            num_warps=_num_warps(block_d),
+        )
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    # [N, D]; a view where possible (rows may be strided), the last dim made dense.
+    t2d = t.reshape(-1, t.shape[-1])
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
 def rms_norm_triton(
     x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False
 ) -> torch.Tensor:
@@ -140,32 +219,9 @@ def rms_norm_triton(
     _check_args(x, weight)
     D = x.shape[-1]
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight, unit_offset), device=x.device)
-    x2d = x.reshape(-1, D)  # [N, D]; a view where possible, rows may be strided
-    if x2d.shape[0] == 0 or D == 0:
+    if x.numel() == 0:
         return out
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    weight = weight.contiguous()
-    out2d = out.view(-1, D)  # [N, D]
-
-    single_pass = D <= _MAX_SINGLE_PASS_D
-    block_d = triton.next_power_of_2(D) if single_pass else 4096
-    with device_guard(x):
-        _rms_norm_kernel[(x2d.shape[0],)](
-            x2d,
-            weight,
-            out2d,
-            x2d.stride(0),
-            out2d.stride(0),
-            D,
-            float(eps),
-            UNIT_OFFSET=unit_offset,
-            SINGLE_PASS=single_pass,
-            BLOCK_D=block_d,
-            N_BLOCKS=triton.cdiv(D, block_d),
-            EMULATE_BF16=_INTERPRETED,
-            num_warps=_num_warps(block_d),
-        )
+    _launch(_rows(x), None, weight.contiguous(), out.view(-1, D), None, eps, unit_offset)
     return out
 
 
@@ -181,3 +237,82 @@ def rms_norm(
     if resolve_backend(backend, x, weight) == "triton":
         return rms_norm_triton(x, weight, eps, unit_offset=unit_offset)
     return rms_norm_reference(x, weight, eps, unit_offset=unit_offset)
+
+
+# ---------------------------------------------------------------------------------------------
+# Residual add + RMSNorm: the pre-norm block's `h = h + f(norm(h))` followed by the next
+# norm, in one launch that reads x and the residual once and writes the sum and its norm.
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    _check_args(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual must match x ({x.dtype} {tuple(x.shape)}), got {residual.dtype} "
+            f"{tuple(residual.shape)}"
+        )
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x) in plain torch: the unfused path itself."""
+    _check_residual(x, residual, weight)
+    summed = residual + x  # rounded to x.dtype here, and the norm reads the rounded sum
+    return rms_norm_reference(summed, weight, eps, unit_offset=unit_offset), summed
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add + RMSNorm in one Triton launch; same contract as the reference.
+
+    Out of place: the inputs are left as they are (a caller may still hold them) and both
+    outputs are new contiguous tensors. The norm is the same kernel code as `rms_norm`, so
+    the normed rows equal `rms_norm_triton(residual + x)` bit for bit.
+    """
+    _check_residual(x, residual, weight)
+    D = x.shape[-1]
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight, unit_offset), device=x.device)
+    summed = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel() == 0:
+        return out, summed
+    _launch(
+        _rows(x),
+        _rows(residual),
+        weight.contiguous(),
+        out.view(-1, D),
+        summed.view(-1, D),
+        eps,
+        unit_offset,
+    )
+    return out, summed
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    unit_offset: bool = False,
+    backend: Backend = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x) for x, residual [..., D] of one dtype.
+
+    The sum is rounded to x.dtype before the norm reads it, as separate ops would round it.
+    Triton on CUDA (one launch), the torch reference otherwise.
+    """
+    if resolve_backend(backend, x, residual, weight) == "triton":
+        return add_rms_norm_triton(x, residual, weight, eps, unit_offset=unit_offset)
+    return add_rms_norm_reference(x, residual, weight, eps, unit_offset=unit_offset)

@@ -20,6 +20,11 @@ so it matches the reference bit for bit in every dtype, on the GPU and in the in
 (products of two float16/bfloat16 values are exact in float32, so rounding them afterwards
 equals torch's 16-bit multiply). Tests still compare with a couple of ulps of tolerance.
 
+`apply_rope_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots)` is the same rotation
+fused with the write of a native (model-dtype) paged KV cache [pages, page_size, Hk, D]: the
+rotated k and the unchanged v of token t land at flat slot slots[t], and only q comes back.
+The rotation is the one kernel code, so the cached keys equal apply_rope's bit for bit.
+
 Positions outside the tables are an error in the reference (checked there, which syncs on
 a GPU); the Triton kernel does not check them (only under TRITON_DEBUG), as a check would
 cost a device sync per call.
@@ -153,6 +158,33 @@ def _rope_heads(
 
 
 @triton.jit
+def _angles(
+    positions_ptr,
+    token,
+    cos_ptr,
+    sin_ptr,
+    cos_row_stride,
+    sin_row_stride,
+    max_pos,
+    x_dtype: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    """cos and sin [1, BLOCK_HALF] of `token`'s position, rounded to the activation dtype
+    (transformers casts the float32 tables before multiplying) and held in float32."""
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    tl.device_assert((position >= 0) & (position < max_pos), "position outside the rope tables")
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    table_mask = cols < HALF
+    cos = tl.load(cos_ptr + position * cos_row_stride + cols, mask=table_mask, other=0.0)
+    sin = tl.load(sin_ptr + position * sin_row_stride + cols, mask=table_mask, other=0.0)
+    cos = cast_rtne(cos.to(tl.float32), x_dtype, EMULATE_BF16).to(tl.float32)
+    sin = cast_rtne(sin.to(tl.float32), x_dtype, EMULATE_BF16).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr,
     k_ptr,
@@ -187,15 +219,19 @@ def _rope_kernel(
     head_block = tl.program_id(1)
     x_dtype = q_ptr.dtype.element_ty
 
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    tl.device_assert((position >= 0) & (position < max_pos), "position outside the rope tables")
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    table_mask = cols < HALF
-    cos = tl.load(cos_ptr + position * cos_row_stride + cols, mask=table_mask, other=0.0)
-    sin = tl.load(sin_ptr + position * sin_row_stride + cols, mask=table_mask, other=0.0)
-    # transformers casts the float32 tables to the activation dtype before multiplying.
-    cos = cast_rtne(cos.to(tl.float32), x_dtype, EMULATE_BF16).to(tl.float32)
-    sin = cast_rtne(sin.to(tl.float32), x_dtype, EMULATE_BF16).to(tl.float32)
+    cos, sin = _angles(
+        positions_ptr,
+        token,
+        cos_ptr,
+        sin_ptr,
+        cos_row_stride,
+        sin_row_stride,
+        max_pos,
+        x_dtype,
+        HALF,
+        BLOCK_HALF,
+        EMULATE_BF16,
+    )
 
     n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if head_block < n_q_blocks:
@@ -324,3 +360,254 @@ def apply_rope(
     if resolve_backend(backend, q, k, positions, cos, sin) == "triton":
         return apply_rope_triton(q, k, positions, cos, sin)
     return apply_rope_reference(q, k, positions, cos, sin)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE + KV cache write for a native (model-dtype) paged cache: q is rotated into a new
+# tensor, k is rotated straight into its cache slot and v copied into its slot, in one launch.
+# Unfused, that is the rope launch plus two index_copy_ launches per layer.
+
+
+def _check_write_args(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(
+            f"v must match k ({k.dtype} {tuple(k.shape)}), got {v.dtype} {tuple(v.shape)}"
+        )
+    T, n_k_heads, D = k.shape
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 4 or cache.shape[2:] != (n_k_heads, D) or cache.dtype != k.dtype:
+            raise ValueError(
+                f"{name} must be a native cache [pages, page_size, {n_k_heads}, {D}] of "
+                f"{k.dtype}, got {cache.dtype} {tuple(cache.shape)}"
+            )
+        if not cache.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (it is written in place)")
+    if slots.shape != (T,) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"slots must be int32/int64 [T={T}], got {slots.dtype} {tuple(slots.shape)}"
+        )
+
+
+def apply_rope_write_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """apply_rope, then rotated k and v stored at flat slots of the native caches (the
+    unfused path's ops); returns the rotated q."""
+    _check_args(q, k, positions, cos, sin)
+    _check_write_args(k, v, k_cache, v_cache, slots)
+    q_rot, k_rot = apply_rope_reference(q, k, positions, cos, sin)
+    index = slots.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, index, k_rot)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, index, v)
+    return q_rot
+
+
+@triton.jit
+def _rope_write_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    k_cache_ptr,  # [pages * page_size, Hk, D] viewed flat, contiguous
+    v_cache_ptr,
+    positions_ptr,
+    slots_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_token_stride,
+    q_head_stride,
+    k_token_stride,
+    k_head_stride,
+    v_token_stride,
+    v_head_stride,
+    q_out_token_stride,
+    q_out_head_stride,
+    cache_slot_stride,
+    cache_head_stride,
+    cos_row_stride,
+    sin_row_stride,
+    n_q_heads,
+    n_k_heads,
+    max_pos,
+    HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    # Grid: (T, q head blocks + k head blocks). A k block's program also copies the v heads
+    # of the same block, so v adds no programs. The rotation is `_rope_kernel`'s, so q and k
+    # equal apply_rope's bit for bit.
+    token = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    x_dtype = q_ptr.dtype.element_ty
+    cos, sin = _angles(
+        positions_ptr,
+        token,
+        cos_ptr,
+        sin_ptr,
+        cos_row_stride,
+        sin_row_stride,
+        max_pos,
+        x_dtype,
+        HALF,
+        BLOCK_HALF,
+        EMULATE_BF16,
+    )
+    n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
+    if head_block < n_q_blocks:
+        _rope_heads(
+            q_ptr + token * q_token_stride,
+            q_out_ptr + token * q_out_token_stride,
+            q_head_stride,
+            q_out_head_stride,
+            head_block * BLOCK_H,
+            n_q_heads,
+            cos,
+            sin,
+            HALF,
+            PASS,
+            BLOCK_H,
+            BLOCK_HALF,
+            BLOCK_PASS,
+            EMULATE_BF16,
+        )
+    else:
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        first_head = (head_block - n_q_blocks) * BLOCK_H
+        _rope_heads(
+            k_ptr + token * k_token_stride,
+            k_cache_ptr + slot * cache_slot_stride,
+            k_head_stride,
+            cache_head_stride,
+            first_head,
+            n_k_heads,
+            cos,
+            sin,
+            HALF,
+            PASS,
+            BLOCK_H,
+            BLOCK_HALF,
+            BLOCK_PASS,
+            EMULATE_BF16,
+        )
+        heads = first_head + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+        dims = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
+        mask = (heads < n_k_heads) & (dims < HEAD_DIM)
+        v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
+        tl.store(
+            v_cache_ptr + slot * cache_slot_stride + heads * cache_head_stride + dims, v, mask=mask
+        )
+
+
+def apply_rope_write_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE + native cache write in one Triton launch; same contract as the reference."""
+    _check_args(q, k, positions, cos, sin)
+    _check_write_args(k, v, k_cache, v_cache, slots)
+    T, n_q_heads, D = q.shape
+    n_k_heads = k.shape[1]
+    q_out = torch.empty((T, n_q_heads, D), dtype=q.dtype, device=q.device)
+    if T == 0 or D == 0 or n_q_heads + n_k_heads == 0:
+        return q_out
+    # The kernel indexes the last dim densely; heads and tokens may be strided.
+    q, k, v, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, cos, sin))
+    positions, slots = positions.contiguous(), slots.contiguous()
+    k_flat = k_cache.view(-1, n_k_heads, D)
+    v_flat = v_cache.view(-1, n_k_heads, D)
+
+    half = cos.shape[1]
+    n_pass = D - 2 * half
+    block_half = triton.next_power_of_2(max(half, 1))
+    block_h = min(
+        triton.next_power_of_2(max(n_q_heads, n_k_heads)),
+        max(1, _TILE_ELEMENTS // block_half),
+    )
+    grid = (T, triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h))
+    with device_guard(q):
+        _rope_write_kernel[grid](
+            q,
+            k,
+            v,
+            q_out,
+            k_flat,
+            v_flat,
+            positions,
+            slots,
+            cos,
+            sin,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            q_out.stride(0),
+            q_out.stride(1),
+            k_flat.stride(0),
+            k_flat.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            n_q_heads,
+            n_k_heads,
+            cos.shape[0],
+            HALF=half,
+            PASS=n_pass,
+            HEAD_DIM=D,
+            BLOCK_H=block_h,
+            BLOCK_HALF=block_half,
+            BLOCK_PASS=triton.next_power_of_2(max(n_pass, 1)),
+            BLOCK_D=triton.next_power_of_2(D),
+            EMULATE_BF16=_INTERPRETED,
+            num_warps=4,
+            enable_fp_fusion=False,  # as in apply_rope_triton: the reference's roundings
+        )
+    return q_out
+
+
+def apply_rope_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Rotate q and k as `apply_rope` does, store rotated k and v [T, Hk, D] at flat `slots`
+    [T] of the native caches k_cache, v_cache [pages, page_size, Hk, D] (in place), and
+    return the rotated q [T, Hq, D]. Triton on CUDA (one launch), the reference otherwise."""
+    tensors = (q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    if resolve_backend(backend, *tensors) == "triton":
+        return apply_rope_write_triton(*tensors)
+    return apply_rope_write_reference(*tensors)

@@ -13,6 +13,11 @@ Hooks an architecture may override or set:
 - `unit_offset_norm`: the final norm multiplies by (1 + w) (Gemma);
 - `final_logit_softcap`: logits become cap * tanh(logits / cap) (Gemma 2).
 
+A layer with `forward_residual(x, residual, batch, cache, rotary) -> (x, residual)` (see
+engine.modules.DecoderLayer) runs that way while `fuse_kernels` is on: the hidden state
+stays split in two until the next norm adds them in its own kernel. The result is that
+of the layers' plain `forward`, bit for bit where the kernels' roundings are torch's.
+
 `tensor_names` gives the checkpoint's tensor names to architectures whose module layout
 depends on how the checkpoint was saved (MoE experts stored per expert or fused).
 """
@@ -47,6 +52,8 @@ class CausalLM(nn.Module):
     # HF architecture names this class serves (config.json "architectures").
     architectures: tuple[str, ...] = ()
     unit_offset_norm: bool = False
+    # Residual adds fused into the next norm (layers' forward_residual); see engine.fusion.
+    fuse_kernels: bool = True
 
     def __init__(self, config: ModelConfig, *, tensor_names: Collection[str] | None = None) -> None:
         super().__init__()
@@ -103,30 +110,65 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in float32, on the head's device."""
         h = self.forward_embed(batch)
-        h = self.forward_layers(h, batch, cache, 0, len(self.model.layers))
-        return self.forward_head(h, batch)
+        return self.forward_span(h, batch, cache, 0, len(self.model.layers), head=True)
 
-    # The forward in three parts, so that the decode graphs of a layer-split model
+    # The forward in parts, so that the decode graphs of a layer-split model
     # (engine/cuda_graph.py) can capture each device's share as its own graph and still
     # run exactly this code.
     def forward_embed(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's tokens, on the embeddings' device."""
         return self.embed(batch.on(self.model.embed_tokens.weight.device).token_ids)
 
-    def forward_layers(
-        self, h: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, start: int, stop: int
+    def forward_span(
+        self,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        start: int,
+        stop: int,
+        *,
+        head: bool,
     ) -> torch.Tensor:
-        """Decoder layers [start, stop) on h [T, hidden]; h follows each layer's device."""
+        """Decoder layers [start, stop) on h [T, hidden] (h follows each layer's device),
+        then with `head` the final norm and lm_head: the logits, float32 [N, vocab], else
+        the hidden states. Inside a span the hidden state is carried as x + residual, so
+        that each residual add runs in the next norm's kernel; a span that ends without
+        the head adds them once to hand one tensor to the next device."""
+        x, residual = h, None
         for i in range(start, stop):
-            device = self.layer_devices[i]
-            h = self.model.layers[i](h.to(device), batch.on(device), cache, self._layer_rotary[i])
-        return h
+            layer, device, rotary = (
+                self.model.layers[i],
+                self.layer_devices[i],
+                self._layer_rotary[i],
+            )
+            x = x.to(device)
+            residual = residual.to(device) if residual is not None else None
+            if self.fuse_kernels and hasattr(layer, "forward_residual"):
+                x, residual = layer.forward_residual(x, residual, batch.on(device), cache, rotary)
+                continue
+            if residual is not None:
+                x, residual = residual + x, None
+            x = layer(x, batch.on(device), cache, rotary)
+        if not head:
+            return x if residual is None else residual + x
+        return self._head(x, residual, batch)
 
-    def forward_head(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Final norm + lm_head on the rows of h that want logits: float32 [N, vocab]."""
+    def _head(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Final norm (fused with the last residual add) and lm_head on the logits rows."""
         device = self.lm_head_device
-        h = h.to(device)[batch.on(device).logits_indices]
-        logits = self.lm_head(self.model.norm(h))
+        rows = batch.on(device).logits_indices
+        x = x.to(device)
+        norm = self.model.norm
+        if residual is None:
+            normed = norm(x[rows])
+        elif rows.shape[0] == x.shape[0]:
+            # Decode: every row is wanted. Norm first, then one gather instead of two.
+            normed = norm.forward_add(x, residual.to(device))[0][rows]
+        else:
+            normed = norm.forward_add(x[rows], residual.to(device)[rows])[0]
+        logits = self.lm_head(normed)
         if self.final_logit_softcap is not None:
             # In the activation dtype, as transformers caps them.
             cap = self.final_logit_softcap

@@ -49,6 +49,26 @@ class GemmaDecoderLayer(nn.Module):
         mlp = self.mlp(self.pre_feedforward_layernorm(h))
         return h + self.post_feedforward_layernorm(mlp)
 
+    def forward_residual(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        rotary: Rotary,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the residual adds inside the input and pre-feedforward norms (see
+        engine.modules.DecoderLayer.forward_residual); the post norms stay separate."""
+        if residual is None:
+            normed, residual = self.input_layernorm(x), x
+        else:
+            normed, residual = self.input_layernorm.forward_add(x, residual)
+        attn = self.self_attn(normed, batch, cache, rotary)
+        normed, residual = self.pre_feedforward_layernorm.forward_add(
+            self.post_attention_layernorm(attn), residual
+        )
+        return self.post_feedforward_layernorm(self.mlp(normed)), residual
+
 
 def gemma_activation(config: ModelConfig) -> str:
     return str(config.extra.get("hidden_activation") or config.hidden_act)
