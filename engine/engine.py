@@ -22,6 +22,7 @@ from engine.cuda_graph import DecodeGraphs
 from engine.fusion import fuse_projections, set_kernel_fusion
 from engine.loading import load_causal_lm, resolve_device, resolve_dtype
 from engine.lora import LoraManager
+from engine.moe import SparseMoE
 from engine.placement import Placement, PlacementOptions, plan_for_model
 from engine.scheduler import Scheduler
 from engine.speculative import SPECULATIVE_MODES, DraftModel
@@ -176,7 +177,13 @@ class Engine:
         # Decode graphs: one per bucket on a single GPU, one per device segment of a layer
         # split (engine/cuda_graph.py). A placement with CPU-offloaded parts stays eager:
         # its CPU layers, not launches, bound the step.
-        use_graphs = options.cuda_graphs and all(d.type == "cuda" for d in placement.devices)
+        # Mixture-of-experts layers choose their experts in a host loop (engine/moe.py), which
+        # a graph cannot capture: those models decode eagerly.
+        use_graphs = (
+            options.cuda_graphs
+            and all(d.type == "cuda" for d in placement.devices)
+            and not any(isinstance(m, SparseMoE) for m in model.modules())
+        )
         cache = PagedKVCache(
             num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads,

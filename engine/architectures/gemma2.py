@@ -116,6 +116,8 @@ class Gemma2ForCausalLM(CausalLM):
         ]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # sqrt(hidden) rounded to the weights' dtype, as transformers' normalizer, but as a
+        # Python number: a CPU tensor copied to the GPU here could not be graph-captured.
         weight = self.model.embed_tokens.weight
-        scale = torch.tensor(self.config.hidden_size**0.5, dtype=weight.dtype)
-        return self.model.embed_tokens(token_ids) * scale.to(weight.device)
+        scale = torch.tensor(self.config.hidden_size**0.5, dtype=weight.dtype).item()
+        return self.model.embed_tokens(token_ids) * scale
