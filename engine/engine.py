@@ -61,6 +61,9 @@ class EngineOptions:
     rope_alpha: float = 1.0
     prefill_chunk: int = 2048
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (one per GPU of a split)
+    # Graphs for a layer split over several GPUs (one segment per GPU): tested on the CPU
+    # and as segments on one GPU, not yet on two GPUs, so opt-in until a 2-GPU run.
+    split_cuda_graphs: bool = False
     # ... also the decode steps that apply LoRA adapters (off: those run eagerly)
     lora_cuda_graphs: bool = LORA_GRAPHS
     max_batch: int = 64  # concurrent jobs; more wait in the scheduler's queue
@@ -183,6 +186,7 @@ class Engine:
             options.cuda_graphs
             and all(d.type == "cuda" for d in placement.devices)
             and not any(isinstance(m, SparseMoE) for m in model.modules())
+            and (len(set(placement.devices)) == 1 or options.split_cuda_graphs)
         )
         cache = PagedKVCache(
             num_layers=config.num_hidden_layers,

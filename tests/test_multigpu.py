@@ -67,7 +67,11 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 def test_manual_layer_split_matches_one_gpu(model_dir: Path, reference):
     m = loader.load(
-        model_dir, "kestrel", dtype="float16", gpu_split=_split_after_first_layer(model_dir)
+        model_dir,
+        "kestrel",
+        dtype="float16",
+        gpu_split=_split_after_first_layer(model_dir),
+        split_cuda_graphs=True,
     )
     try:
         placement = m.info()["placement"]
@@ -106,7 +110,7 @@ def test_layer_split_graphs_match_one_gpu_batched(model_dir: Path, speculative: 
     runs = {}
     for name, extra in (
         ("one_gpu", dict(device="cuda:0")),
-        ("split_graphs", dict(gpu_split=split)),
+        ("split_graphs", dict(gpu_split=split, split_cuda_graphs=True)),
         ("split_eager", dict(gpu_split=split, cuda_graphs=False)),
     ):
         m = loader.load(model_dir, "kestrel", **options, **extra)
@@ -138,7 +142,7 @@ def test_layer_split_lora_graphs_match_one_gpu(model_dir: Path, tmp_path: Path):
     runs = {}
     for name, extra in (
         ("one_gpu", dict(device="cuda:0")),
-        ("split", dict(gpu_split=_split_after_first_layer(model_dir))),
+        ("split", dict(gpu_split=_split_after_first_layer(model_dir), split_cuda_graphs=True)),
     ):
         m = loader.load(model_dir, "kestrel", dtype="float16", **extra)
         try:

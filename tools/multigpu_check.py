@@ -79,7 +79,10 @@ def load_engine(mode: str, path: Path, max_seq_len: int) -> Engine:
     if mode in ("split", "split_eager"):
         split = _half_split(path, max_seq_len)
         graphs = mode == "split"
-        return Engine.load(path, _options(max_seq_len, gpu_split=split, cuda_graphs=graphs))
+        return Engine.load(
+            path,
+            _options(max_seq_len, gpu_split=split, cuda_graphs=graphs, split_cuda_graphs=graphs),
+        )
     if mode == "autosplit":
         return Engine.load(path, _options(max_seq_len, autosplit=True))
     from engine.tensor_parallel.engine import TensorParallelEngine
