@@ -27,7 +27,7 @@ Paths, by the number of activation rows M (tuning constants below, to be set on 
   changing only at group boundaries) and is checked once per weight on the host
   (`_chunks_in_groups`); other groupings take a per-row path. x is gathered through perm
   in the kernel. The grid is (column tiles, split-K slices) with about
-  _GEMV_PROGRAMS_PER_SM programs per SM, so n = k = 4096 still fills 132 SMs.
+  GemvConfig.programs_per_sm programs per SM, so n = k = 4096 still fills 132 SMs.
 * _GEMV_MAX_M < M < _DEQUANT_MIN_M (batched decode, speculative verification, short
   prefill chunks): `_dot_kernel`, the same split-K structure with a [BLOCK_M, BLOCK_K] x
   tile and a [BLOCK_K, BLOCK_N] code tile on the tensor cores (tl.dot, wgmma on Hopper,
@@ -85,18 +85,36 @@ _PLANE_BITS = (1, 2, 4, 8)
 _GEMV_MAX_M = 2
 _GEMV_LIMIT_M = 4  # the GEMV unrolls one accumulator per row of x: its hard limit
 _DEQUANT_MIN_M = 256
-# Split-K: programs per SM to aim for, counted over all segments: enough resident warps to
-# keep ~32 KB of loads in flight per SM, few enough that the float32 atomics (n per split)
-# stay cheap next to the weight bytes.
-_GEMV_PROGRAMS_PER_SM = 4
 _DOT_PROGRAMS_PER_SM = 2
-# GEMV tile: lanes and warps only along n, so the sums over rows never leave a thread.
-# Columns per thread by M: every row of x is loaded (gathered through perm) by every thread,
-# so more columns per thread share that cost, until the registers run out (M codes * x).
-_GEMV_COLS_PER_THREAD = {1: 8, 2: 8, 3: 4, 4: 4}
-_GEMV_NUM_WARPS = 2
 _GEMV_BLOCK_K = 32  # rows per chunk: the least group size of EXL2, one group per chunk
-_GEMV_MAX_ITERS = 4  # chunks per program (a loop, not unrolled)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """Launch settings of the decode GEMV (see `_gemv_config`).
+
+    num_warps: warps per program; lanes and warps lie only along n, so the sums over rows
+        never leave a thread.
+    cols_per_thread: by M (index M - 1). Every row of x is loaded (gathered through perm)
+        by every thread, so more columns per thread share that cost, until the registers
+        run out (M codes * x).
+    programs_per_sm: split-K target, counted over all segments: enough resident warps to
+        keep the loads in flight, few enough that the float32 atomics (n per split) stay
+        cheap next to the weight bytes.
+    max_iters: chunks of _GEMV_BLOCK_K rows per program (a loop, not unrolled).
+    prefetch: load the next chunk's packed words before working on this one (registers
+        as a two-stage pipeline), so a program keeps a load in flight while it computes.
+    """
+
+    num_warps: int = 2
+    cols_per_thread: tuple[int, int, int, int] = (8, 8, 4, 4)
+    programs_per_sm: int = 4
+    max_iters: int = 4
+    prefetch: bool = False
+
+
+# Measured with tools/tune_gemv.py on an H200 (8B shapes, every layer's weight in turn).
+_GEMV_CONFIG = GemvConfig()
 # Tensor-core tile of the mid-M path.
 _DOT_BLOCK_N = 128
 _DOT_MAX_BLOCK_M = 64
@@ -222,9 +240,25 @@ def _gemv_plane_row(values, row_factor, x_ptrs, row_ok):
 
 
 @triton.jit
+def _gemv_plane_words(
+    plane_ptr, plane_stride, r0, k_end, cols, col_ok, BITS: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """The packed words [W, 1, N] of one plane for the chunk of rows [r0, r0 + BLOCK_K):
+    r0 is a multiple of 32, hence of the rows per word, so word w of the chunk is word
+    r0 / RPW + w. Words past k_end read as 0 (no memory traffic)."""
+    RPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = BLOCK_K // RPW
+    word = tl.arange(0, W)[:, None, None]  # [W, 1, 1]
+    return tl.load(
+        plane_ptr + (r0 // RPW + word) * plane_stride + cols[None, None, :],
+        mask=(r0 + word * RPW < k_end) & col_ok[None, None, :],
+        other=0,
+    )
+
+
+@triton.jit
 def _gemv_plane(
-    plane_ptr,
-    plane_stride,
+    words,  # [W, 1, N] int32: _gemv_plane_words of this chunk
     x_ptr,
     stride_xm,
     x_row_offset,  # perm_ptr + row_start (HAS_PERM) or row_start
@@ -273,12 +307,6 @@ def _gemv_plane(
     row_ok = rows < k_end
     cols3 = cols[None, None, :]
     col_ok3 = col_ok[None, None, :]
-    # r0 is a multiple of 32, hence of RPW: word w of the chunk is word r0 / RPW + w.
-    words = tl.load(
-        plane_ptr + (r0 // RPW + word) * plane_stride + cols3,
-        mask=(r0 + word * RPW < k_end) & col_ok3,
-        other=0,
-    )  # [W, 1, N]
     position = lane * BITS
     q = position % 16
     # Codes never straddle bit 16 (BITS divides 16); an arithmetic shift's sign copies land
@@ -369,6 +397,7 @@ def _gemv_kernel(
     ITERS: tl.constexpr,  # chunks per split (a constexpr: see the loop)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # a multiple of 32
+    PREFETCH: tl.constexpr,  # load chunk it + 1's words before working on chunk it
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -392,11 +421,26 @@ def _gemv_kernel(
     # numpy >= 2.4 (triton-lang/triton#9171). Not unrolled: one chunk's codes already fill
     # the registers. Chunks past k_end (the tail of a segment's last split) are masked out:
     # their codes and x read as 0.
+    if PREFETCH:
+        next0 = _gemv_plane_words(p0_ptr, p0_stride, k_begin, k_end, cols, col_ok, P0_BITS, BLOCK_K)
+        next1 = next0
+        if NUM_PLANES == 2:
+            next1 = _gemv_plane_words(
+                p1_ptr, p1_stride, k_begin, k_end, cols, col_ok, P1_BITS, BLOCK_K
+            )
     for it in range(ITERS):
         r0 = k_begin + it * BLOCK_K
+        if PREFETCH:
+            # Registers as a two-stage pipeline: this chunk's words were loaded last
+            # iteration; the next chunk's loads (masked off past k_end) fly meanwhile.
+            words0 = next0
+            next0 = _gemv_plane_words(
+                p0_ptr, p0_stride, r0 + BLOCK_K, k_end, cols, col_ok, P0_BITS, BLOCK_K
+            )
+        else:
+            words0 = _gemv_plane_words(p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K)
         a0, a1, a2, a3 = _gemv_plane(
-            p0_ptr,
-            p0_stride,
+            words0,
             x_ptr,
             stride_xm,
             x_row_offset,
@@ -417,9 +461,17 @@ def _gemv_kernel(
             BLOCK_K,
         )
         if NUM_PLANES == 2:
+            if PREFETCH:
+                words1 = next1
+                next1 = _gemv_plane_words(
+                    p1_ptr, p1_stride, r0 + BLOCK_K, k_end, cols, col_ok, P1_BITS, BLOCK_K
+                )
+            else:
+                words1 = _gemv_plane_words(
+                    p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K
+                )
             b0, b1, b2, b3 = _gemv_plane(
-                p1_ptr,
-                p1_stride,
+                words1,
                 x_ptr,
                 stride_xm,
                 x_row_offset,
@@ -880,12 +932,17 @@ def _split(
     return min(max_iters, _pow2_floor(triton.cdiv(triton.cdiv(rows, splits), block_k)))
 
 
-def _gemv_block_n(M: int, n: int, grouped: bool) -> int:
-    """BLOCK_N of the GEMV: _GEMV_COLS_PER_THREAD[M] columns on every lane of every warp
-    (2 on the per-row scale path, whose gathered scales fill the registers), or less for a
-    narrow n."""
-    cols_per_thread = _GEMV_COLS_PER_THREAD[M] if grouped else 2
-    return min(cols_per_thread * 32 * _GEMV_NUM_WARPS, max(128, triton.next_power_of_2(n)))
+def _gemv_config(M: int, k: int, n: int) -> GemvConfig:
+    """The GEMV's launch settings for x [M, k] @ W [k, n]."""
+    return _GEMV_CONFIG
+
+
+def _gemv_block_n(M: int, n: int, grouped: bool, config: GemvConfig) -> int:
+    """BLOCK_N of the GEMV: config.cols_per_thread[M - 1] columns on every lane of every
+    warp (2 on the per-row scale path, whose gathered scales fill the registers), or less
+    for a narrow n."""
+    cols_per_thread = config.cols_per_thread[M - 1] if grouped else 2
+    return min(cols_per_thread * 32 * config.num_warps, max(128, triton.next_power_of_2(n)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -899,22 +956,27 @@ class GemvTiling:
     iters: int
     grouped: bool
     arrivals: int
+    num_warps: int
+    prefetch: bool
 
 
 def _gemv_tiling(x2d: torch.Tensor, qw: QuantizedWeight) -> GemvTiling:
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
+    config = _gemv_config(M, k, n)
     block_k = _GEMV_BLOCK_K
     grouped = _chunks_in_groups(qw, block_k)
-    block_n = _gemv_block_n(M, n, grouped)
+    block_n = _gemv_block_n(M, n, grouped, config)
     n_tiles = triton.cdiv(n, block_n)
-    iters = _split(k, n_tiles, block_k, _GEMV_PROGRAMS_PER_SM, _GEMV_MAX_ITERS, x2d.device)
+    iters = _split(k, n_tiles, block_k, config.programs_per_sm, config.max_iters, x2d.device)
     rows_per_split = iters * block_k
     arrivals = sum(
         triton.cdiv(s.row_end - s.row_start, rows_per_split)
         for s in qw.segments
         if s.row_end > s.row_start
     )
-    return GemvTiling(block_k, block_n, n_tiles, iters, grouped, arrivals)
+    return GemvTiling(
+        block_k, block_n, n_tiles, iters, grouped, arrivals, config.num_warps, config.prefetch
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1020,7 +1082,8 @@ def _launch_gemv(
             ITERS=iters,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
-            num_warps=_GEMV_NUM_WARPS,
+            PREFETCH=t.prefetch,
+            num_warps=t.num_warps,
         )
         first = False
 

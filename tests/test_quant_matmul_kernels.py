@@ -214,18 +214,29 @@ def test_group_layouts(
     _check(qw, M, torch.float16, device, path)
 
 
-@pytest.mark.parametrize("path,M", [("gemv", 2), ("dot", 17)])
+@pytest.mark.parametrize(
+    "path,M,prefetch",
+    [("gemv", 2, False), ("gemv", 1, True), ("gemv", 2, True), ("dot", 17, False)],
+)
 def test_several_column_tiles_and_chunks_per_program(
-    device: str, path: str, M: int, monkeypatch: pytest.MonkeyPatch
+    device: str, path: str, M: int, prefetch: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # One program per SM wanted: each split-K slice walks several chunks. Two columns per
-    # thread: n = 200 spans two column tiles (128 + a partial one) on both paths.
+    # One program per SM wanted: each split-K slice walks several chunks (with the next
+    # chunk's words prefetched or not; 6 bits are two planes, and the 8 chunks of a slice
+    # end where the segment does). Two columns per thread: n = 200 spans two column tiles
+    # (128 + a partial one) on both paths.
     _require_triton(device)
-    monkeypatch.setattr(qmt, "_GEMV_PROGRAMS_PER_SM", 1)
+    config = qmt.GemvConfig(
+        num_warps=2, cols_per_thread=(2, 2, 2, 2), programs_per_sm=1, max_iters=8,
+        prefetch=prefetch,
+    )  # fmt: skip
+    monkeypatch.setattr(qmt, "_GEMV_CONFIG", config)
     monkeypatch.setattr(qmt, "_DOT_PROGRAMS_PER_SM", 1)
     monkeypatch.setattr(qmt, "_sm_count", lambda device: 1)
-    monkeypatch.setattr(qmt, "_GEMV_COLS_PER_THREAD", dict.fromkeys(range(1, 5), 2))
     qw = make_weight(256, 200, [6], device=device)
+    if path == "gemv":
+        x = torch.zeros(M, 256, dtype=torch.float16, device=device)
+        assert qmt._gemv_tiling(x, qw).iters == 8
     assert qmt._split(256, 2, 32, 1, 8, torch.device(device)) == 8  # chunks per program
     _check(qw, M, torch.float16, device, path)
 

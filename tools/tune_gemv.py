@@ -1,17 +1,22 @@
-"""Sweep the batch-1 GEMV's tuning constants on a GPU, per linear shape of a real model.
+"""Sweep the batch-1 GEMV's launch settings on a GPU, per linear shape of a real model.
 
     python tools/tune_gemv.py --shape llama3-8b --format gptq --out DIR
 
-Loads tools/bench.py's random-weight model, takes one linear of each distinct shape and
-times `_launch_gemv` alone (one launch per segment into a preallocated fp16 output,
-replayed in a CUDA graph of 50 calls) for every combination of warps per program,
-columns per thread, programs per SM and chunks per program. Prints the best settings per
-shape with the fraction of the measured read bandwidth, and writes tune.json.
+Loads tools/bench.py's random-weight model and, for every linear shape, times
+`_launch_gemv` over *every* linear of that shape in turn (one launch per segment into a
+preallocated fp16 output, the whole round replayed in a CUDA graph), for every combination
+of warps per program, columns per thread, programs per SM, chunks per program and
+prefetch. Cycling through all layers' weights (32 x 9 MB for the 8B model's o_proj) keeps
+them out of the 50-60 MB L2, as in a real decode step: timing one weight over and over
+measures L2, not HBM, for the small shapes. Prints the best settings per shape with the
+fraction of the measured read bandwidth and the best single setting over the whole model,
+and writes tune.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -24,13 +29,30 @@ sys.path.insert(0, str(ROOT))
 
 import kernels.quant_matmul_triton as qmt  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
+from engine.quantized_linear import QuantizedLinear  # noqa: E402
 from tools.bench import build_model  # noqa: E402
-from tools.profile_decode import _graph_time, _read_bandwidth, distinct_linears  # noqa: E402
+from tools.profile_decode import _graph_time, _read_bandwidth  # noqa: E402
 
 WARPS = (2, 4, 8)
 COLS = (4, 8, 16)
 PROGRAMS_PER_SM = (2, 4, 8, 16)
-MAX_ITERS = (4, 8, 16)
+MAX_ITERS = (2, 4, 8)
+PREFETCH = (False, True)
+
+
+def _linears_by_shape(model: torch.nn.Module) -> dict[tuple[int, int], list[QuantizedLinear]]:
+    shapes: dict[tuple[int, int], list[QuantizedLinear]] = {}
+    for mod in model.modules():
+        if isinstance(mod, QuantizedLinear):
+            shapes.setdefault((mod.in_features, mod.out_features), []).append(mod)
+    return shapes
+
+
+def _key(config: qmt.GemvConfig) -> str:
+    return (
+        f"w{config.num_warps} c{config.cols_per_thread[0]} p{config.programs_per_sm} "
+        f"i{config.max_iters}{' pf' if config.prefetch else ''}"
+    )
 
 
 def main() -> int:
@@ -45,73 +67,76 @@ def main() -> int:
     path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
     engine = Engine.load(path, EngineOptions(device="cuda", dtype="float16", max_seq_len=256))
     bandwidth = _read_bandwidth()
+    default = qmt._GEMV_CONFIG
+    configs = [
+        qmt.GemvConfig(warps, (cols, cols, 4, 4), pps, iters, prefetch)
+        for warps, cols, pps, iters, prefetch in itertools.product(
+            WARPS, COLS, PROGRAMS_PER_SM, MAX_ITERS, PREFETCH
+        )
+    ]
+    if default not in configs:
+        configs.append(default)
 
-    shapes, counts = distinct_linears(engine.model)
-    defaults = (
-        qmt._GEMV_NUM_WARPS,
-        dict(qmt._GEMV_COLS_PER_THREAD),
-        qmt._GEMV_PROGRAMS_PER_SM,
-        qmt._GEMV_MAX_ITERS,
-    )
     results = []
-    for (k, n), mod in shapes.items():
-        qw = mod.qweight
-        nbytes = mod.storage_bits // 8
+    for (k, n), mods in _linears_by_shape(engine.model).items():
+        nbytes = mods[0].storage_bits // 8
         x = torch.randn(1, k, device="cuda", dtype=torch.float16)
-        out32 = torch.empty(1, n, device="cuda", dtype=torch.float16)
+        y = torch.empty(1, n, device="cuda", dtype=torch.float16)
+
+        def round_of_calls(mods=mods, x=x, y=y) -> None:
+            for mod in mods:
+                qmt._launch_gemv(x, mod.qweight, y)
+
         rows = []
-        for warps, cols, pps, iters in itertools.product(WARPS, COLS, PROGRAMS_PER_SM, MAX_ITERS):
-            qmt._GEMV_NUM_WARPS = warps
-            qmt._GEMV_COLS_PER_THREAD[1] = cols
-            qmt._GEMV_PROGRAMS_PER_SM = pps
-            qmt._GEMV_MAX_ITERS = iters
+        for config in configs:
+            qmt._GEMV_CONFIG = config
             try:
-                secs = _graph_time(lambda qw=qw, x=x, o=out32: qmt._launch_gemv(x, qw, o))
+                secs = _graph_time(round_of_calls, calls=4, reps=5) / len(mods)
             except Exception as e:  # a configuration that does not compile (registers)
-                print(f"  {k}x{n} w{warps} c{cols} p{pps} i{iters}: {type(e).__name__}")
+                print(f"  {k}x{n} {_key(config)}: {type(e).__name__}")
                 continue
+            finally:
+                qmt._GEMV_CONFIG = default
             rows.append(
                 {
-                    "warps": warps,
-                    "cols": cols,
-                    "programs_per_sm": pps,
-                    "max_iters": iters,
+                    "config": dataclasses.asdict(config),
+                    "key": _key(config),
                     "us": secs * 1e6,
                     "fraction_of_bw": nbytes / secs / bandwidth,
                 }
             )
-        qmt._GEMV_NUM_WARPS = defaults[0]
-        qmt._GEMV_COLS_PER_THREAD.update(defaults[1])
-        qmt._GEMV_PROGRAMS_PER_SM, qmt._GEMV_MAX_ITERS = defaults[2], defaults[3]
-        default_row = next(
-            r
-            for r in rows
-            if (r["warps"], r["cols"], r["programs_per_sm"], r["max_iters"])
-            == (defaults[0], defaults[1][1], defaults[2], defaults[3])
-        )
+        default_row = next(r for r in rows if r["key"] == _key(default))
         results.append(
-            {"k": k, "n": n, "count": counts[(k, n)], "bytes": nbytes, "default": default_row,
+            {"k": k, "n": n, "count": len(mods), "bytes": nbytes, "default": default_row,
              "all": list(rows)}
         )  # fmt: skip
         rows.sort(key=lambda r: r["us"])
-        print(f"{k}x{n} ({nbytes / 1e6:.1f} MB): default {default_row['us']:.2f} us "
+        print(f"{k}x{n} x{len(mods)} ({nbytes / 1e6:.1f} MB): default {default_row['us']:.2f} us "
               f"({default_row['fraction_of_bw']:.2f} of bw)")  # fmt: skip
-        for r in rows[:5]:
-            print(f"    {r['us']:7.2f} us {r['fraction_of_bw']:.2f}  w{r['warps']} c{r['cols']} "
-                  f"p{r['programs_per_sm']} i{r['max_iters']}")  # fmt: skip
-    # One setting for all shapes: the least time over every linear of the model.
-    totals: dict[tuple, float] = {}
+        for r in rows[:6]:
+            print(f"    {r['us']:7.2f} us {r['fraction_of_bw']:.2f}  {r['key']}")
+    # One setting for all shapes: the least time over every linear of the model; and the
+    # sum of each shape's best (what per-shape settings could give).
+    totals: dict[str, float] = {}
     for shape in results:
         for r in shape["all"]:
-            key = (r["warps"], r["cols"], r["programs_per_sm"], r["max_iters"])
-            totals[key] = totals.get(key, 0.0) + r["us"] * shape["count"]
-    default_total = totals.get((defaults[0], defaults[1][1], defaults[2], defaults[3]))
-    print(f"all linears, default: {default_total:.0f} us per token")
-    for key, us in sorted(totals.items(), key=lambda kv: kv[1])[:5]:
-        print(f"    {us:7.0f} us  w{key[0]} c{key[1]} p{key[2]} i{key[3]}")
+            totals[r["key"]] = totals.get(r["key"], 0.0) + r["us"] * shape["count"]
+    per_shape_best = sum(min(r["us"] for r in s["all"]) * s["count"] for s in results)
+    print(f"all linears, default {_key(default)}: {totals[_key(default)]:.0f} us per token")
+    print(f"all linears, each shape's best: {per_shape_best:.0f} us per token")
+    for key, us in sorted(totals.items(), key=lambda kv: kv[1])[:8]:
+        print(f"    {us:7.0f} us  {key}")
     (out / "tune.json").write_text(
         json.dumps(
-            {"gpu": torch.cuda.get_device_name(), "format": args.format, "shapes": results},
+            {
+                "gpu": torch.cuda.get_device_name(),
+                "format": args.format,
+                "read_bandwidth_gb_s": bandwidth / 1e9,
+                "default_total_us": totals[_key(default)],
+                "per_shape_best_total_us": per_shape_best,
+                "totals_us": dict(sorted(totals.items(), key=lambda kv: kv[1])),
+                "shapes": results,
+            },
             indent=1,
         )
     )
