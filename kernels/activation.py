@@ -32,6 +32,9 @@ from kernels.backend import (
     cast_rtne,
     device_guard,
     is_interpreted,
+    pdl_launch_dependents,
+    pdl_wait,
+    programmatic_launch,
     resolve_backend,
 )
 
@@ -73,7 +76,11 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
+    # Everything this kernel reads comes from earlier kernels: wait before any load.
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     # Grid: (rows, column blocks). int64 row offsets: rows * stride passes 2**31 in prefill.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -110,6 +117,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate2d, up2d = _rows(gate), _rows(up)
     out2d = out.view(-1, gate.shape[-1])
     n_rows, n_cols = gate2d.shape
+    pdl = programmatic_launch(gate)
     with device_guard(gate):
         _silu_mul_kernel[(n_rows, triton.cdiv(n_cols, _BLOCK))](
             gate2d,
@@ -126,6 +134,8 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             # The float32 path has nothing to contract, but a fused multiply-add anywhere
             # would break the bit-for-bit match with torch's separately rounded ops.
             enable_fp_fusion=False,
+            USE_PDL=pdl,
+            launch_pdl=pdl,
         )
     return out
 

@@ -32,7 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import cast_rtne, device_guard, is_interpreted
+from kernels.backend import (
+    cast_rtne,
+    device_guard,
+    is_interpreted,
+    pdl_launch_dependents,
+    pdl_wait,
+    programmatic_launch,
+)
 from kernels.kv_quant import KIND_CODES, NATIVE, KVFormat
 
 LOG2E = 1.4426950408889634
@@ -236,7 +243,11 @@ def _decode_kernel(
     V_KIND: tl.constexpr,
     V_CODE_BYTES: tl.constexpr,
     V_GROUP: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
+    # Everything this kernel reads comes from earlier kernels: wait before any load.
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -367,7 +378,11 @@ def _merge_splits_kernel(
     CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
+    # Everything this kernel reads comes from earlier kernels: wait before any load.
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     # Grid (B, Hq): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max).
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -505,6 +520,7 @@ def decode_attention(
     else:
         part_out = part_lse = out  # unused
     score_scale, softcap_log2 = score_constants(scale, softcap)
+    pdl = programmatic_launch(q)
     with device_guard(q):
         _decode_kernel[(batch, num_kv_heads, num_splits)](
             q,
@@ -551,6 +567,8 @@ def decode_attention(
             **storage,
             num_warps=num_warps,
             num_stages=2,
+            USE_PDL=pdl,
+            launch_pdl=pdl,
         )
         if split:
             _merge_splits_kernel[(batch, num_q_heads)](
@@ -572,6 +590,8 @@ def decode_attention(
                 BLOCK_D=block_d,
                 EMULATE_BF16=INTERPRETED,
                 num_warps=1 if block_d <= 128 else 2,
+                USE_PDL=pdl,
+                launch_pdl=pdl,
             )
     return out
 

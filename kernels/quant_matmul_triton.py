@@ -71,6 +71,9 @@ from kernels.backend import (
     cast_rtne,
     device_guard,
     is_interpreted,
+    pdl_launch_dependents,
+    pdl_wait,
+    programmatic_launch,
     resolve_backend,
 )
 from kernels.quant_matmul import QuantizedWeight, Segment, quant_matmul_reference
@@ -113,8 +116,14 @@ class GemvConfig:
     prefetch: bool = False
 
 
-# Measured with tools/tune_gemv.py on an H200 (8B shapes, every layer's weight in turn).
-_GEMV_CONFIG = GemvConfig()
+# tools/tune_gemv.py on an H100 (8B GPTQ shapes, every layer's weight in turn): 4 warps,
+# 2 programs per SM was the best single setting (2030 us of GEMV per token against 2058 for
+# the earlier 2 warps, 4 per SM). With programmatic dependent launch the prefetch lets the
+# first chunk's loads start before the previous kernel has finished: decode graph replay
+# 2.76 -> 2.51 ms per token (.devdata A/B, H100, 2026-11-25; greedy tokens identical).
+_GEMV_CONFIG = GemvConfig(
+    num_warps=4, cols_per_thread=(8, 8, 4, 4), programs_per_sm=2, max_iters=4, prefetch=True
+)
 # Tensor-core tile of the mid-M path.
 _DOT_BLOCK_N = 128
 _DOT_MAX_BLOCK_M = 64
@@ -398,7 +407,9 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # a multiple of 32
     PREFETCH: tl.constexpr,  # load chunk it + 1's words before working on chunk it
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
+    pdl_launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     # The hint keeps every [.., N] load at 4 elements per thread: the int32 words (16 bytes),
@@ -428,6 +439,9 @@ def _gemv_kernel(
             next1 = _gemv_plane_words(
                 p1_ptr, p1_stride, k_begin, k_end, cols, col_ok, P1_BITS, BLOCK_K
             )
+    # Weights are never written by a kernel: their first loads above may fly while the
+    # previous kernel finishes; x and the workspace only after it has.
+    pdl_wait(USE_PDL)
     for it in range(ITERS):
         r0 = k_begin + it * BLOCK_K
         if PREFETCH:
@@ -1047,6 +1061,7 @@ def _launch_gemv(
     segments = [s for s in qw.segments if s.row_end > s.row_start]
     arrivals = t.arrivals + extra_arrivals
     out32, counters = _workspace(x2d.device, M * n, n_tiles)
+    pdl = programmatic_launch(x2d)
     first = True
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start
@@ -1083,7 +1098,9 @@ def _launch_gemv(
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             PREFETCH=t.prefetch,
+            USE_PDL=pdl,
             num_warps=t.num_warps,
+            launch_pdl=pdl,
         )
         first = False
 

@@ -31,6 +31,9 @@ from kernels.backend import (
     cast_rtne,
     device_guard,
     is_interpreted,
+    pdl_launch_dependents,
+    pdl_wait,
+    programmatic_launch,
     resolve_backend,
 )
 
@@ -89,7 +92,11 @@ def _rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     N_BLOCKS: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
+    # Everything this kernel reads comes from earlier kernels: wait before any load.
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     # One program per row. int64 row offsets: rows * stride passes 2**31 in long prefills.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
@@ -183,6 +190,7 @@ def _launch(
     # Without a residual the kernel never touches those pointers; pass x and out again.
     residual2d = residual2d if residual2d is not None else x2d
     residual_out2d = residual_out2d if residual_out2d is not None else out2d
+    pdl = programmatic_launch(x2d)
     with device_guard(x2d):
         _rms_norm_kernel[(x2d.shape[0],)](
             x2d,
@@ -203,6 +211,8 @@ def _launch(
             N_BLOCKS=triton.cdiv(D, block_d),
             EMULATE_BF16=_INTERPRETED,
             num_warps=_num_warps(block_d),
+            USE_PDL=pdl,
+            launch_pdl=pdl,
         )
 
 

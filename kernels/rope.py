@@ -41,6 +41,9 @@ from kernels.backend import (
     cast_rtne,
     device_guard,
     is_interpreted,
+    pdl_launch_dependents,
+    pdl_wait,
+    programmatic_launch,
     resolve_backend,
 )
 
@@ -451,7 +454,11 @@ def _rope_write_kernel(
     BLOCK_PASS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
+    # Everything this kernel reads comes from earlier kernels: wait before any load.
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     # Grid: (T, q head blocks + k head blocks). A k block's program also copies the v heads
     # of the same block, so v adds no programs. The rotation is `_rope_kernel`'s, so q and k
     # equal apply_rope's bit for bit.
@@ -550,6 +557,7 @@ def apply_rope_write_triton(
         max(1, _TILE_ELEMENTS // block_half),
     )
     grid = (T, triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h))
+    pdl = programmatic_launch(q)
     with device_guard(q):
         _rope_write_kernel[grid](
             q,
@@ -587,6 +595,8 @@ def apply_rope_write_triton(
             EMULATE_BF16=_INTERPRETED,
             num_warps=4,
             enable_fp_fusion=False,  # as in apply_rope_triton: the reference's roundings
+            USE_PDL=pdl,
+            launch_pdl=pdl,
         )
     return q_out
 

@@ -1,39 +1,58 @@
-"""Speed benchmark on a GPU: Kestrel against exllamav2 on the same random-weight model.
+"""Speed benchmark on a GPU: Kestrel, exllamav2 and transformers FP16 on the same
+random-weight model, with the memory-bandwidth roofline (DESIGN.md, "Benchmarks").
 
-    python tools/bench.py --shape llama3-8b --format gptq --prompts 512 2048 \
-        --json bench/results/run.json
+    python tools/bench.py --shape llama3-8b --format gptq --prompts 512 2048 8192 \
+        --engines kestrel exllamav2 transformers --concurrency 1 8 32 64 \
+        --json bench/results/run.json            # also writes bench/results/run.png
     python tools/bench.py --shape llama3-8b --prompts 8192 --engines kestrel \
         --cache-types fp16 fp8 q8 q6 q4 --json bench/results/kv_cache_types.json
 
 Builds a random-weight model of a real shape directly in the quantized format (random
 codes, realistic scales: speed does not depend on values), writes it once to --work so
-both engines load the same files, then measures for each engine:
+every engine loads the same files, measures the device's read bandwidth once, then for
+each engine and prompt length P:
   - batch-1 decode tok/s: prompt of P tokens, 128 new tokens, greedy, median of 5 runs
     after 2 warm-ups (exllamav2 additionally gets 210 warm-up calls first: it starts CUDA
-    graphs only after 205 identical calls);
+    graphs only after 205 identical calls; transformers, at a few dozen tok/s, gets median
+    of 3 after 1 warm-up);
   - prefill tok/s of the P-token prompt;
-  - VRAM allocated after load.
+  - VRAM allocated after load, and the load time;
+  - bytes read per decoded token, the roofline (read bandwidth / those bytes) and the
+    fraction of it that decode reaches (see `result_bytes_per_token` for what is counted).
+Engines (--engines): kestrel; exllamav2 (needs its wheel); transformers: HF
+LlamaForCausalLM in FP16 whose linears are Kestrel's dequantized weights of the same files
+(see `build_transformers_model`), skipped with an error entry if it does not fit the GPU.
 --cache-types repeats the Kestrel run per KV cache storage type (decode at long contexts is
-where the cache's bytes show).
-The GPU name and torch/Triton versions are printed and stored with the numbers. The full
-benchmark of DESIGN.md (concurrency, roofline, plots, transformers) grows from this file.
+where the cache's bytes show). --concurrency N... measures Kestrel's aggregate tok/s with N
+concurrent jobs through the scheduler; DESIGN.md asks for 1 8 32 64 (given without values
+it measures nothing).
+Writes --json (the GPU name, torch/Triton versions, model shape, bandwidth, every result and
+the Kestrel / exllamav2 ratios per prompt) and a PNG plot (--plot, default the --json path
+with .png; needs matplotlib): decode tok/s against context with the rooflines dashed, and
+aggregate tok/s against concurrency. Figures from different runs or machines are not
+compared.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import inspect
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from engine.cache import Sequence  # noqa: E402
+from engine.cache import Sequence, cache_bytes_per_token  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
 from engine.quant.bitpack import pack_along_columns, pack_bitstream  # noqa: E402
 from engine.quant.exl2_writer import pack_exl2  # noqa: E402
@@ -53,6 +72,9 @@ SHAPES = {
     ),
 }  # fmt: skip
 NEW_TOKENS = 128
+ENGINES = ("kestrel", "exllamav2", "transformers")
+DESIGN_CONCURRENCY = (1, 8, 32, 64)  # the levels DESIGN.md's benchmark reports
+EMBED = "model.embed_tokens.weight"
 
 
 def _linears(shape: dict) -> list[tuple[str, int, int]]:
@@ -73,9 +95,14 @@ def _linears(shape: dict) -> list[tuple[str, int, int]]:
 
 
 def _random_quantized(
-    fmt: str, k: int, n: int, head: bool, gen: torch.Generator, perm: torch.Tensor | None = None
+    fmt: str,
+    k: int,
+    n: int,
+    head: bool,
+    gen: torch.Generator,
+    perm: torch.Tensor | None = None,
+    dev: str = "cuda",
 ) -> dict:
-    dev = "cuda"
     if fmt == "gptq":
         codes = torch.randint(0, 16, (k, n), device=dev, generator=gen, dtype=torch.int32)
         groups = k // 128
@@ -103,9 +130,10 @@ def _random_quantized(
     )
 
 
-def build_model(path: Path, shape_name: str, fmt: str) -> Path:
+def build_model(path: Path, shape_name: str, fmt: str, device: str = "cuda") -> Path:
     """Write a random-weight model of `shape_name` in `fmt` (gptq: 4-bit g128; exl2: 4-bit
-    with a 6-bit head) with a word-level tokenizer; skipped if already there."""
+    with a 6-bit head) with a word-level tokenizer; skipped if already there. `device` is
+    where the codes are drawn and packed (the CPU serves tests with a tiny shape)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models
 
@@ -113,7 +141,7 @@ def build_model(path: Path, shape_name: str, fmt: str) -> Path:
         return path
     shape = SHAPES[shape_name]
     path.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     tensors: dict[str, torch.Tensor] = {}
     shard, shard_bytes, index = 0, 0, {}
 
@@ -121,13 +149,17 @@ def build_model(path: Path, shape_name: str, fmt: str) -> Path:
         nonlocal shard, shard_bytes, tensors
         if tensors:
             fname = f"model-{shard:05d}.safetensors"
-            save_file({k: v.cpu().contiguous() for k, v in tensors.items()}, path / fname)
+            # A copy each: on the CPU, linears that share a permutation hold one tensor,
+            # which safetensors refuses to save twice.
+            save_file(
+                {k: v.to("cpu", copy=True).contiguous() for k, v in tensors.items()}, path / fname
+            )
             index.update({k: fname for k in tensors})
             shard, shard_bytes, tensors = shard + 1, 0, {}
 
     h, vocab = shape["hidden_size"], shape["vocab_size"]
-    tensors["model.embed_tokens.weight"] = (torch.randn(vocab, h, device="cuda") * 0.02).half()
-    tensors["model.norm.weight"] = torch.ones(h, device="cuda", dtype=torch.float16)
+    tensors["model.embed_tokens.weight"] = (torch.randn(vocab, h, device=device) * 0.02).half()
+    tensors["model.norm.weight"] = torch.ones(h, device=device, dtype=torch.float16)
     for n in range(shape["num_hidden_layers"]):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             tensors[f"model.layers.{n}.{norm}.weight"] = torch.ones(h, dtype=torch.float16)
@@ -138,8 +170,8 @@ def build_model(path: Path, shape_name: str, fmt: str) -> Path:
         group = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
         group = group.replace("up_proj", "gate_proj")
         if group not in shared:
-            shared = {group: torch.randperm(k, device="cuda", generator=gen).to(torch.int32)}
-        quantized = _random_quantized(fmt, k, o, name == "lm_head", gen, shared[group])
+            shared = {group: torch.randperm(k, device=device, generator=gen).to(torch.int32)}
+        quantized = _random_quantized(fmt, k, o, name == "lm_head", gen, shared[group], device)
         for key, t in quantized.items():
             tensors[f"{name}.{key}"] = t
             shard_bytes += t.numel() * t.element_size()
@@ -165,7 +197,131 @@ def build_model(path: Path, shape_name: str, fmt: str) -> Path:
     return path
 
 
-def _median_runs(run, warmups: int = 2, runs: int = 5) -> float:
+# Arithmetic of the roofline and the comparisons: plain dicts in, numbers out, no GPU (so
+# tests/test_bench_tool.py checks it on the CPU).
+
+
+def _head_dim(shape: Mapping[str, Any]) -> int:
+    return shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+
+
+def llama_param_count(shape: Mapping[str, Any]) -> int:
+    """Parameters of a Llama model of `shape` (a SHAPES entry or a config.json dict), without
+    biases: embeddings, per layer q/k/v/o, gate/up/down and two norms, the final norm, and
+    the head unless tied to the embeddings."""
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    hd = _head_dim(shape)
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    per_layer = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
+    head = 0 if shape.get("tie_word_embeddings", False) else v * h
+    return v * h + shape["num_hidden_layers"] * per_layer + h + head
+
+
+def weight_bytes_per_token(tensor_bytes: Mapping[str, int], vocab_size: int) -> int:
+    """Weight bytes one batch-1 decode step reads, from the checkpoint's tensor sizes: every
+    tensor once (quantized codes, scales, zeros, permutations, norms: what the kernels load),
+    except the embedding table, of which a step reads one row. Without an `lm_head.*` tensor
+    the head is tied to the embeddings and reads the whole table. Kestrel and exllamav2 load
+    the same files, so they share this figure; their runtime layouts differ by a few small
+    index tensors (g_idx against row groups), well under 1% of the bytes."""
+    embed = tensor_bytes.get(EMBED, 0)
+    rest = sum(b for name, b in tensor_bytes.items() if name != EMBED)
+    tied = not any(name.startswith("lm_head.") for name in tensor_bytes)
+    return rest + (embed if tied else embed // vocab_size)
+
+
+def fp16_weight_bytes_per_token(shape: Mapping[str, Any]) -> int:
+    """The same for the model in FP16 (transformers): 2 bytes per parameter, one row of an
+    untied embedding table."""
+    params = llama_param_count(shape)
+    if not shape.get("tie_word_embeddings", False):
+        params -= (shape["vocab_size"] - 1) * shape["hidden_size"]
+    return 2 * params
+
+
+def kv_bytes_read(context: int, shape: Mapping[str, Any], cache_type: str = "fp16") -> int:
+    """K and V bytes a decode step reads at `context` tokens: every cached token's K and V
+    rows in every layer, in the engine's own layout (engine/cache.py). For fp16 that is
+    2 (K, V) * layers * kv_heads * head_dim * 2 bytes per token; the quantized types store
+    codes plus fp16 scales per row, padded to 16 bytes (what attention loads), e.g. at
+    head_dim 128: fp8 and q8 1.125, q6 0.875, q4 0.625 bytes per element. The context is
+    the prompt length: decode runs from P to P + NEW_TOKENS, whose mean adds 64 tokens
+    (8 MiB at 8B, fp16) to the >= 3.6 GB counted per step: a fraction of a percent."""
+    per_token = cache_bytes_per_token(
+        cache_type,
+        num_layers=shape["num_hidden_layers"],
+        num_kv_heads=shape["num_key_value_heads"],
+        head_dim=_head_dim(shape),
+        dtype=torch.float16,
+    )
+    return context * per_token
+
+
+def result_bytes_per_token(
+    result: Mapping[str, Any], shape: Mapping[str, Any], quantized_weight_bytes: int
+) -> int:
+    """Bytes a decode step of `result` (engine, prompt, cache_type) reads: its weights
+    (the quantized files for Kestrel and exllamav2, FP16 for transformers) and its KV cache
+    at the prompt's length (exllamav2 and transformers keep an fp16 cache)."""
+    if result["engine"] == "transformers":
+        weights = fp16_weight_bytes_per_token(shape)
+    else:
+        weights = quantized_weight_bytes
+    cache_type = result.get("cache_type", "fp16") if result["engine"] == "kestrel" else "fp16"
+    return weights + kv_bytes_read(result["prompt"], shape, cache_type)
+
+
+def roofline_fields(decode_tok_s: float, bytes_per_token: int, bandwidth: float) -> dict:
+    """Roofline of batch-1 decode, which must read `bytes_per_token` per step at best at the
+    measured read `bandwidth` (bytes/s), and the fraction of it that `decode_tok_s` reaches."""
+    roofline = bandwidth / bytes_per_token
+    return {
+        "bytes_per_token": bytes_per_token,
+        "roofline_tok_s": roofline,
+        "fraction_of_roofline": decode_tok_s / roofline,
+    }
+
+
+def _measured(result: Mapping[str, Any]) -> bool:
+    return "error" not in result and "decode_tok_s" in result
+
+
+def ratios_vs_exllamav2(results: list[dict]) -> list[dict]:
+    """Kestrel (fp16 KV cache, as exllamav2's) over exllamav2 at each prompt length both
+    measured: {"prompt", "decode", "prefill"}, in the order of the Kestrel results."""
+    exl2 = {r["prompt"]: r for r in results if r["engine"] == "exllamav2" and _measured(r)}
+    ratios = []
+    for r in results:
+        if r["engine"] != "kestrel" or r.get("cache_type", "fp16") != "fp16" or not _measured(r):
+            continue
+        other = exl2.get(r["prompt"])
+        if other is not None:
+            ratios.append(
+                {
+                    "prompt": r["prompt"],
+                    "decode": r["decode_tok_s"] / other["decode_tok_s"],
+                    "prefill": r["prefill_tok_s"] / other["prefill_tok_s"],
+                }
+            )
+    return ratios
+
+
+def model_tensor_bytes(path: Path) -> dict[str, int]:
+    """Bytes of every tensor in the model's safetensors files (read from the headers only)."""
+    from engine.weights import WeightStore
+
+    store = WeightStore(path)
+    sizes = {}
+    for name in store.names():
+        info = store.info(name)
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        sizes[name] = numel * info.dtype.itemsize
+    return sizes
+
+
+def _median_runs(run: Callable[[], float], warmups: int = 2, runs: int = 5) -> float:
     for _ in range(warmups):
         run()
     return statistics.median(run() for _ in range(runs))
@@ -325,15 +481,300 @@ def bench_exllamav2(path: Path, prompt_len: int) -> dict:
     return result
 
 
+def _model_shape(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
+
+
+def _dequantizer(device: torch.device, dtype: torch.dtype) -> Callable[[Any], torch.Tensor]:
+    """QuantizedWeight -> W [k, n] in `dtype`, original row order: the Triton kernel on a
+    GPU, the fp32 reference elsewhere (the same values, rounded once)."""
+    if device.type == "cuda":
+        from kernels.quant_matmul_triton import dequantize_triton
+
+        return lambda qw: dequantize_triton(qw, dtype=dtype)
+    from kernels.quant_matmul import dequantize_reference
+
+    return lambda qw: dequantize_reference(qw).to(dtype)
+
+
+def build_transformers_model(
+    path: Path, device: str = "cuda", dtype: torch.dtype = torch.float16
+) -> nn.Module:
+    """HF transformers LlamaForCausalLM of the model in `path`, in `dtype`, whose weights
+    are those Kestrel computes with: each quantized linear is read and repacked by Kestrel's
+    own loader (engine.quantized_linear.load_quantized_linear, the code Engine.load runs,
+    before any q/k/v or gate/up fusion, so HF's module names are the checkpoint's), then
+    dequantized to W [in, out] and stored transposed as HF's weight [out, in]; embeddings
+    and norms come from the safetensors files. The model is built on the meta device and
+    filled one linear at a time, so memory peaks at the dense model plus one linear."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.config import ModelConfig
+    from engine.quantized_linear import linear_format, load_quantized_linear
+    from engine.weights import WeightStore
+
+    dev = torch.device(device)
+    raw = _model_shape(path)
+    # Not a GPTQ model to transformers: it gets dense weights; transformers would otherwise
+    # want its own GPTQ backend for this config.
+    raw.pop("quantization_config", None)
+    config = LlamaConfig.from_dict(raw)
+    config._attn_implementation = "sdpa"
+    quant_config = ModelConfig.from_dir(path).quantization_config
+    dequantize = _dequantizer(dev, dtype)
+    store = WeightStore(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        out_features = module.out_features
+        bias = None
+        if linear_format(store, name) == "dense":
+            weight = store.get(f"{name}.weight", dtype=dtype, device=dev)
+            if f"{name}.bias" in store:
+                bias = store.get(f"{name}.bias", dtype=dtype, device=dev)
+        else:
+            linear = load_quantized_linear(
+                store,
+                name,
+                in_features=module.in_features,
+                out_features=out_features,
+                device=dev,
+                quantization_config=quant_config,
+            )
+            # EXL2 pads the output columns to a multiple of 32: keep the model's own.
+            weight = dequantize(linear.qweight)[:, :out_features].T.contiguous()
+            if linear.qweight.bias is not None:
+                bias = linear.qweight.bias[:out_features].to(dtype)
+            del linear
+        if tuple(weight.shape) != tuple(module.weight.shape):
+            raise ValueError(
+                f"{name}: weight {list(weight.shape)}, transformers expects "
+                f"{list(module.weight.shape)}"
+            )
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        if module.bias is not None:
+            if bias is None:
+                bias = torch.zeros(out_features, dtype=dtype, device=dev)
+            module.bias = nn.Parameter(bias, requires_grad=False)
+    # Embeddings and norms: every parameter still on the meta device.
+    for name, param in list(model.named_parameters()):
+        if param.device.type != "meta":
+            continue
+        tensor = store.get(name, dtype=dtype, device=dev, shape=tuple(param.shape))
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, nn.Parameter(tensor, requires_grad=False))
+    store.close()
+    # The rotary embedding's inverse frequencies are computed at construction, so they are
+    # meta tensors here: a fresh module, in float32 as transformers keeps them.
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=config).to(dev)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"transformers model left without weights: {', '.join(left[:5])}")
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+
+
+def bench_transformers(path: Path, prompt_len: int) -> dict:
+    """HF transformers FP16 on the same weights (build_transformers_model): batch-1 greedy
+    decode through its DynamicCache, prefill, VRAM. Median of 3 after 1 warm-up: it decodes
+    at a few dozen tok/s at 8B."""
+    shape = _model_shape(path)
+    gc.collect()
+    torch.cuda.empty_cache()  # memory the previous engine left in torch's pool counts as free
+    need = 2 * llama_param_count(shape)
+    free = torch.cuda.mem_get_info()[0]
+    if need > 0.9 * free:
+        return {
+            "error": f"the FP16 model needs {need / 2**30:.1f} GiB of GPU memory, more than "
+            f"90% of the {free / 2**30:.1f} GiB free"
+        }
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    model = build_transformers_model(path, "cuda", torch.float16)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    vram = (torch.cuda.memory_allocated() - base) / 2**30
+    prompt = torch.randint(2, shape["vocab_size"], (1, prompt_len), device="cuda")
+    try:
+        decode, prefill = _transformers_speeds(model, prompt)
+    finally:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"decode_tok_s": decode, "prefill_tok_s": prefill, "vram_gib": vram, "load_s": load_s}
+
+
+def _transformers_speeds(model: nn.Module, prompt: torch.Tensor) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s) of a transformers model after `prompt` [1, P]."""
+    prompt_len = prompt.shape[1]
+    # transformers 5.x renames `past_key_values` to `cache` (argument and output field),
+    # deprecating the old name: use whichever this version's forward takes.
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    # No-op on the CPU, where tests run this loop on a tiny model.
+    sync = torch.cuda.synchronize if prompt.is_cuda else lambda: None
+
+    def prefill() -> float:
+        sync()
+        t = time.perf_counter()
+        # Logits of the last position only, as the other engines compute for a prompt.
+        model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        sync()
+        return prompt_len / (time.perf_counter() - t)
+
+    def decode() -> float:
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1:].argmax(-1)
+        sync()
+        t = time.perf_counter()
+        for _ in range(NEW_TOKENS):
+            out = model(input_ids=token, use_cache=True, **{arg: getattr(out, arg)})
+            token = out.logits[:, -1:].argmax(-1)
+            int(token)  # to the host every step, as Kestrel's and exllamav2's loops do
+        return NEW_TOKENS / (time.perf_counter() - t)
+
+    with torch.inference_mode():
+        return _median_runs(decode, warmups=1, runs=3), _median_runs(prefill, warmups=1, runs=3)
+
+
+def _series_label(result: Mapping[str, Any]) -> str:
+    if result["engine"] == "kestrel":
+        return f"kestrel ({result.get('cache_type', 'fp16')} cache)"
+    if result["engine"] == "transformers":
+        return "transformers FP16"
+    return result["engine"]
+
+
+def plot_results(info: Mapping[str, Any], path: Path) -> bool:
+    """PNG of `info` (main's JSON): decode tok/s against context per engine (and Kestrel
+    cache type) with each one's roofline dashed; aggregate tok/s against concurrency.
+    Returns False, with a warning, when matplotlib is missing."""
+    try:  # optional: only the plot needs it
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print("warning: matplotlib is not installed, no plot written", file=sys.stderr)
+        return False
+    # A Figure on the Agg canvas: no pyplot, so no display or global backend is touched.
+    fig = Figure(figsize=(13, 5.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    series: dict[str, list[Mapping[str, Any]]] = {}
+    for r in info.get("results", []):
+        if _measured(r):
+            series.setdefault(_series_label(r), []).append(r)
+    prompts = sorted({r["prompt"] for rs in series.values() for r in rs})
+    for i, (label, rs) in enumerate(series.items()):
+        rs = sorted(rs, key=lambda r: r["prompt"])
+        x = [r["prompt"] for r in rs]
+        color = f"C{i % 10}"
+        left.plot(x, [r["decode_tok_s"] for r in rs], marker="o", color=color, label=label)
+        if all("roofline_tok_s" in r for r in rs):
+            # "_" markers keep a single-prompt roofline visible (a lone point draws no line).
+            left.plot(
+                x,
+                [r["roofline_tok_s"] for r in rs],
+                linestyle="--",
+                marker="_",
+                markersize=14,
+                color=color,
+                label=f"{label} roofline",
+            )
+    if prompts:
+        left.set_xscale("log", base=2)
+        left.set_xticks(prompts, [str(p) for p in prompts])
+        left.legend(fontsize="small")
+    left.set_xlabel("context: prompt tokens")
+    left.set_ylabel(f"decode tok/s (batch 1, {info.get('new_tokens', NEW_TOKENS)} new tokens)")
+    left.set_ylim(bottom=0)
+    left.grid(alpha=0.3)
+    levels = [c for c in info.get("concurrency", []) if "aggregate_tok_s" in c]
+    if levels:
+        x = [c["concurrency"] for c in levels]
+        right.plot(x, [c["aggregate_tok_s"] for c in levels], marker="o", label="kestrel")
+        right.set_xscale("log", base=2)
+        right.set_xticks(x, [str(n) for n in x])
+        right.legend(fontsize="small")
+    else:
+        right.text(0.5, 0.5, "concurrency not measured", ha="center", va="center")
+    right.set_xlabel("concurrent jobs")
+    right.set_ylabel("aggregate tok/s")
+    right.set_ylim(bottom=0)
+    right.grid(alpha=0.3)
+    bandwidth = info.get("read_bandwidth_gb_s")
+    fig.suptitle(
+        f"{info.get('gpu', '?')}: {info.get('shape', '?')} {info.get('format', '?')}"
+        + (f", read bandwidth {bandwidth:.0f} GB/s" if bandwidth else "")
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def summary_lines(info: Mapping[str, Any]) -> list[str]:
+    """The final table: one line per result, with roofline fraction and, for engines other
+    than exllamav2, the ratio to exllamav2 at the same prompt."""
+    lines = [
+        f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}, "
+        f"{info['shape']} {info['format']}"
+        + (
+            f", read bandwidth {info['read_bandwidth_gb_s']:.0f} GB/s"
+            if info.get("read_bandwidth_gb_s")
+            else ""
+        )
+    ]
+    exl2 = {r["prompt"]: r for r in info["results"] if r["engine"] == "exllamav2" and _measured(r)}
+    for r in info["results"]:
+        row = f"{r['engine']:12s} P={r['prompt']:5d} {r['cache_type']:4s}  "
+        if not _measured(r):
+            lines.append(row + r.get("error", "no result"))
+            continue
+        row += (
+            f"decode {r['decode_tok_s']:7.1f} tok/s  prefill {r['prefill_tok_s']:8.0f} tok/s  "
+            f"VRAM {r['vram_gib']:5.2f} GiB  load {r['load_s']:5.1f} s"
+        )
+        if "fraction_of_roofline" in r:
+            row += f"  roofline {r['roofline_tok_s']:6.0f} ({r['fraction_of_roofline']:.0%})"
+        other = exl2.get(r["prompt"])
+        if other is not None and r["engine"] != "exllamav2":
+            row += (
+                f"  vs exllamav2: decode {r['decode_tok_s'] / other['decode_tok_s']:.2f}x"
+                f" prefill {r['prefill_tok_s'] / other['prefill_tok_s']:.2f}x"
+            )
+        lines.append(row)
+    for c in info.get("concurrency", []):
+        lines.append(
+            f"kestrel      {c['concurrency']:3d} jobs  aggregate {c['aggregate_tok_s']:8.0f} tok/s"
+        )
+    return lines
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
     parser.add_argument("--format", default="gptq", choices=["gptq", "exl2"])
     parser.add_argument("--prompts", type=int, nargs="+", default=[512])
     parser.add_argument("--work", default="/tmp/kestrel-bench")
-    parser.add_argument("--engines", nargs="+", default=["kestrel", "exllamav2"])
-    parser.add_argument("--concurrency", type=int, nargs="*", default=[])
+    parser.add_argument(
+        "--engines", nargs="+", default=["kestrel", "exllamav2"], choices=list(ENGINES)
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="*",
+        default=[],
+        help="Kestrel aggregate tok/s at these numbers of concurrent jobs; DESIGN.md asks "
+        f"for {' '.join(map(str, DESIGN_CONCURRENCY))} (without values: not measured)",
+    )
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--plot", default=None, help="PNG plot path (default: the --json path with .png)"
+    )
     parser.add_argument(
         "--cache-types",
         nargs="+",
@@ -344,14 +785,30 @@ def main() -> int:
     import triton
 
     path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
+    shape = SHAPES[args.shape]
+    quantized_bytes = weight_bytes_per_token(model_tensor_bytes(path), shape["vocab_size"])
+    bandwidth = None
+    try:  # imported here: profile_decode imports this module (and needs a GPU to run)
+        from tools.profile_decode import _read_bandwidth
+
+        bandwidth = _read_bandwidth()
+    except Exception as e:  # the speeds are worth keeping without their roofline
+        print(f"warning: read bandwidth not measured, no roofline ({type(e).__name__}: {e})")
     info = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "shape": args.shape,
+        "model_shape": shape,
         "format": args.format,
         "new_tokens": NEW_TOKENS,
+        "read_bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None,
+        "quantized_weight_bytes_per_token": quantized_bytes,
         "results": [],
+    }
+    others: dict[str, Callable[[Path, int], dict]] = {
+        "exllamav2": bench_exllamav2,
+        "transformers": bench_transformers,
     }
     for prompt_len in args.prompts:
         runs = [
@@ -364,31 +821,29 @@ def main() -> int:
                 if name == "kestrel":
                     r = bench_kestrel(path, prompt_len, cache_type)
                 else:
-                    r = bench_exllamav2(path, prompt_len)
+                    r = others[name](path, prompt_len)
             except Exception as e:  # one engine failing must not lose the other's numbers
                 r = {"error": f"{type(e).__name__}: {e}"}
             r.update(engine=name, prompt=prompt_len, cache_type=cache_type)
+            if bandwidth and _measured(r):
+                bytes_per_token = result_bytes_per_token(r, shape, quantized_bytes)
+                r.update(roofline_fields(r["decode_tok_s"], bytes_per_token, bandwidth))
             info["results"].append(r)
             print(json.dumps(r), flush=True)
     if args.concurrency:
-        info["concurrency"] = bench_concurrency(path, args.concurrency)
-    print(f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}, "
-          f"{args.shape} {args.format}")  # fmt: skip
-    for r in info["results"]:
-        if "error" in r:
-            print(f"{r['engine']:10s} P={r['prompt']:5d} {r['cache_type']:4s}  {r['error']}")
-        else:
-            print(
-                f"{r['engine']:10s} P={r['prompt']:5d} {r['cache_type']:4s}  "
-                f"decode {r['decode_tok_s']:7.1f} tok/s  "
-                f"prefill {r['prefill_tok_s']:8.0f} tok/s  VRAM {r['vram_gib']:.2f} GiB  "
-                f"load {r['load_s']:.1f} s"
-            )
-    for r in info.get("concurrency", []):
-        print(f"kestrel    {r['concurrency']:3d} jobs  aggregate {r['aggregate_tok_s']:8.0f} tok/s")
+        try:
+            info["concurrency"] = bench_concurrency(path, args.concurrency)
+        except Exception as e:  # keep the per-engine numbers (and write them)
+            info["concurrency_error"] = f"{type(e).__name__}: {e}"
+            print(f"concurrency: {info['concurrency_error']}", flush=True)
+    info["ratios"] = ratios_vs_exllamav2(info["results"])
+    print("\n".join(summary_lines(info)))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(info, indent=1))
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot and plot_results(info, Path(plot)):
+        print(f"plot: {plot}")
     return 0
 
 
