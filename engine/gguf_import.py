@@ -132,8 +132,7 @@ def _check_gguf_layout(path: Path) -> None:
         reader = fast_gguf_reader_class()(str(path))
     except Exception as e:  # the reader raises struct, numpy and unicode errors alike
         raise GGUFImportError(
-            f"{path}: unreadable GGUF file, truncated or corrupt "
-            f"({type(e).__name__}: {e})"
+            f"{path}: unreadable GGUF file, truncated or corrupt ({type(e).__name__}: {e})"
         ) from None
     size = path.stat().st_size
     for tensor in reader.tensors:
