@@ -47,9 +47,11 @@ LOG2E = 1.4426950408889634
 # Groups at least this large use tl.dot with rows padded to 16; smaller ones (MHA, G=2) the
 # float32 broadcast product. Measure G=4/8 both ways on the GPU (`dot=` of decode_attention).
 DECODE_DOT_MIN_GROUP = 4
-# Fewest keys per split: below this the partial write and the merge cost more than the
-# parallelism gains.
-MIN_SPLIT_TOKENS = 256
+# Fewest keys per split in the plan: one key block. The kernel spreads the actual context
+# over the planned splits, so a split gets at least a block whenever there are keys for it;
+# at 512 keys the step's attention is then a handful of one-block programs, not two
+# programs walking four blocks each.
+MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 128
 # Programs aimed for, per SM: enough resident programs to hide the gather latency.
 PROGRAMS_PER_SM = 3
@@ -260,8 +262,15 @@ def _decode_kernel(
         lo = 0
         if WINDOW:
             lo = tl.maximum(ctx - window, 0)
-        start = lo + split * split_tokens
-        end = tl.minimum(start + split_tokens, ctx)
+        # The grid's splits share this sequence's actual keys: a step captured in a CUDA
+        # graph plans its splits for the longest context the graph serves, and a short
+        # context would otherwise fall into the first split or two (one program walking
+        # every block in turn while the others idle). split_tokens stays the most a split
+        # takes.
+        even = tl.cdiv(tl.cdiv(ctx - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        keys = tl.minimum(split_tokens, even)
+        start = lo + split * keys
+        end = tl.minimum(start + keys, ctx)
         if split == tl.num_programs(2) - 1:
             # The last split takes whatever is left, so an underestimated max_context_len
             # costs speed, never keys.

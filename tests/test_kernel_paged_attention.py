@@ -219,6 +219,21 @@ def test_page_sizes_and_context_bounds(device: str) -> None:
         _check(out, ref, dtype)
 
 
+def test_short_contexts_under_a_long_plan(device: str) -> None:
+    # A decode graph plans its splits for the longest context it serves; the kernel spreads
+    # each sequence's actual keys over those splits (one block each here, the rest empty).
+    _require_triton(device)
+    dtype = torch.float16
+    args = _batch([(0, 1), (70, 1), (200, 1)], 8, 2, 64, dtype, device, seed=9)
+    ref = paged_attention_reference(*args, scale=0.125)
+    # 256 keys per planned split: 16, 2 and 1 splits for these bounds.
+    for bound in (4096, 512, 201):
+        out = paged_attention_triton(
+            *args, scale=0.125, max_query_len=1, max_context_len=bound, decode_split_tokens=256
+        )
+        _check(out, ref, dtype)
+
+
 def test_strided_q(device: str) -> None:
     # q as the engine gets it from a fused QKV projection: rows strided by the QKV width.
     _require_triton(device)
