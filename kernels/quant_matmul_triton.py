@@ -27,7 +27,11 @@ Paths, by the number of activation rows M (tuning constants below, to be set on 
   changing only at group boundaries) and is checked once per weight on the host
   (`_chunks_in_groups`); other groupings take a per-row path. x is gathered through perm
   in the kernel. The grid is (column tiles, split-K slices) with about
-  GemvConfig.programs_per_sm programs per SM, so n = k = 4096 still fills 132 SMs.
+  GemvConfig.programs_per_sm programs per SM, so n = k = 4096 still fills 132 SMs. With
+  GemvConfig.prefetch each program loads the next chunk's words while it works on this
+  one, and the first chunk's before it waits for the previous kernel (programmatic
+  dependent launch, kernels/backend.py): weights are never written, so their loads may
+  overlap the tail of whatever ran before.
 * _GEMV_MAX_M < M < _DEQUANT_MIN_M (batched decode, speculative verification, short
   prefill chunks): `_dot_kernel`, the same split-K structure with a [BLOCK_M, BLOCK_K] x
   tile and a [BLOCK_K, BLOCK_N] code tile on the tensor cores (tl.dot, wgmma on Hopper,
