@@ -124,7 +124,8 @@ class GemvConfig:
 # 2 programs per SM was the best single setting (2030 us of GEMV per token against 2058 for
 # the earlier 2 warps, 4 per SM). With programmatic dependent launch the prefetch lets the
 # first chunk's loads start before the previous kernel has finished: decode graph replay
-# 2.76 -> 2.51 ms per token (.devdata A/B, H100, 2026-11-25; greedy tokens identical).
+# 2.76 -> 2.51 ms per token (bench/results/2026-11-25-h100-ab-pdl.json, H100; greedy tokens
+# identical).
 _GEMV_CONFIG = GemvConfig(
     num_warps=4, cols_per_thread=(8, 8, 4, 4), programs_per_sm=2, max_iters=4, prefetch=True
 )

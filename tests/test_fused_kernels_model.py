@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import transformers as tf
+from decoding import greedy_with_logits
 
 import kernels
 from engine.cache import Sequence
@@ -82,21 +83,6 @@ def _engine(path: Path, *, fuse: bool, device: str = "cpu", dtype: str = "float3
     return Engine.load(path, EngineOptions(**opts, fuse_kernels=fuse))
 
 
-def _greedy(engine: Engine, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and the logits of the prompt's last row and of every step."""
-    session = engine.open_session()
-    try:
-        logits = session.prefill(prompt)
-        rows, tokens = [logits], []
-        for _ in range(steps):
-            tokens.append(int(logits.argmax()))
-            logits = session.step(tokens[-1])
-            rows.append(logits)
-    finally:
-        session.close()
-    return tokens, torch.stack(rows).float().cpu()
-
-
 @contextlib.contextmanager
 def _counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter]:
     """Count calls of the fused ops (the modules look them up on `kernels` per call)."""
@@ -131,8 +117,8 @@ def test_fused_equals_unfused_on_the_reference_path(
     assert not calls, "fuse_kernels=False still ran a fused kernel"
     assert torch.equal(fused_logits, plain_logits)
 
-    fused_tokens, fused_rows = _greedy(fused, PROMPT, STEPS)  # prefill gathers first
-    plain_tokens, plain_rows = _greedy(plain, PROMPT, STEPS)
+    fused_tokens, fused_rows = greedy_with_logits(fused, PROMPT, STEPS)  # prefill gathers first
+    plain_tokens, plain_rows = greedy_with_logits(plain, PROMPT, STEPS)
     assert fused_tokens == plain_tokens
     assert torch.equal(fused_rows, plain_rows)
 
@@ -179,7 +165,9 @@ def test_quantized_cache_keeps_rope_and_write_apart(
         fused_logits = fused.logits(PROMPT)
     assert calls["apply_rope_write"] == 0 and calls["add_rms_norm"] > 0
     assert torch.equal(fused_logits, plain.logits(PROMPT))
-    assert _greedy(fused, PROMPT, STEPS)[0] == _greedy(plain, PROMPT, STEPS)[0]
+    assert (
+        greedy_with_logits(fused, PROMPT, STEPS)[0] == greedy_with_logits(plain, PROMPT, STEPS)[0]
+    )
 
 
 @pytest.mark.parametrize(
@@ -201,8 +189,8 @@ def test_triton_kernels_in_the_model_match_unfused(
     plain = _engine(model_dirs[arch], fuse=False, dtype=dtype)
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 0.02, "atol": 0.02}
     torch.testing.assert_close(fused.logits(PROMPT), plain.logits(PROMPT), **tolerance)
-    fused_tokens, fused_rows = _greedy(fused, PROMPT, 3)
-    plain_tokens, plain_rows = _greedy(plain, PROMPT, 3)
+    fused_tokens, fused_rows = greedy_with_logits(fused, PROMPT, 3)
+    plain_tokens, plain_rows = greedy_with_logits(plain, PROMPT, 3)
     assert fused_tokens == plain_tokens
     torch.testing.assert_close(fused_rows, plain_rows, **tolerance)
 
@@ -222,7 +210,7 @@ def test_cuda_fused_equals_unfused(arch: str, dtype: str, model_dirs: dict[str, 
     plain = _engine(model_dirs[arch], fuse=False, **options)
     assert (fused.graphs is not None) == graphs
     assert torch.equal(fused.logits(PROMPT), plain.logits(PROMPT))
-    fused_tokens, fused_rows = _greedy(fused, PROMPT, STEPS)
-    plain_tokens, plain_rows = _greedy(plain, PROMPT, STEPS)
+    fused_tokens, fused_rows = greedy_with_logits(fused, PROMPT, STEPS)
+    plain_tokens, plain_rows = greedy_with_logits(plain, PROMPT, STEPS)
     assert fused_tokens == plain_tokens
     assert torch.equal(fused_rows, plain_rows)

@@ -20,6 +20,7 @@ from kernels.paged_attention import (
     paged_attention_reference,
     paged_attention_triton,
 )
+from kernels.paged_attention_decode import plan_splits
 
 # `paged_attention` is also the name of the op; the module is needed for monkeypatching.
 pa_module = importlib.import_module("kernels.paged_attention")
@@ -217,6 +218,16 @@ def test_page_sizes_and_context_bounds(device: str) -> None:
             *args, scale=0.125, max_query_len=1, max_context_len=bound, decode_split_tokens=16
         )
         _check(out, ref, dtype)
+
+
+def test_split_plan_goes_down_to_one_key_block() -> None:
+    # One sequence of 8 KV heads at a 656-key bound on 132 SMs: splits of one 64-key block
+    # (11 of them), so a short context is not left to two programs walking blocks in turn.
+    assert plan_splits(1, 8, 656, 132, 64) == (11, 64)
+    # Long contexts still stop near the programs per SM wanted: 43 splits of 3 blocks.
+    assert plan_splits(1, 8, 8208, 132, 64) == (43, 192)
+    # A full batch needs no split at all.
+    assert plan_splits(64, 8, 8208, 132, 64) == (1, 8256)
 
 
 def test_short_contexts_under_a_long_plan(device: str) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from decoding import greedy_with_logits
 
 import kernels.backend as backend
 from engine.engine import Engine, EngineOptions
@@ -43,18 +44,10 @@ def _greedy(path: Path, pdl: bool, prompt: list[int], steps: int) -> tuple[list[
     backend.set_programmatic_launch(pdl)
     engine = Engine.load(path, EngineOptions(device="cuda", dtype="float16", max_seq_len=256))
     assert engine.graphs is not None  # the launches under test are the captured ones
-    session = engine.open_session()
     try:
-        logits = session.prefill(prompt)
-        rows, tokens = [logits], []
-        for _ in range(steps):
-            tokens.append(int(logits.argmax()))
-            logits = session.step(tokens[-1])
-            rows.append(logits)
+        return greedy_with_logits(engine, prompt, steps)
     finally:
-        session.close()
         engine.unload()
-    return tokens, torch.stack(rows).float().cpu()
 
 
 @pytest.mark.gpu
