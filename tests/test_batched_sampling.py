@@ -27,7 +27,12 @@ ROW_SETTINGS = [
     {"top_k": 3, "logit_bias": {7: 4.0, 8: -50.0}, "custom_token_bans": [9, 10], "seed": 7},
     {"temperature": 0.9, "min_new_tokens": 2, "seed": 8},
     {"seed": 9},  # plain softmax sampling
+    # Greedy rows with only a bias, bans or min_new_tokens: argmax after those, no noise.
+    {"temperature": 0, "ban_eos_token": True},
+    {"temperature": 0, "logit_bias": {11: 3.0}, "custom_token_bans": [12]},
+    {"temperature": 0, "min_new_tokens": 3},
 ]
+GREEDY_ROWS = ROW_SETTINGS[-3:]
 
 
 def _samplers(settings: list[dict]) -> list[Sampler]:
@@ -53,8 +58,27 @@ def test_batched_rows_equal_their_own_samplers():
     assert [s.generated for s in batched] == [12] * len(ROW_SETTINGS)
 
 
+def test_greedy_rows_alone_take_the_argmax_after_bias_and_bans():
+    batched, reference = _samplers(GREEDY_ROWS), _samplers(GREEDY_ROWS)
+    gen = torch.Generator().manual_seed(2)
+    empty = torch.empty(1, 0, dtype=torch.int64)
+    for step in range(5):
+        logits = torch.randn(len(GREEDY_ROWS), VOCAB, generator=gen)
+        logits[:, EOS] += 10  # the raw argmax is EOS: the bans and min_new_tokens decide
+        logits[1, 12] += 20  # banned for row 1
+        got = sample_batched(batched, logits)
+        expected = torch.cat(
+            [s.sample_batch(logits[i : i + 1], empty) for i, s in enumerate(reference)]
+        )
+        assert got.tolist() == expected.tolist()
+        assert got[0] != EOS and got[1] != 12
+        assert (got[2] == EOS) == (step >= 3)  # min_new_tokens=3 holds EOS back 3 steps
+
+
 def test_only_the_covered_settings_are_batched():
-    assert not batchable(Sampler({"temperature": 0}))
+    assert batchable(Sampler({"temperature": 0, "ban_eos_token": True}))
+    assert not batchable(Sampler({"temperature": 0, "repetition_penalty": 1.2}))
+    assert not batchable(Sampler({"temperature": 0, "no_repeat_ngram_size": 2}))
     assert not batchable(Sampler({"dry_multiplier": 0.8, "dry_sequence_breakers": []}))
     assert not batchable(Sampler({"mirostat_mode": 2}))
     assert not batchable(Sampler({"repetition_penalty": 1.2}))
@@ -76,7 +100,8 @@ def test_sample_jobs_mixes_paths(rows: int, tmp_path):
         {"repetition_penalty": 1.3, "temperature": 0.9, "seed": 2},
         {"temperature": 0},
         {"min_p": 0.05, "seed": 3},
-    ][: rows + 1]
+        {"temperature": 0, "ban_eos_token": True, "logit_bias": {20: 2.0}},
+    ][: rows + 2]
     settings = [SamplingSettings.from_any(s) for s in settings]
     prompt = [11, 12, 13]
     gen = torch.Generator().manual_seed(1)

@@ -1,13 +1,15 @@
-"""Where a batch-1 decode step spends its time, on a GPU.
+"""Where a decode step spends its time, on a GPU (batch 1, or --batch B sequences).
 
     python tools/profile_decode.py --shape llama3-8b --format gptq --prompt 512 --out DIR
+    python tools/profile_decode.py --batch 64 --prompt 128 --out DIR
 
 Builds (or reuses) tools/bench.py's random-weight model and reports, for one decode step:
   - the step as the scheduler sees it (engine.forward + argmax + host sync), ms;
   - the captured CUDA graph replayed back to back (GPU time per step, no host work), ms;
   - the kernels of one eager forward (torch.profiler): time, count and share per kernel
     name, so the GEMV share and the small-kernel tail can be compared with the roofline;
-  - each distinct linear's GEMV alone, replayed in a CUDA graph of 50 calls: µs and GB/s.
+  - each distinct linear alone at M = B rows of x, replayed in a CUDA graph of 50 calls:
+    µs and GB/s (the GEMV at small B, the mid-M tensor-core path above it).
 Writes profile.json (and the profiler's table as profile.txt) to --out.
 """
 
@@ -89,7 +91,9 @@ def main() -> int:
     parser.add_argument("--work", default="/tmp/kestrel-bench")
     parser.add_argument("--out", default=".")
     parser.add_argument("--cache-type", default="fp16", help="KV cache storage: fp16 fp8 q8 q6 q4")
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     args = parser.parse_args()
+    B = args.batch
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -101,6 +105,8 @@ def main() -> int:
             dtype="float16",
             max_seq_len=args.prompt + 256,
             cache_type=args.cache_type,
+            cache_tokens=B * (args.prompt + 512),
+            max_batch=max(B, 1),
         ),
     )
     bandwidth = _read_bandwidth()
@@ -110,22 +116,30 @@ def main() -> int:
     ) + sum(
         p.numel() * p.element_size() for n, p in engine.model.named_parameters() if "embed" not in n
     )
-    prompt = torch.randint(2, engine.config.vocab_size, (args.prompt,)).tolist()
-    seq = Sequence()
-    token = int(engine.prefill(seq, prompt)[-1].argmax())
+    vocab = engine.config.vocab_size
+    seqs = [Sequence() for _ in range(B)]
+    tokens = [
+        int(engine.prefill(seq, torch.randint(2, vocab, (args.prompt,)).tolist())[-1].argmax())
+        for seq in seqs
+    ]
 
-    # 1. The step as the scheduler runs it.
+    def step() -> list[int]:
+        return engine.forward(seqs, [[t] for t in tokens]).argmax(-1).tolist()
+
+    # 1. The step as the engine loop runs it (forward, argmax, host sync).
     for _ in range(5):
-        token = int(engine.forward([seq], [[token]])[-1].argmax())
+        tokens = step()
     torch.cuda.synchronize()
     t = time.perf_counter()
     steps = 64
     for _ in range(steps):
-        token = int(engine.forward([seq], [[token]])[-1].argmax())
+        tokens = step()
     step_ms = (time.perf_counter() - t) / steps * 1e3
 
     # 2. The graph alone, back to back.
-    graph = engine.graphs._graphs[(1, 1)].graph if engine.graphs is not None else None
+    graph = None
+    if engine.graphs is not None:
+        graph = engine.graphs._graphs[(engine.graphs.bucket(B), 1)].graph
     replay_ms = None
     if graph is not None:
         torch.cuda.synchronize()
@@ -139,8 +153,9 @@ def main() -> int:
     from engine.cache import ForwardBatch
 
     def eager_step() -> None:
-        seq.reserve(engine.cache, seq.length + 1)
-        batch = ForwardBatch.build(engine.cache, [seq], [[token]])
+        for seq in seqs:
+            seq.reserve(engine.cache, seq.length + 1)
+        batch = ForwardBatch.build(engine.cache, seqs, [[t] for t in tokens])
         engine.model(batch, engine.cache)
 
     eager_step()
@@ -173,7 +188,7 @@ def main() -> int:
         if key in seen:
             continue
         seen.add(key)
-        x = torch.randn(1, mod.in_features, device="cuda", dtype=torch.float16)
+        x = torch.randn(B, mod.in_features, device="cuda", dtype=torch.float16)
         secs = _graph_time(lambda mod=mod, x=x: quant_matmul(x, mod.qweight))
         nbytes = mod.storage_bits // 8
         linears.append(
@@ -193,6 +208,7 @@ def main() -> int:
         "shape": args.shape,
         "format": args.format,
         "prompt": args.prompt,
+        "batch": B,
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "weight_bytes": weight_bytes,
         "roofline_tok_s": bandwidth / weight_bytes,

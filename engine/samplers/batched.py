@@ -7,8 +7,12 @@ subset of the four above (in TGW's order, temperature first or last) are instead
 here together: every step is one tensor op over [B, V] with a per-row parameter column,
 and a row without a step gets the step's neutral mask. Each row keeps its own generator
 (its seed): its exponential noise is drawn from it exactly as `draw` does, so a row gets
-the very token its own Sampler would give. Everything else (penalties, DRY, mirostat's
-state, XTC's coin, typical_p and the other rarer steps) stays on the per-row path.
+the very token its own Sampler would give. Greedy rows whose only settings are a logit
+bias, banned tokens (ban_eos_token) or min_new_tokens join too: they take the argmax after
+the bias and bans and draw no noise. Per row, the chain costs about eight small kernels,
+so 64 such jobs spent more host time per step than the GPU's whole decode step.
+Everything else (penalties, DRY, mirostat's state, XTC's coin, typical_p and the other
+rarer steps) stays on the per-row path.
 
 No host sync: parameters are built on the host from the settings and copied from pinned
 memory without waiting.
@@ -30,9 +34,10 @@ TRUNCATIONS = ("top_k", "top_p", "min_p")
 
 def batchable(sampler: Sampler) -> bool:
     """Whether `sample_batched` draws exactly what `sampler.sample_batch` would."""
-    if sampler.greedy:
-        return False
     steps = sampler.steps
+    if sampler.greedy:
+        # Greedy keeps only context processors (penalties, DRY, ...) as steps.
+        return not steps
     rest = tuple(n for n in steps if n != "temperature")
     if rest != tuple(n for n in TRUNCATIONS if n in rest):
         return False
@@ -110,14 +115,23 @@ def sample_batched(samplers: list[Sampler], logits: Tensor) -> Tensor:
     if any(last):
         x = x / _column([t if f else 1.0 for t, f in zip(temps, last, strict=True)], device)
 
-    probs = x.softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    for row, sampler in enumerate(samplers):
-        # Row by row from each job's own generator: the draws `draw` would make for it.
-        noise[row].exponential_(1.0, generator=sampler.generator)
-    tokens = (probs / noise).argmax(dim=-1)
-    empty = torch.isneginf(x).all(dim=-1)
-    tokens = torch.where(empty, allowed.argmax(dim=-1), tokens)
+    greedy = [p.greedy for p in samplers]
+    best_allowed = allowed.argmax(dim=-1)
+    if all(greedy):
+        tokens = best_allowed  # what a greedy row's chain (no steps) takes, empty or not
+    else:
+        probs = x.softmax(dim=-1)
+        noise = torch.ones_like(probs)
+        for row, sampler in enumerate(samplers):
+            # Row by row from each job's own generator: the draws `draw` would make for it
+            # (greedy rows draw nothing, as their own Sampler does not).
+            if not sampler.greedy:
+                noise[row].exponential_(1.0, generator=sampler.generator)
+        tokens = (probs / noise).argmax(dim=-1)
+        empty = torch.isneginf(x).all(dim=-1)
+        if any(greedy):
+            empty = empty | _flags(greedy, device).view(-1)
+        tokens = torch.where(empty, best_allowed, tokens)
     for sampler in samplers:
         sampler.generated += 1
     return tokens
