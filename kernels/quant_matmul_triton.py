@@ -92,7 +92,6 @@ _PLANE_BITS = (1, 2, 4, 8)
 _GEMV_MAX_M = 2
 _GEMV_LIMIT_M = 4  # the GEMV unrolls one accumulator per row of x: its hard limit
 _DEQUANT_MIN_M = 256
-_DOT_PROGRAMS_PER_SM = 2
 _GEMV_BLOCK_K = 32  # rows per chunk: the least group size of EXL2, one group per chunk
 
 
@@ -129,16 +128,39 @@ class GemvConfig:
 _GEMV_CONFIG = GemvConfig(
     num_warps=4, cols_per_thread=(8, 8, 4, 4), programs_per_sm=2, max_iters=4, prefetch=True
 )
-# Tensor-core tile of the mid-M path.
-_DOT_BLOCK_N = 128
-_DOT_MAX_BLOCK_M = 64
-_DOT_MAX_BLOCK_K = 64
-_DOT_MAX_ITERS = 16
-_DOT_NUM_WARPS = 4
-_DOT_NUM_STAGES = 3
-# Unpack each packed word once and split it by shifts (see _plane_codes_wide) rather than
-# gathering the word of every row.
-_DOT_WIDE = True
+
+
+@dataclasses.dataclass(frozen=True)
+class DotConfig:
+    """Launch settings of the mid-M tensor-core path (see `_launch_dot`).
+
+    transposed: compute y^T = W^T @ x^T, the dequantized weight tile as the MMA's left
+        operand [block_n, BLOCK_K] and x^T as the right one [BLOCK_K, BLOCK_M]. On Hopper
+        wgmma reads its left operand from registers, where the codes are unpacked, and
+        only the right one from shared memory: x's tile is small. Untransposed, the
+        [BLOCK_K, block_n] weight tile is the right operand and goes through shared
+        memory every chunk. The output columns are then the MMA's M (64 per warpgroup)
+        and the rows of x its N (16 and up), which suits 8-64 rows of x.
+    wide: unpack each packed word once and split it by shifts (see _plane_codes_wide)
+        rather than gathering the word of every row.
+    block_n, max_block_m, max_block_k: the tile; BLOCK_M is the next power of two >= M
+        (at least 16, tl.dot's least size) up to max_block_m, BLOCK_K the group-aligned
+        chunk (see _chunk_rows).
+    max_iters: chunks per split-K slice; programs_per_sm: the split-K target.
+    """
+
+    transposed: bool = False
+    wide: bool = True
+    block_n: int = 128
+    max_block_m: int = 64
+    max_block_k: int = 64
+    max_iters: int = 16
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 2
+
+
+_DOT_CONFIG = DotConfig()
 # Dequantization tile (elementwise: stores dominate).
 _DEQUANT_BLOCK_K = 32
 _DEQUANT_BLOCK_N = 128
@@ -730,6 +752,148 @@ def _dot_kernel(
 
 
 @triton.jit
+def _plane_codes_t(
+    plane_ptr,
+    plane_stride,
+    r0,
+    k_end,
+    cols,
+    col_ok,
+    BITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    """Codes [BLOCK_N, BLOCK_K] of one plane, column-major to `_plane_codes_wide`'s tile:
+    column c's codes for the chunk of rows [r0, r0 + BLOCK_K). WIDE loads each word once
+    as [N, W] and splits it into its RPW codes by shifts; otherwise each row gathers its
+    word (RPW loads of a word, from L1). Codes of rows past k_end are garbage; the
+    caller's x is zero there."""
+    RPW: tl.constexpr = 32 // BITS
+    if WIDE:
+        W: tl.constexpr = BLOCK_K // RPW
+        word = tl.arange(0, W)
+        words = tl.load(
+            plane_ptr + (r0 // RPW + word)[None, :] * plane_stride + cols[:, None],
+            mask=col_ok[:, None] & (r0 + word * RPW < k_end)[None, :],
+            other=0,
+        )  # [N, W]
+        lane = tl.arange(0, RPW)
+        codes = (words[:, :, None] >> (lane * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        return tl.reshape(codes, (BLOCK_N, BLOCK_K))
+    else:
+        rows = r0 + tl.arange(0, BLOCK_K)
+        words = tl.load(
+            plane_ptr + (rows // RPW)[None, :] * plane_stride + cols[:, None],
+            mask=col_ok[:, None] & (rows < k_end)[None, :],
+            other=0,
+        )  # [N, K]
+        return (words >> ((rows % RPW) * BITS)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit(do_not_specialize=["add_bias"])
+def _dot_t_kernel(
+    x_ptr,  # [M, k], unit column stride
+    out_ptr,  # float32 [M, n], accumulated atomically
+    p0_ptr,
+    p1_ptr,
+    scales_ptr,
+    zeros_ptr,
+    row_group_ptr,
+    perm_ptr,
+    bias_ptr,
+    M,
+    n,
+    stride_xm,
+    p0_stride,
+    p1_stride,
+    sz_stride,
+    row_start,
+    seg_rows,
+    rows_per_split,  # ITERS * BLOCK_K
+    add_bias,  # 1 for the first segment's launch of a weight with a bias
+    HAS_PERM: tl.constexpr,
+    GROUPED: tl.constexpr,  # every chunk lies in one group (checked on the host)
+    NUM_PLANES: tl.constexpr,
+    P0_BITS: tl.constexpr,
+    P0_SHIFT: tl.constexpr,
+    P1_BITS: tl.constexpr,
+    P1_SHIFT: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    WIDE: tl.constexpr,
+    ITERS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`_dot_kernel` transposed (DotConfig.transposed): acc^T [BLOCK_N, BLOCK_M] +=
+    codes^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M], with the same scale, zero and
+    split-K handling per column."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    x_dtype = x_ptr.dtype.element_ty
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm  # [1, BLOCK_M]
+
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    zero_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_begin = pid_k * rows_per_split
+    k_end = tl.minimum(k_begin + rows_per_split, seg_rows)
+    # Constexpr trip count, no branch in the body: see _dot_kernel.
+    for it in range(ITERS):
+        r0 = k_begin + it * BLOCK_K
+        rows = r0 + offs_k  # [BLOCK_K], segment-relative
+        row_ok = rows < k_end
+        codes = (
+            _plane_codes_t(
+                p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K, BLOCK_N, WIDE
+            )
+            << P0_SHIFT
+        )
+        if NUM_PLANES == 2:
+            codes = codes | (
+                _plane_codes_t(
+                    p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K, BLOCK_N, WIDE
+                )
+                << P1_SHIFT
+            )
+        if HAS_PERM:
+            x_cols = tl.load(perm_ptr + row_start + rows, mask=row_ok, other=0)
+        else:
+            x_cols = row_start + rows
+        # Masked rows of x are 0, which cancels whatever the padded codes dequantize to.
+        x_tile = tl.load(x_rows + x_cols[:, None], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
+        values = _codes_to_f32(codes)
+        if GROUPED:
+            # Codes (< 256) are exact in fp16/bf16: the tensor cores see no rounding of W.
+            part = _dot_f32(values.to(x_dtype), x_tile, zero_acc, EMULATE_BF16)
+            group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
+            sz = group * sz_stride + cols
+            scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
+            zero = tl.load(zeros_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
+            x_sum = tl.sum(x_tile.to(tl.float32), axis=0)
+            acc += (part - zero[:, None] * x_sum[None, :]) * scale[:, None]
+        else:
+            group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
+            row_sz = group[None, :] * sz_stride + cols[:, None]
+            sz_mask = col_ok[:, None] & row_ok[None, :]
+            row_scale = tl.load(scales_ptr + row_sz, mask=sz_mask, other=0.0)
+            row_zero = tl.load(zeros_ptr + row_sz, mask=sz_mask, other=0.0)
+            w = (values - row_zero.to(tl.float32)) * row_scale.to(tl.float32)
+            acc = _dot_f32(cast_rtne(w, x_dtype, EMULATE_BF16), x_tile, acc, EMULATE_BF16)
+
+    bias = tl.load(bias_ptr + cols, mask=col_ok & (pid_k == 0) & (add_bias != 0), other=0.0)
+    acc += bias.to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * n + cols[:, None]
+    tl.atomic_add(out_ptrs, acc, mask=col_ok[:, None] & m_ok[None, :], sem="relaxed")
+
+
+@triton.jit
 def _dequant_kernel(
     out_ptr,  # [k, n]
     p0_ptr,
@@ -1112,23 +1276,28 @@ def _launch_gemv(
 
 def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, out32: torch.Tensor) -> None:
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
-    block_m = min(_DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(M)))
-    block_n = min(_DOT_BLOCK_N, max(16, triton.next_power_of_2(n)))
-    block_k = _chunk_rows(qw, 16, _DOT_MAX_BLOCK_K)  # tl.dot's least K
+    config = _DOT_CONFIG
+    block_m = min(config.max_block_m, max(16, triton.next_power_of_2(M)))
+    block_n = min(config.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = _chunk_rows(qw, 16, config.max_block_k)  # tl.dot's least K
     m_tiles, n_tiles = triton.cdiv(M, block_m), triton.cdiv(n, block_n)
-    iters = _split(k, m_tiles * n_tiles, block_k, _DOT_PROGRAMS_PER_SM, _DOT_MAX_ITERS, x2d.device)
+    iters = _split(
+        k, m_tiles * n_tiles, block_k, config.programs_per_sm, config.max_iters, x2d.device
+    )
     rows_per_split = iters * block_k
     grouped = _chunks_in_groups(qw, block_k)
     perm = qw.perm if qw.perm is not None else qw.row_group
     bias = qw.bias if qw.bias is not None else qw.scales
+    kernel = _dot_t_kernel if config.transposed else _dot_kernel
     first = True
     for segment in qw.segments:
         seg_rows = segment.row_end - segment.row_start
         if seg_rows <= 0:
             continue
         p0, p1, p0_stride, p1_stride = _plane_args(segment)
-        grid = (m_tiles, n_tiles, triton.cdiv(seg_rows, rows_per_split))
-        _dot_kernel[grid](
+        splits = triton.cdiv(seg_rows, rows_per_split)
+        grid = (n_tiles, m_tiles, splits) if config.transposed else (m_tiles, n_tiles, splits)
+        kernel[grid](
             x2d,
             out32,
             p0,
@@ -1152,13 +1321,13 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, out32: torch.Tensor) -> 
             GROUPED=grouped,
             **_plane_meta(segment),
             EMULATE_BF16=_INTERPRETED,
-            WIDE=_DOT_WIDE and all(block_k % (32 // p.bits) == 0 for p in segment.planes),
+            WIDE=config.wide and all(block_k % (32 // p.bits) == 0 for p in segment.planes),
             ITERS=iters,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
-            num_warps=_DOT_NUM_WARPS,
-            num_stages=_DOT_NUM_STAGES,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
         first = False
 

@@ -13,6 +13,7 @@ and 5e-3 for bfloat16; float32 outputs differ only by summation order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -231,7 +232,7 @@ def test_several_column_tiles_and_chunks_per_program(
         prefetch=prefetch,
     )  # fmt: skip
     monkeypatch.setattr(qmt, "_GEMV_CONFIG", config)
-    monkeypatch.setattr(qmt, "_DOT_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(qmt, "_DOT_CONFIG", dataclasses.replace(qmt._DOT_CONFIG, programs_per_sm=1))
     monkeypatch.setattr(qmt, "_sm_count", lambda device: 1)
     qw = make_weight(256, 200, [6], device=device)
     if path == "gemv":
@@ -239,6 +240,42 @@ def test_several_column_tiles_and_chunks_per_program(
         assert qmt._gemv_tiling(x, qw).iters == 8
     assert qmt._split(256, 2, 32, 1, 8, torch.device(device)) == 8  # chunks per program
     _check(qw, M, torch.float16, device, path)
+
+
+# Each layout of the tensor-core path: untransposed or transposed (weights as the left
+# operand), whole-word or row-gathered unpacking. Mixed widths with perm and bias (two
+# planes for 3, 5 and 6 bits), groups off the chunk size (the per-row scale path), and x
+# in each dtype with rows that do not fill the tile.
+DOT_VARIANTS = [qmt.DotConfig(transposed=t, wide=w) for t in (False, True) for w in (True, False)]
+DOT_CASES = [
+    ("mixed", 17, torch.float16),
+    ("mixed", 3, torch.bfloat16),
+    ("mixed", 40, torch.float32),
+    ("irregular", 17, torch.float16),
+]
+
+
+@pytest.mark.parametrize(
+    "config", DOT_VARIANTS, ids=lambda c: f"t{int(c.transposed)}w{int(c.wide)}"
+)
+@pytest.mark.parametrize("case,M,dtype", DOT_CASES, ids=str)
+def test_dot_variants(
+    device: str,
+    config: qmt.DotConfig,
+    case: str,
+    M: int,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _require_triton(device)
+    monkeypatch.setattr(qmt, "_DOT_CONFIG", dataclasses.replace(config, max_block_m=32))
+    if case == "mixed":
+        qw = make_weight(200, 96, WIDTHS, device=device)
+    else:
+        qw = make_weight(256, 64, [4, 3], group_size=0, group_sizes=[48, 48, 64, 80, 16],
+                         device=device)  # fmt: skip
+        assert not qmt._chunks_in_groups(qw, 32)
+    _check(qw, M, dtype, device, "dot")
 
 
 def test_gemv_every_row_count(device: str) -> None:

@@ -3,17 +3,20 @@
     python tools/tune_mid_m.py --shape llama3-8b --format gptq --out DIR
 
 Batched decode, speculative verification and short prefill chunks multiply M activation
-rows with every linear. This loads tools/bench.py's random-weight model, takes one linear
-of each distinct shape and times `quant_matmul_triton` per path (gemv for M <= 4, the
-tensor-core "dot" path, dequantize + cuBLAS) and, for the dot path, a sweep of its tuning
-constants, each replayed in a CUDA graph. Reports per M the summed time over all linears
-of one decode step (each shape times its count in the model), so the path thresholds and
-the dot constants can be set from numbers. Writes tune_mid_m.json.
+rows with every linear. This loads tools/bench.py's random-weight model and times one
+round of `quant_matmul_triton` over *every* linear of the model in turn (as a decode step
+reads them: 32 layers' weights cycle through the 50-60 MB L2, so this is HBM, not L2),
+replayed in a CUDA graph:
+  - per M, each path (gemv for M <= 4, the tensor-core "dot" path, dequantize + cuBLAS);
+  - for the dot path at the --sweep-m sizes, every DotConfig of the sweep below.
+Reports µs per round and the effective GB/s of the packed weights, and writes
+tune_mid_m.json; DotConfig's default in kernels/quant_matmul_triton.py comes from here.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -26,21 +29,29 @@ sys.path.insert(0, str(ROOT))
 
 import kernels.quant_matmul_triton as qmt  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
+from engine.quantized_linear import QuantizedLinear  # noqa: E402
 from tools.bench import build_model  # noqa: E402
-from tools.profile_decode import _graph_time, _read_bandwidth, distinct_linears  # noqa: E402
+from tools.profile_decode import _graph_time, _read_bandwidth  # noqa: E402
 
-M_VALUES = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128)
-# Dot-path sweep: (wide unpack, programs per SM, max BLOCK_K, warps, stages, max BLOCK_M).
-# The row-gathering unpack (wide=False) is timed once, at the shipped constants.
-DOT_SWEEP = [
-    *itertools.product((True,), (1, 2, 4), (32, 64, 128), (4, 8), (3, 4)),
-    (False, 2, 64, 4, 3),
-]
+M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
+# The dot sweep: (transposed, wide, block_n, max_block_k, warps, stages, programs per SM).
+DOT_SWEEP = list(
+    itertools.product((True, False), (True, False), (64, 128), (64, 128), (4, 8), (3,), (1, 2))
+)
 
 
-def _set_dot(wide: bool, pps: int, block_k: int, warps: int, stages: int) -> None:
-    qmt._DOT_WIDE, qmt._DOT_PROGRAMS_PER_SM, qmt._DOT_MAX_BLOCK_K = wide, pps, block_k
-    qmt._DOT_NUM_WARPS, qmt._DOT_NUM_STAGES = warps, stages
+def _config(values: tuple) -> qmt.DotConfig:
+    transposed, wide, block_n, block_k, warps, stages, pps = values
+    return dataclasses.replace(
+        qmt._DOT_CONFIG,
+        transposed=transposed,
+        wide=wide,
+        block_n=block_n,
+        max_block_k=block_k,
+        num_warps=warps,
+        num_stages=stages,
+        programs_per_sm=pps,
+    )
 
 
 def main() -> int:
@@ -57,26 +68,29 @@ def main() -> int:
     path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
     engine = Engine.load(path, EngineOptions(device="cuda", dtype="float16", max_seq_len=256))
     bandwidth = _read_bandwidth()
-    shapes, counts = distinct_linears(engine.model)
-    step_bytes = sum(shapes[k].storage_bits // 8 * c for k, c in counts.items())
-    defaults = (qmt._DOT_WIDE, qmt._DOT_PROGRAMS_PER_SM, qmt._DOT_MAX_BLOCK_K,
-                qmt._DOT_NUM_WARPS, qmt._DOT_NUM_STAGES)  # fmt: skip
+    linears = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
+    step_bytes = sum(m.storage_bits // 8 for m in linears)
+    default = qmt._DOT_CONFIG
 
-    def step_us(M: int, path: str) -> float | None:
-        """Summed µs over the model's linears at M rows through one path (None: fails)."""
-        total = 0.0
-        for key, mod in shapes.items():
-            x = torch.randn(M, key[0], device="cuda", dtype=torch.float16)
-            try:
-                secs = _graph_time(
-                    lambda qw=mod.qweight, x=x: qmt.quant_matmul_triton(x, qw, path=path),
-                    calls=20,
-                )
-            except Exception as e:  # e.g. out of registers / shared memory for a config
-                print(f"    {key} M={M} {path}: {type(e).__name__}: {str(e)[:120]}")
-                return None
-            total += secs * 1e6 * counts[key]
-        return total
+    def round_us(M: int, path: str) -> float | None:
+        """µs of one call of every linear at M rows through `path` (None: it fails)."""
+        xs = {
+            k: torch.randn(M, k, device="cuda", dtype=torch.float16)
+            for k in {m.in_features for m in linears}
+        }
+
+        def round_of_calls() -> None:
+            for mod in linears:
+                qmt.quant_matmul_triton(xs[mod.in_features], mod.qweight, path=path)
+
+        try:
+            return _graph_time(round_of_calls, calls=1, reps=5) * 1e6
+        except Exception as e:  # e.g. out of registers / shared memory for a config
+            print(f"    M={M} {path}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+            return None
+
+    def gb_s(us: float) -> float:
+        return step_bytes / (us * 1e-6) / 1e9
 
     paths_rows = []
     for M in args.m:
@@ -84,33 +98,33 @@ def main() -> int:
         for p in ("gemv", "dot", "dequant"):
             if p == "gemv" and M > qmt._GEMV_LIMIT_M:
                 continue
-            row[p] = step_us(M, p)
+            row[p] = round_us(M, p)
         best = min((v, p) for p, v in row.items() if p != "M" and v is not None)
         row["best"] = best[1]
-        row["gb_s_best"] = step_bytes / (best[0] * 1e-6) / 1e9
+        row["gb_s_best"] = gb_s(best[0])
         paths_rows.append(row)
         print(json.dumps(row), flush=True)
 
     sweep = []
     for M in args.sweep_m:
-        for wide, pps, bk, warps, stages in DOT_SWEEP:
-            _set_dot(wide, pps, bk, warps, stages)
-            us = step_us(M, "dot")
+        for values in DOT_SWEEP:
+            qmt._DOT_CONFIG = _config(values)
+            us = round_us(M, "dot")
             if us is not None:
-                sweep.append({"M": M, "wide": wide, "programs_per_sm": pps, "max_block_k": bk,
-                              "warps": warps, "stages": stages, "us": us})  # fmt: skip
-        _set_dot(*defaults)
+                sweep.append({"M": M, **dataclasses.asdict(qmt._DOT_CONFIG), "us": us,
+                              "gb_s": gb_s(us)})  # fmt: skip
+        qmt._DOT_CONFIG = default
         best = sorted((r for r in sweep if r["M"] == M), key=lambda r: r["us"])[:8]
-        print(f"M={M}: best dot settings (µs per step of linears)")
+        print(f"M={M}: best dot settings (µs per round of linears)", flush=True)
         for r in best:
-            print("   ", json.dumps(r))
+            print("   ", json.dumps(r), flush=True)
     result = {
         "gpu": torch.cuda.get_device_name(),
         "shape": args.shape,
         "format": args.format,
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "step_bytes": step_bytes,
-        "defaults": defaults,
+        "default": dataclasses.asdict(default),
         "paths": paths_rows,
         "dot_sweep": sweep,
     }
