@@ -143,15 +143,16 @@ class DotConfig:
         and the rows of x its N (16 and up), which suits 8-64 rows of x.
     wide: unpack each packed word once and split it by shifts (see _plane_codes_wide)
         rather than gathering the word of every row.
-    block_n, max_block_m, max_block_k: the tile; BLOCK_M is the next power of two >= M
-        (at least 16, tl.dot's least size) up to max_block_m, BLOCK_K the group-aligned
-        chunk (see _chunk_rows).
+    block_n, min_block_m, max_block_m, max_block_k: the tile; BLOCK_M is the next power
+        of two >= M in [min_block_m, max_block_m] (16 is tl.dot's least size), BLOCK_K
+        the group-aligned chunk (see _chunk_rows).
     max_iters: chunks per split-K slice; programs_per_sm: the split-K target.
     """
 
     transposed: bool = False
     wide: bool = True
     block_n: int = 128
+    min_block_m: int = 16
     max_block_m: int = 64
     max_block_k: int = 64
     max_iters: int = 16
@@ -160,7 +161,16 @@ class DotConfig:
     programs_per_sm: int = 2
 
 
-_DOT_CONFIG = DotConfig()
+# By the most rows of x each serves. tools/tune_mid_m.py on an H100 (8B GPTQ, every linear
+# of the model in turn, bench/results/2026-11-25-h100-tune-mid-m.json): at M = 8 the
+# transposed kernel with 64 columns and 128-row chunks took 5.51 ms per round of linears
+# against 6.54 for the best untransposed one; at M = 64 untransposed 128 x 128 took 6.33
+# against 7.84 for the earlier 64-row chunks (and 8.23 transposed). M = 32 with a 32-row
+# tile took 10.8 ms (M = 64: 7.8), so rows past 16 take the 64-row tile.
+_DOT_CONFIGS: tuple[tuple[int, DotConfig], ...] = (
+    (16, DotConfig(transposed=True, block_n=64, max_block_k=128)),
+    (1 << 62, DotConfig(block_n=128, min_block_m=64, max_block_m=64, max_block_k=128)),
+)
 # Dequantization tile (elementwise: stores dominate).
 _DEQUANT_BLOCK_K = 32
 _DEQUANT_BLOCK_N = 128
@@ -632,10 +642,38 @@ def finish_gemv_tile(out_ptr, y_ptr, counter, arrivals, n, cols, col_ok, M_ROWS:
         tl.store(counter, 0)
 
 
-@triton.jit(do_not_specialize=["add_bias"])
+@triton.jit
+def finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter, arrivals):
+    """`finish_gemv_tile` for a 2-D tile of the mid-M path: the last of the tile's
+    `arrivals` programs writes y[offsets] from the sums and zeroes them again."""
+    tl.debug_barrier()
+    done = tl.atomic_add(counter, 1, sem="acq_rel")
+    if done == arrivals - 1:
+        sums = tl.load(out_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(y_ptr + offsets, sums.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offsets, tl.zeros_like(sums), mask=mask)
+        tl.store(counter, 0)
+
+
+@triton.jit
+def _codes_to_operand(codes, x_dtype: tl.constexpr):
+    """int32 codes (< 256) as the tensor cores' operand in x's dtype, exactly. For fp16
+    the code is OR-ed into the mantissa of 1024 as a 16-bit pattern (1024 + code) and 1024
+    taken off in fp16: two cheap instructions, against an OR, a float32 subtract and a
+    float32-to-fp16 conversion. bf16 has too few mantissa bits for 8-bit codes."""
+    if x_dtype == tl.float16:
+        return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return _codes_to_f32(codes).to(x_dtype)
+
+
+@triton.jit(do_not_specialize=["add_bias", "arrivals"])
 def _dot_kernel(
     x_ptr,  # [M, k], unit column stride
-    out_ptr,  # float32 [M, n], accumulated atomically
+    out_ptr,  # float32 [M, n]: the device's workspace, zero between calls (see finish_dot_tile)
+    y_ptr,  # [M, n] in x's dtype, contiguous
+    counter_ptr,  # int32 per (row tile, column tile), zero on entry
+    arrivals,  # programs per tile over all segments' launches
     p0_ptr,
     p1_ptr,
     scales_ptr,
@@ -724,10 +762,9 @@ def _dot_kernel(
             x_cols = row_start + rows
         # Masked rows of x are 0, which cancels whatever the padded codes dequantize to.
         x_tile = tl.load(x_rows + x_cols[None, :], mask=m_ok[:, None] & row_ok[None, :], other=0.0)
-        values = _codes_to_f32(codes)
         if GROUPED:
             # Codes (< 256) are exact in fp16/bf16: the tensor cores see no rounding of W.
-            part = _dot_f32(x_tile, values.to(x_dtype), zero_acc, EMULATE_BF16)
+            part = _dot_f32(x_tile, _codes_to_operand(codes, x_dtype), zero_acc, EMULATE_BF16)
             group = tl.load(
                 row_group_ptr + row_start + tl.minimum(k_begin + it * BLOCK_K, k_end - 1)
             )
@@ -742,13 +779,16 @@ def _dot_kernel(
             sz_mask = row_ok[:, None] & col_ok[None, :]
             row_scale = tl.load(scales_ptr + row_sz, mask=sz_mask, other=0.0)
             row_zero = tl.load(zeros_ptr + row_sz, mask=sz_mask, other=0.0)
-            w = (values - row_zero.to(tl.float32)) * row_scale.to(tl.float32)
+            w = (_codes_to_f32(codes) - row_zero.to(tl.float32)) * row_scale.to(tl.float32)
             acc = _dot_f32(x_tile, cast_rtne(w, x_dtype, EMULATE_BF16), acc, EMULATE_BF16)
 
     bias = tl.load(bias_ptr + cols, mask=col_ok & (pid_k == 0) & (add_bias != 0), other=0.0)
     acc += bias.to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * n + cols[None, :]
-    tl.atomic_add(out_ptrs, acc, mask=m_ok[:, None] & col_ok[None, :], sem="relaxed")
+    offsets = offs_m.to(tl.int64)[:, None] * n + cols[None, :]
+    mask = m_ok[:, None] & col_ok[None, :]
+    tl.atomic_add(out_ptr + offsets, acc, mask=mask, sem="relaxed")
+    counter = counter_ptr + pid_m * tl.num_programs(1) + pid_n
+    finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter, arrivals)
 
 
 @triton.jit
@@ -791,10 +831,13 @@ def _plane_codes_t(
         return (words >> ((rows % RPW) * BITS)[None, :]) & ((1 << BITS) - 1)
 
 
-@triton.jit(do_not_specialize=["add_bias"])
+@triton.jit(do_not_specialize=["add_bias", "arrivals"])
 def _dot_t_kernel(
     x_ptr,  # [M, k], unit column stride
-    out_ptr,  # float32 [M, n], accumulated atomically
+    out_ptr,  # float32 [M, n]: the device's workspace, zero between calls (see finish_dot_tile)
+    y_ptr,  # [M, n] in x's dtype, contiguous
+    counter_ptr,  # int32 per (row tile, column tile), zero on entry
+    arrivals,  # programs per tile over all segments' launches
     p0_ptr,
     p1_ptr,
     scales_ptr,
@@ -868,10 +911,9 @@ def _dot_t_kernel(
             x_cols = row_start + rows
         # Masked rows of x are 0, which cancels whatever the padded codes dequantize to.
         x_tile = tl.load(x_rows + x_cols[:, None], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
-        values = _codes_to_f32(codes)
         if GROUPED:
             # Codes (< 256) are exact in fp16/bf16: the tensor cores see no rounding of W.
-            part = _dot_f32(values.to(x_dtype), x_tile, zero_acc, EMULATE_BF16)
+            part = _dot_f32(_codes_to_operand(codes, x_dtype), x_tile, zero_acc, EMULATE_BF16)
             group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
             sz = group * sz_stride + cols
             scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
@@ -884,13 +926,16 @@ def _dot_t_kernel(
             sz_mask = col_ok[:, None] & row_ok[None, :]
             row_scale = tl.load(scales_ptr + row_sz, mask=sz_mask, other=0.0)
             row_zero = tl.load(zeros_ptr + row_sz, mask=sz_mask, other=0.0)
-            w = (values - row_zero.to(tl.float32)) * row_scale.to(tl.float32)
+            w = (_codes_to_f32(codes) - row_zero.to(tl.float32)) * row_scale.to(tl.float32)
             acc = _dot_f32(cast_rtne(w, x_dtype, EMULATE_BF16), x_tile, acc, EMULATE_BF16)
 
     bias = tl.load(bias_ptr + cols, mask=col_ok & (pid_k == 0) & (add_bias != 0), other=0.0)
     acc += bias.to(tl.float32)[:, None]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * n + cols[:, None]
-    tl.atomic_add(out_ptrs, acc, mask=col_ok[:, None] & m_ok[None, :], sem="relaxed")
+    offsets = offs_m.to(tl.int64)[None, :] * n + cols[:, None]
+    mask = col_ok[:, None] & m_ok[None, :]
+    tl.atomic_add(out_ptr + offsets, acc, mask=mask, sem="relaxed")
+    counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+    finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter, arrivals)
 
 
 @triton.jit
@@ -1083,19 +1128,35 @@ def _chunks_in_groups(qw: QuantizedWeight, block_k: int) -> bool:
 
 
 # Per device: a float32 sum buffer and int32 tile counters that are zero between calls.
-# Each GEMV leaves them zeroed (its last program per tile resets its part), so kernels of
-# one stream share them in turn. They only grow, and the first (uncaptured) call of every
-# shape sizes them, which a CUDA graph's warm-up run provides.
+# Each GEMV and mid-M matmul leaves them zeroed (the last program per tile resets its
+# part), so kernels of one stream share them in turn. The first (uncaptured) call of every
+# shape sizes them, which a CUDA graph's warm-up run provides. They only grow, and a
+# replaced pair is kept alive: a graph captured earlier still adds into it, and freeing it
+# would let the allocator hand that memory to another tensor. Growth at least doubles, so
+# the retired pairs hold less than the current one.
 _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_RETIRED_WORKSPACES: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
 def _workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     have = _WORKSPACES.get(device)
     if have is None or have[0].numel() < sums or have[1].numel() < tiles:
         old_sums, old_tiles = (have[0].numel(), have[1].numel()) if have else (0, 0)
+        if have is not None:
+            _RETIRED_WORKSPACES.append(have)
+        grow_sums = sums > old_sums
+        grow_tiles = tiles > old_tiles
         have = (
-            torch.zeros(max(sums, old_sums, 1 << 16), dtype=torch.float32, device=device),
-            torch.zeros(max(tiles, old_tiles, 1024), dtype=torch.int32, device=device),
+            torch.zeros(
+                max(sums, 2 * old_sums if grow_sums else old_sums, 1 << 16),
+                dtype=torch.float32,
+                device=device,
+            ),
+            torch.zeros(
+                max(tiles, 2 * old_tiles if grow_tiles else old_tiles, 1024),
+                dtype=torch.int32,
+                device=device,
+            ),
         )
         _WORKSPACES[device] = have
     return have
@@ -1274,10 +1335,18 @@ def _launch_gemv(
         first = False
 
 
-def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, out32: torch.Tensor) -> None:
+def _dot_config(M: int) -> DotConfig:
+    """The mid-M path's settings for M rows of x (see _DOT_CONFIGS)."""
+    return next(config for most, config in _DOT_CONFIGS if M <= most)
+
+
+def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
+    """y [M, n] (x's dtype) = x2d @ W (+ bias) on the tensor cores: one launch per segment,
+    summing in the device's self-resetting float32 workspace like the GEMV, so no
+    zero-fill or cast kernel runs around it."""
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
-    config = _DOT_CONFIG
-    block_m = min(config.max_block_m, max(16, triton.next_power_of_2(M)))
+    config = _dot_config(M)
+    block_m = min(config.max_block_m, max(config.min_block_m, triton.next_power_of_2(M)))
     block_n = min(config.block_n, max(16, triton.next_power_of_2(n)))
     block_k = _chunk_rows(qw, 16, config.max_block_k)  # tl.dot's least K
     m_tiles, n_tiles = triton.cdiv(M, block_m), triton.cdiv(n, block_n)
@@ -1288,18 +1357,22 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, out32: torch.Tensor) -> 
     grouped = _chunks_in_groups(qw, block_k)
     perm = qw.perm if qw.perm is not None else qw.row_group
     bias = qw.bias if qw.bias is not None else qw.scales
+    segments = [s for s in qw.segments if s.row_end > s.row_start]
+    arrivals = sum(triton.cdiv(s.row_end - s.row_start, rows_per_split) for s in segments)
+    out32, counters = _workspace(x2d.device, M * n, m_tiles * n_tiles)
     kernel = _dot_t_kernel if config.transposed else _dot_kernel
     first = True
-    for segment in qw.segments:
+    for segment in segments:
         seg_rows = segment.row_end - segment.row_start
-        if seg_rows <= 0:
-            continue
         p0, p1, p0_stride, p1_stride = _plane_args(segment)
         splits = triton.cdiv(seg_rows, rows_per_split)
         grid = (n_tiles, m_tiles, splits) if config.transposed else (m_tiles, n_tiles, splits)
         kernel[grid](
             x2d,
             out32,
+            y,
+            counters,
+            arrivals,
             p0,
             p1,
             qw.scales,
@@ -1421,9 +1494,9 @@ def quant_matmul_triton(
             y = torch.empty((M, n), dtype=x.dtype, device=x.device)
             _launch_gemv(x2d, qw, y)
             return y.reshape(*lead, n)
-        out32 = torch.zeros((M, n), dtype=torch.float32, device=x.device)  # atomics add here
-        _launch_dot(x2d, qw, out32)
-    return out32.to(x.dtype).reshape(*lead, n)
+        y = torch.empty((M, n), dtype=x.dtype, device=x.device)
+        _launch_dot(x2d, qw, y)
+    return y.reshape(*lead, n)
 
 
 def quant_matmul(

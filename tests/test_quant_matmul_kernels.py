@@ -232,7 +232,9 @@ def test_several_column_tiles_and_chunks_per_program(
         prefetch=prefetch,
     )  # fmt: skip
     monkeypatch.setattr(qmt, "_GEMV_CONFIG", config)
-    monkeypatch.setattr(qmt, "_DOT_CONFIG", dataclasses.replace(qmt._DOT_CONFIG, programs_per_sm=1))
+    monkeypatch.setattr(
+        qmt, "_DOT_CONFIGS", ((1 << 62, dataclasses.replace(qmt.DotConfig(), programs_per_sm=1)),)
+    )
     monkeypatch.setattr(qmt, "_sm_count", lambda device: 1)
     qw = make_weight(256, 200, [6], device=device)
     if path == "gemv":
@@ -268,7 +270,9 @@ def test_dot_variants(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _require_triton(device)
-    monkeypatch.setattr(qmt, "_DOT_CONFIG", dataclasses.replace(config, max_block_m=32))
+    monkeypatch.setattr(
+        qmt, "_DOT_CONFIGS", ((1 << 62, dataclasses.replace(config, max_block_m=32)),)
+    )
     if case == "mixed":
         qw = make_weight(200, 96, WIDTHS, device=device)
     else:
@@ -286,19 +290,32 @@ def test_gemv_every_row_count(device: str) -> None:
         _check(qw, M, torch.float16, device, "gemv", seed=M)
 
 
-def test_gemv_workspace_is_left_zeroed(device: str) -> None:
-    # The GEMV sums in a shared workspace that each call must leave as it found it: calls
-    # of different shapes and row counts in turn each equal the reference.
+def test_workspace_is_left_zeroed(device: str) -> None:
+    # The GEMV and the mid-M path sum in a shared workspace that each call must leave as it
+    # found it: calls of different shapes, paths and row counts in turn each equal the
+    # reference (M = 3 takes the transposed kernel, M = 20 the 64-row one; both grow it).
     _require_triton(device)
     weights = [
         make_weight(256, 200, [4, 3], device=device, seed=1),
         make_weight(96, 512, [8], device=device, seed=2, bias=False),
     ]
-    for M in (1, 2, 1):
+    for path, M in (("gemv", 1), ("gemv", 2), ("dot", 3), ("dot", 20), ("gemv", 1), ("dot", 5)):
         for i, qw in enumerate(weights):
-            _check(qw, M, torch.float16, device, "gemv", seed=10 * M + i)
+            _check(qw, M, torch.float16, device, path, seed=10 * M + i)
     sums, counters = qmt._WORKSPACES[weights[0].device]  # "cuda" is keyed as cuda:0
     assert not sums.any() and not counters.any()
+
+
+def test_workspace_growth_keeps_the_old_one_alive(device: str) -> None:
+    # A CUDA graph captured before the workspace grew still adds into the old buffer: it
+    # must stay allocated (not handed to another tensor) and zero.
+    dev = torch.device(device)
+    before = qmt._workspace(dev, 1, 1)
+    need = before[0].numel() + 1
+    after = qmt._workspace(dev, need, 1)
+    assert after[0].numel() >= max(need, 2 * before[0].numel())  # grows at least twofold
+    assert any(old[0] is before[0] for old in qmt._RETIRED_WORKSPACES)
+    assert not before[0].any() and not after[0].any()
 
 
 def test_leading_dims_and_empty_rows(device: str) -> None:

@@ -10,7 +10,7 @@ replayed in a CUDA graph:
   - per M, each path (gemv for M <= 4, the tensor-core "dot" path, dequantize + cuBLAS);
   - for the dot path at the --sweep-m sizes, every DotConfig of the sweep below.
 Reports µs per round and the effective GB/s of the packed weights, and writes
-tune_mid_m.json; DotConfig's default in kernels/quant_matmul_triton.py comes from here.
+tune_mid_m.json; _DOT_CONFIGS in kernels/quant_matmul_triton.py come from here.
 """
 
 from __future__ import annotations
@@ -42,8 +42,7 @@ DOT_SWEEP = list(
 
 def _config(values: tuple) -> qmt.DotConfig:
     transposed, wide, block_n, block_k, warps, stages, pps = values
-    return dataclasses.replace(
-        qmt._DOT_CONFIG,
+    return qmt.DotConfig(
         transposed=transposed,
         wide=wide,
         block_n=block_n,
@@ -70,7 +69,7 @@ def main() -> int:
     bandwidth = _read_bandwidth()
     linears = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
     step_bytes = sum(m.storage_bits // 8 for m in linears)
-    default = qmt._DOT_CONFIG
+    default = qmt._DOT_CONFIGS
 
     def round_us(M: int, path: str) -> float | None:
         """µs of one call of every linear at M rows through `path` (None: it fails)."""
@@ -108,12 +107,13 @@ def main() -> int:
     sweep = []
     for M in args.sweep_m:
         for values in DOT_SWEEP:
-            qmt._DOT_CONFIG = _config(values)
+            config = _config(values)
+            qmt._DOT_CONFIGS = ((1 << 62, config),)
             us = round_us(M, "dot")
             if us is not None:
-                sweep.append({"M": M, **dataclasses.asdict(qmt._DOT_CONFIG), "us": us,
+                sweep.append({"M": M, **dataclasses.asdict(config), "us": us,
                               "gb_s": gb_s(us)})  # fmt: skip
-        qmt._DOT_CONFIG = default
+        qmt._DOT_CONFIGS = default
         best = sorted((r for r in sweep if r["M"] == M), key=lambda r: r["us"])[:8]
         print(f"M={M}: best dot settings (µs per round of linears)", flush=True)
         for r in best:
@@ -124,7 +124,7 @@ def main() -> int:
         "format": args.format,
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "step_bytes": step_bytes,
-        "default": dataclasses.asdict(default),
+        "default": [[most, dataclasses.asdict(c)] for most, c in default],
         "paths": paths_rows,
         "dot_sweep": sweep,
     }
