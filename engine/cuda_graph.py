@@ -402,6 +402,13 @@ class _Graph:
         self._wait_copies()
         self._stage_rows(sequences, new_tokens)
 
+    def set_tokens(self, tokens: torch.Tensor) -> None:
+        """Overwrite the staged rows' first tokens with `tokens` [n] from a device (a
+        one-token-per-row graph; call after `stage`)."""
+        assert self.tokens_per_row == 1, "device tokens feed one-token rows"
+        first = self.segments[0]
+        first.device_rows[: tokens.numel(), 0].copy_(tokens, non_blocking=True)
+
     def _wait_copies(self) -> None:
         for event in self._copied.values():
             event.synchronize()
@@ -536,6 +543,18 @@ class DecodeGraphs:
         if lora is not None:
             self.lora_steps += 1
         return graph.run(sequences, tokens, lora_scales)
+
+    def decode_device(self, sequences: list[Sequence], tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step (no LoRA) whose input tokens, int64 [len(sequences)], are on
+        the device: the host stages everything else and the tokens are copied into the
+        graph's rows on the device, after the rows' upload in stream order."""
+        self._advance(sequences, [1] * len(sequences))
+        size = self.bucket(len(sequences))
+        assert size is not None, "more sequences than the largest bucket"
+        graph = self.graph(size)
+        graph.stage(sequences, [0] * len(sequences))
+        graph.set_tokens(tokens)
+        return graph.replay()[: len(sequences)]
 
     def _advance(self, sequences: list[Sequence], counts: list[int]) -> None:
         """Reserve pages for each sequence's new tokens and move its length past them (the

@@ -68,6 +68,9 @@ class EngineOptions:
     lora_cuda_graphs: bool = LORA_GRAPHS
     max_batch: int = 64  # concurrent jobs; more wait in the scheduler's queue
     prefix_caching: bool = True  # reuse the cached pages of a repeated prompt prefix
+    # The scheduler launches the next decode forward before reading the last step's tokens,
+    # so its host work overlaps the GPU (engine/scheduler.py, "Lookahead"); same output.
+    lookahead: bool = True
     fuse_projections: bool = True  # q/k/v and gate/up as one linear each (engine/fusion.py)
     # Residual add + norm, SiLU * up, RoPE + KV write as one kernel each (same results).
     fuse_kernels: bool = True
@@ -119,6 +122,7 @@ class Engine:
             max_batch=options.max_batch,
             max_tokens_per_step=max(options.prefill_chunk, options.max_batch),
             prefix_caching=options.prefix_caching,
+            lookahead=options.lookahead,
         )
 
     @classmethod
@@ -328,6 +332,25 @@ class Engine:
         )
         with self.loras.active(lora_batch):
             return self.model(batch, self.cache)
+
+    def forward_decode_tokens(
+        self, sequences: list[Sequence], tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits [len(sequences), vocab] of one decode step whose input tokens (int64
+        [len(sequences)]) are on the device, drawn by the last step's sampler and not read
+        back: a decode graph takes them device to device, so the host does not wait for
+        them. Without a graph for the step (CPU, cuda_graphs=False, tensor parallel) they
+        are read back and the step runs as `forward` (no LoRA: the default selection is
+        not applied)."""
+        n = len(sequences)
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and self.tp_world_size == 1
+            and graphs.multi_token_shape(sequences, [[0]] * n) == (graphs.bucket(n), 1)
+        ):
+            return graphs.decode_device(sequences, tokens)
+        return self.forward(sequences, [[t] for t in tokens.tolist()], loras=[{}] * n)
 
     def prefill(
         self,

@@ -197,13 +197,43 @@ def sample_jobs(
     jobs: list[JobSampler], logits: torch.Tensor, bans: list[list[int]] | None = None
 ) -> tuple[list[int], list[list[TokenLogprob] | None]]:
     """One token per row of logits [N, V], row i drawn by jobs[i]; with logprobs where asked.
-    `bans[i]`: token ids row i must not take here (banned strings' rewinds).
+    `bans[i]`: token ids row i must not take here (banned strings' rewinds). One host sync
+    for the whole batch (see `draw_jobs`)."""
+    out = draw_jobs(jobs, logits, bans)
+    return out.tolist(), logprobs_for(jobs, logits, out)
+
+
+class TokenReadback:
+    """Values of a device tensor copied to pinned host memory as soon as the stream gets
+    there: `tolist()` waits for that copy only, not for the work queued after it (a plain
+    `.tolist()` would wait for the whole stream, e.g. the scheduler's lookahead forward)."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if values.device.type != "cuda":
+            self._host = values
+            return
+        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self._host.copy_(values, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(values.device))
+
+    def tolist(self) -> list:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+def draw_jobs(
+    jobs: list[JobSampler], logits: torch.Tensor, bans: list[list[int]] | None = None
+) -> torch.Tensor:
+    """`sample_jobs`' tokens as int64 [N] on the logits' device, without a host sync (the
+    scheduler's lookahead feeds them to the next step before reading them).
 
     Plain greedy rows are argmax-ed together, rows with only temperature/top_k/top_p/min_p
-    are drawn together (engine/samplers/batched.py), each other row goes through its own
-    sampler (its seed, its state). One host sync for the whole batch."""
+    (or greedy with only a bias and bans) are drawn together (engine/samplers/batched.py),
+    each other row goes through its own sampler (its seed, its state)."""
     device = logits.device
-    raw = logits
     if bans and any(bans):
         logits = apply_position_bans(logits, bans)
     plain = [i for i, job in enumerate(jobs) if job.plain_greedy]
@@ -224,7 +254,7 @@ def sample_jobs(
                 out[i : i + 1] = job.sampler.sample_batch(logits[i : i + 1], job.context())
     for i, job in enumerate(jobs):
         job.append(out[i : i + 1])
-    return out.tolist(), logprobs_for(jobs, raw, out)
+    return out
 
 
 def apply_position_bans(logits: torch.Tensor, bans: list[list[int]]) -> torch.Tensor:

@@ -52,6 +52,18 @@ Contract:
   model's default) and holds its adapters until the job ends (`LoraError` for an unknown
   or unloading name); each step passes every row's selection to the forward, so one batch
   mixes adapters. The prefix cache keeps each selection's pages apart.
+- Lookahead (`lookahead=True`, the default): a step whose rows all draw one token (no
+  prompt chunk still short of its end, drafts or logprobs) draws it on the device and does
+  not read it back at once. The next `step()` first launches the following decode forward
+  with those tokens as its input (device to device into the decode graph's rows), and only
+  then reads them and runs stops, detokenization and events, so that host work overlaps
+  the GPU's forward. Stops are thus seen one forward late: a job that stopped (or rewound
+  for a banned string) has its looked-ahead row dropped, and its cache slot with it. A
+  step looks ahead only when every running job is in it and nothing else is due: no job
+  waits for admission with room in the batch, no job needs a preemption for its next
+  page, no LoRA, no speculation. Otherwise that `step()` only reads and delivers the
+  drawn tokens, and the next one runs a normal step. Tokens and events are the same as
+  without lookahead; `stats()` counts the forwards run ahead and those dropped.
 - Prefix caching (engine/prefix_cache.py): at admission a job adopts the cached full pages
   its prompt starts with, at most those before its last prompt token (one token is always
   computed, for the logits, and the job's partially filled page is always its own: shared
@@ -78,6 +90,8 @@ from engine.generator import (
     OutputProcessor,
     PositionBans,
     TokenLogprob,
+    TokenReadback,
+    draw_jobs,
     logprob_entries,
     sample_jobs,
     token_logprobs,
@@ -202,6 +216,15 @@ class _Row:
     chunk: bool = False  # a prefill chunk (counted in job.prefill_tokens)
 
 
+@dataclass(eq=False)
+class _Drawn:
+    """A step whose tokens were drawn on the device and not read back yet (lookahead)."""
+
+    rows: list[_Row]
+    tokens: torch.Tensor  # int64 [len(rows)], on the logits' device
+    readback: TokenReadback  # their copy to the host, started right after the draw
+
+
 class Scheduler:
     def __init__(
         self,
@@ -211,6 +234,7 @@ class Scheduler:
         max_tokens_per_step: int = 2048,
         max_waiting: int | None = None,
         prefix_caching: bool = True,
+        lookahead: bool = True,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -226,6 +250,10 @@ class Scheduler:
         self.max_tokens_per_step = max_tokens_per_step
         self.max_waiting = max_waiting
         self.prefix_caching = prefix_caching
+        self.lookahead = lookahead
+        self._drawn: _Drawn | None = None  # a step's tokens not read back yet
+        self.lookahead_forwards = 0  # decode forwards launched before the last step's read
+        self.lookahead_dropped = 0  # their rows dropped: the job stopped or rewound
         self.lock = engine.lock
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []  # admitted (prefilling or decoding), in admission order
@@ -306,6 +334,8 @@ class Scheduler:
             "tokens_per_step": (
                 round(self._decode_tokens / self._decode_rows, 4) if self._decode_rows else 0.0
             ),
+            "lookahead_forwards": self.lookahead_forwards,
+            "lookahead_dropped_rows": self.lookahead_dropped,
         }
 
     def submit(
@@ -375,6 +405,7 @@ class Scheduler:
         """Cancel every job and refuse new ones (the engine is being unloaded)."""
         with self.lock:
             self._closed = True
+            self._drawn = None
             for job in [*self._running, *self._waiting]:
                 self._finish(job, "cancelled")
             if self._stepper is not None:
@@ -452,6 +483,18 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------
     def _step(self, *, queue: bool) -> list[GenerationEvent]:
+        """One forward: the lookahead of the drawn step if it can run, else a normal step
+        (after reading the drawn step's tokens, if any)."""
+        if self._drawn is not None and all(row.job.done for row in self._drawn.rows):
+            self._drawn = None  # every job of it was cancelled: nothing to read
+        events: list[GenerationEvent] = []
+        if self._drawn is not None:
+            events = self._read_drawn(queue=queue)
+            if self._drawn is not None:
+                return events  # the lookahead forward ran and drew its tokens
+        return events + self._normal_step(queue=queue)
+
+    def _normal_step(self, *, queue: bool) -> list[GenerationEvent]:
         rows = self._plan()
         if not rows:
             if self._running:
@@ -471,12 +514,17 @@ class Scheduler:
             except (torch.OutOfMemoryError, MemoryError) as error:
                 # One job ends (its final event is also queued); the others run again.
                 return [self._out_of_memory(rows, lengths, error)]
-            results = self._sample(rows, logits, counts)
+            if self._drawable(rows):
+                self._drawn = self._draw(rows, logits)
+            else:
+                results = self._sample(rows, logits, counts)
         except BaseException as error:
             for job in batch:
                 job.error = error
                 self._finish(job, "error")
             raise
+        if self._drawn is not None:
+            return self._read_drawn(queue=queue)
         events = []
         for row, (tokens, logprobs) in zip(rows, results, strict=True):
             event = self._advance(row.job, tokens, logprobs)
@@ -484,6 +532,114 @@ class Scheduler:
                 events.append(event)
                 if queue:
                     row.job.events.append(event)
+        return events
+
+    # -- lookahead (see the module docstring) ---------------------------------------------
+    def _drawable(self, rows: list[_Row]) -> bool:
+        """Whether the step's tokens may stay on the device: every row draws one token and
+        nothing needs it on the host before the next forward."""
+        return (
+            self.lookahead
+            and self.speculative is None
+            and all(
+                not row.drafts
+                and row.job.sequence.length == len(row.job.tokens)
+                and row.job.sampling.logprobs_k is None
+                for row in rows
+            )
+        )
+
+    def _draw(self, rows: list[_Row], logits: torch.Tensor) -> _Drawn:
+        """One token per row (logits [len(rows), vocab]) on the device, no host sync; their
+        copy to the host starts now, ahead of whatever is queued next."""
+        jobs = [row.job for row in rows]
+        bans = [job.bans.at(len(job.generated_ids)) for job in jobs]
+        tokens = draw_jobs([job.sampling for job in jobs], logits, bans if any(bans) else None)
+        decoding = sum(job.state == DECODE for job in jobs)
+        self._decode_rows += decoding
+        self._decode_tokens += decoding
+        return _Drawn(rows, tokens, TokenReadback(tokens))
+
+    def _ahead(self, drawn: _Drawn) -> list[int]:
+        """Indices of the drawn rows whose next decode forward can start before their
+        tokens are read; [] when a normal step must come first (see the module docstring)."""
+        if not self.lookahead or self.speculative is not None:
+            return []
+        if self._waiting and len(self._running) < self.max_batch:
+            return []  # admit first
+        live = [n for n, row in enumerate(drawn.rows) if not row.job.done]
+        if {drawn.rows[n].job for n in live} != set(self._running):
+            return []  # another job needs a prompt chunk
+        self._reserved = 0
+        ahead = []
+        for n in live:
+            job = drawn.rows[n].job
+            if job.loras:
+                return []
+            if len(job.generated_ids) + 1 >= job.max_new_tokens:
+                continue  # the drawn token is its last
+            need = self._pages_for(job, 1)
+            if need > self._spare():
+                return []  # a preemption is due: a normal step decides it
+            self._reserved += need
+            ahead.append(n)
+        return ahead
+
+    def _read_drawn(self, *, queue: bool) -> list[GenerationEvent]:
+        """Launch the next decode forward of the drawn rows that can go on, then read the
+        drawn tokens and take them into their jobs; the rows still valid after that draw
+        their next tokens on the device (the next `step()` reads them)."""
+        drawn, self._drawn = self._drawn, None
+        assert drawn is not None
+        ahead = self._ahead(drawn)
+        jobs = [row.job for row in drawn.rows]
+        try:
+            logits = None
+            if ahead:
+                tokens = drawn.tokens
+                if len(ahead) < len(drawn.rows):
+                    tokens = tokens[host_to_device(torch.tensor(ahead), tokens.device)]
+                logits = self.engine.forward_decode_tokens(
+                    [jobs[n].sequence for n in ahead], tokens
+                )
+                self.lookahead_forwards += 1
+            sampled = drawn.readback.tolist()
+        except BaseException as error:
+            for job in jobs:
+                if not job.done:
+                    job.error = error
+                    self._finish(job, "error")
+            raise
+        in_flight = {jobs[n] for n in ahead}
+        events = []
+        for job, token in zip(jobs, sampled, strict=True):
+            if job.done:
+                continue  # cancelled while its forward ran
+            event = self._advance(job, [token], [None], in_flight=int(job in in_flight))
+            if event is not None:
+                events.append(event)
+                if queue:
+                    job.events.append(event)
+        if logits is not None:
+            # A job that stopped or rewound drops its looked-ahead row (its cache slot went
+            # with the finish or the rewind).
+            keep = [
+                i
+                for i, n in enumerate(ahead)
+                if not jobs[n].done and jobs[n].sequence.length == len(jobs[n].tokens)
+            ]
+            self.lookahead_dropped += len(ahead) - len(keep)
+            if keep:
+                rows = [_Row(jobs[ahead[i]], []) for i in keep]
+                if len(keep) < len(ahead):
+                    logits = logits[host_to_device(torch.tensor(keep), logits.device)]
+                try:
+                    self._drawn = self._draw(rows, logits)
+                except BaseException as error:
+                    for row in rows:
+                        row.job.error = error
+                        self._finish(row.job, "error")
+                    raise
         return events
 
     def _plan(self) -> list[_Row]:
@@ -735,11 +891,17 @@ class Scheduler:
         return results
 
     def _advance(
-        self, job: Job, tokens: list[int], logprobs: list[TokenLogprob | None]
+        self,
+        job: Job,
+        tokens: list[int],
+        logprobs: list[TokenLogprob | None],
+        *,
+        in_flight: int = 0,
     ) -> GenerationEvent | None:
         """Take a row's new tokens into its job: rewind rejected drafts' cache entries,
         publish full pages, then feed the output one token at a time (a stop ends the job
-        there; a banned string rewinds it)."""
+        there; a banned string rewinds it). `in_flight`: a lookahead forward already
+        feeds the last of `tokens` (its cache slot is taken)."""
         cache = self.engine.cache
         if not tokens:
             self._publish(job, job.tokens)
@@ -748,8 +910,9 @@ class Scheduler:
             job.state = DECODE
             if job.first_token is None:
                 job.first_token = time.perf_counter()
-        # The cache keeps every token but the last one sampled.
-        keep = len(job.tokens) + len(tokens) - 1
+        # The cache keeps every token but the last one sampled (unless a lookahead forward
+        # already writes that one).
+        keep = len(job.tokens) + len(tokens) - 1 + in_flight
         if job.sequence.length > keep:
             trim_sequence(cache, job.sequence, keep)
         if self.draft is not None and job.draft_sequence.length > keep:

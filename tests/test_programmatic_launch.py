@@ -59,10 +59,13 @@ def test_decode_is_the_same_with_and_without(
     write, split attention and its merge all launched with PDL) against the same engine
     without PDL. A kernel reading its input before its predecessor finished would show as
     different tokens or logits; split-K float32 atomics may reorder sums between runs, so
-    logits compare to rounding, not bit for bit."""
+    logits compare to rounding, not bit for bit: fp16 activations round at ~1e-3, an
+    ordering flip of one ulp early on grows through the layers (5e-3 was seen on an H100
+    for the EXL2 model's prefill through the mid-M kernels). A kernel that read stale
+    input would be off by the size of the values themselves, or change tokens."""
     path = build_model(tmp_path / fmt, "tiny", fmt)
     prompt = torch.randint(2, 4096, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     plain_tokens, plain_rows = _greedy(path, False, prompt, 24)
     pdl_tokens, pdl_rows = _greedy(path, True, prompt, 24)
     assert pdl_tokens == plain_tokens
-    torch.testing.assert_close(pdl_rows, plain_rows, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(pdl_rows, plain_rows, rtol=1e-2, atol=1e-2)

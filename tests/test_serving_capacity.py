@@ -128,7 +128,13 @@ def test_out_of_memory_in_a_forward_fails_only_one_job(model_dir: Path, error) -
     finally:
         del model.forward
     assert victim.finish_reason == "error" and isinstance(victim.error, GenerationMemoryError)
-    assert [e.finish_reason for e in events] == ["error"]
+    # The step first delivered the small jobs' tokens drawn by the step before (the
+    # scheduler's lookahead reads them then); the failed forward made one event only.
+    assert [e.job_id for e in events if e.finish_reason == "error"] == [victim.id]
+    for event in events:
+        if event.job_id != victim.id:
+            assert event.finish_reason is None
+            out[event.job_id] += event.token_ids
     message = str(victim.error)
     assert f"job {victim.id} ran out of memory" in message and "pages freed" in message
     assert type(error).__name__ in message

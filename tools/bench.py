@@ -389,9 +389,12 @@ def bench_kestrel(path: Path, prompt_len: int, cache_type: str = "fp16") -> dict
     return result
 
 
-def bench_concurrency(path: Path, levels: list[int], prompt_len: int = 128) -> list[dict]:
+def bench_concurrency(
+    path: Path, levels: list[int], prompt_len: int = 128, lookahead: bool = True
+) -> list[dict]:
     """Aggregate tok/s of N concurrent jobs (greedy, NEW_TOKENS each, distinct prompts)
-    through the scheduler: continuous batching, decode steps as bucketed CUDA graphs."""
+    through the scheduler: continuous batching, decode steps as bucketed CUDA graphs, the
+    next forward launched before the last tokens are read (`lookahead`)."""
     most = max(levels)
     per_job = prompt_len + NEW_TOKENS
     engine = Engine.load(
@@ -403,6 +406,7 @@ def bench_concurrency(path: Path, levels: list[int], prompt_len: int = 128) -> l
             cache_tokens=most * (per_job + 256),
             max_batch=most,
             prefix_caching=False,
+            lookahead=lookahead,
         ),
     )
     vocab = engine.config.vocab_size
@@ -426,7 +430,8 @@ def bench_concurrency(path: Path, levels: list[int], prompt_len: int = 128) -> l
         seconds, tokens = sorted(timings)[1]
         results.append(
             {"engine": "kestrel", "concurrency": n, "aggregate_tok_s": tokens / seconds,
-             "tokens": tokens, "seconds": seconds, "prompt": prompt_len}
+             "tokens": tokens, "seconds": seconds, "prompt": prompt_len,
+             "lookahead": lookahead}
         )  # fmt: skip
         print(json.dumps(results[-1]), flush=True)
     engine.unload()

@@ -1,0 +1,162 @@
+"""The scheduler's lookahead (engine/scheduler.py, "Lookahead"): the next decode forward is
+launched from tokens still on the device, before the last step's tokens are read. It must
+change nothing a client sees: the same tokens, text, finish reasons and events as without
+it, with stops, banned-string rewinds, admissions and cancellations in the mix; and every
+cache page comes back. On the CPU the forward runs eagerly from the read-back tokens, so
+the bookkeeping is checked here; on a GPU the decode graph takes the tokens on the device.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine import Engine, EngineOptions
+from engine.generator import GenerationEvent, generate_single
+
+from model_factory import make_tiny_llama
+
+GREEDY = {"temperature": 0, "ban_eos_token": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama-lookahead")
+    make_tiny_llama(path)
+    return path
+
+
+def _engine(path: Path, lookahead: bool, device: str = "cpu", **options) -> Engine:
+    base = dict(
+        device=device,
+        dtype="float32" if device == "cpu" else "float16",
+        max_seq_len=256,
+        page_size=8,
+        cache_tokens=1024,
+        prefill_chunk=32,
+        max_batch=3,
+        lookahead=lookahead,
+    )
+    return Engine.load(path, EngineOptions(**{**base, **options}))
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 384) for _ in range(n)]
+
+
+def _run(engine: Engine, jobs_spec: list[tuple[list[int], dict]]) -> list[list[tuple]]:
+    """Every job's events as (text, token ids, finish reason), submitted at once and
+    streamed together (max_batch 3: later jobs are admitted as earlier ones end)."""
+    sched = engine.scheduler
+    jobs = [sched.submit(p, s) for p, s in jobs_spec]
+    events: dict[int, list[GenerationEvent]] = {job.id: [] for job in jobs}
+    for event in sched.stream_many(jobs):
+        events[event.job_id].append(event)
+    return [[(e.text, e.token_ids, e.finish_reason) for e in events[j.id]] for j in jobs]
+
+
+def _ids(events: list[tuple]) -> list[int]:
+    return [t for _, ids, _ in events for t in ids]
+
+
+def test_same_events_with_and_without_lookahead(model_dir: Path) -> None:
+    plain = _engine(model_dir, lookahead=False)
+    ahead = _engine(model_dir, lookahead=True)
+    prompts = [_prompt(n, seed=n) for n in (5, 12, 40, 9, 23, 17)]
+    # A stop string from the middle of what job 0 generates greedily, a stop token id,
+    # and a banned string: jobs that end or rewind where a lookahead forward already ran.
+    ids, text = [], ""
+    for event in generate_single(plain, prompts[0], {**GREEDY, "max_new_tokens": 24}):
+        ids += event.token_ids
+        text += event.text
+    stop = next(text[i : i + 2] for i in range(len(text) // 2, len(text) - 1)
+                if text[i : i + 2].isalnum())  # fmt: skip
+    k = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])
+    settings = [
+        {**GREEDY, "max_new_tokens": 24, "stop": [stop]},
+        {"max_new_tokens": 20, "temperature": 0.9, "top_k": 40, "seed": 5},
+        {**GREEDY, "max_new_tokens": 30, "repetition_penalty": 1.3},
+        {**GREEDY, "max_new_tokens": 24, "stop_token_ids": [ids[k]]},
+        {**GREEDY, "max_new_tokens": 24, "banned_strings": [stop]},
+        {"max_new_tokens": 12, "temperature": 1.2, "min_p": 0.05, "seed": 9},
+    ]
+    spec = list(zip([*prompts[:3], prompts[0], prompts[0], prompts[5]], settings, strict=True))
+    free = ahead.cache.free_pages
+    expected = _run(plain, spec)
+    got = _run(ahead, spec)
+    assert got == expected
+    assert expected[0][-1][2] == "stop" and expected[3][-1][2] == "stop"
+    assert _ids(expected[3])[-1] == ids[k]
+    stats = ahead.scheduler.stats()
+    assert stats["rewinds"] > 0  # job 4 met its banned string and went back
+    assert stats["lookahead_forwards"] > 10 and plain.scheduler.stats()["lookahead_forwards"] == 0
+    # the stopped jobs' looked-ahead rows were dropped; every page is back
+    assert stats["lookahead_dropped_rows"] >= 2
+    assert ahead.cache.free_pages == free
+
+
+def test_steady_decode_runs_ahead_every_step(model_dir: Path) -> None:
+    # No stops, no admissions after the first steps: after the prompts, every step's
+    # forward is launched ahead and no row is ever dropped (a row dropped for nothing
+    # means the in-flight cache slot was lost, e.g. trimmed when its token was read).
+    engine = _engine(model_dir, lookahead=True)
+    spec = [(_prompt(6 + i, seed=i), {**GREEDY, "max_new_tokens": 12}) for i in range(3)]
+    events = _run(engine, spec)
+    assert all(len(_ids(e)) == 12 for e in events)
+    stats = engine.scheduler.stats()
+    assert stats["lookahead_dropped_rows"] == 0
+    # 11 decode forwards per job after the one that ends its prompt, the last token's
+    # forward is never launched: at least 10 of them ran ahead.
+    assert stats["lookahead_forwards"] >= 10
+
+
+def test_a_waiting_job_is_admitted_without_delay(model_dir: Path) -> None:
+    # Lookahead stops for a job that waits with room in the batch: the step that reads
+    # the drawn tokens runs a normal step, which admits it.
+    engine = _engine(model_dir, lookahead=True)
+    sched = engine.scheduler
+    first = sched.submit(_prompt(5, seed=1), {**GREEDY, "max_new_tokens": 40})
+    for _ in range(4):
+        sched.step()
+    assert sched._drawn is not None  # noqa: SLF001 - a lookahead is in flight
+    late = sched.submit(_prompt(7, seed=2), {**GREEDY, "max_new_tokens": 4})
+    sched.step()
+    assert late.state != "waiting" and late.prefill_tokens == 7
+    sched.cancel(first)
+    sched.cancel(late)
+    assert engine.cache.free_pages == engine.cache.num_pages
+
+
+@pytest.mark.gpu
+def test_gpu_graph_takes_device_tokens_without_a_host_sync(tmp_path: Path) -> None:
+    # On a GPU the looked-ahead forward is a decode graph replay whose token column is
+    # copied on the device: the tokens equal those without lookahead, the graph path ran,
+    # and a steady-state step makes no implicit host sync (only the pinned read-back's
+    # event wait, which sync debug mode does not count).
+    make_tiny_llama(tmp_path, dtype=torch.float16)
+    plain = _engine(tmp_path, lookahead=False, device="cuda")
+    ahead = _engine(tmp_path, lookahead=True, device="cuda")
+    spec = [(_prompt(5 + 3 * i, seed=i), {**GREEDY, "max_new_tokens": 24}) for i in range(3)]
+    assert _run(ahead, spec) == _run(plain, spec)
+    calls = []
+    graphs = ahead.graphs
+    assert graphs is not None
+    original = graphs.decode_device
+    graphs.decode_device = lambda *a: calls.append(1) or original(*a)
+    sched = ahead.scheduler
+    jobs = [sched.submit(p, {**GREEDY, "max_new_tokens": 40}) for p, _ in spec]
+    for _ in range(6):
+        sched.step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            sched.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(calls) >= 15
+    for job in jobs:
+        sched.cancel(job)
