@@ -31,7 +31,7 @@ from torch import nn
 
 from engine.modules import Attention, GatedMLP, Linear
 from engine.quantized_linear import QuantizedLinear
-from kernels.quant_matmul import Plane, QuantizedWeight, Segment
+from kernels.quant_matmul import Plane, QuantizedWeight, Segment, compact_zero_points
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -85,7 +85,7 @@ def _concat_quantized(parts: list[QuantizedLinear]) -> QuantizedLinear:
         perm=first.perm,
         segments=segments,
         scales=torch.cat([w.scales for w in weights], 1),
-        zeros=torch.cat([w.zeros for w in weights], 1),
+        zeros=compact_zero_points(torch.cat([w.zeros.to(torch.float16) for w in weights], 1)),
         row_group=first.row_group,
         bias=bias,
     )

@@ -61,7 +61,8 @@ class QuantizedLinear(nn.Module):
         """Bits stored for this linear (codes, scales, zeros, permutation, groups)."""
         qw = self.qweight
         total = sum(p.packed.numel() * 32 for s in qw.segments for p in s.planes)
-        total += (qw.scales.numel() + qw.zeros.numel()) * 16 + qw.row_group.numel() * 32
+        total += qw.scales.numel() * 16 + qw.zeros.numel() * qw.zeros.element_size() * 8
+        total += qw.row_group.numel() * 32
         return total + (qw.perm.numel() * 32 if qw.perm is not None else 0)
 
     def extra_repr(self) -> str:

@@ -6,7 +6,9 @@ Contract (docs/quant_layout.md; k = in_features, n = out_features):
       perm       int32 [k] or None   the kernel reads x[:, perm[i]] as its row i (act-order)
       segments   list[Segment]       row ranges of one bit width covering 0..k-1, in order
       scales     fp16 [G, n]
-      zeros      fp16 [G, n]         zero points in code units, so w = (code - zero) * scale
+      zeros      uint8/int16/fp16 [G, n]  zero points in code units, so w = (code - zero) *
+                 scale; integers (GPTQ, EXL2: 0..256) in the smallest type that holds them
+                 (`compact_zero_points`: a 4-bit GPTQ 8B model's zeros take 28 MiB, not 112)
       row_group  int32 [k]           group of each permuted row, non-decreasing
       bias       fp16 [n] or None
     Segment: bits in {2, 3, 4, 5, 6, 8}, rows [row_start, row_end), planes per PLANE_SPLITS
@@ -14,7 +16,7 @@ Contract (docs/quant_layout.md; k = in_features, n = out_features):
              of the segment sits in word r // (32 / bits) at bit (r % (32 / bits)) * bits
 
     dequantize_reference(qw) -> fp32 [k, n] in the original row order:
-        W_orig[perm[i], :] = code[i, :] * scales[row_group[i], :] - zeros[row_group[i], :]
+        W_orig[perm[i], :] = (code[i, :] - zeros[row_group[i], :]) * scales[row_group[i], :]
     quant_matmul_reference(x [..., k], qw) -> [..., n] in x.dtype: x @ W_orig + bias
 
 Everything format-specific (EXL2, GPTQ files) lives in engine/quant/, which converts each
@@ -121,6 +123,23 @@ def _require(cond: bool, message: str) -> None:
         raise AssertionError(f"QuantizedWeight: {message}")
 
 
+ZERO_POINT_DTYPES = (torch.uint8, torch.int16, torch.float16)
+
+
+def compact_zero_points(zeros: torch.Tensor) -> torch.Tensor:
+    """Zero points in the smallest of ZERO_POINT_DTYPES that holds them exactly: uint8 for
+    integers in 0..255, int16 for other integers (GPTQ's 8-bit zero point can be 256), fp16
+    otherwise. The kernels read any of them and compute in float32."""
+    values = zeros.float()
+    if values.numel() and bool((values == values.round()).all()):
+        low, high = float(values.min()), float(values.max())
+        if 0 <= low and high <= 255:
+            return zeros.to(torch.uint8).contiguous()
+        if -(2**15) <= low and high < 2**15:
+            return zeros.to(torch.int16).contiguous()
+    return zeros.to(torch.float16).contiguous()
+
+
 @dataclass
 class QuantizedWeight:
     in_features: int
@@ -155,7 +174,11 @@ class QuantizedWeight:
         g = self.scales.shape[0] if self.scales.dim() == 2 else -1
         _require(g >= 1, f"scales must be [G, n] with G >= 1, got {self.scales.shape}")
         check(self.scales, "scales", torch.float16, (g, n))
-        check(self.zeros, "zeros", torch.float16, (g, n))
+        _require(
+            self.zeros.dtype in ZERO_POINT_DTYPES,
+            f"zeros must be one of {ZERO_POINT_DTYPES}, got {self.zeros.dtype}",
+        )
+        check(self.zeros, "zeros", self.zeros.dtype, (g, n))
         check(self.row_group, "row_group", torch.int32, (k,))
         if self.bias is not None:
             check(self.bias, "bias", torch.float16, (n,))

@@ -24,6 +24,7 @@ import torch
 from engine.quant.bitpack import make_segment
 from kernels.quant_matmul import (
     QuantizedWeight,
+    compact_zero_points,
     dequantize_reference,
     quant_matmul_reference,
 )
@@ -124,6 +125,45 @@ def _check(
     x = _x((M, qw.in_features), dtype, device, seed)
     out = quant_matmul_triton(x, qw, path=path)
     _assert_close(out, quant_matmul_reference(x, qw), dtype)
+
+
+# --- zero points -----------------------------------------------------------------------------
+
+
+def test_compact_zero_points_keep_every_value() -> None:
+    four_bit = torch.tensor([[1.0, 16.0], [8.0, 0.0]], dtype=torch.float16)
+    assert compact_zero_points(four_bit).dtype == torch.uint8
+    eight_bit = torch.tensor([[1.0, 256.0]], dtype=torch.float16)  # GPTQ v1: 255 + 1
+    assert compact_zero_points(eight_bit).dtype == torch.int16
+    fractional = torch.tensor([[7.5, 2.0]], dtype=torch.float16)
+    assert compact_zero_points(fractional).dtype == torch.float16
+    for zeros in (four_bit, eight_bit, fractional):
+        assert torch.equal(compact_zero_points(zeros).half(), zeros)
+
+
+@pytest.mark.parametrize("widths,top", [([4, 3], 16), ([8], 256)], ids=["uint8", "int16"])
+@pytest.mark.parametrize("path,M", [("gemv", 1), ("dot", 3), ("dot", 17), ("dequant", 17)])
+def test_integer_zero_points_in_compact_dtypes(
+    device: str, widths: list[int], top: int, path: str, M: int
+) -> None:
+    # GPTQ and EXL2 zero points are integers, stored as uint8 (int16 when one is 256):
+    # every path reads them as the fp16 ones.
+    _require_triton(device)
+    qw = make_weight(256, 96, widths, group_size=32, device=device)
+    generator = torch.Generator().manual_seed(4)
+    zeros = torch.randint(0, top + 1, tuple(qw.zeros.shape), generator=generator)
+    zeros[0, 0] = top
+    qw.zeros = zeros.half().to(device)
+    x = _x((M, qw.in_features), torch.float16, device)
+    expected = quant_matmul_triton(x, qw, path=path)
+    qw.zeros = compact_zero_points(qw.zeros)
+    assert qw.zeros.dtype == (torch.uint8 if top < 256 else torch.int16)
+    qw.validate()
+    got = quant_matmul_triton(x, qw, path=path)
+    if device == "cpu":  # the interpreter sums in a fixed order: the very same values
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    _assert_close(got, quant_matmul_reference(x, qw), torch.float16)
+    _assert_close(expected, quant_matmul_reference(x, qw), torch.float16)
 
 
 # --- dequantization --------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import torch
 
 from engine.quant.bitpack import make_segment, packed_rows, unpack_along_columns, unpack_bitstream
 from engine.quant.checks import check_permutation, check_tensor, fail
-from kernels.quant_matmul import Plane, QuantizedWeight, Segment
+from kernels.quant_matmul import Plane, QuantizedWeight, Segment, compact_zero_points
 
 EXL2_BITS = (2, 3, 4, 5, 6, 8)
 #: Permutation indices are uint16 in exllamav2, so k - 1 <= 65535.
@@ -214,7 +214,8 @@ def dequantize_exl2(t: Exl2Tensors, out_features: int | None = None) -> torch.Te
 
 
 def exl2_to_runtime(t: Exl2Tensors, out_features: int | None = None) -> QuantizedWeight:
-    """Convert to the runtime layout: one Segment per run of equal bits, fp16 scales/zeros."""
+    """Convert to the runtime layout: one Segment per run of equal bits, fp16 scales, compact
+    zero points."""
     k = t.in_features
     n = t.width if out_features is None else out_features
     groups = t.groups()
@@ -225,7 +226,7 @@ def exl2_to_runtime(t: Exl2Tensors, out_features: int | None = None) -> Quantize
     scales = exl2_scales(t.q_scale, t.q_scale_max, t.width)[:, :n].contiguous()
     # The zero point in code units, 2^(bits-1): exact in fp16.
     zero_codes = torch.tensor([2.0 ** (g.bits - 1) for g in groups], device=scales.device)
-    zeros = zero_codes[:, None].expand(-1, scales.shape[1]).to(torch.float16).contiguous()
+    zeros = compact_zero_points(zero_codes[:, None].expand(-1, scales.shape[1]))
     rows_per_group = torch.tensor([g.row_end - g.row_start for g in groups], device=scales.device)
     row_group = torch.repeat_interleave(
         torch.arange(len(groups), dtype=torch.int32, device=scales.device), rows_per_group

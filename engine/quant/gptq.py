@@ -39,7 +39,7 @@ from engine.quant.bitpack import (
     unpack_bitstream,
 )
 from engine.quant.checks import QuantFormatError, check_tensor, fail
-from kernels.quant_matmul import Plane, QuantizedWeight, Segment
+from kernels.quant_matmul import Plane, QuantizedWeight, Segment, compact_zero_points
 
 GPTQ_BITS = (4, 8)
 GPTQ_FORMATS = ("gptq", "gptq_v2")
@@ -149,11 +149,12 @@ def dequantize_gptq(t: GptqTensors) -> torch.Tensor:
 
 
 def gptq_to_runtime(t: GptqTensors) -> QuantizedWeight:
-    """Convert to the runtime layout: rows sorted by group, one Segment, fp16 zero points."""
+    """Convert to the runtime layout: rows sorted by group, one Segment, compact zero
+    points."""
     k, n = t.in_features, t.out_features
     g = t.group_index()
     scales = t.scales.to(torch.float16).contiguous()
-    zeros = t.zero_points().to(torch.float16)  # zero points (0..256) are exact in fp16
+    zeros = compact_zero_points(t.zero_points())  # 0..256: uint8, or int16 with a 256
     if bool((g[1:] >= g[:-1]).all()):
         perm = None
         # The qweight stream at 4 or 8 bits is already the plane layout.
