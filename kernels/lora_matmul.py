@@ -217,6 +217,35 @@ def _lora_shrink_kernel(
 
 
 @triton.jit
+def _expand_terms(
+    g, has_row, cols, col_ok, rank, rank_mask, splits,
+    b_ptr, part_ptr, slot_map_ptr, seg_scales_ptr,
+    S, SPLITS, stride_bl, stride_bn,
+    BLOCK_R: tl.constexpr, WIDTH: tl.constexpr,
+):  # fmt: skip
+    """Row group g's LoRA delta for `cols` ([WIDTH], float32): per active slot, the sum of
+    the shrink's partials (a few KB, from L2) times the slot's scale, through B's tile."""
+    acc = tl.zeros((WIDTH,), dtype=tl.float32)
+    for s in range(0, S):
+        scale = tl.load(seg_scales_ptr + g * S + s)
+        local = tl.load(slot_map_ptr + s)
+        if has_row & (scale != 0.0) & (local >= 0):
+            parts = tl.load(
+                part_ptr + ((g * S + s) * SPLITS + splits[:, None]) * BLOCK_R + rank[None, :],
+                mask=(splits < SPLITS)[:, None],
+                other=0.0,
+            )  # [BLOCK_SPLITS, BLOCK_R]
+            shrunk = tl.sum(parts, axis=0) * scale
+            bt = tl.load(
+                b_ptr + local.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + rank[None, :],
+                mask=col_ok[:, None] & rank_mask[None, :],
+                other=0.0,
+            )  # [WIDTH, BLOCK_R]
+            acc += tl.sum(bt.to(tl.float32) * shrunk[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _lora_expand_kernel(
     y_ptr, b_ptr, part_ptr, slot_map_ptr, seg_starts_ptr, seg_scales_ptr,
     N, R, S, SPLITS,
@@ -235,23 +264,11 @@ def _lora_expand_kernel(
     rank = tl.arange(0, BLOCK_R)
     rank_mask = rank < R
     splits = tl.arange(0, BLOCK_SPLITS)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in range(0, S):
-        scale = tl.load(seg_scales_ptr + g * S + s)
-        local = tl.load(slot_map_ptr + s)
-        if has_row & (scale != 0.0) & (local >= 0):
-            parts = tl.load(
-                part_ptr + ((g * S + s) * SPLITS + splits[:, None]) * BLOCK_R + rank[None, :],
-                mask=(splits < SPLITS)[:, None],
-                other=0.0,
-            )  # [BLOCK_SPLITS, BLOCK_R]
-            shrunk = tl.sum(parts, axis=0) * scale
-            bt = tl.load(
-                b_ptr + local.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + rank[None, :],
-                mask=col_mask[:, None] & rank_mask[None, :],
-                other=0.0,
-            )  # [BLOCK_N, BLOCK_R]
-            acc += tl.sum(bt.to(tl.float32) * shrunk[None, :], axis=1)
+    acc = _expand_terms(
+        g, has_row, cols, col_mask, rank, rank_mask, splits,
+        b_ptr, part_ptr, slot_map_ptr, seg_scales_ptr,
+        S, SPLITS, stride_bl, stride_bn, BLOCK_R, BLOCK_N,
+    )  # fmt: skip
     if has_row:
         offs = row.to(tl.int64) * stride_ym + cols
         y = tl.load(y_ptr + offs, mask=col_mask, other=0.0)
@@ -283,24 +300,11 @@ def _lora_expand_gemv_kernel(
     for g in range(0, G):
         row = tl.load(seg_starts_ptr + g)
         has_row = row < tl.load(seg_starts_ptr + g + 1)
-        acc = tl.zeros((SUB_N,), dtype=tl.float32)
-        for s in range(0, S):
-            scale = tl.load(seg_scales_ptr + g * S + s)
-            local = tl.load(slot_map_ptr + s)
-            if has_row & (scale != 0.0) & (local >= 0):
-                parts = tl.load(
-                    part_ptr + ((g * S + s) * SPLITS + splits[:, None]) * BLOCK_R + rank[None, :],
-                    mask=(splits < SPLITS)[:, None],
-                    other=0.0,
-                )
-                shrunk = tl.sum(parts, axis=0) * scale
-                b_base = b_ptr + local.to(tl.int64) * stride_bl
-                bt = tl.load(
-                    b_base + cols[:, None] * stride_bn + rank[None, :],
-                    mask=col_ok[:, None] & rank_mask[None, :],
-                    other=0.0,
-                )
-                acc += tl.sum(bt.to(tl.float32) * shrunk[None, :], axis=1)
+        acc = _expand_terms(
+            g, has_row, cols, col_ok, rank, rank_mask, splits,
+            b_ptr, part_ptr, slot_map_ptr, seg_scales_ptr,
+            S, SPLITS, stride_bl, stride_bn, BLOCK_R, SUB_N,
+        )  # fmt: skip
         if has_row:
             tl.atomic_add(sums_ptr + row * n + cols, acc, mask=col_ok, sem="relaxed")
     tile_cols = tile * GEMV_BLOCK_N + tl.arange(0, GEMV_BLOCK_N)

@@ -97,7 +97,7 @@ _GEMV_BLOCK_K = 32  # rows per chunk: the least group size of EXL2, one group pe
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """Launch settings of the decode GEMV (see `_gemv_config`).
+    """Launch settings of the decode GEMV (`_GEMV_CONFIG`, read by `_gemv_tiling`).
 
     num_warps: warps per program; lanes and warps lie only along n, so the sums over rows
         never leave a thread.
@@ -1176,11 +1176,6 @@ def _split(
     return min(max_iters, _pow2_floor(triton.cdiv(triton.cdiv(rows, splits), block_k)))
 
 
-def _gemv_config(M: int, k: int, n: int) -> GemvConfig:
-    """The GEMV's launch settings for x [M, k] @ W [k, n]."""
-    return _GEMV_CONFIG
-
-
 def _gemv_block_n(M: int, n: int, grouped: bool, config: GemvConfig) -> int:
     """BLOCK_N of the GEMV: config.cols_per_thread[M - 1] columns on every lane of every
     warp (2 on the per-row scale path, whose gathered scales fill the registers), or less
@@ -1206,7 +1201,7 @@ class GemvTiling:
 
 def _gemv_tiling(x2d: torch.Tensor, qw: QuantizedWeight) -> GemvTiling:
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
-    config = _gemv_config(M, k, n)
+    config = _GEMV_CONFIG  # one setting for every shape (tools/tune_gemv.py)
     block_k = _GEMV_BLOCK_K
     grouped = _chunks_in_groups(qw, block_k)
     block_n = _gemv_block_n(M, n, grouped, config)
