@@ -2,9 +2,11 @@
 (no tensor data is read), for the layer-split planner.
 
 Quantized linears are counted in the runtime layout they are repacked into
-(docs/quant_layout.md): the code words as stored, fp16 scales *and* zero points per group
-and column, int32 row->group map and activation permutation. Dense tensors count in the
-model's dtype (a bf16 checkpoint loaded as fp32 doubles).
+(docs/quant_layout.md): the code words as stored, fp16 scales and zero points per group
+and column (uint8; int16 for GPTQ at 8 bits, whose zero point may be 256: see
+kernels.quant_matmul.compact_zero_points), int32 row->group map and activation
+permutation. Dense tensors count in the model's dtype (a bf16 checkpoint loaded as fp32
+doubles).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ def _tensor_bytes(store: WeightStore, name: str, dtype: torch.dtype) -> int:
     module = name[: -len(leaf) - 1]
     if leaf in ("q_weight", "qweight"):  # int32 code words, kept as they are
         return numel * 4
-    if leaf == "q_scale":  # EXL2: 4-bit scales packed 8 per int32 -> fp16 scales + zeros
-        return numel * 8 * 2 * 2
-    if leaf == "scales" and f"{module}.qweight" in store:  # GPTQ: fp16 scales + zeros
-        return numel * 2 * 2
+    if leaf == "q_scale":  # EXL2: 4-bit scales packed 8 per int32 -> fp16 scales, uint8 zeros
+        return numel * 8 * (2 + 1)
+    if leaf == "scales" and f"{module}.qweight" in store:  # GPTQ: fp16 scales + zero points
+        return numel * (2 + _gptq_zero_bytes(store, module, info.shape[-1]))
     # -> int32 perm + int32 row_group of length k (EXL2 always has q_invperm; q_perm is
     # optional and counted through it)
     if leaf in ("q_invperm", "g_idx"):
@@ -39,6 +41,16 @@ def _tensor_bytes(store: WeightStore, name: str, dtype: torch.dtype) -> int:
         size = 2 if leaf == "bias" and f"{module}.weight" not in store else dtype.itemsize
         return numel * size
     return numel * info.dtype.itemsize
+
+
+def _gptq_zero_bytes(store: WeightStore, module: str, n: int) -> int:
+    """Bytes per zero point at run time: qzeros packs n of them per row at `bits` each;
+    8-bit ones may hold 256 (int16), narrower ones fit uint8."""
+    name = f"{module}.qzeros"
+    if name not in store or n <= 0:
+        return 2
+    bits = store.info(name).shape[-1] * 32 // n
+    return 2 if bits >= 8 else 1
 
 
 def _largest_quantized_linear(store: WeightStore) -> int:
