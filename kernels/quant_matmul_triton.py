@@ -667,6 +667,76 @@ def _codes_to_operand(codes, x_dtype: tl.constexpr):
         return _codes_to_f32(codes).to(x_dtype)
 
 
+@triton.jit
+def _along_n(v, TRANSPOSED: tl.constexpr):
+    """A vector over output columns, broadcast along the accumulator's n axis (axis 1 of
+    [M, N]; axis 0 of the transposed [N, M]). A chunk's codes put their columns there too."""
+    if TRANSPOSED:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def _along_m(v, TRANSPOSED: tl.constexpr):
+    """A vector over rows of x along the accumulator's m axis; a chunk's rows of W (its k
+    axis) take the same place in the codes tile ([K, N], or [N, K] transposed)."""
+    if TRANSPOSED:
+        return v[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def _wide_codes(
+    plane_ptr,
+    plane_stride,
+    r0,
+    k_end,
+    cols,
+    col_ok,
+    BITS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+):
+    """One plane's codes of the chunk [r0, r0 + BLOCK_K), each word loaded once and split by
+    shifts: [BLOCK_K, BLOCK_N], or [BLOCK_N, BLOCK_K] transposed."""
+    if TRANSPOSED:
+        RPW: tl.constexpr = 32 // BITS
+        W: tl.constexpr = BLOCK_K // RPW
+        word = tl.arange(0, W)
+        words = tl.load(
+            plane_ptr + (r0 // RPW + word)[None, :] * plane_stride + cols[:, None],
+            mask=col_ok[:, None] & (r0 + word * RPW < k_end)[None, :],
+            other=0,
+        )  # [N, W]
+        lane = tl.arange(0, RPW)
+        codes = (words[:, :, None] >> (lane * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        return tl.reshape(codes, (BLOCK_N, BLOCK_K))
+    else:
+        return _plane_codes_wide(
+            plane_ptr, plane_stride, r0, k_end, cols, col_ok, BITS, BLOCK_K, BLOCK_N
+        )
+
+
+@triton.jit
+def _mma(x_tile, w, acc, TRANSPOSED: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc + x @ W ([M, N]), or acc + W^T @ x^T ([N, M]) with the weights on the left."""
+    if TRANSPOSED:
+        return _dot_f32(w, x_tile, acc, INTERPRETED)
+    else:
+        return _dot_f32(x_tile, w, acc, INTERPRETED)
+
+
+@triton.jit
+def _sum_over_k(x_tile, TRANSPOSED: tl.constexpr):
+    if TRANSPOSED:
+        return tl.sum(x_tile, axis=0)
+    else:
+        return tl.sum(x_tile, axis=1)
+
+
 @triton.jit(do_not_specialize=["add_bias", "arrivals"])
 def _dot_kernel(
     x_ptr,  # [M, k], unit column stride
@@ -700,13 +770,23 @@ def _dot_kernel(
     P1_SHIFT: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     WIDE: tl.constexpr,  # unpack whole words (BLOCK_K a multiple of every plane's RPW)
+    TRANSPOSED: tl.constexpr,  # weights as the MMA's left operand (DotConfig.transposed)
     ITERS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """acc [BLOCK_M, BLOCK_N] += x [BLOCK_M, BLOCK_K] @ codes [BLOCK_K, BLOCK_N] per chunk,
+    or with TRANSPOSED acc [BLOCK_N, BLOCK_M] += codes^T @ x^T; the grid is (row tiles,
+    column tiles, splits), or (column tiles, row tiles, splits) transposed."""
+    if TRANSPOSED:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        n_tiles = tl.num_programs(0)
+    else:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        n_tiles = tl.num_programs(1)
     pid_k = tl.program_id(2)
     x_dtype = x_ptr.dtype.element_ty
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -714,42 +794,47 @@ def _dot_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    x_rows = x_ptr + _along_m(offs_m.to(tl.int64) * stride_xm, TRANSPOSED)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    zero_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if TRANSPOSED:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    zero_acc = tl.zeros_like(acc)
     k_begin = pid_k * rows_per_split
     k_end = tl.minimum(k_begin + rows_per_split, seg_rows)
     # A constexpr trip count (Triton 3.6's interpreter fails on runtime loop bounds under
     # numpy >= 2.4, triton-lang/triton#9171) and no branch in the body, so that the loads
     # can be software-pipelined. Chunks past k_end (a segment's last split) are masked out.
     for it in range(ITERS):
-        rows = k_begin + it * BLOCK_K + offs_k  # [BLOCK_K], segment-relative
+        r0 = k_begin + it * BLOCK_K
+        rows = r0 + offs_k  # [BLOCK_K], segment-relative
         row_ok = rows < k_end
         if WIDE:
-            r0 = k_begin + it * BLOCK_K
             codes = (
-                _plane_codes_wide(
-                    p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K, BLOCK_N
+                _wide_codes(
+                    p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K, BLOCK_N,
+                    TRANSPOSED,
                 )
                 << P0_SHIFT
-            )
+            )  # fmt: skip
             if NUM_PLANES == 2:
                 codes = codes | (
-                    _plane_codes_wide(
-                        p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K, BLOCK_N
+                    _wide_codes(
+                        p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K, BLOCK_N,
+                        TRANSPOSED,
                     )
                     << P1_SHIFT
-                )
+                )  # fmt: skip
         else:
             codes = _segment_codes_2d(
                 p0_ptr,
                 p0_stride,
                 p1_ptr,
                 p1_stride,
-                rows[:, None],
-                cols[None, :],
-                row_ok[:, None] & col_ok[None, :],
+                _along_m(rows, TRANSPOSED),
+                _along_n(cols, TRANSPOSED),
+                _along_m(row_ok, TRANSPOSED) & _along_n(col_ok, TRANSPOSED),
                 NUM_PLANES,
                 P0_BITS,
                 P0_SHIFT,
@@ -761,181 +846,39 @@ def _dot_kernel(
         else:
             x_cols = row_start + rows
         # Masked rows of x are 0, which cancels whatever the padded codes dequantize to.
-        x_tile = tl.load(x_rows + x_cols[None, :], mask=m_ok[:, None] & row_ok[None, :], other=0.0)
-        if GROUPED:
-            # Codes (< 256) are exact in fp16/bf16: the tensor cores see no rounding of W.
-            part = _dot_f32(x_tile, _codes_to_operand(codes, x_dtype), zero_acc, EMULATE_BF16)
-            group = tl.load(
-                row_group_ptr + row_start + tl.minimum(k_begin + it * BLOCK_K, k_end - 1)
-            )
-            sz = group * sz_stride + cols
-            scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
-            zero = tl.load(zeros_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
-            x_sum = tl.sum(x_tile.to(tl.float32), axis=1)
-            acc += (part - x_sum[:, None] * zero[None, :]) * scale[None, :]
-        else:
-            group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
-            row_sz = group[:, None] * sz_stride + cols[None, :]
-            sz_mask = row_ok[:, None] & col_ok[None, :]
-            row_scale = tl.load(scales_ptr + row_sz, mask=sz_mask, other=0.0)
-            row_zero = tl.load(zeros_ptr + row_sz, mask=sz_mask, other=0.0)
-            w = (_codes_to_f32(codes) - row_zero.to(tl.float32)) * row_scale.to(tl.float32)
-            acc = _dot_f32(x_tile, cast_rtne(w, x_dtype, EMULATE_BF16), acc, EMULATE_BF16)
-
-    bias = tl.load(bias_ptr + cols, mask=col_ok & (pid_k == 0) & (add_bias != 0), other=0.0)
-    acc += bias.to(tl.float32)[None, :]
-    offsets = offs_m.to(tl.int64)[:, None] * n + cols[None, :]
-    mask = m_ok[:, None] & col_ok[None, :]
-    tl.atomic_add(out_ptr + offsets, acc, mask=mask, sem="relaxed")
-    counter = counter_ptr + pid_m * tl.num_programs(1) + pid_n
-    finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter, arrivals)
-
-
-@triton.jit
-def _plane_codes_t(
-    plane_ptr,
-    plane_stride,
-    r0,
-    k_end,
-    cols,
-    col_ok,
-    BITS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    WIDE: tl.constexpr,
-):
-    """Codes [BLOCK_N, BLOCK_K] of one plane, column-major to `_plane_codes_wide`'s tile:
-    column c's codes for the chunk of rows [r0, r0 + BLOCK_K). WIDE loads each word once
-    as [N, W] and splits it into its RPW codes by shifts; otherwise each row gathers its
-    word (RPW loads of a word, from L1). Codes of rows past k_end are garbage; the
-    caller's x is zero there."""
-    RPW: tl.constexpr = 32 // BITS
-    if WIDE:
-        W: tl.constexpr = BLOCK_K // RPW
-        word = tl.arange(0, W)
-        words = tl.load(
-            plane_ptr + (r0 // RPW + word)[None, :] * plane_stride + cols[:, None],
-            mask=col_ok[:, None] & (r0 + word * RPW < k_end)[None, :],
-            other=0,
-        )  # [N, W]
-        lane = tl.arange(0, RPW)
-        codes = (words[:, :, None] >> (lane * BITS)[None, None, :]) & ((1 << BITS) - 1)
-        return tl.reshape(codes, (BLOCK_N, BLOCK_K))
-    else:
-        rows = r0 + tl.arange(0, BLOCK_K)
-        words = tl.load(
-            plane_ptr + (rows // RPW)[None, :] * plane_stride + cols[:, None],
-            mask=col_ok[:, None] & (rows < k_end)[None, :],
-            other=0,
-        )  # [N, K]
-        return (words >> ((rows % RPW) * BITS)[None, :]) & ((1 << BITS) - 1)
-
-
-@triton.jit(do_not_specialize=["add_bias", "arrivals"])
-def _dot_t_kernel(
-    x_ptr,  # [M, k], unit column stride
-    out_ptr,  # float32 [M, n]: the device's workspace, zero between calls (see finish_dot_tile)
-    y_ptr,  # [M, n] in x's dtype, contiguous
-    counter_ptr,  # int32 per (row tile, column tile), zero on entry
-    arrivals,  # programs per tile over all segments' launches
-    p0_ptr,
-    p1_ptr,
-    scales_ptr,
-    zeros_ptr,
-    row_group_ptr,
-    perm_ptr,
-    bias_ptr,
-    M,
-    n,
-    stride_xm,
-    p0_stride,
-    p1_stride,
-    sz_stride,
-    row_start,
-    seg_rows,
-    rows_per_split,  # ITERS * BLOCK_K
-    add_bias,  # 1 for the first segment's launch of a weight with a bias
-    HAS_PERM: tl.constexpr,
-    GROUPED: tl.constexpr,  # every chunk lies in one group (checked on the host)
-    NUM_PLANES: tl.constexpr,
-    P0_BITS: tl.constexpr,
-    P0_SHIFT: tl.constexpr,
-    P1_BITS: tl.constexpr,
-    P1_SHIFT: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    WIDE: tl.constexpr,
-    ITERS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """`_dot_kernel` transposed (DotConfig.transposed): acc^T [BLOCK_N, BLOCK_M] +=
-    codes^T [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M], with the same scale, zero and
-    split-K handling per column."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    x_dtype = x_ptr.dtype.element_ty
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
-    offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm  # [1, BLOCK_M]
-
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    zero_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    k_begin = pid_k * rows_per_split
-    k_end = tl.minimum(k_begin + rows_per_split, seg_rows)
-    # Constexpr trip count, no branch in the body: see _dot_kernel.
-    for it in range(ITERS):
-        r0 = k_begin + it * BLOCK_K
-        rows = r0 + offs_k  # [BLOCK_K], segment-relative
-        row_ok = rows < k_end
-        codes = (
-            _plane_codes_t(
-                p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K, BLOCK_N, WIDE
-            )
-            << P0_SHIFT
+        # x's k axis takes the place of the codes' n axis: [M, K], or [K, M] transposed.
+        x_tile = tl.load(
+            x_rows + _along_n(x_cols, TRANSPOSED),
+            mask=_along_m(m_ok, TRANSPOSED) & _along_n(row_ok, TRANSPOSED),
+            other=0.0,
         )
-        if NUM_PLANES == 2:
-            codes = codes | (
-                _plane_codes_t(
-                    p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K, BLOCK_N, WIDE
-                )
-                << P1_SHIFT
-            )
-        if HAS_PERM:
-            x_cols = tl.load(perm_ptr + row_start + rows, mask=row_ok, other=0)
-        else:
-            x_cols = row_start + rows
-        # Masked rows of x are 0, which cancels whatever the padded codes dequantize to.
-        x_tile = tl.load(x_rows + x_cols[:, None], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
         if GROUPED:
             # Codes (< 256) are exact in fp16/bf16: the tensor cores see no rounding of W.
-            part = _dot_f32(_codes_to_operand(codes, x_dtype), x_tile, zero_acc, EMULATE_BF16)
+            w = _codes_to_operand(codes, x_dtype)
+            part = _mma(x_tile, w, zero_acc, TRANSPOSED, EMULATE_BF16)
             group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
             sz = group * sz_stride + cols
             scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
             zero = tl.load(zeros_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
-            x_sum = tl.sum(x_tile.to(tl.float32), axis=0)
-            acc += (part - zero[:, None] * x_sum[None, :]) * scale[:, None]
+            x_sum = _sum_over_k(x_tile.to(tl.float32), TRANSPOSED)
+            acc += (part - _along_m(x_sum, TRANSPOSED) * _along_n(zero, TRANSPOSED)) * _along_n(
+                scale, TRANSPOSED
+            )
         else:
             group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
-            row_sz = group[None, :] * sz_stride + cols[:, None]
-            sz_mask = col_ok[:, None] & row_ok[None, :]
+            row_sz = _along_m(group, TRANSPOSED) * sz_stride + _along_n(cols, TRANSPOSED)
+            sz_mask = _along_m(row_ok, TRANSPOSED) & _along_n(col_ok, TRANSPOSED)
             row_scale = tl.load(scales_ptr + row_sz, mask=sz_mask, other=0.0)
             row_zero = tl.load(zeros_ptr + row_sz, mask=sz_mask, other=0.0)
             w = (_codes_to_f32(codes) - row_zero.to(tl.float32)) * row_scale.to(tl.float32)
-            acc = _dot_f32(cast_rtne(w, x_dtype, EMULATE_BF16), x_tile, acc, EMULATE_BF16)
+            acc = _mma(x_tile, cast_rtne(w, x_dtype, EMULATE_BF16), acc, TRANSPOSED, EMULATE_BF16)
 
     bias = tl.load(bias_ptr + cols, mask=col_ok & (pid_k == 0) & (add_bias != 0), other=0.0)
-    acc += bias.to(tl.float32)[:, None]
-    offsets = offs_m.to(tl.int64)[None, :] * n + cols[:, None]
-    mask = col_ok[:, None] & m_ok[None, :]
+    acc += _along_n(bias.to(tl.float32), TRANSPOSED)
+    offsets = _along_m(offs_m.to(tl.int64), TRANSPOSED) * n + _along_n(cols, TRANSPOSED)
+    mask = _along_m(m_ok, TRANSPOSED) & _along_n(col_ok, TRANSPOSED)
     tl.atomic_add(out_ptr + offsets, acc, mask=mask, sem="relaxed")
-    counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
-    finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter, arrivals)
+    finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter_ptr + pid_m * n_tiles + pid_n, arrivals)
 
 
 @triton.jit
@@ -1355,14 +1298,13 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None
     segments = [s for s in qw.segments if s.row_end > s.row_start]
     arrivals = sum(triton.cdiv(s.row_end - s.row_start, rows_per_split) for s in segments)
     out32, counters = _workspace(x2d.device, M * n, m_tiles * n_tiles)
-    kernel = _dot_t_kernel if config.transposed else _dot_kernel
     first = True
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start
         p0, p1, p0_stride, p1_stride = _plane_args(segment)
         splits = triton.cdiv(seg_rows, rows_per_split)
         grid = (n_tiles, m_tiles, splits) if config.transposed else (m_tiles, n_tiles, splits)
-        kernel[grid](
+        _dot_kernel[grid](
             x2d,
             out32,
             y,
@@ -1390,6 +1332,7 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None
             **_plane_meta(segment),
             EMULATE_BF16=_INTERPRETED,
             WIDE=config.wide and all(block_k % (32 // p.bits) == 0 for p in segment.planes),
+            TRANSPOSED=config.transposed,
             ITERS=iters,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
