@@ -96,6 +96,7 @@ from engine.generator import (
     sample_jobs,
     token_logprobs,
 )
+from engine.lookahead import Drawn, LookaheadSteps
 from engine.prefix_cache import PrefixChain, adopt, find_prefix, publish, root_hash
 from engine.rewind import trim_sequence
 from engine.samplers.batched import host_to_device
@@ -216,16 +217,7 @@ class _Row:
     chunk: bool = False  # a prefill chunk (counted in job.prefill_tokens)
 
 
-@dataclass(eq=False)
-class _Drawn:
-    """A step whose tokens were drawn on the device and not read back yet (lookahead)."""
-
-    rows: list[_Row]
-    tokens: torch.Tensor  # int64 [len(rows)], on the logits' device
-    readback: TokenReadback  # their copy to the host, started right after the draw
-
-
-class Scheduler:
+class Scheduler(LookaheadSteps):
     def __init__(
         self,
         engine: Engine,
@@ -251,7 +243,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.prefix_caching = prefix_caching
         self.lookahead = lookahead
-        self._drawn: _Drawn | None = None  # a step's tokens not read back yet
+        self._drawn: Drawn | None = None  # a step's tokens not read back yet
         self.lookahead_forwards = 0  # decode forwards launched before the last step's read
         self.lookahead_dropped = 0  # their rows dropped: the job stopped or rewound
         self.lock = engine.lock
@@ -485,7 +477,7 @@ class Scheduler:
     def _step(self, *, queue: bool) -> list[GenerationEvent]:
         """One forward: the lookahead of the drawn step if it can run, else a normal step
         (after reading the drawn step's tokens, if any)."""
-        if self._drawn is not None and all(row.job.done for row in self._drawn.rows):
+        if self._drawn is not None and all(job.done for job in self._drawn.jobs):
             self._drawn = None  # every job of it was cancelled: nothing to read
         events: list[GenerationEvent] = []
         if self._drawn is not None:
@@ -515,7 +507,7 @@ class Scheduler:
                 # One job ends (its final event is also queued); the others run again.
                 return [self._out_of_memory(rows, lengths, error)]
             if self._drawable(rows):
-                self._drawn = self._draw(rows, logits)
+                self._drawn = self._draw(batch, logits)
             else:
                 results = self._sample(rows, logits, counts)
         except BaseException as error:
@@ -549,98 +541,15 @@ class Scheduler:
             )
         )
 
-    def _draw(self, rows: list[_Row], logits: torch.Tensor) -> _Drawn:
-        """One token per row (logits [len(rows), vocab]) on the device, no host sync; their
+    def _draw(self, jobs: list[Job], logits: torch.Tensor) -> Drawn:
+        """One token per job (logits [len(jobs), vocab]) on the device, no host sync; their
         copy to the host starts now, ahead of whatever is queued next."""
-        jobs = [row.job for row in rows]
         bans = [job.bans.at(len(job.generated_ids)) for job in jobs]
         tokens = draw_jobs([job.sampling for job in jobs], logits, bans if any(bans) else None)
         decoding = sum(job.state == DECODE for job in jobs)
         self._decode_rows += decoding
         self._decode_tokens += decoding
-        return _Drawn(rows, tokens, TokenReadback(tokens))
-
-    def _ahead(self, drawn: _Drawn) -> list[int]:
-        """Indices of the drawn rows whose next decode forward can start before their
-        tokens are read; [] when a normal step must come first (see the module docstring)."""
-        if not self.lookahead or self.speculative is not None:
-            return []
-        if self._waiting and len(self._running) < self.max_batch:
-            return []  # admit first
-        live = [n for n, row in enumerate(drawn.rows) if not row.job.done]
-        if {drawn.rows[n].job for n in live} != set(self._running):
-            return []  # another job needs a prompt chunk
-        self._reserved = 0
-        ahead = []
-        for n in live:
-            job = drawn.rows[n].job
-            if job.loras:
-                return []
-            if len(job.generated_ids) + 1 >= job.max_new_tokens:
-                continue  # the drawn token is its last
-            need = self._pages_for(job, 1)
-            if need > self._spare():
-                return []  # a preemption is due: a normal step decides it
-            self._reserved += need
-            ahead.append(n)
-        return ahead
-
-    def _read_drawn(self, *, queue: bool) -> list[GenerationEvent]:
-        """Launch the next decode forward of the drawn rows that can go on, then read the
-        drawn tokens and take them into their jobs; the rows still valid after that draw
-        their next tokens on the device (the next `step()` reads them)."""
-        drawn, self._drawn = self._drawn, None
-        assert drawn is not None
-        ahead = self._ahead(drawn)
-        jobs = [row.job for row in drawn.rows]
-        try:
-            logits = None
-            if ahead:
-                tokens = drawn.tokens
-                if len(ahead) < len(drawn.rows):
-                    tokens = tokens[host_to_device(torch.tensor(ahead), tokens.device)]
-                logits = self.engine.forward_decode_tokens(
-                    [jobs[n].sequence for n in ahead], tokens
-                )
-                self.lookahead_forwards += 1
-            sampled = drawn.readback.tolist()
-        except BaseException as error:
-            for job in jobs:
-                if not job.done:
-                    job.error = error
-                    self._finish(job, "error")
-            raise
-        in_flight = {jobs[n] for n in ahead}
-        events = []
-        for job, token in zip(jobs, sampled, strict=True):
-            if job.done:
-                continue  # cancelled while its forward ran
-            event = self._advance(job, [token], [None], in_flight=int(job in in_flight))
-            if event is not None:
-                events.append(event)
-                if queue:
-                    job.events.append(event)
-        if logits is not None:
-            # A job that stopped or rewound drops its looked-ahead row (its cache slot went
-            # with the finish or the rewind).
-            keep = [
-                i
-                for i, n in enumerate(ahead)
-                if not jobs[n].done and jobs[n].sequence.length == len(jobs[n].tokens)
-            ]
-            self.lookahead_dropped += len(ahead) - len(keep)
-            if keep:
-                rows = [_Row(jobs[ahead[i]], []) for i in keep]
-                if len(keep) < len(ahead):
-                    logits = logits[host_to_device(torch.tensor(keep), logits.device)]
-                try:
-                    self._drawn = self._draw(rows, logits)
-                except BaseException as error:
-                    for row in rows:
-                        row.job.error = error
-                        self._finish(row.job, "error")
-                    raise
-        return events
+        return Drawn(jobs, tokens, TokenReadback(tokens))
 
     def _plan(self) -> list[_Row]:
         """The rows of this step: decode tokens first (preempting the youngest jobs when the
