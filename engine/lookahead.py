@@ -15,6 +15,8 @@ The forward runs one token ahead of what the host knows, so:
   banned string has its looked-ahead row dropped, with its cache slot (the finish frees
   the pages; the rewind trims past it); a job whose drawn token is its last
   (max_new_tokens) is not looked ahead at all;
+- a lookahead forward that runs out of memory is undone (the sequences trimmed back) and
+  the normal step that follows handles the shortage as any step does;
 - anything the host must decide first ends the lookahead for one step: a job waiting for
   admission with room in the batch, a job that would need a preemption for its next page,
   a prompt chunk, LoRA, speculation, logprobs. The drawn tokens are then read and a normal
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.generator import GenerationEvent, TokenReadback
+from engine.rewind import trim_sequence
 from engine.samplers.batched import host_to_device
 
 if TYPE_CHECKING:
@@ -46,7 +49,8 @@ class Drawn:
 
 class LookaheadSteps:
     """The lookahead half of `engine.scheduler.Scheduler` (mixed into it): it uses the
-    scheduler's queues, page accounting, `_draw`, `_advance` and `_finish`."""
+    scheduler's queues, page accounting, `_draw`, `_advance`, `_finish` and
+    `_count_decode_row`."""
 
     def _ahead(self, drawn: Drawn) -> list[int]:
         """Indices of the drawn jobs whose next decode forward can start before their
@@ -84,13 +88,9 @@ class LookaheadSteps:
         try:
             logits = None
             if ahead:
-                tokens = drawn.tokens
-                if len(ahead) < len(jobs):
-                    tokens = tokens[host_to_device(torch.tensor(ahead), tokens.device)]
-                logits = self.engine.forward_decode_tokens(
-                    [jobs[n].sequence for n in ahead], tokens
-                )
-                self.lookahead_forwards += 1
+                logits = self._launch_ahead(drawn, ahead)
+                if logits is None:
+                    ahead = []
             sampled = drawn.readback.tolist()
         except BaseException as error:
             for job in jobs:
@@ -103,6 +103,7 @@ class LookaheadSteps:
         for job, token in zip(jobs, sampled, strict=True):
             if job.done:
                 continue  # cancelled while its forward ran
+            self._count_decode_row(job)
             event = self._advance(job, [token], [None], in_flight=int(job in in_flight))
             if event is not None:
                 events.append(event)
@@ -124,8 +125,34 @@ class LookaheadSteps:
                 try:
                     self._drawn = self._draw(going, logits)
                 except BaseException as error:
+                    if not queue:  # the events made above must not be lost with the step
+                        by_id = {job.id: job for job in jobs}
+                        for event in events:
+                            by_id[event.job_id].events.append(event)
                     for job in going:
                         job.error = error
                         self._finish(job, "error")
                     raise
         return events
+
+    def _launch_ahead(self, drawn: Drawn, ahead: list[int]) -> torch.Tensor | None:
+        """The decode forward of drawn jobs `ahead`, fed their drawn tokens on the device:
+        its logits, or None when it ran out of memory (a decode graph captured for a new
+        batch size, or an eager step, allocates): then it is undone, the sequences back
+        where they were, and a normal step follows, whose own handling ends at most one job."""
+        jobs = [drawn.jobs[n] for n in ahead]
+        lengths = [job.sequence.length for job in jobs]
+        tokens = drawn.tokens
+        if len(ahead) < len(drawn.jobs):
+            tokens = tokens[host_to_device(torch.tensor(ahead), tokens.device)]
+        try:
+            logits = self.engine.forward_decode_tokens([job.sequence for job in jobs], tokens)
+        except (torch.OutOfMemoryError, MemoryError):
+            for job, length in zip(jobs, lengths, strict=True):
+                trim_sequence(self.engine.cache, job.sequence, length)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.lookahead_failed += 1
+            return None
+        self.lookahead_forwards += 1
+        return logits

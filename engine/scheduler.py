@@ -61,9 +61,10 @@ Contract:
   for a banned string) has its looked-ahead row dropped, and its cache slot with it. A
   step looks ahead only when every running job is in it and nothing else is due: no job
   waits for admission with room in the batch, no job needs a preemption for its next
-  page, no LoRA, no speculation. Otherwise that `step()` only reads and delivers the
-  drawn tokens, and the next one runs a normal step. Tokens and events are the same as
-  without lookahead; `stats()` counts the forwards run ahead and those dropped.
+  page, no LoRA, no speculation. Otherwise that `step()` reads and delivers the drawn
+  tokens and then runs a normal step. A lookahead forward that runs out of memory is
+  undone and a normal step follows (no job ends for it). Tokens and events are the same
+  as without lookahead; `stats()` counts the forwards run ahead and those dropped.
 - Prefix caching (engine/prefix_cache.py): at admission a job adopts the cached full pages
   its prompt starts with, at most those before its last prompt token (one token is always
   computed, for the logits, and the job's partially filled page is always its own: shared
@@ -246,6 +247,7 @@ class Scheduler(LookaheadSteps):
         self._drawn: Drawn | None = None  # a step's tokens not read back yet
         self.lookahead_forwards = 0  # decode forwards launched before the last step's read
         self.lookahead_dropped = 0  # their rows dropped: the job stopped or rewound
+        self.lookahead_failed = 0  # lookahead forwards undone for lack of memory
         self.lock = engine.lock
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []  # admitted (prefilling or decoding), in admission order
@@ -328,6 +330,7 @@ class Scheduler(LookaheadSteps):
             ),
             "lookahead_forwards": self.lookahead_forwards,
             "lookahead_dropped_rows": self.lookahead_dropped,
+            "lookahead_out_of_memory": self.lookahead_failed,
         }
 
     def submit(
@@ -481,10 +484,17 @@ class Scheduler(LookaheadSteps):
             self._drawn = None  # every job of it was cancelled: nothing to read
         events: list[GenerationEvent] = []
         if self._drawn is not None:
+            read = {job.id: job for job in self._drawn.jobs}
             events = self._read_drawn(queue=queue)
             if self._drawn is not None:
                 return events  # the lookahead forward ran and drew its tokens
-        return events + self._normal_step(queue=queue)
+        try:
+            return events + self._normal_step(queue=queue)
+        except BaseException:
+            if not queue:  # the read step's events must not go down with this one
+                for event in events:
+                    read[event.job_id].events.append(event)
+            raise
 
     def _normal_step(self, *, queue: bool) -> list[GenerationEvent]:
         rows = self._plan()
@@ -541,14 +551,17 @@ class Scheduler(LookaheadSteps):
             )
         )
 
+    def _count_decode_row(self, job: Job) -> None:
+        """stats()' tokens per decode step: one row of a decoding job, one token."""
+        if job.state == DECODE:
+            self._decode_rows += 1
+            self._decode_tokens += 1
+
     def _draw(self, jobs: list[Job], logits: torch.Tensor) -> Drawn:
         """One token per job (logits [len(jobs), vocab]) on the device, no host sync; their
         copy to the host starts now, ahead of whatever is queued next."""
         bans = [job.bans.at(len(job.generated_ids)) for job in jobs]
         tokens = draw_jobs([job.sampling for job in jobs], logits, bans if any(bans) else None)
-        decoding = sum(job.state == DECODE for job in jobs)
-        self._decode_rows += decoding
-        self._decode_tokens += decoding
         return Drawn(jobs, tokens, TokenReadback(tokens))
 
     def _plan(self) -> list[_Row]:

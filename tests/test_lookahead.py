@@ -131,6 +131,47 @@ def test_a_waiting_job_is_admitted_without_delay(model_dir: Path) -> None:
     assert engine.cache.free_pages == engine.cache.num_pages
 
 
+def test_a_lookahead_out_of_memory_is_undone_and_no_job_ends(model_dir: Path) -> None:
+    # A lookahead forward may allocate (a graph captured for a new batch size, an eager
+    # step). Out of memory there trims the sequences back and a normal step follows.
+    plain = _engine(model_dir, lookahead=False)
+    ahead = _engine(model_dir, lookahead=True)
+    spec = [(_prompt(6 + i, seed=i), {**GREEDY, "max_new_tokens": 10}) for i in range(3)]
+    forward = ahead.forward_decode_tokens
+    calls = []
+
+    def fail_once(sequences, tokens):
+        calls.append(len(sequences))
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return forward(sequences, tokens)
+
+    ahead.forward_decode_tokens = fail_once
+    assert _run(ahead, spec) == _run(plain, spec)
+    stats = ahead.scheduler.stats()
+    assert stats["lookahead_out_of_memory"] == 1 and len(calls) > 3
+    assert ahead.cache.free_pages == ahead.cache.num_pages
+
+
+def test_events_read_before_a_failing_step_are_kept(model_dir: Path) -> None:
+    # step() reads the drawn tokens, then (a job waits: no lookahead) runs a normal step.
+    # If that one fails, the tokens already read are queued on their jobs, not lost.
+    engine = _engine(model_dir, lookahead=True)
+    sched = engine.scheduler
+    job = sched.submit(_prompt(5, seed=1), {**GREEDY, "max_new_tokens": 20})
+    seen = [t for _ in range(3) for e in sched.step() for t in e.token_ids]
+    sched.submit(_prompt(6, seed=2), {**GREEDY, "max_new_tokens": 2})
+    model = engine.model
+    model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("broken forward"))
+    try:
+        with pytest.raises(RuntimeError, match="broken forward"):
+            sched.step()
+    finally:
+        del model.forward
+    queued = [t for e in job.events for t in e.token_ids]
+    assert queued and seen + queued == job.generated_ids[: len(seen) + len(queued)]
+
+
 @pytest.mark.gpu
 def test_gpu_graph_takes_device_tokens_without_a_host_sync(tmp_path: Path) -> None:
     # On a GPU the looked-ahead forward is a decode graph replay whose token column is
