@@ -168,6 +168,13 @@ KESTREL = SettingsSchema(
         ),
         Control("cuda_graphs", "bool", "CUDA graphs", _ENGINE.cuda_graphs, "replay decode steps"),
         Control(
+            "lookahead",
+            "bool",
+            "lookahead",
+            _ENGINE.lookahead,
+            "launch the next decode step before reading the last one's tokens",
+        ),
+        Control(
             "prefix_caching",
             "bool",
             "prefix caching",
