@@ -47,6 +47,14 @@ class Drawn:
     readback: TokenReadback  # their copy to the host, queued right after the draw
 
 
+def requeue(events: list[GenerationEvent], jobs: list[Job]) -> None:
+    """Queue `events` on their jobs (among `jobs`) for their streams: what a `step()` made
+    before it failed, which it can no longer return."""
+    by_id = {job.id: job for job in jobs}
+    for event in events:
+        by_id[event.job_id].events.append(event)
+
+
 class LookaheadSteps:
     """The lookahead half of `engine.scheduler.Scheduler` (mixed into it): it uses the
     scheduler's queues, page accounting, `_draw`, `_advance`, `_finish` and
@@ -126,9 +134,7 @@ class LookaheadSteps:
                     self._drawn = self._draw(going, logits)
                 except BaseException as error:
                     if not queue:  # the events made above must not be lost with the step
-                        by_id = {job.id: job for job in jobs}
-                        for event in events:
-                            by_id[event.job_id].events.append(event)
+                        requeue(events, jobs)
                     for job in going:
                         job.error = error
                         self._finish(job, "error")

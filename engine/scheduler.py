@@ -97,7 +97,7 @@ from engine.generator import (
     sample_jobs,
     token_logprobs,
 )
-from engine.lookahead import Drawn, LookaheadSteps
+from engine.lookahead import Drawn, LookaheadSteps, requeue
 from engine.prefix_cache import PrefixChain, adopt, find_prefix, publish, root_hash
 from engine.rewind import trim_sequence
 from engine.samplers.batched import host_to_device
@@ -483,8 +483,9 @@ class Scheduler(LookaheadSteps):
         if self._drawn is not None and all(job.done for job in self._drawn.jobs):
             self._drawn = None  # every job of it was cancelled: nothing to read
         events: list[GenerationEvent] = []
+        read: list[Job] = []
         if self._drawn is not None:
-            read = {job.id: job for job in self._drawn.jobs}
+            read = self._drawn.jobs
             events = self._read_drawn(queue=queue)
             if self._drawn is not None:
                 return events  # the lookahead forward ran and drew its tokens
@@ -492,8 +493,7 @@ class Scheduler(LookaheadSteps):
             return events + self._normal_step(queue=queue)
         except BaseException:
             if not queue:  # the read step's events must not go down with this one
-                for event in events:
-                    read[event.job_id].events.append(event)
+                requeue(events, read)
             raise
 
     def _normal_step(self, *, queue: bool) -> list[GenerationEvent]:

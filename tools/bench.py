@@ -130,6 +130,23 @@ def _random_quantized(
     )
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--shape, --format, --work (where `build_model` keeps the files) and --out: the
+    arguments the profiling and tuning tools share."""
+    parser.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
+    parser.add_argument("--format", default="gptq", choices=["gptq", "exl2"])
+    parser.add_argument("--work", default="/tmp/kestrel-bench")
+    parser.add_argument("--out", default=".")
+
+
+def model_from_arguments(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The model `add_model_arguments` names, built if needed, and the --out folder (made)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
+    return path, out
+
+
 def build_model(path: Path, shape_name: str, fmt: str, device: str = "cuda") -> Path:
     """Write a random-weight model of `shape_name` in `fmt` (gptq: 4-bit g128; exl2: 4-bit
     with a 6-bit head) with a word-level tokenizer; skipped if already there. `device` is

@@ -30,7 +30,7 @@ from engine.cache import Sequence  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
 from engine.quantized_linear import QuantizedLinear  # noqa: E402
 from kernels.quant_matmul_triton import quant_matmul  # noqa: E402
-from tools.bench import build_model  # noqa: E402
+from tools.bench import add_model_arguments, model_from_arguments  # noqa: E402
 
 
 def _read_bandwidth() -> float:
@@ -62,6 +62,17 @@ def distinct_linears(
     return shapes, counts
 
 
+def kernel_table(prof: torch.profiler.profile, runs: int) -> list[dict]:
+    """Device kernels of a profile over `runs` runs: µs and launches per run, largest first."""
+    kernels = []
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
+        if evt.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
+            kernels.append({"name": evt.key[:90], "us": dev_us / runs, "count": evt.count / runs})
+    kernels.sort(key=lambda k: -k["us"])
+    return kernels
+
+
 def _graph_time(fn, calls: int = 50, reps: int = 5) -> float:
     """Seconds per call of fn() replayed in a CUDA graph of `calls` calls (best of reps)."""
     stream = torch.cuda.Stream()
@@ -85,19 +96,13 @@ def _graph_time(fn, calls: int = 50, reps: int = 5) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="llama3-8b")
-    parser.add_argument("--format", default="gptq", choices=["gptq", "exl2"])
+    add_model_arguments(parser)
     parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--work", default="/tmp/kestrel-bench")
-    parser.add_argument("--out", default=".")
     parser.add_argument("--cache-type", default="fp16", help="KV cache storage: fp16 fp8 q8 q6 q4")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     args = parser.parse_args()
     B = args.batch
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
+    path, out = model_from_arguments(args)
     engine = Engine.load(
         path,
         EngineOptions(
@@ -167,16 +172,8 @@ def main() -> int:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     (out / "profile.txt").write_text(table)
-    kernels = []
-    total_us = 0.0
-    for evt in prof.key_averages():
-        dev_us = getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
-        if evt.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
-            kernels.append(
-                {"name": evt.key[:90], "us_per_step": dev_us / 3, "count": evt.count / 3}
-            )
-            total_us += dev_us / 3
-    kernels.sort(key=lambda k: -k["us_per_step"])
+    kernels = kernel_table(prof, 3)
+    total_us = sum(k["us"] for k in kernels)
 
     # 4. Each distinct linear alone.
     linears = []
@@ -221,7 +218,7 @@ def main() -> int:
     (out / "profile.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("kernels",)}, indent=1))
     for k in kernels[:25]:
-        print(f"{k['us_per_step']:9.1f} us  x{k['count']:6.0f}  {k['name']}")
+        print(f"{k['us']:9.1f} us  x{k['count']:6.0f}  {k['name']}")
     return 0
 
 

@@ -29,7 +29,8 @@ from engine.cache import Sequence  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
 from engine.quantized_linear import QuantizedLinear  # noqa: E402
 from kernels.quant_matmul_triton import dequantize_triton  # noqa: E402
-from tools.bench import build_model  # noqa: E402
+from tools.bench import add_model_arguments, model_from_arguments  # noqa: E402
+from tools.profile_decode import kernel_table  # noqa: E402
 
 
 def _cuda_seconds(fn, reps: int = 5) -> float:
@@ -42,19 +43,6 @@ def _cuda_seconds(fn, reps: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-
-def kernel_table(prof: torch.profiler.profile, runs: int) -> list[dict]:
-    """Device kernels of a profile: µs and launches per run, largest first."""
-    kernels = []
-    for evt in prof.key_averages():
-        dev_us = getattr(evt, "device_time_total", 0.0) or getattr(evt, "cuda_time_total", 0.0)
-        if evt.device_type == torch.autograd.DeviceType.CUDA and dev_us > 0:
-            kernels.append(
-                {"name": evt.key[:90], "us_per_run": dev_us / runs, "count": evt.count / runs}
-            )
-    kernels.sort(key=lambda k: -k["us_per_run"])
-    return kernels
 
 
 def linear_parts(model: torch.nn.Module, rows: int) -> dict[str, float]:
@@ -76,16 +64,10 @@ def linear_parts(model: torch.nn.Module, rows: int) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="llama3-8b")
-    parser.add_argument("--format", default="gptq", choices=["gptq", "exl2"])
+    add_model_arguments(parser)
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--work", default="/tmp/kestrel-bench")
-    parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
+    path, out = model_from_arguments(args)
     engine = Engine.load(
         path, EngineOptions(device="cuda", dtype="float16", max_seq_len=max(args.prompts) + 16)
     )
@@ -115,14 +97,14 @@ def main() -> int:
             "prompt": prompt_len,
             "prefill_ms": seconds * 1e3,
             "prefill_tok_s": prompt_len / seconds,
-            "kernel_us": sum(k["us_per_run"] for k in kernels),
+            "kernel_us": sum(k["us"] for k in kernels),
             "linear_parts_per_chunk": linear_parts(engine.model, chunk),
             "kernels": kernels[:30],
         }
         results.append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k != "kernels"}), flush=True)
         for k in kernels[:15]:
-            print(f"{k['us_per_run']:10.1f} us  x{k['count']:6.0f}  {k['name']}", flush=True)
+            print(f"{k['us']:10.1f} us  x{k['count']:6.0f}  {k['name']}", flush=True)
     info = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,

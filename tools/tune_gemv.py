@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import kernels.quant_matmul_triton as qmt  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
 from engine.quantized_linear import QuantizedLinear  # noqa: E402
-from tools.bench import build_model  # noqa: E402
+from tools.bench import add_model_arguments, model_from_arguments  # noqa: E402
 from tools.profile_decode import _graph_time, _read_bandwidth  # noqa: E402
 
 WARPS = (2, 4, 8)
@@ -57,14 +57,9 @@ def _key(config: qmt.GemvConfig) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="llama3-8b")
-    parser.add_argument("--format", default="gptq", choices=["gptq", "exl2"])
-    parser.add_argument("--work", default="/tmp/kestrel-bench")
-    parser.add_argument("--out", default=".")
+    add_model_arguments(parser)
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
+    path, out = model_from_arguments(args)
     engine = Engine.load(path, EngineOptions(device="cuda", dtype="float16", max_seq_len=256))
     bandwidth = _read_bandwidth()
     default = qmt._GEMV_CONFIG

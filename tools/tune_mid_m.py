@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import kernels.quant_matmul_triton as qmt  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
 from engine.quantized_linear import QuantizedLinear  # noqa: E402
-from tools.bench import build_model  # noqa: E402
+from tools.bench import add_model_arguments, model_from_arguments  # noqa: E402
 from tools.profile_decode import _graph_time, _read_bandwidth  # noqa: E402
 
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -55,16 +55,11 @@ def _config(values: tuple) -> qmt.DotConfig:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="llama3-8b")
-    parser.add_argument("--format", default="gptq", choices=["gptq", "exl2"])
-    parser.add_argument("--work", default="/tmp/kestrel-bench")
-    parser.add_argument("--out", default=".")
+    add_model_arguments(parser)
     parser.add_argument("--m", type=int, nargs="*", default=list(M_VALUES))
     parser.add_argument("--sweep-m", type=int, nargs="*", default=[8, 64])
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
+    path, out = model_from_arguments(args)
     engine = Engine.load(path, EngineOptions(device="cuda", dtype="float16", max_seq_len=256))
     bandwidth = _read_bandwidth()
     linears = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]

@@ -128,10 +128,11 @@ def sample_batched(samplers: list[Sampler], logits: Tensor) -> Tensor:
             if not sampler.greedy:
                 noise[row].exponential_(1.0, generator=sampler.generator)
         tokens = (probs / noise).argmax(dim=-1)
-        empty = torch.isneginf(x).all(dim=-1)
+        # Rows the steps emptied, and greedy rows, take the best token the bans allow.
+        take_best = torch.isneginf(x).all(dim=-1)
         if any(greedy):
-            empty = empty | _flags(greedy, device).view(-1)
-        tokens = torch.where(empty, best_allowed, tokens)
+            take_best = take_best | _flags(greedy, device).view(-1)
+        tokens = torch.where(take_best, best_allowed, tokens)
     for sampler in samplers:
         sampler.generated += 1
     return tokens
