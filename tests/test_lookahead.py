@@ -201,3 +201,22 @@ def test_gpu_graph_takes_device_tokens_without_a_host_sync(tmp_path: Path) -> No
     assert len(calls) >= 15
     for job in jobs:
         sched.cancel(job)
+
+
+def test_lookahead_is_a_load_option(model_dir: Path) -> None:
+    # The kestrel loader's settings schema offers the switch (the UI and TGW render it),
+    # and loading with it off gives a scheduler that never runs ahead.
+    import loader
+
+    schema = loader.settings_schema("kestrel")
+    control = next(c for c in schema.controls if c.name == "lookahead")
+    assert control.kind == "bool" and control.default is True
+    model = loader.load(model_dir, "kestrel", device="cpu", lookahead=False)
+    try:
+        sched = model.engine.scheduler
+        assert sched.lookahead is False
+        job = sched.submit(_prompt(5, seed=3), {**GREEDY, "max_new_tokens": 6})
+        assert len(_ids([(e.text, e.token_ids, e.finish_reason) for e in sched.stream(job)])) == 6
+        assert sched.stats()["lookahead_forwards"] == 0
+    finally:
+        model.unload()
