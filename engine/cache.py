@@ -5,6 +5,11 @@ layer's device, in the model's dtype for cache_type "fp16", or as byte rows
 [pages, page_size, kv_heads, row_bytes] (codes and scales) for the quantized types fp8, q8,
 q6 and q4 (layouts: kernels.kv_quant). `write` quantizes new K/V as it stores them and the
 attention kernels dequantize tile by tile; `bytes_per_token` is what one token costs.
+The layers of one device share one allocation (no per-tensor rounding by the allocator),
+and each layer's K and V have one more slot past their pages, `scratch_slot`: the decode
+graphs' padding rows write their K/V there, where no page table points, instead of into a
+whole page of their own (a 256-token page of an 8B model is 32 MiB). Writers take the
+flat view with that slot (`k_slots`, `v_slots`); attention reads the page view (`k`, `v`).
 A sequence owns a list of pages (its page table); token position p of a sequence lives in
 slot `pages[p // page_size] * page_size + p % page_size`.
 
@@ -90,15 +95,28 @@ class PagedKVCache:
             dtype=dtype,
         )
 
-        def planes(fmt) -> list[torch.Tensor]:
-            if fmt.quantized:
-                shape = (num_pages, page_size, num_kv_heads, fmt.row_bytes(head_dim))
-                return [torch.zeros(shape, dtype=torch.uint8, device=d) for d in layer_devices]
-            shape = (num_pages, page_size, num_kv_heads, head_dim)
-            return [torch.zeros(shape, dtype=dtype, device=d) for d in layer_devices]
+        # The slot past the last page (see the module docstring).
+        self.scratch_slot = num_pages * page_size
 
-        self.k = planes(self.k_format)
-        self.v = planes(self.v_format)
+        def planes(fmt) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            """Per layer: the flat slots [pages * page_size + 1, Hk, row] and their page
+            view [pages, page_size, Hk, row], all layers of a device in one tensor."""
+            row = (num_kv_heads, fmt.row_bytes(head_dim) if fmt.quantized else head_dim)
+            store = torch.uint8 if fmt.quantized else dtype
+            flat: list[torch.Tensor | None] = [None] * num_layers
+            for device in dict.fromkeys(layer_devices):
+                layers = [i for i, d in enumerate(layer_devices) if d == device]
+                block = torch.zeros(
+                    (len(layers), self.scratch_slot + 1, *row), dtype=store, device=device
+                )
+                for j, i in enumerate(layers):
+                    flat[i] = block[j]
+            slots = [t for t in flat if t is not None]
+            pages = [t[: self.scratch_slot].view(num_pages, page_size, *row) for t in slots]
+            return slots, pages
+
+        self.k_slots, self.k = planes(self.k_format)
+        self.v_slots, self.v = planes(self.v_format)
         self._free = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
         self._hash_of: dict[int, bytes] = {}  # page -> prefix hash
@@ -197,8 +215,8 @@ class PagedKVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [T, Hk, D] of new tokens at flat slot indices [T], quantizing them
         for a quantized cache type (a Triton kernel on CUDA)."""
-        kv_cache_write(k, self.k[layer], slots, self.k_format)
-        kv_cache_write(v, self.v[layer], slots, self.v_format)
+        kv_cache_write(k, self.k_slots[layer], slots, self.k_format)
+        kv_cache_write(v, self.v_slots[layer], slots, self.v_format)
 
 
 @dataclass

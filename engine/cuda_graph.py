@@ -9,7 +9,8 @@ buffer, and replays it: one launch per step.
 Static shapes: the page table has room for the engine's whole context, and attention is
 told the context may be that long (`max_context_len` sizes the decode kernel's grid, so it
 must not change between replays). Buckets are padded with dummy sequences whose one token
-lands in a scratch page that no real sequence owns.
+writes its K/V to the cache's scratch slot (engine.cache: one slot past the last page, in
+no page table) and reads page 0, whatever it holds: a padding row's output is dropped.
 
 A captured graph keeps raw device addresses, not tensors: every tensor its kernels read
 must be owned by the `_Graph` for as long as it may replay (a tensor that only a local
@@ -19,7 +20,7 @@ next small tensor, e.g. the sampler's, which the replay then reads as input).
 Steps of a few tokens per sequence (speculative verification: the last token and its
 drafts; a draft model catching up on accepted tokens) replay graphs captured for B rows of
 T tokens each (T in TOKEN_BUCKETS, B * T <= MAX_GRAPH_TOKENS). A row with fewer tokens is
-padded at its end: the padding tokens write their K/V to the scratch page, and causal
+padded at its end: the padding tokens write their K/V to the scratch slot, and causal
 attention keeps every real token from seeing them, so the real tokens' logits are those of
 an unpadded forward. Without these graphs such a step ran eagerly, ~600 launches from
 Python: on an H200 the 8B model's verify step took ~25 ms, which made speculative decoding
@@ -85,24 +86,22 @@ def stage_rows(
     new_tokens: list[list[int]],
     tokens_per_row: int,
     page_size: int,
-    scratch_page: int,
+    scratch_slot: int,
 ) -> None:
     """Fill a graph's host rows [B, 3T + 1 + max_pages] for a step: per row its T token
     ids, T positions, T cache slots, the context length, then its page table. Sequences have
     been advanced past their new tokens. A row with n < T tokens is padded at its end
-    (token 0, the last real position, a slot in the scratch page) and claims a context of
-    start + T, so its real tokens keep their positions (ctx - T + i); bucket rows past the
-    sequences are all padding over the scratch page."""
+    (token 0, the last real position, the scratch slot) and claims a context of start + T,
+    so its real tokens keep their positions (ctx - T + i); bucket rows past the sequences
+    are all padding: the scratch slot, and a page table of page 0 (read, never written)."""
     T = tokens_per_row
-    scratch = scratch_page * page_size
     # Through numpy (the same memory): this runs on the host before every decode step while
     # the GPU waits, and a numpy slice assignment costs a fraction of a torch op's dispatch.
     rows = host.numpy()
     rows[:] = 0
     lanes = np.arange(T)
-    rows[:, 2 * T : 3 * T] = scratch + lanes % page_size
+    rows[:, 2 * T : 3 * T] = scratch_slot
     rows[:, 3 * T] = T
-    rows[:, 3 * T + 1 :] = scratch_page
     rows[:, T : 2 * T] = lanes
     for b, (seq, tokens) in enumerate(zip(sequences, new_tokens, strict=True)):
         n = len(tokens)
@@ -171,7 +170,6 @@ class _SegmentGraph:
         width: int,
         max_pages: int,
         max_context: int,
-        scratch_page: int,
         lora: LoraManager | None,
     ) -> None:
         self.model = model
@@ -184,10 +182,10 @@ class _SegmentGraph:
         self.batch = ForwardBatch(
             token_ids=torch.zeros(B * T, **i64),
             positions=torch.zeros(B * T, **i64),
-            slots=torch.full((B * T,), scratch_page * cache.page_size, **i64),
+            slots=torch.full((B * T,), cache.scratch_slot, **i64),
             cu_seqlens=torch.arange(B + 1, **i32) * T,
             context_lens=torch.full((B,), T, **i32),
-            page_table=torch.full((B, max_pages), scratch_page, **i32),
+            page_table=torch.zeros((B, max_pages), **i32),
             logits_indices=torch.arange(B * T, **i64),
             max_query_len=T,
             max_context_len=max_context,
@@ -274,7 +272,6 @@ class _Graph:
         batch_size: int,
         max_pages: int,
         max_context: int,
-        scratch_page: int,
         segments: list[Segment],
         lora: LoraManager | None = None,
         tokens_per_row: int = 1,
@@ -283,7 +280,7 @@ class _Graph:
     ) -> None:
         self.batch_size = batch_size
         self.tokens_per_row = T = tokens_per_row
-        self.scratch_page = scratch_page
+        self.scratch_slot = cache.scratch_slot
         self.page_size = cache.page_size
         self.replays = 0
         B = batch_size
@@ -294,9 +291,7 @@ class _Graph:
         self.width = 3 * T + 1 + max_pages
         self.host = _host((B, self.width), torch.int64, pin)
         self.segments = [
-            _SegmentGraph(
-                model, cache, s, B, T, self.width, max_pages, max_context, scratch_page, lora
-            )
+            _SegmentGraph(model, cache, s, B, T, self.width, max_pages, max_context, lora)
             for s in segments
         ]
         # Recorded after a step's copies, one per GPU: the next step waits for them before it
@@ -318,7 +313,7 @@ class _Graph:
         if capture:
             # Every segment warms up before any is captured, each on the previous one's
             # real output: a capture runs nothing, so its output buffer holds no values yet,
-            # and a warm-up on such garbage could leave NaN K/V in the scratch page.
+            # and a warm-up on such garbage could write NaN K/V (into the scratch slot).
             hidden: torch.Tensor | None = None
             for seg in self.segments:
                 if hidden is not None:
@@ -415,7 +410,7 @@ class _Graph:
 
     def _stage_rows(self, sequences: list[Sequence], new_tokens: list[list[int]]) -> None:
         stage_rows(self.host, sequences, new_tokens, self.tokens_per_row, self.page_size,
-                   self.scratch_page)  # fmt: skip
+                   self.scratch_slot)  # fmt: skip
         for seg in self.segments:
             seg.device_rows.copy_(self.host, non_blocking=True)
             event = self._copied.get(seg.device)
@@ -467,8 +462,6 @@ class DecodeGraphs:
         self.segments = plan_segments(model, split_at)
         if capture and any(s.device.type != "cuda" for s in self.segments):
             raise ValueError("decode graphs are captured on CUDA devices only (capture=False)")
-        # The scratch page absorbs the K/V writes of padding rows; no sequence owns it.
-        self.scratch_page = cache.allocate(1)[0]
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (rows, tokens per row)
         # Graphs with LoRA kernels, valid while the adapters' stacks stay where they were.
         self._lora_graphs: dict[tuple[int, int], _Graph] = {}
@@ -585,7 +578,6 @@ class DecodeGraphs:
                 size,
                 self.max_pages,
                 self.max_context,
-                self.scratch_page,
                 self.segments,
                 lora,
                 tokens_per_row,
@@ -618,4 +610,3 @@ class DecodeGraphs:
     def release(self) -> None:
         self._graphs.clear()
         self._lora_graphs.clear()
-        self.cache.release([self.scratch_page])

@@ -196,8 +196,7 @@ class Engine:
             num_layers=config.num_hidden_layers,
             num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
-            # one more page for the decode graphs' padding rows
-            num_pages=-(-cache_tokens // options.page_size) + int(use_graphs),
+            num_pages=-(-cache_tokens // options.page_size),
             page_size=options.page_size,
             dtype=dtype,
             layer_devices=model.layer_devices,

@@ -153,7 +153,8 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        # The flat slots, with the scratch slot that graph padding rows write (engine.cache).
+        k_cache, v_cache = cache.k_slots[self.layer_idx], cache.v_slots[self.layer_idx]
         if (
             self.fuse_kernels
             and not (cache.k_format.quantized or cache.v_format.quantized)

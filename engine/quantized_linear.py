@@ -16,7 +16,7 @@ from torch import nn
 from engine.quant.exl2 import Exl2Tensors, exl2_to_runtime
 from engine.quant.gptq import GptqTensors, gptq_to_runtime
 from engine.weights import WeightStore
-from kernels.quant_matmul import QuantizedWeight, dequantize_reference
+from kernels.quant_matmul import QuantizedWeight, dequantize_reference, stored_bytes
 from kernels.quant_matmul_triton import quant_matmul
 
 EXL2_TENSORS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm", "bias")
@@ -61,7 +61,7 @@ class QuantizedLinear(nn.Module):
         """Bits stored for this linear (codes, scales, zeros, permutation, groups)."""
         qw = self.qweight
         total = sum(p.packed.numel() * 32 for s in qw.segments for p in s.planes)
-        total += qw.scales.numel() * 16 + qw.zeros.numel() * qw.zeros.element_size() * 8
+        total += qw.scales.numel() * 16 + stored_bytes(qw.zeros) * 8
         total += qw.row_group.numel() * 32
         return total + (qw.perm.numel() * 32 if qw.perm is not None else 0)
 

@@ -304,8 +304,7 @@ class Scheduler(LookaheadSteps):
 
     @property
     def usable_pages(self) -> int:
-        # The decode graphs keep one scratch page for their padding rows (engine/cuda_graph.py).
-        return self.engine.cache.num_pages - int(self.engine.graphs is not None)
+        return self.engine.cache.num_pages
 
     def stats(self) -> dict[str, Any]:
         cache = self.engine.cache

@@ -249,7 +249,7 @@ def kv_cache_write_reference(
 ) -> None:
     """Store x [T, Hk, D] at flat slots [T] of `cache` ([P, S, Hk, row] or native)."""
     if not fmt.quantized:
-        flat = cache.view(-1, *cache.shape[2:])
+        flat = cache.view(-1, *cache.shape[-2:])
         flat.index_copy_(0, slots, x.to(cache.dtype))
         return
     t, hk, d = x.shape
@@ -415,16 +415,22 @@ def kv_cache_write_triton(
         )
 
 
-def check_cache_tensor(cache: torch.Tensor, fmt: KVFormat, head_dim: int, name: str) -> None:
+def check_cache_tensor(
+    cache: torch.Tensor, fmt: KVFormat, head_dim: int, name: str, *, flat: bool = False
+) -> None:
+    """A quantized cache plane as the kernels read it: pages [P, S, Hk, row], or with
+    `flat` (writers) also the flat slots [P * S + scratch, Hk, row] (engine.cache)."""
     if not fmt.quantized:
         return
     want = fmt.row_bytes(head_dim)
-    if cache.dtype != torch.uint8 or cache.dim() != 4 or cache.shape[-1] != want:
+    dims = (3, 4) if flat else (4,)
+    if cache.dtype != torch.uint8 or cache.dim() not in dims or cache.shape[-1] != want:
         raise ValueError(
-            f"{name} must be uint8 [P, S, Hk, {want}] for {fmt.kind} storage of head_dim "
-            f"{head_dim}, got {cache.dtype} {tuple(cache.shape)}"
+            f"{name} must be uint8 [P, S, Hk, {want}]{' or [slots, Hk, row]' if flat else ''} "
+            f"for {fmt.kind} storage of head_dim {head_dim}, got {cache.dtype} "
+            f"{tuple(cache.shape)}"
         )
-    if cache.stride(-1) != 1 or cache.stride(-2) % 2 or cache.stride(1) % 2:
+    if cache.stride(-1) != 1 or cache.stride(-2) % 2 or cache.stride(-3) % 2:
         raise ValueError(f"{name} rows must be dense and 2-byte aligned (float16 scales)")
 
 
@@ -436,12 +442,13 @@ def kv_cache_write(
     *,
     backend: Backend = "auto",
 ) -> None:
-    """Quantize x [T, Hk, D] into `cache` at flat slots [T]; Triton on CUDA."""
+    """Quantize x [T, Hk, D] into `cache` ([P, S, Hk, row] pages or [slots, Hk, row]) at
+    flat slots [T]; Triton on CUDA."""
     if x.dim() != 3 or slots.shape != (x.shape[0],):
         raise ValueError(
             f"expected x [T, Hk, D] and slots [T], got {tuple(x.shape)} and {tuple(slots.shape)}"
         )
-    check_cache_tensor(cache, fmt, x.shape[-1], "cache")
+    check_cache_tensor(cache, fmt, x.shape[-1], "cache", flat=True)
     if resolve_backend(backend, x, cache, slots) == "triton":
         kv_cache_write_triton(x, cache, slots, fmt)
     else:

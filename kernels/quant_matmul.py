@@ -8,7 +8,10 @@ Contract (docs/quant_layout.md; k = in_features, n = out_features):
       scales     fp16 [G, n]
       zeros      uint8/int16/fp16 [G, n]  zero points in code units, so w = (code - zero) *
                  scale; integers (GPTQ, EXL2: 0..256) in the smallest type that holds them
-                 (`compact_zero_points`: a 4-bit GPTQ 8B model's zeros take 28 MiB, not 112)
+                 (`compact_zero_points`: a 4-bit GPTQ 8B model's zeros take 52 MiB, not 104).
+                 Contiguous, or one zero point per group: a [G] vector expanded along n
+                 (strides (1, 0)), which EXL2 (2^(bits-1)) and symmetric GPTQ (2^(bits-1)
+                 everywhere) always are: G bytes instead of G * n.
       row_group  int32 [k]           group of each permuted row, non-decreasing
       bias       fp16 [n] or None
     Segment: bits in {2, 3, 4, 5, 6, 8}, rows [row_start, row_end), planes per PLANE_SPLITS
@@ -127,10 +130,15 @@ ZERO_POINT_DTYPES = (torch.uint8, torch.int16, torch.float16)
 
 
 def compact_zero_points(zeros: torch.Tensor) -> torch.Tensor:
-    """Zero points in the smallest of ZERO_POINT_DTYPES that holds them exactly: uint8 for
-    integers in 0..255, int16 for other integers (GPTQ's 8-bit zero point can be 256), fp16
-    otherwise. The kernels read any of them and compute in float32."""
+    """Zero points [G, n] in the smallest of ZERO_POINT_DTYPES that holds them exactly:
+    uint8 for integers in 0..255, int16 for other integers (GPTQ's 8-bit zero point can be
+    256), fp16 otherwise. The kernels read any of them and compute in float32. When every
+    group has one zero point for all its columns (EXL2, symmetric GPTQ), only that column
+    is stored and expanded along n (see `per_group_zeros`)."""
     values = zeros.float()
+    if values.dim() == 2 and values.shape[1] > 1 and bool((values == values[:, :1]).all()):
+        column = compact_zero_points(zeros[:, :1]).reshape(-1).contiguous()
+        return column.view(-1, 1).expand(zeros.shape)
     if values.numel() and bool((values == values.round()).all()):
         low, high = float(values.min()), float(values.max())
         if 0 <= low and high <= 255:
@@ -138,6 +146,31 @@ def compact_zero_points(zeros: torch.Tensor) -> torch.Tensor:
         if -(2**15) <= low and high < 2**15:
             return zeros.to(torch.int16).contiguous()
     return zeros.to(torch.float16).contiguous()
+
+
+def per_group_zeros(zeros: torch.Tensor) -> bool:
+    """Whether `zeros` [G, n] stores one zero point per group: a contiguous [G] expanded
+    along n (the kernels then read zeros[group] instead of zeros[group, column])."""
+    if zeros.dim() != 2 or zeros.shape[1] < 2 or zeros.stride(1) != 0:
+        return False
+    return zeros.shape[0] == 1 or zeros.stride(0) == 1  # a dimension of 1 has any stride
+
+
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes of memory `t` spans: numel * element size for a contiguous tensor, the
+    stored column only for expanded per-group zero points."""
+    if t.numel() == 0:
+        return 0
+    steps = zip(t.shape, t.stride(), strict=True)
+    span = 1 + sum((size - 1) * abs(stride) for size, stride in steps)
+    return span * t.element_size()
+
+
+def _move_zeros(zeros: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    # Tensor.to would materialize the expansion into G * n elements on the new device.
+    if per_group_zeros(zeros):
+        return zeros[:, :1].to(device).expand(zeros.shape)
+    return zeros.to(device)
 
 
 @dataclass
@@ -178,7 +211,14 @@ class QuantizedWeight:
             self.zeros.dtype in ZERO_POINT_DTYPES,
             f"zeros must be one of {ZERO_POINT_DTYPES}, got {self.zeros.dtype}",
         )
-        check(self.zeros, "zeros", self.zeros.dtype, (g, n))
+        shape = tuple(self.zeros.shape)
+        _require(shape == (g, n), f"zeros must have shape {(g, n)}, got {shape}")
+        _require(self.zeros.device == dev, f"zeros is on {self.zeros.device}, scales on {dev}")
+        _require(
+            self.zeros.is_contiguous() or per_group_zeros(self.zeros),
+            f"zeros must be contiguous or one per group (strides (1, 0)), got strides "
+            f"{self.zeros.stride()}",
+        )
         check(self.row_group, "row_group", torch.int32, (k,))
         if self.bias is not None:
             check(self.bias, "bias", torch.float16, (n,))
@@ -238,7 +278,7 @@ class QuantizedWeight:
             perm=move(self.perm),
             segments=segments,
             scales=self.scales.to(device),
-            zeros=self.zeros.to(device),
+            zeros=_move_zeros(self.zeros, device),
             row_group=self.row_group.to(device),
             bias=move(self.bias),
         )

@@ -80,7 +80,12 @@ from kernels.backend import (
     programmatic_launch,
     resolve_backend,
 )
-from kernels.quant_matmul import QuantizedWeight, Segment, quant_matmul_reference
+from kernels.quant_matmul import (
+    QuantizedWeight,
+    Segment,
+    per_group_zeros,
+    quant_matmul_reference,
+)
 
 Path = Literal["auto", "gemv", "dot", "dequant"]
 
@@ -392,8 +397,9 @@ def _gemv_plane(
 
 @triton.jit
 def _gemv_zero_term(
-    x_ptrs, row_ok, zero, group_offsets, zeros_ptr, scales_ptr, cols, col_ok, GROUPED
-):
+    x_ptrs, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok, GROUPED,
+    ZERO_PER_GROUP,
+):  # fmt: skip
     """What the zeros take off one row of x's dot products: [N]. `zero` (GROUPED) is
     already zero point * scale; otherwise each row's zero point and scale are loaded."""
     xv = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
@@ -402,9 +408,20 @@ def _gemv_zero_term(
     else:
         offsets = group_offsets[:, None] + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
-        row_zero = tl.load(zeros_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        row_zero = _zero_points(zeros_ptr, group[:, None], offsets, mask, ZERO_PER_GROUP)
         row_scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         return tl.sum(row_zero * row_scale * xv[:, None], axis=0)
+
+
+@triton.jit
+def _zero_points(zeros_ptr, group, offsets, mask, ZERO_PER_GROUP):
+    """Zero points in float32 at `offsets` (group * stride + column), or one per group,
+    zeros[group] broadcast to the shape of `offsets` (kernels.quant_matmul.per_group_zeros:
+    G bytes to read instead of G * n)."""
+    if ZERO_PER_GROUP:
+        return tl.load(zeros_ptr + group).to(tl.float32) + tl.zeros(offsets.shape, tl.float32)
+    else:
+        return tl.load(zeros_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["add_bias", "arrivals"])
@@ -434,6 +451,7 @@ def _gemv_kernel(
     float_magic,  # 0x4B000000 (see _gemv_plane)
     HAS_PERM: tl.constexpr,
     GROUPED: tl.constexpr,  # every chunk lies in one group (checked on the host)
+    ZERO_PER_GROUP: tl.constexpr,  # zeros hold one zero point per group (per_group_zeros)
     NUM_PLANES: tl.constexpr,
     P0_BITS: tl.constexpr,
     P0_SHIFT: tl.constexpr,
@@ -561,7 +579,7 @@ def _gemv_kernel(
             raw_scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
             scale = raw_scale * 2.0**48
             # zero point * scale: exact in fp32 (a small integer times an fp16 value)
-            zero = tl.load(zeros_ptr + sz, mask=col_ok, other=0.0).to(tl.float32) * raw_scale
+            zero = _zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP) * raw_scale
             group_offsets = offs_k  # unused
         else:
             scale = 1.0
@@ -569,43 +587,50 @@ def _gemv_kernel(
             group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
             group_offsets = group * sz_stride
         acc0 += a0 * scale - _gemv_zero_term(
-            x_ptrs, row_ok, zero, group_offsets, zeros_ptr, scales_ptr, cols, col_ok, GROUPED
-        )
+            x_ptrs, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok,
+            GROUPED, ZERO_PER_GROUP,
+        )  # fmt: skip
         if M_ROWS > 1:
             acc1 += a1 * scale - _gemv_zero_term(
                 x_ptrs + stride_xm,
                 row_ok,
                 zero,
+                group,
                 group_offsets,
                 zeros_ptr,
                 scales_ptr,
                 cols,
                 col_ok,
                 GROUPED,
+                ZERO_PER_GROUP,
             )
         if M_ROWS > 2:
             acc2 += a2 * scale - _gemv_zero_term(
                 x_ptrs + 2 * stride_xm,
                 row_ok,
                 zero,
+                group,
                 group_offsets,
                 zeros_ptr,
                 scales_ptr,
                 cols,
                 col_ok,
                 GROUPED,
+                ZERO_PER_GROUP,
             )
         if M_ROWS > 3:
             acc3 += a3 * scale - _gemv_zero_term(
                 x_ptrs + 3 * stride_xm,
                 row_ok,
                 zero,
+                group,
                 group_offsets,
                 zeros_ptr,
                 scales_ptr,
                 cols,
                 col_ok,
                 GROUPED,
+                ZERO_PER_GROUP,
             )
 
     # Split 0 of the first segment adds the bias (bias_ptr is a dummy when there is none).
@@ -763,6 +788,7 @@ def _dot_kernel(
     add_bias,  # 1 for the first segment's launch of a weight with a bias
     HAS_PERM: tl.constexpr,
     GROUPED: tl.constexpr,  # every chunk lies in one group (checked on the host)
+    ZERO_PER_GROUP: tl.constexpr,  # zeros hold one zero point per group (per_group_zeros)
     NUM_PLANES: tl.constexpr,
     P0_BITS: tl.constexpr,
     P0_SHIFT: tl.constexpr,
@@ -859,7 +885,7 @@ def _dot_kernel(
             group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
             sz = group * sz_stride + cols
             scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
-            zero = tl.load(zeros_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
+            zero = _zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP)
             x_sum = _sum_over_k(x_tile.to(tl.float32), TRANSPOSED)
             acc += (part - _along_m(x_sum, TRANSPOSED) * _along_n(zero, TRANSPOSED)) * _along_n(
                 scale, TRANSPOSED
@@ -869,8 +895,10 @@ def _dot_kernel(
             row_sz = _along_m(group, TRANSPOSED) * sz_stride + _along_n(cols, TRANSPOSED)
             sz_mask = _along_m(row_ok, TRANSPOSED) & _along_n(col_ok, TRANSPOSED)
             row_scale = tl.load(scales_ptr + row_sz, mask=sz_mask, other=0.0)
-            row_zero = tl.load(zeros_ptr + row_sz, mask=sz_mask, other=0.0)
-            w = (_codes_to_f32(codes) - row_zero.to(tl.float32)) * row_scale.to(tl.float32)
+            row_zero = _zero_points(
+                zeros_ptr, _along_m(group, TRANSPOSED), row_sz, sz_mask, ZERO_PER_GROUP
+            )
+            w = (_codes_to_f32(codes) - row_zero) * row_scale.to(tl.float32)
             acc = _mma(x_tile, cast_rtne(w, x_dtype, EMULATE_BF16), acc, TRANSPOSED, EMULATE_BF16)
 
     bias = tl.load(bias_ptr + cols, mask=col_ok & (pid_k == 0) & (add_bias != 0), other=0.0)
@@ -898,6 +926,7 @@ def _dequant_kernel(
     row_start,
     seg_rows,
     SCATTER: tl.constexpr,  # write permuted row i to its original row perm[i]
+    ZERO_PER_GROUP: tl.constexpr,  # zeros hold one zero point per group (per_group_zeros)
     NUM_PLANES: tl.constexpr,
     P0_BITS: tl.constexpr,
     P0_SHIFT: tl.constexpr,
@@ -930,7 +959,7 @@ def _dequant_kernel(
     group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
     sz_offsets = group[:, None] * sz_stride + cols[None, :]
     scale = tl.load(scales_ptr + sz_offsets, mask=mask, other=0.0).to(tl.float32)
-    zero = tl.load(zeros_ptr + sz_offsets, mask=mask, other=0.0).to(tl.float32)
+    zero = _zero_points(zeros_ptr, group[:, None], sz_offsets, mask, ZERO_PER_GROUP)
     # (code - zero) * scale is exact in float32 (9 x 11 significant bits): one rounding at
     # the final cast, like the reference's float32 math.
     w = (codes.to(tl.float32) - zero) * scale
@@ -974,13 +1003,17 @@ def _check_args(x: torch.Tensor, qw: QuantizedWeight) -> None:
         raise ValueError(
             f"x is on {x.device} but the quantized weight is on {next(iter(weight_devices))}"
         )
-    # The kernels index these with one stride (scales and zeros share theirs); a weight that
-    # passed QuantizedWeight.validate() always qualifies.
+    # The kernels index these with one stride (scales and zeros share theirs, unless zeros
+    # hold one zero point per group); a weight that passed QuantizedWeight.validate()
+    # always qualifies.
     named = {"scales": qw.scales, "zeros": qw.zeros, "row_group": qw.row_group}
     named.update({"perm": qw.perm, "bias": qw.bias})
     for name, t in named.items():
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"the quantized weight's {name} must be contiguous")
+        if t is not None and not t.is_contiguous() and not (t is qw.zeros and per_group_zeros(t)):
+            raise ValueError(
+                f"the quantized weight's {name} must be contiguous"
+                + (" or one zero point per group (strides (1, 0))" if name == "zeros" else "")
+            )
 
 
 def _plane_meta(segment: Segment) -> dict[str, int]:
@@ -1260,6 +1293,7 @@ def _launch_gemv(
             _FLOAT_MAGIC,
             HAS_PERM=qw.perm is not None,
             GROUPED=grouped,
+            ZERO_PER_GROUP=per_group_zeros(qw.zeros),
             **_plane_meta(segment),
             M_ROWS=M,
             ITERS=iters,
@@ -1329,6 +1363,7 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None
             int(first and qw.bias is not None),
             HAS_PERM=qw.perm is not None,
             GROUPED=grouped,
+            ZERO_PER_GROUP=per_group_zeros(qw.zeros),
             **_plane_meta(segment),
             EMULATE_BF16=_INTERPRETED,
             WIDE=config.wide and all(block_k % (32 // p.bits) == 0 for p in segment.planes),
@@ -1381,6 +1416,7 @@ def dequantize_triton(
                 segment.row_start,
                 seg_rows,
                 SCATTER=qw.perm is not None and not permuted,
+                ZERO_PER_GROUP=per_group_zeros(qw.zeros),
                 **_plane_meta(segment),
                 EMULATE_BF16=_INTERPRETED,
                 BLOCK_K=_DEQUANT_BLOCK_K,

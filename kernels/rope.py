@@ -384,10 +384,12 @@ def _check_write_args(
         )
     T, n_k_heads, D = k.shape
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache.dim() != 4 or cache.shape[2:] != (n_k_heads, D) or cache.dtype != k.dtype:
+        shape_ok = cache.dim() in (3, 4) and cache.shape[-2:] == (n_k_heads, D)
+        if not shape_ok or cache.dtype != k.dtype:
             raise ValueError(
-                f"{name} must be a native cache [pages, page_size, {n_k_heads}, {D}] of "
-                f"{k.dtype}, got {cache.dtype} {tuple(cache.shape)}"
+                f"{name} must be a native cache [pages, page_size, {n_k_heads}, {D}] or its "
+                f"flat slots [slots, {n_k_heads}, {D}] of {k.dtype}, got {cache.dtype} "
+                f"{tuple(cache.shape)}"
             )
         if not cache.is_contiguous():
             raise ValueError(f"{name} must be contiguous (it is written in place)")
@@ -414,8 +416,8 @@ def apply_rope_write_reference(
     _check_write_args(k, v, k_cache, v_cache, slots)
     q_rot, k_rot = apply_rope_reference(q, k, positions, cos, sin)
     index = slots.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, index, k_rot)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, index, v)
+    k_cache.view(-1, *k_cache.shape[-2:]).index_copy_(0, index, k_rot)
+    v_cache.view(-1, *v_cache.shape[-2:]).index_copy_(0, index, v)
     return q_rot
 
 
@@ -615,7 +617,8 @@ def apply_rope_write(
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Rotate q and k as `apply_rope` does, store rotated k and v [T, Hk, D] at flat `slots`
-    [T] of the native caches k_cache, v_cache [pages, page_size, Hk, D] (in place), and
+    [T] of the native caches k_cache, v_cache (in place: [pages, page_size, Hk, D], or the
+    flat slots [slots, Hk, D] of engine.cache with its scratch slot), and
     return the rotated q [T, Hq, D]. Triton on CUDA (one launch), the reference otherwise."""
     tensors = (q, k, v, positions, cos, sin, k_cache, v_cache, slots)
     if resolve_backend(backend, *tensors) == "triton":

@@ -53,16 +53,17 @@ def _padded_batch(host: torch.Tensor, T: int, max_context: int) -> ForwardBatch:
 def test_stage_rows_layout():
     seq = Sequence(pages=[5, 2], length=11)  # 3 new tokens at positions 8, 9, 10
     host = torch.full((2, 3 * 4 + 1 + 4), -7, dtype=torch.int64)
-    stage_rows(host, [seq], [[31, 32, 33]], tokens_per_row=4, page_size=PAGE, scratch_page=9)
+    scratch = 9 * PAGE  # the cache's slot past its last page
+    stage_rows(host, [seq], [[31, 32, 33]], tokens_per_row=4, page_size=PAGE, scratch_slot=scratch)
     row, pad = host[0].tolist(), host[1].tolist()
     assert row[:4] == [31, 32, 33, 0]
     assert row[4:8] == [8, 9, 10, 10]  # padding repeats the last position
-    assert row[8:12] == [2 * PAGE + 0, 2 * PAGE + 1, 2 * PAGE + 2, 9 * PAGE + 3]
+    assert row[8:12] == [2 * PAGE + 0, 2 * PAGE + 1, 2 * PAGE + 2, scratch]
     assert row[12] == 8 + 4  # start + T: real tokens keep positions ctx - T + i
-    assert row[13:] == [5, 2, 9, 9]
+    assert row[13:] == [5, 2, 0, 0]  # past its pages: page 0, never read by real tokens
     assert pad[:4] == [0, 0, 0, 0] and pad[4:8] == [0, 1, 2, 3]
-    assert pad[8:12] == [9 * PAGE + i for i in range(4)] and pad[12] == 4
-    assert pad[13:] == [9, 9, 9, 9]
+    assert pad[8:12] == [scratch] * 4 and pad[12] == 4
+    assert pad[13:] == [0, 0, 0, 0]
 
 
 def test_multi_token_shape_limits(model_dir: Path):
@@ -84,7 +85,6 @@ def test_padded_rows_give_the_unpadded_logits_and_cache(model_dir: Path):
     """The padding scheme itself, through the model's CPU path: a verify-shaped step of
     rows with 3, 1 and 2 new tokens, padded to T = 4 in a bucket of 4 rows."""
     eager, padded = _engine(model_dir), _engine(model_dir)
-    scratch = padded.cache.allocate(1)[0]
     prompts = [[3, 9, 4, 7, 1, 8, 2, 6, 5], [11, 12, 13], [21, 22, 23, 24, 25, 26, 27, 28]]
     states = {}
     for name, engine in (("eager", eager), ("padded", padded)):
@@ -102,8 +102,19 @@ def test_padded_rows_give_the_unpadded_logits_and_cache(model_dir: Path):
         seq.length += len(tokens)
     T, B, max_pages = 4, 4, 128 // PAGE
     host = torch.zeros((B, 3 * T + 1 + max_pages), dtype=torch.int64)
-    stage_rows(host, seqs, new, T, PAGE, scratch)
+    stage_rows(host, seqs, new, T, PAGE, padded.cache.scratch_slot)
+    before = [plane.clone() for plane in padded.cache.k + padded.cache.v]
     logits = padded.model(_padded_batch(host, T, 128), padded.cache)
+    # Padding wrote only the scratch slot: in the pages, just the real new tokens' slots
+    # changed (in every layer, K and V).
+    real_slots = {
+        seq.pages[p // PAGE] * PAGE + p % PAGE
+        for seq, tokens in zip(seqs, new, strict=True)
+        for p in range(seq.length - len(tokens), seq.length)
+    }
+    for old, plane in zip(before, padded.cache.k + padded.cache.v, strict=True):
+        changed = (old != plane).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
+        assert set(changed) == real_slots
     rows = [
         b * T + i
         for b, (n, c) in enumerate(zip(map(len, new), counts, strict=True))

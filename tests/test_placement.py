@@ -11,12 +11,14 @@ import pytest
 import torch
 
 import loader
+from engine.cache import PagedKVCache
 from engine.config import ModelConfig
 from engine.loading import load_causal_lm
 from engine.placement import GIB, ModelFootprint, Placement, PlacementError, plan_placement
 from engine.placement.footprint import model_footprint
 from engine.quantized_linear import QuantizedLinear
 from engine.weights import WeightStore
+from kernels.quant_matmul import stored_bytes
 
 from model_factory import make_tiny_llama
 
@@ -151,7 +153,7 @@ def _loaded_bytes(module: torch.nn.Module) -> int:
             qw = m.qweight
             tensors = [qw.scales, qw.zeros, qw.row_group, qw.perm, qw.bias]
             tensors += [p.packed for s in qw.segments for p in s.planes]
-            total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+            total += sum(stored_bytes(t) for t in tensors if t is not None)
     return total
 
 
@@ -170,8 +172,19 @@ def test_footprint_of_a_dense_checkpoint_equals_loaded_bytes(tiny: Path):
     assert fp.layer_bytes == [_loaded_bytes(layer) for layer in layers]
     assert fp.embed_bytes == _loaded_bytes(model.model.embed_tokens)
     assert fp.head_bytes == _loaded_bytes(model.lm_head) + _loaded_bytes(model.model.norm)
-    # 300 tokens -> 5 pages + the decode graphs' scratch page, K and V, fp32.
-    assert fp.cache_bytes_per_layer == 2 * 6 * 64 * config.num_key_value_heads * 16 * 4
+    # 300 tokens -> 5 pages + the decode graphs' scratch slot, K and V, fp32: what the
+    # cache allocates for a layer.
+    assert fp.cache_bytes_per_layer == 2 * (5 * 64 + 1) * config.num_key_value_heads * 16 * 4
+    cache = PagedKVCache(
+        num_layers=1,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        num_pages=5,
+        page_size=64,
+        dtype=torch.float32,
+        layer_devices=[CPU],
+    )
+    assert fp.cache_bytes_per_layer == cache.k_slots[0].nbytes + cache.v_slots[0].nbytes
 
 
 def test_footprint_of_exl2_and_gptq_layers_equals_loaded_bytes(tiny: Path, tmp_path: Path):
@@ -253,4 +266,4 @@ def test_footprint_of_every_architecture_counts_its_weights(tmp_path: Path, cach
         tied = [n for n in stored if n.startswith("lm_head.")] if fp.tied_head else []
         want = sum(p.numel() * 2 for n, p in stored.items() if n not in tied)
         assert weights == want, case
-        assert fp.cache_bytes_per_layer == (64 // 16 + 1) * 16 * per_token, case
+        assert fp.cache_bytes_per_layer == (64 + 1) * per_token, case  # + the scratch slot

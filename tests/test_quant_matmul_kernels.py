@@ -26,7 +26,9 @@ from kernels.quant_matmul import (
     QuantizedWeight,
     compact_zero_points,
     dequantize_reference,
+    per_group_zeros,
     quant_matmul_reference,
+    stored_bytes,
 )
 from kernels.quant_matmul_triton import dequantize_triton, quant_matmul, quant_matmul_triton
 
@@ -164,6 +166,41 @@ def test_integer_zero_points_in_compact_dtypes(
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     _assert_close(got, quant_matmul_reference(x, qw), torch.float16)
     _assert_close(expected, quant_matmul_reference(x, qw), torch.float16)
+
+
+@pytest.mark.parametrize("group_size", [32, 128], ids=["rows_groups", "chunk_groups"])
+@pytest.mark.parametrize("path,M", [("gemv", 1), ("gemv", 4), ("dot", 3), ("dot", 17)])
+def test_one_zero_point_per_group(device: str, group_size: int, path: str, M: int) -> None:
+    # EXL2 (2^(bits-1)) and symmetric GPTQ zero points do not vary along n: they are kept as
+    # one column expanded over n, and every path reads zeros[group] for them. Small groups
+    # take the kernels' per-row zero path, groups as long as a chunk the per-chunk one.
+    _require_triton(device)
+    qw = make_weight(512, 96, [4, 6, 3], group_size=group_size, perm=True, device=device)
+    column = torch.randint(0, 64, (qw.num_groups, 1), generator=torch.Generator().manual_seed(5))
+    qw.zeros = column.expand(qw.num_groups, qw.out_features).half().contiguous().to(device)
+    x = _x((M, qw.in_features), torch.float16, device)
+    expected = quant_matmul_triton(x, qw, path=path)
+    dense = dequantize_triton(qw, dtype=torch.float32)
+    qw.zeros = compact_zero_points(qw.zeros)
+    assert per_group_zeros(qw.zeros) and qw.zeros.dtype == torch.uint8
+    assert stored_bytes(qw.zeros) == qw.num_groups
+    qw.validate()
+    moved = qw.to(device)
+    assert per_group_zeros(moved.zeros)
+    got = quant_matmul_triton(x, qw, path=path)
+    if device == "cpu":  # the interpreter sums in a fixed order: the very same values
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    _assert_close(got, quant_matmul_reference(x, qw), torch.float16)
+    torch.testing.assert_close(dequantize_triton(qw, dtype=torch.float32), dense, rtol=0, atol=0)
+    torch.testing.assert_close(dense, dequantize_reference(qw), rtol=0, atol=0)
+
+
+def test_zero_points_that_vary_along_n_stay_whole() -> None:
+    zeros = torch.full((3, 5), 8.0)
+    zeros[1, 4] = 7.0
+    compact = compact_zero_points(zeros)
+    assert compact.is_contiguous() and not per_group_zeros(compact)
+    assert stored_bytes(compact) == 15 and torch.equal(compact.half(), zeros.half())
 
 
 # --- dequantization --------------------------------------------------------------------------

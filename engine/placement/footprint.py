@@ -2,11 +2,11 @@
 (no tensor data is read), for the layer-split planner.
 
 Quantized linears are counted in the runtime layout they are repacked into
-(docs/quant_layout.md): the code words as stored, fp16 scales and zero points per group
-and column (uint8; int16 for GPTQ at 8 bits, whose zero point may be 256: see
-kernels.quant_matmul.compact_zero_points), int32 row->group map and activation
-permutation. Dense tensors count in the model's dtype (a bf16 checkpoint loaded as fp32
-doubles).
+(docs/quant_layout.md): the code words as stored, fp16 scales, zero points (see
+kernels.quant_matmul.compact_zero_points: one per group for EXL2 and for GPTQ checkpoints
+that say `sym`, else one per group and column; uint8, int16 for GPTQ at 8 bits, whose
+zero point may be 256), int32 row->group map and activation permutation. Dense tensors
+count in the model's dtype (a bf16 checkpoint loaded as fp32 doubles).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from engine.placement.plan import ModelFootprint
 from engine.weights import WeightStore
 
 
-def _tensor_bytes(store: WeightStore, name: str, dtype: torch.dtype) -> int:
+def _tensor_bytes(
+    store: WeightStore, name: str, dtype: torch.dtype, symmetric_gptq: bool = False
+) -> int:
     info = store.info(name)
     numel = 1
     for dim in info.shape:
@@ -27,10 +29,11 @@ def _tensor_bytes(store: WeightStore, name: str, dtype: torch.dtype) -> int:
     module = name[: -len(leaf) - 1]
     if leaf in ("q_weight", "qweight"):  # int32 code words, kept as they are
         return numel * 4
-    if leaf == "q_scale":  # EXL2: 4-bit scales packed 8 per int32 -> fp16 scales, uint8 zeros
-        return numel * 8 * (2 + 1)
+    if leaf == "q_scale":  # EXL2: 4-bit scales packed 8 per int32 -> fp16 scales, and a
+        return numel * 8 * 2 + info.shape[0]  # uint8 zero point per group (2^(bits-1))
     if leaf == "scales" and f"{module}.qweight" in store:  # GPTQ: fp16 scales + zero points
-        return numel * (2 + _gptq_zero_bytes(store, module, info.shape[-1]))
+        zeros = info.shape[0] if symmetric_gptq else numel
+        return numel * 2 + zeros * _gptq_zero_bytes(store, module, info.shape[-1])
     # -> int32 perm + int32 row_group of length k (EXL2 always has q_invperm; q_perm is
     # optional and counted through it)
     if leaf in ("q_invperm", "g_idx"):
@@ -79,12 +82,13 @@ def model_footprint(
     cache_token_bytes: int | None = None,
 ) -> ModelFootprint:
     """The footprint of the checkpoint in `store` with a cache of `cache_tokens` tokens
-    (rounded up to pages, plus the one scratch page of the decode graphs), each taking
+    (rounded up to pages, plus the scratch slot of the decode graphs), each taking
     `cache_token_bytes` per layer (K and V; default: the model's dtype, unquantized)."""
     layers = [0] * config.num_hidden_layers
     embed = head = 0
+    symmetric = bool((config.quantization_config or {}).get("sym", False))
     for name in store.names():
-        size = _tensor_bytes(store, name, dtype)
+        size = _tensor_bytes(store, name, dtype, symmetric)
         if name.startswith("model.layers."):
             index = int(name.split(".", 3)[2])
             if index < len(layers):
@@ -94,11 +98,11 @@ def model_footprint(
         else:
             head += size
     tied = config.tie_word_embeddings and not any(n.startswith("lm_head.") for n in store.names())
-    pages = -(-cache_tokens // page_size) + 1
+    slots = -(-cache_tokens // page_size) * page_size + 1
     kv = kv_heads if kv_heads is not None else config.num_key_value_heads
     if cache_token_bytes is None:  # K and V of one token and layer, in the model's dtype
         cache_token_bytes = 2 * kv * config.head_dim * dtype.itemsize
-    cache_per_layer = pages * page_size * cache_token_bytes
+    cache_per_layer = slots * cache_token_bytes
     # Activations of one prefill chunk: hidden rows, q/k/v, the MLP's three intermediates,
     # in float32 at worst; the dense scratch of the largest quantized linear; and the
     # float32 logits of a whole chunk (logits() asks for every row).

@@ -100,7 +100,7 @@ class TensorParallelEngine(Engine):
             device_type=device.type,
             dtype=str(dtype).removeprefix("torch."),
             max_seq_len=max_seq_len,
-            cache_pages=-(-cache_tokens // options.page_size) + int(use_graphs),
+            cache_pages=-(-cache_tokens // options.page_size),
             page_size=options.page_size,
             rope_alpha=options.rope_alpha,
             cuda_graphs=use_graphs,

@@ -27,7 +27,7 @@ from torch import nn
 from engine.modules import Linear
 from engine.quant.bitpack import make_segment
 from engine.quantized_linear import QuantizedLinear
-from kernels.quant_matmul import Plane, QuantizedWeight, Segment
+from kernels.quant_matmul import Plane, QuantizedWeight, Segment, compact_zero_points
 
 
 def _cols(t: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,7 @@ def quantized_columns(qw: QuantizedWeight, cols: torch.Tensor) -> QuantizedWeigh
         perm=qw.perm,
         segments=segments,
         scales=_cols(qw.scales, cols),
-        zeros=_cols(qw.zeros, cols),
+        zeros=compact_zero_points(_cols(qw.zeros, cols)),  # one per group stays so
         row_group=qw.row_group,
         bias=None if qw.bias is None else _cols(qw.bias, cols),
     )
@@ -86,7 +86,7 @@ def quantized_rows(
         perm=None if perm is None else perm.to(torch.int32).contiguous(),
         segments=segments,
         scales=qw.scales[used].contiguous(),
-        zeros=qw.zeros[used].contiguous(),
+        zeros=compact_zero_points(qw.zeros[used]),
         row_group=local_group.to(torch.int32).contiguous(),
         bias=qw.bias if keep_bias else None,
     )
