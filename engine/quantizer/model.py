@@ -180,8 +180,9 @@ class CalibrationRunner:
             dtype=lm.dtype,
             layer_devices=[lm.device],
         )
-        self.cache.k = self.cache.k * cfg.num_hidden_layers
-        self.cache.v = self.cache.v * cfg.num_hidden_layers
+        layers = cfg.num_hidden_layers
+        for name in ("k", "v", "k_slots", "v_slots"):
+            setattr(self.cache, name, getattr(self.cache, name) * layers)
         self._rows = 0
         self._seqs: list[Sequence] = []
         self._batch: ForwardBatch | None = None
