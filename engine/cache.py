@@ -255,6 +255,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] int64, rows of T whose logits are returned
     max_query_len: int = 0  # host-side bounds, so kernels pick grids without a GPU sync
     max_context_len: int = 0
+    # One sequence whose new tokens are its whole context (nothing cached before them): its
+    # attention needs no page table (kernels.prompt_attention).
+    fresh: bool = False
     _on_device: dict[torch.device, ForwardBatch] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -309,6 +312,7 @@ class ForwardBatch:
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
             max_query_len=max((len(t) for t in new_tokens), default=0),
             max_context_len=max(lens, default=0),
+            fresh=len(sequences) == 1 and lens[0] == len(new_tokens[0]),
         )
 
     def on(self, device: torch.device) -> ForwardBatch:
@@ -326,5 +330,6 @@ class ForwardBatch:
                 logits_indices=self.logits_indices.to(device),
                 max_query_len=self.max_query_len,
                 max_context_len=self.max_context_len,
+                fresh=self.fresh,
             )
         return self._on_device[device]

@@ -26,6 +26,7 @@ from torch import nn
 import kernels
 from engine.cache import ForwardBatch, PagedKVCache
 from kernels.paged_attention import paged_attention
+from kernels.prompt_attention import prompt_attention, prompt_attention_applies
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -155,11 +156,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # The flat slots, with the scratch slot that graph padding rows write (engine.cache).
         k_cache, v_cache = cache.k_slots[self.layer_idx], cache.v_slots[self.layer_idx]
-        if (
-            self.fuse_kernels
-            and not (cache.k_format.quantized or cache.v_format.quantized)
-            and k_cache.dtype == k.dtype
-        ):
+        quantized = cache.k_format.quantized or cache.v_format.quantized
+        fused_write = self.fuse_kernels and not quantized and k_cache.dtype == k.dtype
+        if fused_write:
             q = kernels.apply_rope_write(
                 q, k, v, batch.positions, rotary.cos, rotary.sin, k_cache, v_cache, batch.slots
             )
@@ -167,6 +166,17 @@ class Attention(nn.Module):
             # Quantized caches quantize on write (kernels.kv_quant): rotate, then write.
             q, k = kernels.apply_rope(q, k, batch.positions, rotary.cos, rotary.sin)
             cache.write(self.layer_idx, batch.slots, k, v)
+        if batch.fresh and prompt_attention_applies(
+            num_tokens,
+            s.head_dim,
+            quantized_cache=quantized,
+            sliding_window=s.sliding_window,
+            softcap=s.softcap,
+        ):
+            if fused_write:  # the rotated keys went straight into the cache: read them back
+                k = k_cache.index_select(0, batch.slots)
+            out = prompt_attention(q, k, v, scale=self.scale)
+            return self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim))
         out = paged_attention(
             q,
             cache.k[self.layer_idx],
