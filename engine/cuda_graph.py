@@ -36,6 +36,16 @@ graphs also hold the addresses of the adapters' stacks and slot maps, so they ar
 whenever the LoRA manager's `version` changes (an adapter was loaded or unloaded: stacks
 re-allocated, slots renumbered) and captured again on next use.
 
+A prompt that starts a sequence (9 to 1024 tokens, no LoRA; `prompt_bucket`) replays a
+prompt graph: one row of T tokens (T in PROMPT_BUCKETS), padded at its end like the rows
+above, whose forward takes the fresh-prompt attention (`ForwardBatch.fresh`) and computes
+the logits of the last real token only (its index is derived on the device from the row's
+positions, which padding holds at the last real one). Eagerly, a 512-token prefill of an
+8B model is some 290 launches from Python: on an H100 its kernels took 18 ms and the
+prefill 27-51 ms. All prompt graphs of a device share one memory pool (they never run at
+the same time), and their logits are copied out of it, since a later replay of another
+prompt graph may reuse that memory.
+
 A layer-split model (engine/placement/) is captured as one graph per device: a segment
 runs the embeddings and the layers on the first device, the next segment the layers on
 the next device, ..., the last one ends with the final norm and head (`plan_segments`).
@@ -78,6 +88,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 TOKEN_BUCKETS = (1, 2, 4, 8)  # new tokens per row of a graph
 MAX_GRAPH_TOKENS = 64  # rows * tokens of a multi-token graph (its activations, its logits)
+# Prompt graphs: a fresh prompt of up to this many tokens (see the module docstring).
+PROMPT_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
 
 
 def stage_rows(
@@ -109,7 +121,11 @@ def stage_rows(
         rows[b, :n] = tokens
         # Padding repeats the last real position (inside the rope tables).
         rows[b, T : 2 * T] = np.minimum(lanes + start, seq.length - 1)
-        for i in range(n):
+        if n > TOKEN_BUCKETS[-1]:  # a prompt graph's row: vectorized
+            p = np.arange(start, start + n)
+            pages = np.asarray(seq.pages, dtype=np.int64)
+            rows[b, 2 * T : 2 * T + n] = pages[p // page_size] * page_size + p % page_size
+        for i in range(n if n <= TOKEN_BUCKETS[-1] else 0):
             p = start + i
             rows[b, 2 * T + i] = seq.pages[p // page_size] * page_size + p % page_size
         rows[b, 3 * T] = start + T
@@ -171,8 +187,10 @@ class _SegmentGraph:
         max_pages: int,
         max_context: int,
         lora: LoraManager | None,
+        prompt: bool = False,
     ) -> None:
         self.model = model
+        self.prompt = prompt
         self.cache = cache
         self.segment = segment
         self.device = device = segment.device
@@ -186,10 +204,13 @@ class _SegmentGraph:
             cu_seqlens=torch.arange(B + 1, **i32) * T,
             context_lens=torch.full((B,), T, **i32),
             page_table=torch.zeros((B, max_pages), **i32),
-            logits_indices=torch.arange(B * T, **i64),
+            # A prompt graph: each row's last real token, set per step (load_rows).
+            logits_indices=torch.zeros(B, **i64) if prompt else torch.arange(B * T, **i64),
             max_query_len=T,
             max_context_len=max_context,
+            fresh=prompt,
         )
+        self.row_starts = torch.arange(B, **i64) * T
         # The step's rows on this device (see _Graph), unpacked into `batch` per replay.
         self.device_rows = torch.zeros((B, width), **i64)
         self.lora = lora
@@ -227,13 +248,14 @@ class _SegmentGraph:
             torch.cuda.current_stream(device).wait_stream(stream)
         return out
 
-    def capture(self) -> None:
+    def capture(self, pool: tuple[int, int] | None = None) -> None:
         device = self.device
         with torch.cuda.device(device):
             self.graph = torch.cuda.CUDAGraph()
             # A capture stream of this device: torch.cuda.graph's default one is made once,
             # on whichever device was current then.
-            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device)):
+            stream = torch.cuda.Stream(device)
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream):
                 # The unpacking is part of the graph: five copies that would otherwise be
                 # five launches from the host per step.
                 self.load_rows()
@@ -249,6 +271,10 @@ class _SegmentGraph:
         batch.slots.copy_(rows[:, 2 * T : 3 * T].reshape(-1))
         batch.context_lens.copy_(rows[:, 3 * T])
         batch.page_table.copy_(rows[:, 3 * T + 1 :])
+        if self.prompt:
+            # Padding repeats the last real position: the row's last real token is
+            # (last position - first position) tokens into the row.
+            batch.logits_indices.copy_(rows[:, 2 * T - 1] - rows[:, T] + self.row_starts)
 
     def replay(self) -> torch.Tensor:
         if self.graph is None:
@@ -277,6 +303,8 @@ class _Graph:
         tokens_per_row: int = 1,
         *,
         capture: bool = True,
+        prompt: bool = False,
+        pools: dict[torch.device, tuple[int, int]] | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.tokens_per_row = T = tokens_per_row
@@ -291,7 +319,7 @@ class _Graph:
         self.width = 3 * T + 1 + max_pages
         self.host = _host((B, self.width), torch.int64, pin)
         self.segments = [
-            _SegmentGraph(model, cache, s, B, T, self.width, max_pages, max_context, lora)
+            _SegmentGraph(model, cache, s, B, T, self.width, max_pages, max_context, lora, prompt)
             for s in segments
         ]
         # Recorded after a step's copies, one per GPU: the next step waits for them before it
@@ -322,7 +350,7 @@ class _Graph:
                     seg.hidden.copy_(hidden)
                 hidden = seg.warm_up()
             for seg in self.segments:
-                seg.capture()
+                seg.capture(pools.get(seg.device) if pools else None)
 
     @property
     def device_rows(self) -> torch.Tensor:
@@ -467,6 +495,10 @@ class DecodeGraphs:
         self._lora_graphs: dict[tuple[int, int], _Graph] = {}
         self._lora_version = -1
         self.lora_steps = 0  # decode steps that ran a LoRA graph (benchmarks, tests)
+        self._prompt_graphs: dict[int, _Graph] = {}  # tokens (a PROMPT_BUCKETS entry)
+        # One memory pool per device for all prompt graphs (see the module docstring).
+        self._prompt_pools: dict[torch.device, tuple[int, int]] = {}
+        self.prompt_steps = 0  # prefills that ran a prompt graph (benchmarks, tests)
         # Device memory the captures took (their private pools, the static buffers): graphs
         # are captured on first use, so a server's memory grows with the shapes it meets.
         self.captured_bytes = 0
@@ -492,6 +524,50 @@ class DecodeGraphs:
         if any(seq.length + T > room for seq in sequences):
             return None
         return B, T
+
+    def prompt_bucket(self, sequences: list[Sequence], new_tokens: list[list[int]]) -> int | None:
+        """The tokens of the prompt graph that can run this forward, or None: one sequence
+        with nothing cached yet, more new tokens than the multi-token graphs take, at most
+        PROMPT_BUCKETS[-1], and the padded row inside the page table."""
+        if len(sequences) != 1 or sequences[0].length != 0:
+            return None
+        n = len(new_tokens[0])
+        if n <= TOKEN_BUCKETS[-1]:
+            return None
+        T = next((t for t in PROMPT_BUCKETS if t >= n), None)
+        if T is None or T > self.max_pages * self.cache.page_size:
+            return None
+        return T
+
+    def forward_prompt(self, seq: Sequence, tokens: list[int], bucket: int) -> torch.Tensor:
+        """The logits [1, vocab] of a fresh prompt's last token (`prompt_bucket` gave
+        `bucket`), through the prompt graph of that many tokens."""
+        self._advance([seq], [len(tokens)])
+        graph = self._prompt_graphs.get(bucket)
+        if graph is None:
+            before = self._allocated()
+            if self.capture:
+                for s in self.segments:
+                    if s.device not in self._prompt_pools:
+                        self._prompt_pools[s.device] = torch.cuda.graph_pool_handle()
+            graph = self._prompt_graphs[bucket] = _Graph(
+                self.model,
+                self.cache,
+                1,
+                self.max_pages,
+                self.max_context,
+                self.segments,
+                None,
+                bucket,
+                capture=self.capture,
+                prompt=True,
+                pools=self._prompt_pools,
+            )
+            self.captured_bytes += self._allocated() - before
+        graph.stage_many([seq], [tokens])
+        self.prompt_steps += 1
+        # Out of the shared pool before another prompt graph can overwrite it.
+        return graph.replay().clone()
 
     def forward_many(
         self,
@@ -610,3 +686,4 @@ class DecodeGraphs:
     def release(self) -> None:
         self._graphs.clear()
         self._lora_graphs.clear()
+        self._prompt_graphs.clear()

@@ -175,3 +175,52 @@ def test_static_buffer_path_equals_eager_and_capture_all(model_dir: Path):
         got = graphed.forward(seqs["g"], new, logits_counts=counts)
         want = eager.forward(seqs["e"], new, logits_counts=counts)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _prompt_graph_run(graphed: Engine, eager: Engine, prompts: list[list[int]], tol: float):
+    """Prefill each prompt in both engines (the graphed one through its prompt graphs),
+    then one decode step: same last logits, and the same cache behind them."""
+    for prompt in prompts:
+        seqs = (Sequence(), Sequence())
+        got = graphed.prefill(seqs[0], prompt)
+        want = eager.prefill(seqs[1], prompt)
+        assert got.shape == want.shape == (1, graphed.config.vocab_size)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        nxt = graphed.forward([seqs[0]], [[77]]), eager.forward([seqs[1]], [[77]])
+        torch.testing.assert_close(*nxt, rtol=tol, atol=tol)
+        for engine, seq in zip((graphed, eager), seqs, strict=True):
+            seq.release(engine.cache)
+
+
+def test_prompt_graphs_give_the_eager_prefill(model_dir: Path):
+    """A fresh prompt of 9 to 1024 tokens runs as one padded row (capture=False here: the
+    static buffers on the CPU), the last real token's logits only; longer prompts, and a
+    bucket that would pass the page table's end, stay eager."""
+    eager, graphed = _engine(model_dir), _engine(model_dir)
+    graphs = graphed.enable_decode_graphs(capture=False)
+    prompts = [[(5 * i + n) % 250 + 2 for i in range(n)] for n in (9, 30, 100, 16)]
+    _prompt_graph_run(graphed, eager, prompts, 1e-5)
+    assert graphs.prompt_steps == 4 and set(graphs._prompt_graphs) == {16, 32, 128}
+    # 120 tokens would pad to 128 = the whole page table (max_seq_len 128): still a graph;
+    # a second chunk of a sequence (not fresh) is not.
+    assert graphs.prompt_bucket([Sequence()], [[1] * 120]) == 128
+    assert graphs.prompt_bucket([Sequence(length=3)], [[1] * 20]) is None
+    assert graphs.prompt_bucket([Sequence()], [[1] * 8]) is None  # the multi-token graphs'
+    assert graphs.prompt_bucket([Sequence(), Sequence()], [[1] * 20, [1] * 20]) is None
+
+
+@pytest.mark.gpu
+def test_captured_prompt_graphs_equal_eager_prefill(model_dir: Path):
+    """Captured prompt graphs (one shared memory pool) give the eager prefill's logits,
+    buckets replayed in any order; a prompt graph's logits outlive the next replay."""
+    gpu = dict(device="cuda", dtype="float16", max_seq_len=1100, cache_tokens=4096)
+    graphed, eager = _engine(model_dir, **gpu), _engine(model_dir, **gpu, cuda_graphs=False)
+    prompts = [[(5 * i + n) % 250 + 2 for i in range(n)] for n in (700, 9, 200, 1000, 190)]
+    _prompt_graph_run(graphed, eager, prompts, 2e-2)
+    graphs = graphed.graphs
+    assert graphs.prompt_steps == 5 and set(graphs._prompt_graphs) == {768, 16, 256, 1024, 192}
+    first = graphed.prefill(Sequence(), prompts[0])
+    kept = first.clone()
+    graphed.prefill(Sequence(), prompts[3])  # another bucket of the same pool
+    assert torch.equal(first, kept)

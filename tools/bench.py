@@ -72,6 +72,9 @@ SHAPES = {
     ),
 }  # fmt: skip
 NEW_TOKENS = 128
+# Context past the prompt that both engines get (exllamav2's 210-step warm-up needs room),
+# so their "VRAM after load" holds caches of the same length.
+CONTEXT_ROOM = 256
 ENGINES = ("kestrel", "exllamav2", "transformers")
 DESIGN_CONCURRENCY = (1, 8, 32, 64)  # the levels DESIGN.md's benchmark reports
 EMBED = "model.embed_tokens.weight"
@@ -385,7 +388,7 @@ def bench_kestrel(path: Path, prompt_len: int, cache_type: str = "fp16") -> dict
         EngineOptions(
             device="cuda",
             dtype="float16",
-            max_seq_len=prompt_len + NEW_TOKENS + 16,
+            max_seq_len=prompt_len + CONTEXT_ROOM,
             cache_type=cache_type,
         ),
     )
@@ -462,7 +465,7 @@ def bench_exllamav2(path: Path, prompt_len: int) -> dict:
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     config = ExLlamaV2Config(str(path))
-    config.max_seq_len = prompt_len + 256  # room for the 210-step warm-up
+    config.max_seq_len = prompt_len + CONTEXT_ROOM
     config.max_input_len = min(2048, prompt_len)
     config.max_attention_size = config.max_input_len**2
     model = ExLlamaV2(config)
