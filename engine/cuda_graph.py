@@ -36,9 +36,9 @@ graphs also hold the addresses of the adapters' stacks and slot maps, so they ar
 whenever the LoRA manager's `version` changes (an adapter was loaded or unloaded: stacks
 re-allocated, slots renumbered) and captured again on next use.
 
-A prompt that starts a sequence (9 to 1024 tokens, no LoRA; `prompt_bucket`) replays a
-prompt graph: one row of T tokens (T in PROMPT_BUCKETS), padded at its end like the rows
-above, whose forward takes the fresh-prompt attention (`ForwardBatch.fresh`) and computes
+A prompt that starts a sequence (9 to 2048 tokens, the default prefill chunk; no LoRA;
+`prompt_bucket`) replays a prompt graph: one row of T tokens (T in PROMPT_BUCKETS), padded
+at its end like the rows above, whose forward takes the fresh-prompt attention (`ForwardBatch.fresh`) and computes
 the logits of the last real token only (its index is derived on the device from the row's
 positions, which padding holds at the last real one). Eagerly, a 512-token prefill of an
 8B model is some 290 launches from Python: on an H100 its kernels took 18 ms and the
@@ -89,7 +89,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 TOKEN_BUCKETS = (1, 2, 4, 8)  # new tokens per row of a graph
 MAX_GRAPH_TOKENS = 64  # rows * tokens of a multi-token graph (its activations, its logits)
 # Prompt graphs: a fresh prompt of up to this many tokens (see the module docstring).
-PROMPT_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024)
+PROMPT_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 def stage_rows(
@@ -534,15 +534,20 @@ class DecodeGraphs:
         n = len(new_tokens[0])
         if n <= TOKEN_BUCKETS[-1]:
             return None
-        T = next((t for t in PROMPT_BUCKETS if t >= n), None)
-        if T is None or T > self.max_pages * self.cache.page_size:
-            return None
-        return T
+        return next((t for t in self.prompt_buckets() if t >= n), None)
 
     def forward_prompt(self, seq: Sequence, tokens: list[int], bucket: int) -> torch.Tensor:
         """The logits [1, vocab] of a fresh prompt's last token (`prompt_bucket` gave
         `bucket`), through the prompt graph of that many tokens."""
         self._advance([seq], [len(tokens)])
+        graph = self.prompt_graph(bucket)
+        graph.stage_many([seq], [tokens])
+        self.prompt_steps += 1
+        # Out of the shared pool before another prompt graph can overwrite it.
+        return graph.replay().clone()
+
+    def prompt_graph(self, bucket: int) -> _Graph:
+        """The prompt graph of `bucket` tokens, captured on first use."""
         graph = self._prompt_graphs.get(bucket)
         if graph is None:
             before = self._allocated()
@@ -564,10 +569,7 @@ class DecodeGraphs:
                 pools=self._prompt_pools,
             )
             self.captured_bytes += self._allocated() - before
-        graph.stage_many([seq], [tokens])
-        self.prompt_steps += 1
-        # Out of the shared pool before another prompt graph can overwrite it.
-        return graph.replay().clone()
+        return graph
 
     def forward_many(
         self,
@@ -672,11 +674,18 @@ class DecodeGraphs:
         """Every (rows, tokens per row) a graph can be captured for."""
         return [(b, t) for t in TOKEN_BUCKETS for b in BUCKETS if b * t <= MAX_GRAPH_TOKENS]
 
+    def prompt_buckets(self) -> list[int]:
+        """Every prompt graph's tokens that fits the page table."""
+        room = self.max_pages * self.cache.page_size
+        return [t for t in PROMPT_BUCKETS if t <= room]
+
     def capture_all(self) -> None:
         """Capture every shape now (no LoRA), e.g. before a server measures its memory:
         otherwise each new shape a step meets allocates its graph's pool then."""
         for size, tokens in self.shapes():
             self.graph(size, tokens_per_row=tokens)
+        for bucket in self.prompt_buckets():
+            self.prompt_graph(bucket)
 
     def drop_lora_graphs(self) -> None:
         """Free the LoRA graphs (and their memory pools) now; they are captured again

@@ -166,6 +166,7 @@ def test_static_buffer_path_equals_eager_and_capture_all(model_dir: Path):
     graphs.capture_all()
     assert len(graphs.shapes()) == 7 + 6 + 5 + 4  # T = 1, 2, 4, 8 with B * T <= 64
     assert set(graphs._graphs) == set(graphs.shapes())
+    assert set(graphs._prompt_graphs) == set(graphs.prompt_buckets()) == {16, 32, 64, 128}
     prompts = [[3, 9, 4, 7, 1, 8, 2, 6, 5, 4], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
     seqs = {name: [Sequence() for _ in prompts] for name in ("e", "g")}
     for name, engine in (("e", eager), ("g", graphed)):
@@ -194,7 +195,7 @@ def _prompt_graph_run(graphed: Engine, eager: Engine, prompts: list[list[int]], 
 
 
 def test_prompt_graphs_give_the_eager_prefill(model_dir: Path):
-    """A fresh prompt of 9 to 1024 tokens runs as one padded row (capture=False here: the
+    """A fresh prompt of 9 to 2048 tokens runs as one padded row (capture=False here: the
     static buffers on the CPU), the last real token's logits only; longer prompts, and a
     bucket that would pass the page table's end, stay eager."""
     eager, graphed = _engine(model_dir), _engine(model_dir)
