@@ -38,13 +38,13 @@ re-allocated, slots renumbered) and captured again on next use.
 
 A prompt that starts a sequence (9 to 2048 tokens, the default prefill chunk; no LoRA;
 `prompt_bucket`) replays a prompt graph: one row of T tokens (T in PROMPT_BUCKETS), padded
-at its end like the rows above, whose forward takes the fresh-prompt attention (`ForwardBatch.fresh`) and computes
-the logits of the last real token only (its index is derived on the device from the row's
-positions, which padding holds at the last real one). Eagerly, a 512-token prefill of an
-8B model is some 290 launches from Python: on an H100 its kernels took 18 ms and the
-prefill 27-51 ms. All prompt graphs of a device share one memory pool (they never run at
-the same time), and their logits are copied out of it, since a later replay of another
-prompt graph may reuse that memory.
+at its end like the rows above, whose forward takes the fresh-prompt attention
+(`ForwardBatch.fresh`) and computes the logits of the last real token only (its index is
+derived on the device from the row's positions, which padding holds at the last real one).
+Eagerly, a 512-token prefill of an 8B model is some 290 launches from Python: on an H100
+its kernels took 18 ms and the prefill 27-51 ms. All prompt graphs of a device share one
+memory pool (they never run at the same time), and their logits are copied out of it,
+since a later replay of another prompt graph may reuse that memory.
 
 A layer-split model (engine/placement/) is captured as one graph per device: a segment
 runs the embeddings and the layers on the first device, the next segment the layers on
