@@ -375,15 +375,6 @@ class _Graph:
         """The first segment's static [batch_size, slots] LoRA scale buffer (device)."""
         return self.lora_batch.body.scales if self.lora_batch is not None else None
 
-    def run(
-        self,
-        sequences: list[Sequence],
-        tokens: list[int],
-        lora_scales: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        self.stage(sequences, tokens, lora_scales)
-        return self.replay()[: len(sequences)]
-
     def stage(
         self,
         sequences: list[Sequence],
@@ -600,32 +591,29 @@ class DecodeGraphs:
     def decode(
         self,
         sequences: list[Sequence],
-        tokens: list[int],
+        tokens: list[int] | torch.Tensor,
         *,
         lora: LoraManager | None = None,
         lora_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One decode step: logits [len(sequences), vocab] (float32). With `lora`, the rows'
-        adapter scales `lora_scales` [len(sequences), slots] (CPU) go into a LoRA graph."""
-        self._advance(sequences, [1] * len(sequences))
-        size = self.bucket(len(sequences))
+        """One decode step: logits [len(sequences), vocab] (float32). `tokens` are the rows'
+        inputs: host ints, or int64 [len(sequences)] on the device, drawn by the last
+        step's sampler and not read back (the host stages everything else and they are
+        copied into the graph's rows on the device, after the rows' upload in stream
+        order). With `lora`, the rows' adapter scales `lora_scales` [len(sequences), slots]
+        (CPU) go into a LoRA graph."""
+        n = len(sequences)
+        self._advance(sequences, [1] * n)
+        size = self.bucket(n)
         assert size is not None, "more sequences than the largest bucket"
         graph = self.graph(size, lora)
         if lora is not None:
             self.lora_steps += 1
-        return graph.run(sequences, tokens, lora_scales)
-
-    def decode_device(self, sequences: list[Sequence], tokens: torch.Tensor) -> torch.Tensor:
-        """One decode step (no LoRA) whose input tokens, int64 [len(sequences)], are on
-        the device: the host stages everything else and the tokens are copied into the
-        graph's rows on the device, after the rows' upload in stream order."""
-        self._advance(sequences, [1] * len(sequences))
-        size = self.bucket(len(sequences))
-        assert size is not None, "more sequences than the largest bucket"
-        graph = self.graph(size)
-        graph.stage(sequences, [0] * len(sequences))
-        graph.set_tokens(tokens)
-        return graph.replay()[: len(sequences)]
+        on_device = isinstance(tokens, torch.Tensor)
+        graph.stage(sequences, [0] * n if on_device else tokens, lora_scales)
+        if on_device:
+            graph.set_tokens(tokens)
+        return graph.replay()[:n]
 
     def _advance(self, sequences: list[Sequence], counts: list[int]) -> None:
         """Reserve pages for each sequence's new tokens and move its length past them (the

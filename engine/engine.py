@@ -352,7 +352,7 @@ class Engine:
             and self.tp_world_size == 1
             and graphs.multi_token_shape(sequences, [[0]] * n) == (graphs.bucket(n), 1)
         ):
-            return graphs.decode_device(sequences, tokens)
+            return graphs.decode(sequences, tokens)
         return self.forward(sequences, [[t] for t in tokens.tolist()], loras=[{}] * n)
 
     def prefill(

@@ -186,8 +186,14 @@ def test_gpu_graph_takes_device_tokens_without_a_host_sync(tmp_path: Path) -> No
     calls = []
     graphs = ahead.graphs
     assert graphs is not None
-    original = graphs.decode_device
-    graphs.decode_device = lambda *a: calls.append(1) or original(*a)
+    original = graphs.decode
+
+    def spy(sequences, tokens, **options):
+        if isinstance(tokens, torch.Tensor):  # device tokens: the lookahead's path
+            calls.append(1)
+        return original(sequences, tokens, **options)
+
+    graphs.decode = spy
     sched = ahead.scheduler
     jobs = [sched.submit(p, {**GREEDY, "max_new_tokens": 40}) for p, _ in spec]
     for _ in range(6):
