@@ -32,8 +32,7 @@ from kernels.backend import (
     cast_rtne,
     device_guard,
     is_interpreted,
-    pdl_launch_dependents,
-    pdl_wait,
+    pdl_start,
     programmatic_launch,
     resolve_backend,
 )
@@ -79,8 +78,7 @@ def _silu_mul_kernel(
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
     # Everything this kernel reads comes from earlier kernels: wait before any load.
-    pdl_launch_dependents(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_start(USE_PDL)
     # Grid: (rows, column blocks). int64 row offsets: rows * stride passes 2**31 in prefill.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -144,3 +144,12 @@ def pdl_wait(USE_PDL: tl.constexpr):
     """Wait until the previous kernel in the stream is complete and its writes visible."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """The opening of a kernel whose first loads read an earlier kernel's output: let the
+    next kernel launch, then wait for the previous one (a kernel that can load weights
+    first calls the two apart, see kernels.quant_matmul_triton's GEMV)."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)

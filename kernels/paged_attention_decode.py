@@ -36,8 +36,7 @@ from kernels.backend import (
     cast_rtne,
     device_guard,
     is_interpreted,
-    pdl_launch_dependents,
-    pdl_wait,
+    pdl_start,
     programmatic_launch,
 )
 from kernels.kv_quant import KIND_CODES, NATIVE, KVFormat
@@ -248,8 +247,7 @@ def _decode_kernel(
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
     # Everything this kernel reads comes from earlier kernels: wait before any load.
-    pdl_launch_dependents(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_start(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -390,8 +388,7 @@ def _merge_splits_kernel(
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
     # Everything this kernel reads comes from earlier kernels: wait before any load.
-    pdl_launch_dependents(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_start(USE_PDL)
     # Grid (B, Hq): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max).
     seq = tl.program_id(0)
     head = tl.program_id(1)

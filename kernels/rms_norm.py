@@ -31,8 +31,7 @@ from kernels.backend import (
     cast_rtne,
     device_guard,
     is_interpreted,
-    pdl_launch_dependents,
-    pdl_wait,
+    pdl_start,
     programmatic_launch,
     resolve_backend,
 )
@@ -95,8 +94,7 @@ def _rms_norm_kernel(
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
     # Everything this kernel reads comes from earlier kernels: wait before any load.
-    pdl_launch_dependents(USE_PDL)
-    pdl_wait(USE_PDL)
+    pdl_start(USE_PDL)
     # One program per row. int64 row offsets: rows * stride passes 2**31 in long prefills.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
