@@ -179,3 +179,29 @@ def test_transformers_model_matches_kestrel(tmp_path, monkeypatch, fmt: str) -> 
     monkeypatch.setattr(bench, "NEW_TOKENS", 3)
     decode, prefill = bench._transformers_speeds(model, ids[None])
     assert decode > 0 and prefill > 0
+
+
+def test_scheduler_decode_speed_runs_one_job_through_the_scheduler(tmp_path, monkeypatch):
+    """The serving path's decode measure: one job's tokens after its first, timed from the
+    first token's event; the summary shows it beside the synchronous loop's figure."""
+    from engine.engine import Engine, EngineOptions
+
+    path = bench.build_model(tmp_path / "gptq", "tiny", "gptq", device="cpu")
+    engine = Engine.load(path, EngineOptions(device="cpu", dtype="float32", max_seq_len=64))
+    monkeypatch.setattr(bench, "NEW_TOKENS", 4)
+    submitted = []
+    real_submit = engine.scheduler.submit
+
+    def submit(prompt, settings):
+        submitted.append(settings["max_new_tokens"])
+        return real_submit(prompt, settings)
+
+    monkeypatch.setattr(engine.scheduler, "submit", submit)
+    try:
+        assert bench.scheduler_decode_tok_s(engine, [5, 6, 7, 8]) > 0
+    finally:
+        engine.unload()
+    assert submitted == [4] * 7  # 2 warm-ups and 5 timed runs
+    info = _info()
+    info["results"][0]["scheduler_decode_tok_s"] = 171.5
+    assert "scheduler decode   171.5 tok/s" in bench.summary_lines(info)[1]

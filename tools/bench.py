@@ -14,7 +14,10 @@ each engine and prompt length P:
   - batch-1 decode tok/s: prompt of P tokens, 128 new tokens, greedy, median of 5 runs
     after 2 warm-ups (exllamav2 additionally gets 210 warm-up calls first: it starts CUDA
     graphs only after 205 identical calls; transformers, at a few dozen tok/s, gets median
-    of 3 after 1 warm-up);
+    of 3 after 1 warm-up): each step a forward, an argmax and a read of the token, the
+    same synchronous loop for every engine. Kestrel also reports `scheduler_decode_tok_s`,
+    one job through its scheduler, which the UI and the API use (lookahead: the next
+    forward starts before the token is read), from the first token to the last;
   - prefill tok/s of the P-token prompt;
   - VRAM allocated after load, and the load time;
   - bytes read per decoded token, the roofline (read bandwidth / those bytes) and the
@@ -364,6 +367,27 @@ def decode_tok_s(engine: Engine, prompt: list[int]) -> float:
     return _median_runs(run)
 
 
+def scheduler_decode_tok_s(engine: Engine, prompt: list[int]) -> float:
+    """Batch-1 decode speed of one job through the scheduler (what the UI and the API
+    get): tokens after the first / seconds from the first token's event to the last's,
+    median of 5 runs after 2 warm-ups."""
+    settings = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ban_eos_token": True}
+
+    def run() -> float:
+        job = engine.scheduler.submit(prompt, settings)
+        first = None
+        tokens = 0
+        for event in engine.scheduler.stream_many([job]):
+            if event.token_ids and first is None:
+                first = time.perf_counter()
+                tokens -= len(event.token_ids)
+            tokens += len(event.token_ids)
+        assert first is not None and tokens > 0, "the job produced no tokens after its first"
+        return tokens / (time.perf_counter() - first)
+
+    return _median_runs(run)
+
+
 def prefill_tok_s(engine: Engine, prompt: list[int]) -> float:
     """Prefill speed of `prompt` (tokens/s), median of 5 runs."""
 
@@ -399,6 +423,7 @@ def bench_kestrel(path: Path, prompt_len: int, cache_type: str = "fp16") -> dict
 
     result = {
         "decode_tok_s": decode_tok_s(engine, prompt),
+        "scheduler_decode_tok_s": scheduler_decode_tok_s(engine, prompt),
         "prefill_tok_s": prefill_tok_s(engine, prompt),
         "vram_gib": vram,
         "load_s": load_s,
@@ -763,6 +788,8 @@ def summary_lines(info: Mapping[str, Any]) -> list[str]:
         )
         if "fraction_of_roofline" in r:
             row += f"  roofline {r['roofline_tok_s']:6.0f} ({r['fraction_of_roofline']:.0%})"
+        if "scheduler_decode_tok_s" in r:
+            row += f"  scheduler decode {r['scheduler_decode_tok_s']:7.1f} tok/s"
         other = exl2.get(r["prompt"])
         if other is not None and r["engine"] != "exllamav2":
             row += (
