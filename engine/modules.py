@@ -45,17 +45,6 @@ def gated_activation(
     return ACTIVATIONS[act](gate) * up
 
 
-def gated_down(act: str, gate_up: torch.Tensor, down: nn.Module, fused: bool) -> torch.Tensor:
-    """down(ACTIVATIONS[act](gate) * up) for a fused gate/up output [..., 2I]. A quantized
-    down projection takes SiLU's gating into its decode GEMV (`forward_gated`, no activation
-    kernel); a LoRA-wrapped or dense one gets the activation first."""
-    forward_gated = getattr(down, "forward_gated", None)
-    if fused and act == "silu" and forward_gated is not None:
-        return forward_gated(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return down(gated_activation(act, gate, up, fused=fused))
-
-
 class Linear(nn.Module):
     """A dense FP16/BF16/FP32 linear layer; y = x W^T + b with W [out, in] as HF stores it.
 
@@ -224,10 +213,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            return gated_down(
-                self.act_name, self.gate_up_proj(x), self.down_proj, self.fuse_kernels
-            )
-        gate, up = self.gate_proj(x), self.up_proj(x)
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(gated_activation(self.act_name, gate, up, fused=self.fuse_kernels))
 
 
@@ -245,7 +233,8 @@ class FusedGatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gated_down(self.act_name, self.gate_up_proj(x), self.down_proj, self.fuse_kernels)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(gated_activation(self.act_name, gate, up, fused=self.fuse_kernels))
 
 
 class DecoderLayer(nn.Module):

@@ -16,9 +16,8 @@ from torch import nn
 from engine.quant.exl2 import Exl2Tensors, exl2_to_runtime
 from engine.quant.gptq import GptqTensors, gptq_to_runtime
 from engine.weights import WeightStore
-from kernels.activation import silu_mul
 from kernels.quant_matmul import QuantizedWeight, dequantize_reference, stored_bytes
-from kernels.quant_matmul_triton import quant_matmul, quant_matmul_gated
+from kernels.quant_matmul_triton import quant_matmul
 
 EXL2_TENSORS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm", "bias")
 GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "bias")
@@ -40,19 +39,6 @@ class QuantizedLinear(nn.Module):
             y = self._cpu_matmul(x)
         else:
             y = quant_matmul(x, self.qweight)
-        if y.shape[-1] != self.out_features:
-            y = y[..., : self.out_features]
-        return y
-
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(silu(gate) * up) for gate_up [..., 2 * in_features] = [gate | up], a
-        fused gate/up projection's output: on a GPU a decode step's GEMV gates its input
-        as it loads it, so no activation kernel runs (kernels.quant_matmul_gated)."""
-        if gate_up.device.type == "cpu":
-            gate, up = gate_up.chunk(2, dim=-1)
-            y = self._cpu_matmul(silu_mul(gate, up))
-        else:
-            y = quant_matmul_gated(gate_up, self.qweight)
         if y.shape[-1] != self.out_features:
             y = y[..., : self.out_features]
         return y

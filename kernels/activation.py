@@ -64,21 +64,6 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def silu_mul_values(gate, up, dtype, PRECISE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """silu(gate) * up from float32 loads of 16-bit (or float32) values, rounded to `dtype`
-    as torch's two ops round: the SiLU, then the product. The GEMV of a down projection
-    computes its input with this (kernels.quant_matmul_triton, GATED), so that input is
-    the very tensor this module's kernel would have written."""
-    if PRECISE_EXP:
-        exp = libdevice.exp(-gate)
-    else:
-        exp = tl.exp(-gate)
-    silu = cast_rtne(tl.math.div_rn(gate, 1.0 + exp), dtype, EMULATE_BF16)
-    # A product of two 16-bit floats is exact in float32: rounding it equals torch's multiply.
-    return cast_rtne(silu.to(tl.float32) * up, dtype, EMULATE_BF16)
-
-
-@triton.jit
 def _silu_mul_kernel(
     gate_ptr,
     up_ptr,
@@ -101,7 +86,13 @@ def _silu_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    out = silu_mul_values(gate, up, dtype, PRECISE_EXP, EMULATE_BF16)
+    if PRECISE_EXP:
+        exp = libdevice.exp(-gate)
+    else:
+        exp = tl.exp(-gate)
+    silu = cast_rtne(tl.math.div_rn(gate, 1.0 + exp), dtype, EMULATE_BF16)
+    # A product of two 16-bit floats is exact in float32: rounding it equals torch's multiply.
+    out = cast_rtne(silu.to(tl.float32) * up, dtype, EMULATE_BF16)
     tl.store(out_ptr + row * out_row_stride + cols, out, mask=mask)
 
 

@@ -70,7 +70,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import silu_mul_reference, silu_mul_triton, silu_mul_values
 from kernels.backend import (
     Backend,
     cast_rtne,
@@ -284,30 +283,10 @@ def _dot_f32(a, b, acc, INTERPRETED: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-# How the GEMV reads x (X_MODE): as stored, or as the SiLU-gated product of a gate/up
-# projection's output (the down projection's input, see `_load_x`), with libdevice's exp
-# on a GPU or, under the interpreter, its exp and bfloat16 rounding emulated.
-X_PLAIN, X_GATED, X_GATED_INTERPRETED = 0, 1, 2
-
-
 @triton.jit
-def _load_x(x_ptrs, mask, up_offset, X_MODE: tl.constexpr):
-    """x at x_ptrs in float32. Gated modes: x_ptrs point into a gate/up projection's output
-    [gate | up] (up at + up_offset) and x = silu(gate) * up, rounded as kernels.silu_mul
-    rounds it (the unfused path's input, bit for bit): no activation kernel runs."""
-    if X_MODE == 0:
-        return tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        gate = tl.load(x_ptrs, mask=mask, other=0.0)
-        up = tl.load(x_ptrs + up_offset, mask=mask, other=0.0).to(tl.float32)
-        gated = silu_mul_values(gate.to(tl.float32), up, gate.dtype, X_MODE == 1, X_MODE == 2)
-        return gated.to(tl.float32)
-
-
-@triton.jit
-def _gemv_plane_row(values, row_factor, x_ptrs, row_ok, up_offset, X_MODE: tl.constexpr):
+def _gemv_plane_row(values, row_factor, x_ptrs, row_ok):
     """sum over the chunk's rows of values * x * row_factor, for one row of x -> [N]."""
-    xv = _load_x(x_ptrs, row_ok, up_offset, X_MODE) * row_factor  # [W, RPW, 1]
+    xv = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32) * row_factor  # [W, RPW, 1]
     return tl.sum(tl.sum(values * xv, axis=1), axis=0)
 
 
@@ -343,14 +322,12 @@ def _gemv_plane(
     cols,
     col_ok,
     float_magic,
-    up_offset,
     BITS: tl.constexpr,
     SHIFT: tl.constexpr,
     HAS_PERM: tl.constexpr,
     GROUPED: tl.constexpr,
     M_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    X_MODE: tl.constexpr,
 ):
     """One plane's share of the chunk of rows [r0, r0 + BLOCK_K), for up to 4 rows of x.
 
@@ -405,31 +382,27 @@ def _gemv_plane(
         x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
     else:
         x_ptrs = x_ptr + x_row_offset + rows
-    part0 = _gemv_plane_row(values, row_factor, x_ptrs, row_ok, up_offset, X_MODE)
+    part0 = _gemv_plane_row(values, row_factor, x_ptrs, row_ok)
     part1 = part0
     part2 = part0
     part3 = part0
     if M_ROWS > 1:
-        part1 = _gemv_plane_row(values, row_factor, x_ptrs + stride_xm, row_ok, up_offset, X_MODE)
+        part1 = _gemv_plane_row(values, row_factor, x_ptrs + stride_xm, row_ok)
     if M_ROWS > 2:
-        part2 = _gemv_plane_row(
-            values, row_factor, x_ptrs + 2 * stride_xm, row_ok, up_offset, X_MODE
-        )
+        part2 = _gemv_plane_row(values, row_factor, x_ptrs + 2 * stride_xm, row_ok)
     if M_ROWS > 3:
-        part3 = _gemv_plane_row(
-            values, row_factor, x_ptrs + 3 * stride_xm, row_ok, up_offset, X_MODE
-        )
+        part3 = _gemv_plane_row(values, row_factor, x_ptrs + 3 * stride_xm, row_ok)
     return part0, part1, part2, part3
 
 
 @triton.jit
 def _gemv_zero_term(
     x_ptrs, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok, GROUPED,
-    ZERO_PER_GROUP, up_offset, X_MODE,
+    ZERO_PER_GROUP,
 ):  # fmt: skip
     """What the zeros take off one row of x's dot products: [N]. `zero` (GROUPED) is
     already zero point * scale; otherwise each row's zero point and scale are loaded."""
-    xv = _load_x(x_ptrs, row_ok, up_offset, X_MODE)  # [BLOCK_K]
+    xv = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
     if GROUPED:
         return tl.sum(xv, axis=0) * zero
     else:
@@ -476,7 +449,6 @@ def _gemv_kernel(
     # compiled kernel serves every segment)
     arrivals,  # programs per column tile over all segments' launches
     float_magic,  # 0x4B000000 (see _gemv_plane)
-    up_offset,  # X_MODE gated: elements from a gate to its up value (k)
     HAS_PERM: tl.constexpr,
     GROUPED: tl.constexpr,  # every chunk lies in one group (checked on the host)
     ZERO_PER_GROUP: tl.constexpr,  # zeros hold one zero point per group (per_group_zeros)
@@ -491,7 +463,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,  # a multiple of 32
     PREFETCH: tl.constexpr,  # load chunk it + 1's words before working on chunk it
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
-    X_MODE: tl.constexpr,  # X_PLAIN, or x is a gate/up output to gate (see _load_x)
 ):
     pdl_launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
@@ -551,14 +522,12 @@ def _gemv_kernel(
             cols,
             col_ok,
             float_magic,
-            up_offset,
             P0_BITS,
             P0_SHIFT,
             HAS_PERM,
             GROUPED,
             M_ROWS,
             BLOCK_K,
-            X_MODE,
         )
         if NUM_PLANES == 2:
             if PREFETCH:
@@ -584,14 +553,12 @@ def _gemv_kernel(
                 cols,
                 col_ok,
                 float_magic,
-                up_offset,
                 P1_BITS,
                 P1_SHIFT,
                 HAS_PERM,
                 GROUPED,
                 M_ROWS,
                 BLOCK_K,
-                X_MODE,
             )
             a0 += b0
             a1 += b1
@@ -621,7 +588,7 @@ def _gemv_kernel(
             group_offsets = group * sz_stride
         acc0 += a0 * scale - _gemv_zero_term(
             x_ptrs, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok,
-            GROUPED, ZERO_PER_GROUP, up_offset, X_MODE,
+            GROUPED, ZERO_PER_GROUP,
         )  # fmt: skip
         if M_ROWS > 1:
             acc1 += a1 * scale - _gemv_zero_term(
@@ -636,8 +603,6 @@ def _gemv_kernel(
                 col_ok,
                 GROUPED,
                 ZERO_PER_GROUP,
-                up_offset,
-                X_MODE,
             )
         if M_ROWS > 2:
             acc2 += a2 * scale - _gemv_zero_term(
@@ -652,8 +617,6 @@ def _gemv_kernel(
                 col_ok,
                 GROUPED,
                 ZERO_PER_GROUP,
-                up_offset,
-                X_MODE,
             )
         if M_ROWS > 3:
             acc3 += a3 * scale - _gemv_zero_term(
@@ -668,8 +631,6 @@ def _gemv_kernel(
                 col_ok,
                 GROUPED,
                 ZERO_PER_GROUP,
-                up_offset,
-                X_MODE,
             )
 
     # Split 0 of the first segment adds the bias (bias_ptr is a dummy when there is none).
@@ -1283,12 +1244,10 @@ def _launch_gemv(
     y: torch.Tensor,
     tiling: GemvTiling | None = None,
     extra_arrivals: int = 0,
-    gated: bool = False,
 ) -> None:
     """y [M, n] (x's dtype) = x2d [M <= 4, k] @ W (+ bias): one launch per segment, summing
     in the device's self-resetting float32 workspace (see finish_gemv_tile). `extra_arrivals`
     programs of other kernels per column tile add to the same sums (see GemvShare).
-    `gated`: x2d is [M, 2k], a gate/up output, and x = silu(gate) * up (see `_load_x`).
 
     If the GPU-side gaps between these launches show in decode profiles, the next step is
     one launch per linear: the split-K axis spanning all segments, with a branch per segment
@@ -1332,7 +1291,6 @@ def _launch_gemv(
             int(first and qw.bias is not None),
             arrivals,
             _FLOAT_MAGIC,
-            qw.in_features if gated else 0,
             HAS_PERM=qw.perm is not None,
             GROUPED=grouped,
             ZERO_PER_GROUP=per_group_zeros(qw.zeros),
@@ -1343,7 +1301,6 @@ def _launch_gemv(
             BLOCK_K=block_k,
             PREFETCH=t.prefetch,
             USE_PDL=pdl,
-            X_MODE=(X_GATED_INTERPRETED if _INTERPRETED else X_GATED) if gated else X_PLAIN,
             num_warps=t.num_warps,
             launch_pdl=pdl,
         )
@@ -1524,30 +1481,3 @@ def quant_matmul(
     if resolve_backend(backend, x, *_weight_tensors(qw)) == "triton":
         return quant_matmul_triton(x, qw)
     return quant_matmul_reference(x, qw)
-
-
-def quant_matmul_gated(
-    gate_up: torch.Tensor, qw: QuantizedWeight, *, backend: Backend = "auto"
-) -> torch.Tensor:
-    """(silu(gate) * up) @ W + bias for gate_up [..., 2k] = [gate | up] (a fused gate/up
-    projection's output): the down projection of a SwiGLU MLP. A decode GEMV computes its
-    input as it loads it (no activation kernel, the same values as kernels.silu_mul's);
-    other shapes, and the reference, run the activation first."""
-    k = qw.in_features
-    if gate_up.shape[-1] != 2 * k:
-        raise ValueError(
-            f"gate_up's last dimension ({gate_up.shape[-1]}) must be 2 * in_features = {2 * k}"
-        )
-    gate, up = gate_up[..., :k], gate_up[..., k:]
-    if resolve_backend(backend, gate_up, *_weight_tensors(qw)) != "triton":
-        return quant_matmul_reference(silu_mul_reference(gate, up), qw)
-    _check_args(gate, qw)
-    lead, n = gate_up.shape[:-1], qw.out_features
-    rows = _unit_col_stride(gate_up.reshape(-1, 2 * k))
-    M = rows.shape[0]
-    if M == 0 or n == 0 or _choose_path(M) != "gemv":
-        return quant_matmul_triton(silu_mul_triton(gate, up), qw)
-    y = torch.empty((M, n), dtype=gate_up.dtype, device=gate_up.device)
-    with device_guard(gate_up):
-        _launch_gemv(rows, qw, y, gated=True)
-    return y.reshape(*lead, n)

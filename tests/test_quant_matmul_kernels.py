@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from engine.quant.bitpack import make_segment
-from kernels.activation import silu_mul
 from kernels.quant_matmul import (
     QuantizedWeight,
     compact_zero_points,
@@ -31,12 +30,7 @@ from kernels.quant_matmul import (
     quant_matmul_reference,
     stored_bytes,
 )
-from kernels.quant_matmul_triton import (
-    dequantize_triton,
-    quant_matmul,
-    quant_matmul_gated,
-    quant_matmul_triton,
-)
+from kernels.quant_matmul_triton import dequantize_triton, quant_matmul, quant_matmul_triton
 
 # The module, for monkeypatching its tuning constants (the functions are imported above).
 qmt = importlib.import_module("kernels.quant_matmul_triton")
@@ -207,32 +201,6 @@ def test_zero_points_that_vary_along_n_stay_whole() -> None:
     compact = compact_zero_points(zeros)
     assert compact.is_contiguous() and not per_group_zeros(compact)
     assert stored_bytes(compact) == 15 and torch.equal(compact.half(), zeros.half())
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("M", [1, 2, 5])
-@pytest.mark.parametrize("group_size", [32, 128], ids=["rows_groups", "chunk_groups"])
-def test_gated_down_projection(device: str, dtype: torch.dtype, M: int, group_size: int):
-    # quant_matmul_gated(gate_up) = quant_matmul(silu_mul(gate, up)): a decode GEMV (M <= 2)
-    # gates x as it loads it, with the activation kernel's rounding, so on the interpreter
-    # (fixed summation order) the very same values; M = 5 runs the activation first.
-    _require_triton(device)
-    qw = make_weight(512, 96, [4, 3], group_size=group_size, perm=True, device=device)
-    gate_up = _x((M, 2 * qw.in_features), dtype, device, seed=M) * 3
-    gate, up = gate_up.chunk(2, dim=-1)
-    unfused = quant_matmul(silu_mul(gate, up), qw)
-    fused = quant_matmul_gated(gate_up, qw)
-    assert fused.shape == (M, qw.out_features) and fused.dtype == dtype
-    if device == "cpu":
-        torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
-        triton_fused = quant_matmul_gated(gate_up, qw, backend="triton")
-        triton_unfused = quant_matmul_triton(silu_mul(gate, up, backend="triton"), qw)
-        torch.testing.assert_close(triton_fused, triton_unfused, rtol=0, atol=0)
-    else:  # split-K sums in float32 atomics: equal up to their order
-        _assert_close(fused, unfused, dtype)
-    _assert_close(fused, quant_matmul_reference(silu_mul(gate, up), qw), dtype)
-    with pytest.raises(ValueError, match="2 \\* in_features"):
-        quant_matmul_gated(gate, qw)
 
 
 # --- dequantization --------------------------------------------------------------------------
