@@ -137,6 +137,7 @@ def test_expand_into_gemv(m, dtype, gemv_first, device):
     _require_triton(device)
     from test_quant_matmul_kernels import make_weight
 
+    import kernels.quant_common as quant_common
     import kernels.quant_matmul_triton as qmt
     from kernels.lora_matmul import lora_expand_into_gemv, lora_gemv_arrivals, lora_shrink
     from kernels.quant_matmul import quant_matmul_reference
@@ -162,7 +163,7 @@ def test_expand_into_gemv(m, dtype, gemv_first, device):
             qmt.launch_gemv_shared(x, qw, share)
         tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
         torch.testing.assert_close(share.y.float(), want, rtol=tol, atol=tol)
-        sums, counters = qmt._WORKSPACES[share.sums.device]
+        sums, counters = quant_common._WORKSPACES[share.sums.device]
         assert not sums.any() and not counters.any()
 
 

@@ -34,6 +34,8 @@ from kernels.quant_matmul_triton import dequantize_triton, quant_matmul, quant_m
 
 # The module, for monkeypatching its tuning constants (the functions are imported above).
 qmt = importlib.import_module("kernels.quant_matmul_triton")
+qdot = importlib.import_module("kernels.quant_dot")
+qcommon = importlib.import_module("kernels.quant_common")
 
 WIDTHS = [2, 3, 4, 5, 6, 8]
 TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 5e-3, torch.float32: 1e-5}
@@ -310,9 +312,9 @@ def test_several_column_tiles_and_chunks_per_program(
     )  # fmt: skip
     monkeypatch.setattr(qmt, "_GEMV_CONFIG", config)
     monkeypatch.setattr(
-        qmt, "_DOT_CONFIGS", ((1 << 62, dataclasses.replace(qmt.DotConfig(), programs_per_sm=1)),)
+        qdot, "_DOT_CONFIGS", ((1 << 62, dataclasses.replace(qdot.DotConfig(), programs_per_sm=1)),)
     )
-    monkeypatch.setattr(qmt, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(qcommon, "_sm_count", lambda device: 1)
     qw = make_weight(256, 200, [6], device=device)
     if path == "gemv":
         x = torch.zeros(M, 256, dtype=torch.float16, device=device)
@@ -325,7 +327,7 @@ def test_several_column_tiles_and_chunks_per_program(
 # operand), whole-word or row-gathered unpacking. Mixed widths with perm and bias (two
 # planes for 3, 5 and 6 bits), groups off the chunk size (the per-row scale path), and x
 # in each dtype with rows that do not fill the tile.
-DOT_VARIANTS = [qmt.DotConfig(transposed=t, wide=w) for t in (False, True) for w in (True, False)]
+DOT_VARIANTS = [qdot.DotConfig(transposed=t, wide=w) for t in (False, True) for w in (True, False)]
 DOT_CASES = [
     ("mixed", 17, torch.float16),
     ("mixed", 3, torch.bfloat16),
@@ -340,7 +342,7 @@ DOT_CASES = [
 @pytest.mark.parametrize("case,M,dtype", DOT_CASES, ids=str)
 def test_dot_variants(
     device: str,
-    config: qmt.DotConfig,
+    config: qdot.DotConfig,
     case: str,
     M: int,
     dtype: torch.dtype,
@@ -348,7 +350,7 @@ def test_dot_variants(
 ) -> None:
     _require_triton(device)
     monkeypatch.setattr(
-        qmt, "_DOT_CONFIGS", ((1 << 62, dataclasses.replace(config, max_block_m=32)),)
+        qdot, "_DOT_CONFIGS", ((1 << 62, dataclasses.replace(config, max_block_m=32)),)
     )
     if case == "mixed":
         qw = make_weight(200, 96, WIDTHS, device=device)
@@ -379,7 +381,7 @@ def test_workspace_is_left_zeroed(device: str) -> None:
     for path, M in (("gemv", 1), ("gemv", 2), ("dot", 3), ("dot", 20), ("gemv", 1), ("dot", 5)):
         for i, qw in enumerate(weights):
             _check(qw, M, torch.float16, device, path, seed=10 * M + i)
-    sums, counters = qmt._WORKSPACES[weights[0].device]  # "cuda" is keyed as cuda:0
+    sums, counters = qcommon._WORKSPACES[weights[0].device]  # "cuda" is keyed as cuda:0
     assert not sums.any() and not counters.any()
 
 
@@ -391,7 +393,7 @@ def test_workspace_growth_keeps_the_old_one_alive(device: str) -> None:
     need = before[0].numel() + 1
     after = qmt._workspace(dev, need, 1)
     assert after[0].numel() >= max(need, 2 * before[0].numel())  # grows at least twofold
-    assert any(old[0] is before[0] for old in qmt._RETIRED_WORKSPACES)
+    assert any(old[0] is before[0] for old in qcommon._RETIRED_WORKSPACES)
     assert not before[0].any() and not after[0].any()
 
 

@@ -10,7 +10,7 @@ replayed in a CUDA graph:
   - per M, each path (gemv for M <= 4, the tensor-core "dot" path, dequantize + cuBLAS);
   - for the dot path at the --sweep-m sizes, every DotConfig of the sweep below.
 Reports µs per round and the effective GB/s of the packed weights, and writes
-tune_mid_m.json; _DOT_CONFIGS in kernels/quant_matmul_triton.py come from here.
+tune_mid_m.json; _DOT_CONFIGS in kernels/quant_dot.py come from here.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import kernels.quant_dot as quant_dot  # noqa: E402
 import kernels.quant_matmul_triton as qmt  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
 from engine.quantized_linear import QuantizedLinear  # noqa: E402
@@ -40,9 +41,9 @@ DOT_SWEEP = list(
 )
 
 
-def _config(values: tuple) -> qmt.DotConfig:
+def _config(values: tuple) -> quant_dot.DotConfig:
     transposed, wide, block_n, block_k, warps, stages, pps = values
-    return qmt.DotConfig(
+    return quant_dot.DotConfig(
         transposed=transposed,
         wide=wide,
         block_n=block_n,
@@ -64,7 +65,7 @@ def main() -> int:
     bandwidth = _read_bandwidth()
     linears = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
     step_bytes = sum(m.storage_bits // 8 for m in linears)
-    default = qmt._DOT_CONFIGS
+    default = quant_dot._DOT_CONFIGS
 
     def round_us(M: int, path: str) -> float | None:
         """µs of one call of every linear at M rows through `path` (None: it fails)."""
@@ -103,12 +104,12 @@ def main() -> int:
     for M in args.sweep_m:
         for values in DOT_SWEEP:
             config = _config(values)
-            qmt._DOT_CONFIGS = ((1 << 62, config),)
+            quant_dot._DOT_CONFIGS = ((1 << 62, config),)
             us = round_us(M, "dot")
             if us is not None:
                 sweep.append({"M": M, **dataclasses.asdict(config), "us": us,
                               "gb_s": gb_s(us)})  # fmt: skip
-        qmt._DOT_CONFIGS = default
+        quant_dot._DOT_CONFIGS = default
         best = sorted((r for r in sweep if r["M"] == M), key=lambda r: r["us"])[:8]
         print(f"M={M}: best dot settings (µs per round of linears)", flush=True)
         for r in best:

@@ -1,0 +1,214 @@
+"""What the quantized matmul kernels share: kernels/quant_matmul_triton.py's decode GEMV and
+dequantization, and kernels/quant_dot.py's tensor-core path for a few rows of x.
+
+Inside a kernel: a segment's codes gathered row by row (`_segment_codes_2d`) and its zero
+points (`_zero_points`). On the host: the constexprs and arguments of a segment's planes,
+the group check that lets scales apply once per chunk (`_chunks_in_groups`), the split-K
+plan (`_split`), and the per-device float32 workspace that split-K partials sum into and
+that the last program of each tile leaves zeroed again (`_workspace`). The design of the
+paths is in kernels/quant_matmul_triton.py's docstring.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant_matmul import QuantizedWeight, Segment
+
+_PLANE_BITS = (1, 2, 4, 8)
+# The interpreter has no SMs; a small count keeps CPU tests fast while still splitting K.
+_INTERPRETER_SMS = 2
+
+
+@triton.jit
+def _unpack_rows(plane_ptr, plane_stride, word_rows, shifts, cols, mask, BITS: tl.constexpr):
+    """Codes of one plane: word_rows selects the int32 row, shifts the bit offset in it."""
+    words = tl.load(plane_ptr + word_rows * plane_stride + cols, mask=mask, other=0)
+    # Arithmetic shift: the mask drops the sign bits an 8-bit top code drags in.
+    return (words >> shifts) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _segment_codes_2d(
+    p0_ptr,
+    p0_stride,
+    p1_ptr,
+    p1_stride,
+    rows,
+    cols,
+    mask,
+    NUM_PLANES: tl.constexpr,
+    P0_BITS: tl.constexpr,
+    P0_SHIFT: tl.constexpr,
+    P1_BITS: tl.constexpr,
+    P1_SHIFT: tl.constexpr,
+):
+    """Codes [K, N] of segment-relative rows [K, 1] and columns [1, N].
+
+    The word of each row is gathered separately (rows of one word hit L1): the tile goes to
+    tl.dot or to memory in this 2-D layout, and its cost is shared by BLOCK_M rows of x.
+    """
+    RPW0: tl.constexpr = 32 // P0_BITS
+    codes = _unpack_rows(
+        p0_ptr, p0_stride, rows // RPW0, (rows % RPW0) * P0_BITS, cols, mask, P0_BITS
+    )
+    codes = codes << P0_SHIFT
+    if NUM_PLANES == 2:
+        RPW1: tl.constexpr = 32 // P1_BITS
+        codes1 = _unpack_rows(
+            p1_ptr, p1_stride, rows // RPW1, (rows % RPW1) * P1_BITS, cols, mask, P1_BITS
+        )
+        codes = codes | (codes1 << P1_SHIFT)
+    return codes
+
+
+@triton.jit
+def _zero_points(zeros_ptr, group, offsets, mask, ZERO_PER_GROUP):
+    """Zero points in float32 at `offsets` (group * stride + column), or one per group,
+    zeros[group] broadcast to the shape of `offsets` (kernels.quant_matmul.per_group_zeros:
+    G bytes to read instead of G * n)."""
+    if ZERO_PER_GROUP:
+        return tl.load(zeros_ptr + group).to(tl.float32) + tl.zeros(offsets.shape, tl.float32)
+    else:
+        return tl.load(zeros_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+def _plane_meta(segment: Segment) -> dict[str, int]:
+    """The constexprs describing a segment's planes (at most 2: widths 3, 5 and 6 use 2)."""
+    planes = segment.planes
+    if not 1 <= len(planes) <= 2:
+        raise ValueError(f"a segment must have 1 or 2 planes, got {len(planes)}")
+    for plane in planes:
+        if plane.bits not in _PLANE_BITS:
+            raise ValueError(f"plane bits must be one of {_PLANE_BITS}, got {plane.bits}")
+        if plane.packed.dtype != torch.int32:
+            raise ValueError(f"packed planes must be int32, got {plane.packed.dtype}")
+    second = planes[1] if len(planes) == 2 else planes[0]
+    return {
+        "NUM_PLANES": len(planes),
+        "P0_BITS": planes[0].bits,
+        "P0_SHIFT": planes[0].shift,
+        "P1_BITS": second.bits,
+        "P1_SHIFT": second.shift,
+    }
+
+
+def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _plane_args(segment: Segment) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    planes = [_unit_col_stride(plane.packed) for plane in segment.planes]
+    second = planes[1] if len(planes) == 2 else planes[0]
+    return planes[0], second, planes[0].stride(0), second.stride(0)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return _cuda_sm_count(device.index if device.index is not None else 0)
+
+
+def _pow2_floor(value: int) -> int:
+    return 1 << (max(value, 1).bit_length() - 1)
+
+
+def _chunk_rows(qw: QuantizedWeight, least: int, most: int) -> int:
+    """BLOCK_K: a power of two in [least, most] that divides the typical group size, so
+    that chunks lie in one group (see _chunks_in_groups). The group size is guessed from
+    the shapes (k // G): no device sync."""
+    groups = max(qw.scales.shape[0], 1)
+    return max(least, min(most, _pow2_floor(qw.in_features // groups)))
+
+
+# (id of row_group, its data pointer, segment starts, BLOCK_K) -> every chunk in one group.
+_GROUPED_CACHE: dict[tuple[int, int, tuple[int, ...], int], bool] = {}
+
+
+def _chunks_in_groups(qw: QuantizedWeight, block_k: int) -> bool:
+    """Whether every chunk of block_k rows (from each segment's start) lies in one group.
+
+    Then the kernels load scales and zeros once per chunk and column (GROUPED); otherwise
+    per row. True for EXL2 and GPTQ whenever block_k divides the group size, since their
+    bit widths change only at group boundaries. Computed once per weight (one device sync)
+    and cached; during CUDA graph capture, where a sync is not allowed, an uncached weight
+    takes the per-row path (correct, slower): call the op once before capturing.
+    """
+    starts = tuple(segment.row_start for segment in qw.segments)
+    row_group = qw.row_group
+    key = (id(row_group), row_group.data_ptr(), starts, block_k)
+    cached = _GROUPED_CACHE.get(key)
+    if cached is not None:
+        return cached
+    if row_group.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    firsts, lasts = [], []
+    for segment in qw.segments:
+        for first in range(segment.row_start, segment.row_end, block_k):
+            firsts.append(first)
+            lasts.append(min(first + block_k, segment.row_end) - 1)
+    index = torch.tensor(firsts + lasts, dtype=torch.long).to(row_group.device)
+    groups = row_group[index].view(2, -1)
+    result = bool((groups[0] == groups[1]).all())
+    _GROUPED_CACHE[key] = result
+    weakref.finalize(row_group, _GROUPED_CACHE.pop, key, None)
+    return result
+
+
+# Per device: a float32 sum buffer and int32 tile counters that are zero between calls.
+# Each GEMV and mid-M matmul leaves them zeroed (the last program per tile resets its
+# part), so kernels of one stream share them in turn. The first (uncaptured) call of every
+# shape sizes them, which a CUDA graph's warm-up run provides. They only grow, and a
+# replaced pair is kept alive: a graph captured earlier still adds into it, and freeing it
+# would let the allocator hand that memory to another tensor. Growth at least doubles, so
+# the retired pairs hold less than the current one.
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_RETIRED_WORKSPACES: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    have = _WORKSPACES.get(device)
+    if have is None or have[0].numel() < sums or have[1].numel() < tiles:
+        old_sums, old_tiles = (have[0].numel(), have[1].numel()) if have else (0, 0)
+        if have is not None:
+            _RETIRED_WORKSPACES.append(have)
+        grow_sums = sums > old_sums
+        grow_tiles = tiles > old_tiles
+        have = (
+            torch.zeros(
+                max(sums, 2 * old_sums if grow_sums else old_sums, 1 << 16),
+                dtype=torch.float32,
+                device=device,
+            ),
+            torch.zeros(
+                max(tiles, 2 * old_tiles if grow_tiles else old_tiles, 1024),
+                dtype=torch.int32,
+                device=device,
+            ),
+        )
+        _WORKSPACES[device] = have
+    return have
+
+
+def _split(
+    rows: int, tiles: int, block_k: int, programs_per_sm: int, max_iters: int, device: torch.device
+) -> int:
+    """Chunks (of block_k rows) per split-K slice: about programs_per_sm programs per SM,
+    counted over all segments (each takes ceil(its rows / slice) slices), at most max_iters.
+
+    A power of two: it is a constexpr (see the module docstring), and every distinct value
+    is one more compiled kernel per segment layout.
+    """
+    target = programs_per_sm * _sm_count(device)
+    splits = max(1, min(triton.cdiv(target, tiles), triton.cdiv(rows, block_k)))
+    return min(max_iters, _pow2_floor(triton.cdiv(triton.cdiv(rows, splits), block_k)))
