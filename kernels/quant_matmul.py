@@ -29,6 +29,7 @@ defined here, beside the kernels that read it, and engine/quant/bitpack.py re-ex
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -66,14 +67,25 @@ def pack_plane(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per_word = 32 // bits
     rows, n = codes.shape
     words = -(-rows // per_word)
-    padded = torch.zeros(words * per_word, n, dtype=codes.dtype, device=codes.device)
-    padded[:rows] = codes
-    padded = padded.view(words, per_word, n)
-    # int64 so that the top code of a word can reach bit 31; one position widened at a time.
-    acc = torch.zeros(words, n, dtype=torch.int64, device=codes.device)
-    for j in range(per_word):
-        acc |= (padded[:, j].long() & ((1 << bits) - 1)) << (j * bits)
-    return _to_int32_words(acc)
+    mask = (1 << bits) - 1
+    padded = torch.zeros(words * per_word, n, dtype=torch.uint8, device=codes.device)
+    padded[:rows] = codes & mask
+    if sys.byteorder != "little":  # the byte view below reads words little-endian
+        padded = padded.view(words, per_word, n)
+        acc = torch.zeros(words, n, dtype=torch.int64, device=codes.device)
+        for j in range(per_word):
+            acc |= padded[:, j].long() << (j * bits)
+        return _to_int32_words(acc)
+    # Byte by byte in uint8 (a few passes over the codes, not per_word passes in int64:
+    # loading an EXL2 model repacks billions of codes on the CPU): byte b of a word holds
+    # its codes b * per_byte .. (b + 1) * per_byte - 1, low bits first; the 4 bytes of each
+    # word are then made adjacent and read as one little-endian int32.
+    per_byte = 8 // bits
+    grouped = padded.view(words, 4, per_byte, n)
+    byte = grouped[:, :, 0].clone()
+    for i in range(1, per_byte):
+        byte |= grouped[:, :, i] << (i * bits)
+    return byte.permute(0, 2, 1).contiguous().view(words * n, 4).view(torch.int32).view(words, n)
 
 
 def unpack_plane(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:

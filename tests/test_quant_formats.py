@@ -82,6 +82,21 @@ def test_bitstream_round_trip_and_hand_layout(bits: int, rows: int) -> None:
         assert torch.equal(unpack_plane(packed, bits, rows).long(), codes)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32], ids=str)
+def test_plane_packing_of_any_code_dtype_and_width(bits: int, n: int, dtype: torch.dtype):
+    # pack_plane builds each word from 4 bytes (the loader's repacking of a big EXL2 head
+    # went 13.3 -> 3.1 s on a 2-core CPU): any code dtype, a single column, a short tail.
+    gen = torch.Generator().manual_seed(bits + 10 * n)
+    for rows in (1, 7, 32, 45):
+        codes = torch.randint(0, 1 << bits, (rows, n), generator=gen)
+        codes[-1] = (1 << bits) - 1
+        packed = pack_plane(codes.to(dtype), bits)
+        assert packed.dtype == torch.int32 and packed.is_contiguous()
+        assert torch.equal(packed, _stream_by_hand(codes.tolist(), bits))
+
+
 def test_exl2_3bit_layout_by_hand() -> None:
     """A 3-bit EXL2 linear built with Python bit arithmetic only, then read back."""
     k, n = 32, 8
