@@ -92,6 +92,11 @@ MAX_GRAPH_TOKENS = 64  # rows * tokens of a multi-token graph (its activations, 
 PROMPT_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
+def prompt_bucket_of(tokens: int) -> int:
+    """The prompt graph that holds `tokens` (the largest for more than it holds)."""
+    return next((t for t in PROMPT_BUCKETS if t >= tokens), PROMPT_BUCKETS[-1])
+
+
 def stage_rows(
     host: torch.Tensor,
     sequences: list[Sequence],
@@ -470,8 +475,11 @@ class DecodeGraphs:
         *,
         capture: bool = True,
         split_at: Collection[int] = (),
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.model = model
+        # Prompt graphs go up to the bucket that holds this many tokens (a prefill chunk).
+        self.max_prompt_tokens = max_prompt_tokens
         self.capture = capture
         self.cache = cache
         self.max_pages = -(-max_seq_len // cache.page_size)
@@ -663,9 +671,11 @@ class DecodeGraphs:
         return [(b, t) for t in TOKEN_BUCKETS for b in BUCKETS if b * t <= MAX_GRAPH_TOKENS]
 
     def prompt_buckets(self) -> list[int]:
-        """Every prompt graph's tokens that fits the page table."""
+        """Every prompt graph's tokens that fits the page table, up to the bucket holding
+        `max_prompt_tokens` (no longer chunk comes)."""
         room = self.max_pages * self.cache.page_size
-        return [t for t in PROMPT_BUCKETS if t <= room]
+        top = prompt_bucket_of(self.max_prompt_tokens or PROMPT_BUCKETS[-1])
+        return [t for t in PROMPT_BUCKETS if t <= room and t <= top]
 
     def capture_all(self) -> None:
         """Capture every shape now (no LoRA), e.g. before a server measures its memory:

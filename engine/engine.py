@@ -215,7 +215,7 @@ class Engine:
     def enable_decode_graphs(
         self, *, capture: bool = True, split_at: Collection[int] = ()
     ) -> DecodeGraphs:
-        """Run batched decode steps through `DecodeGraphs` (one spare cache page needed).
+        """Run batched decode steps (and fresh prompts) through `DecodeGraphs`.
         `capture=False` runs their static buffers eagerly: the graph path on any device,
         for tests (Engine.load enables captured graphs when every part is on a GPU).
         `split_at`: layers that start a graph segment of their own even on the device of
@@ -223,7 +223,12 @@ class Engine:
         if self.graphs is not None:
             raise RuntimeError("decode graphs are already enabled on this engine")
         self.graphs = DecodeGraphs(
-            self.model, self.cache, self.max_seq_len, capture=capture, split_at=split_at
+            self.model,
+            self.cache,
+            self.max_seq_len,
+            capture=capture,
+            split_at=split_at,
+            max_prompt_tokens=self.options.prefill_chunk,
         )
         # Loading or unloading an adapter re-allocates the stacks the LoRA graphs read.
         self.loras.listeners.append(self.graphs.drop_lora_graphs)

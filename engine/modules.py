@@ -167,8 +167,7 @@ class Attention(nn.Module):
             q, k = kernels.apply_rope(q, k, batch.positions, rotary.cos, rotary.sin)
             cache.write(self.layer_idx, batch.slots, k, v)
         if batch.fresh and prompt_attention_applies(
-            num_tokens,
-            s.head_dim,
+            q,
             quantized_cache=quantized,
             sliding_window=s.sliding_window,
             softcap=s.softcap,

@@ -209,6 +209,10 @@ def test_prompt_graphs_give_the_eager_prefill(model_dir: Path):
     assert graphs.prompt_bucket([Sequence(length=3)], [[1] * 20]) is None
     assert graphs.prompt_bucket([Sequence()], [[1] * 8]) is None  # the multi-token graphs'
     assert graphs.prompt_bucket([Sequence(), Sequence()], [[1] * 20, [1] * 20]) is None
+    # Buckets stop at the one that holds a prefill chunk (no longer chunk comes).
+    graphs.max_prompt_tokens = 40
+    assert graphs.prompt_buckets() == [16, 32, 64]
+    assert graphs.prompt_bucket([Sequence()], [[1] * 65]) is None
 
 
 @pytest.mark.gpu

@@ -66,7 +66,7 @@ def _load(tiny: Path, device: str, mode: str):
         device=device,
         dtype="float16" if device == "cuda" else "float32",
         max_seq_len=128,
-        cache_tokens=2048,  # room for the graphs' scratch page in every mode
+        cache_tokens=2048,
         page_size=8,
         prefill_chunk=16,
         cuda_graphs=mode == "graph",

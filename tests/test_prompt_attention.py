@@ -67,13 +67,17 @@ def test_gpu_matches_the_paged_prefill_kernel(heads: tuple[int, int, int], dtype
 
 def test_when_it_applies() -> None:
     ok = dict(quantized_cache=False, sliding_window=None, softcap=None)
-    assert prompt_attention_applies(100, 128, **ok)
-    assert not prompt_attention_applies(1, 128, **ok)  # a one-token prompt: decode kernel
-    assert not prompt_attention_applies(100, 128, **{**ok, "quantized_cache": True})
-    assert not prompt_attention_applies(100, 128, **{**ok, "softcap": 50.0})
-    assert prompt_attention_applies(100, 128, **{**ok, "sliding_window": 100})
-    assert not prompt_attention_applies(101, 128, **{**ok, "sliding_window": 100})
-    assert not prompt_attention_applies(100, 100, **ok)  # not a multiple of 8
+    q = torch.zeros(100, 8, 128)
+    assert prompt_attention_applies(q, **ok)
+    assert not prompt_attention_applies(q[:1], **ok)  # a one-token prompt: decode kernel
+    assert not prompt_attention_applies(q, **{**ok, "quantized_cache": True})
+    assert not prompt_attention_applies(q, **{**ok, "softcap": 50.0})
+    assert prompt_attention_applies(q, **{**ok, "sliding_window": 100})
+    assert not prompt_attention_applies(torch.zeros(101, 8, 128), **{**ok, "sliding_window": 100})
+    assert not prompt_attention_applies(torch.zeros(100, 8, 100), **ok)  # not a multiple of 8
+    if torch.cuda.is_available():  # float32 on a GPU: no fused kernel, the paged one
+        assert not prompt_attention_applies(q.cuda(), **ok)
+        assert prompt_attention_applies(q.cuda().half(), **ok)
     with pytest.raises(ValueError, match="query heads"):
         prompt_attention(torch.zeros(3, 6, 8), torch.zeros(3, 4, 8), torch.zeros(3, 4, 8), scale=1)
 

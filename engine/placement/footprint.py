@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
-from engine.cuda_graph import PROMPT_BUCKETS
+from engine.cuda_graph import prompt_bucket_of
 from engine.placement.plan import ModelFootprint
 from engine.weights import WeightStore
 
@@ -112,9 +112,10 @@ def model_footprint(
     activations = prefill_chunk * width * 4
     activations += _largest_quantized_linear(store) * 2
     activations += prefill_chunk * config.vocab_size * 4
-    # The prompt graphs' shared pool (engine/cuda_graph.py) holds another set for up to
-    # 2048 tokens (their logits: one row), beside the eager allocator's blocks.
-    prompt_tokens = min(prefill_chunk, PROMPT_BUCKETS[-1])
+    # The prompt graphs' shared pool (engine/cuda_graph.py) holds another set for the
+    # bucket a prefill chunk pads to (at most 2048 tokens; their logits: one row), beside
+    # the eager allocator's blocks.
+    prompt_tokens = prompt_bucket_of(prefill_chunk)
     activations += prompt_tokens * width * 4 + _largest_quantized_linear(store) * 2
     return ModelFootprint(
         embed_bytes=embed,

@@ -40,7 +40,7 @@ def send_batch(batch: ForwardBatch, device: torch.device) -> None:
     num_logits = batch.logits_indices.numel()
     _broadcast_header(
         [FORWARD, num_tokens, num_seqs, max_pages, num_logits, batch.max_query_len,
-         batch.max_context_len],
+         batch.max_context_len, int(batch.fresh)],
         device,
     )  # fmt: skip
     payload = torch.cat(
@@ -59,7 +59,7 @@ def send_batch(batch: ForwardBatch, device: torch.device) -> None:
 
 def receive_batch(header: list[int], device: torch.device) -> ForwardBatch:
     """Other ranks: the batch announced by `header` (a FORWARD header)."""
-    _, t, b, pages, n, max_q, max_ctx, _ = header
+    _, t, b, pages, n, max_q, max_ctx, fresh = header
     sizes = [t, t, t, b + 1, b, b * pages, n]
     payload = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
     dist.broadcast(payload, src=0)
@@ -74,6 +74,7 @@ def receive_batch(header: list[int], device: torch.device) -> ForwardBatch:
         logits_indices=logits,
         max_query_len=max_q,
         max_context_len=max_ctx,
+        fresh=bool(fresh),  # every rank takes the same attention path
     )
 
 
