@@ -385,3 +385,23 @@ def test_sigkilled_conversion_resumes_to_the_same_output(tmp_path: Path):
     assert not job_file.parent.exists()
     for name in sorted(p.name for p in reference.iterdir()):
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_states_of_the_recorded_count_survive_a_kill_before_the_record(tmp_path: Path):
+    """A kill after a layer's hidden states are saved but before its count is recorded must
+    resume from the recorded count's states, not the newer ones (which already passed the
+    layer the resumed run does again): CI once saw a SIGKILLed conversion resume to other
+    bytes when one states file served every count."""
+    from engine.quantizer.job import Job
+
+    path = tmp_path / "out.partial"
+    job = Job.open(path, {"bits": 4.0}, resume=True)
+    after_one, after_two = torch.ones(2, 3), torch.full((2, 3), 2.0)
+    job.advance_states("quant", 1, after_one, quantized_layers=1)
+    job.save_tensors(Job.states_file("quant", 2), {"states": after_two})  # then the kill
+    again = Job.open(path, {"bits": 4.0}, resume=True)
+    assert again.get("quantized_layers") == 1
+    assert torch.equal(again.load_states("quant", 1), after_one)
+    again.advance_states("quant", 2, after_two, quantized_layers=2)
+    assert torch.equal(again.load_states("quant", 2), after_two)
+    assert not (path / Job.states_file("quant", 1)).exists()  # only the recorded count's

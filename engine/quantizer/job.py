@@ -6,7 +6,10 @@ any moment leaves either the old or the new version, never half of one):
     job.json                  settings + progress (measured layers, strategy, quantized
                               layers, head done)
     calibration.safetensors   the token rows ("rows", "measure_rows")
-    states.safetensors        hidden states after the last finished layer of the stage
+    states/STAGE_NNNNN.safetensors   hidden states of a stage (measure, quant) after NNNNN
+                              finished layers: one file per count, written before the count
+                              is recorded and the previous one removed after, so a kill
+                              between the two still finds the states of the recorded count
     layers/layer_NNNNN.safetensors   a quantized layer's tensors (checkpoint names)
     head.safetensors          the quantized lm_head
     input/                    a GGUF input imported to FP16 (when the input is GGUF)
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-JOB_FORMAT = 1
+JOB_FORMAT = 2  # 2: hidden states per finished-layer count (a job of 1 starts over)
 
 
 class JobMismatchError(ValueError):
@@ -124,3 +127,20 @@ class Job:
     @staticmethod
     def layer_file(i: int) -> str:
         return f"layers/layer_{i:05d}.safetensors"
+
+    @staticmethod
+    def states_file(stage: str, layers: int) -> str:
+        return f"states/{stage}_{layers:05d}.safetensors"
+
+    def load_states(self, stage: str, layers: int) -> torch.Tensor:
+        """The hidden states of `stage` after `layers` finished layers."""
+        return self.load_tensors(self.states_file(stage, layers))["states"]
+
+    def advance_states(self, stage: str, layers: int, states: torch.Tensor, **progress: Any):
+        """Save the states after `layers` finished layers, then record `progress`, then
+        drop the states of the count before: at every moment the recorded count's states
+        are on disk (a kill after the save but before the record resumes from the older
+        count, whose states are still there)."""
+        self.save_tensors(self.states_file(stage, layers), {"states": states})
+        self.update(**progress)
+        (self.path / self.states_file(stage, layers - 1)).unlink(missing_ok=True)

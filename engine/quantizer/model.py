@@ -195,7 +195,12 @@ class CalibrationRunner:
                 seq.release(self.cache)
             self._seqs = [Sequence() for _ in range(rows)]
             tokens = [[0] * self.length for _ in range(rows)]
-            self._batch = ForwardBatch.build(self.cache, self._seqs, tokens).on(self.lm.device)
+            batch = ForwardBatch.build(self.cache, self._seqs, tokens)
+            # Every chunk takes the paged attention kernel whatever its row count (a chunk of
+            # one row would be a fresh prompt, kernels.prompt_attention): the same numbers
+            # for every chunking, so a resumed conversion writes the same bytes.
+            batch.fresh = False
+            self._batch = batch.on(self.lm.device)
             self._rows = rows
         return self._batch
 

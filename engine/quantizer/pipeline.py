@@ -322,7 +322,7 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
     runner = CalibrationRunner(lm, length=rows.shape[1], chunk_rows=_chunk_rows(rows, device))
     done = job.get("quantized_layers", 0)
     if done < n:
-        states = job.load_tensors("states.safetensors")["quant"] if done else lm.embed(rows).cpu()
+        states = job.load_states("quant", done) if done else lm.embed(rows).cpu()
         with _bar(o, total=n, initial=done, desc="quantize", unit="layer") as bar:
             for i in range(done, n):
                 lm.load_layer(i)
@@ -331,14 +331,13 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
                 )
                 lm.unload_layer(i)
                 job.save_tensors(Job.layer_file(i), tensors)
-                job.save_tensors("states.safetensors", {"quant": states})
-                job.update(quantized_layers=i + 1)
+                job.advance_states("quant", i + 1, states, quantized_layers=i + 1)
                 result.quantized_now.append(i)
                 bar.set_postfix(max_err=f"{max(errors.values()):.4f}")
                 bar.update()
                 steps.done()
     if not job.get("head_done"):
-        states = job.load_tensors("states.safetensors")["quant"]
+        states = job.load_states("quant", n)
         with _bar(o, total=1, desc="lm_head", unit="linear") as bar:
             head, err = quantize_head(
                 lm, runner, states, s["head_bits"], scale_search=full_search, damp=o.damp, rtn=o.rtn
@@ -388,7 +387,7 @@ def _measure(job, lm, mrows, o, search, steps, result) -> dict:
         return record
     device = lm.device
     runner = CalibrationRunner(lm, length=mrows.shape[1], chunk_rows=_chunk_rows(mrows, device))
-    states = job.load_tensors("states.safetensors")["measure"] if done else lm.embed(mrows).cpu()
+    states = job.load_states("measure", done) if done else lm.embed(mrows).cpu()
     per_layer = gptq_runs(lm.layers[0])  # the bar counts GPTQ runs: rate and ETA
     with _bar(o, total=n * per_layer, initial=done * per_layer, desc="measure", unit="gptq") as bar:
         for i in range(done, n):
@@ -405,8 +404,7 @@ def _measure(job, lm, mrows, o, search, steps, result) -> dict:
             )
             lm.unload_layer(i)
             record["layers"].append(layer_record)
-            job.save_tensors("states.safetensors", {"measure": states})
-            job.update(measurement=record)
+            job.advance_states("measure", i + 1, states, measurement=record)
             result.measured_now.append(i)
             steps.done()
     return record
