@@ -58,8 +58,10 @@ def _to_int32_words(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def pack_plane(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack unsigned codes [rows, n] (< 2^bits) of one plane into int32 [ceil(rows*bits/32), n]."""
+def pack_plane(codes: torch.Tensor, bits: int, shift: int = 0) -> torch.Tensor:
+    """Pack unsigned codes [rows, n] (< 2^bits) of one plane into int32 [ceil(rows*bits/32), n].
+    With `shift`, the plane is bits [shift, shift + bits) of wider codes (a Segment's plane,
+    see PLANE_SPLITS), taken without a full-size copy of the shifted codes."""
     if bits not in PLANE_BITS:
         raise ValueError(f"plane bits must be one of {PLANE_BITS}, got {bits}")
     if codes.dim() != 2 or codes.is_floating_point():
@@ -69,7 +71,12 @@ def pack_plane(codes: torch.Tensor, bits: int) -> torch.Tensor:
     words = -(-rows // per_word)
     mask = (1 << bits) - 1
     padded = torch.zeros(words * per_word, n, dtype=torch.uint8, device=codes.device)
-    padded[:rows] = codes & mask
+    body = padded[:rows]
+    if codes.dtype == torch.uint8:  # in place: no temporary as large as the codes
+        torch.bitwise_right_shift(codes, shift, out=body)
+        body &= mask
+    else:
+        body.copy_((codes >> shift) & mask)
     if sys.byteorder != "little":  # the byte view below reads words little-endian
         padded = padded.view(words, per_word, n)
         acc = torch.zeros(words, n, dtype=torch.int64, device=codes.device)
