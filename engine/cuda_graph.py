@@ -130,9 +130,10 @@ def stage_rows(
             p = np.arange(start, start + n)
             pages = np.asarray(seq.pages, dtype=np.int64)
             rows[b, 2 * T : 2 * T + n] = pages[p // page_size] * page_size + p % page_size
-        for i in range(n if n <= TOKEN_BUCKETS[-1] else 0):
-            p = start + i
-            rows[b, 2 * T + i] = seq.pages[p // page_size] * page_size + p % page_size
+        else:  # a few tokens (decode: one): a plain loop costs less than numpy's setup
+            for i in range(n):
+                p = start + i
+                rows[b, 2 * T + i] = seq.pages[p // page_size] * page_size + p % page_size
         rows[b, 3 * T] = start + T
         rows[b, 3 * T + 1 : 3 * T + 1 + len(seq.pages)] = seq.pages
 
@@ -549,25 +550,13 @@ class DecodeGraphs:
         """The prompt graph of `bucket` tokens, captured on first use."""
         graph = self._prompt_graphs.get(bucket)
         if graph is None:
-            before = self._allocated()
             if self.capture:
                 for s in self.segments:
                     if s.device not in self._prompt_pools:
                         self._prompt_pools[s.device] = torch.cuda.graph_pool_handle()
-            graph = self._prompt_graphs[bucket] = _Graph(
-                self.model,
-                self.cache,
-                1,
-                self.max_pages,
-                self.max_context,
-                self.segments,
-                None,
-                bucket,
-                capture=self.capture,
-                prompt=True,
-                pools=self._prompt_pools,
+            graph = self._prompt_graphs[bucket] = self._new_graph(
+                1, None, bucket, prompt=True, pools=self._prompt_pools
             )
-            self.captured_bytes += self._allocated() - before
         return graph
 
     def forward_many(
@@ -645,21 +634,37 @@ class DecodeGraphs:
             graphs = self._lora_graphs
         graph = graphs.get(key)
         if graph is None:
-            before = self._allocated()
-            graph = graphs[key] = _Graph(
-                self.model,
-                self.cache,
-                size,
-                self.max_pages,
-                self.max_context,
-                self.segments,
-                lora,
-                tokens_per_row,
-                capture=self.capture,
-            )
-            self.captured_bytes += self._allocated() - before
+            graph = graphs[key] = self._new_graph(size, lora, tokens_per_row)
         # A LoRA graph replays only against the stacks it was captured with.
         assert lora is None or graph.lora_version == lora.version, "stale LoRA graph"
+        return graph
+
+    def _new_graph(
+        self,
+        size: int,
+        lora: LoraManager | None,
+        tokens_per_row: int,
+        *,
+        prompt: bool = False,
+        pools: dict[torch.device, tuple[int, int]] | None = None,
+    ) -> _Graph:
+        """A graph captured now (static buffers only with capture=False), its memory
+        counted in `captured_bytes`."""
+        before = self._allocated()
+        graph = _Graph(
+            self.model,
+            self.cache,
+            size,
+            self.max_pages,
+            self.max_context,
+            self.segments,
+            lora,
+            tokens_per_row,
+            capture=self.capture,
+            prompt=prompt,
+            pools=pools,
+        )
+        self.captured_bytes += self._allocated() - before
         return graph
 
     def _allocated(self) -> int:

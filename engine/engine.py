@@ -312,9 +312,10 @@ class Engine:
                 if shape is not None:
                     return self.graphs.forward_many(sequences, new_tokens, shape, logits_counts)
                 # A fresh prompt of up to 2048 tokens: one padded row, last logits only.
-                bucket = self.graphs.prompt_bucket(sequences, new_tokens)
-                if bucket is not None and logits_counts is None:
-                    return self.graphs.forward_prompt(sequences[0], new_tokens[0], bucket)
+                if logits_counts is None:
+                    bucket = self.graphs.prompt_bucket(sequences, new_tokens)
+                    if bucket is not None:
+                        return self.graphs.forward_prompt(sequences[0], new_tokens[0], bucket)
             elif (
                 self.lora_graphs
                 and logits_counts is None

@@ -109,14 +109,14 @@ def model_footprint(
     # float32 logits of a whole chunk (logits() asks for every row).
     width = 4 * config.hidden_size + 3 * config.intermediate_size
     width += (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    activations = prefill_chunk * width * 4
-    activations += _largest_quantized_linear(store) * 2
+    scratch = _largest_quantized_linear(store) * 2
+    activations = prefill_chunk * width * 4 + scratch
     activations += prefill_chunk * config.vocab_size * 4
     # The prompt graphs' shared pool (engine/cuda_graph.py) holds another set for the
     # bucket a prefill chunk pads to (at most 2048 tokens; their logits: one row), beside
     # the eager allocator's blocks.
     prompt_tokens = prompt_bucket_of(prefill_chunk)
-    activations += prompt_tokens * width * 4 + _largest_quantized_linear(store) * 2
+    activations += prompt_tokens * width * 4 + scratch
     return ModelFootprint(
         embed_bytes=embed,
         layer_bytes=layers,

@@ -135,8 +135,5 @@ def make_segment(codes: torch.Tensor, bits: int, row_start: int) -> Segment:
     if bits not in PLANE_SPLITS:
         raise ValueError(f"segment bits must be one of {sorted(PLANE_SPLITS)}, got {bits}")
     _check_codes(codes, bits)
-    planes = [
-        Plane(pb, shift, pack_plane(codes, pb, shift))
-        for pb, shift in PLANE_SPLITS[bits]
-    ]
+    planes = [Plane(pb, shift, pack_plane(codes, pb, shift)) for pb, shift in PLANE_SPLITS[bits]]
     return Segment(bits, row_start, row_start + codes.shape[0], planes)
