@@ -179,3 +179,22 @@ def test_measurement_scores_equal_full_module_forwards(tmp_path):
                 assert err == pytest.approx(float(direct), rel=1e-4), spec.kind
         finally:
             out_linear.weight = original
+
+
+def test_calibration_outputs_do_not_depend_on_the_row_chunking(tmp_path) -> None:
+    """A one-row chunk is a single sequence with nothing cached, which a model forward would
+    send to the fresh-prompt attention: calibration keeps every chunk on the paged kernel, so
+    a layer's outputs are the same bits whatever the chunking (a resumed conversion must
+    write the bytes an uninterrupted one writes)."""
+    from engine.quantizer.model import CalibrationRunner, LayerwiseModel
+
+    from model_factory import make_tiny_llama
+
+    make_tiny_llama(tmp_path, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2)  # fmt: skip
+    lm = LayerwiseModel(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
+    lm.load_layer(0)
+    states = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(3))
+    one = CalibrationRunner(lm, length=16, chunk_rows=1).run_layer(0, states)
+    all_rows = CalibrationRunner(lm, length=16, chunk_rows=3).run_layer(0, states)
+    assert torch.equal(one, all_rows)

@@ -217,3 +217,30 @@ def test_cli_reports_bad_placement_flags(mixed_model: Path, capsys: pytest.Captu
     assert "--gpu-split takes GiB per GPU like 20,24; got '20,x'" in capsys.readouterr().err
     assert main([str(mixed_model), "--device", "cpu", "--tp", "3"]) == 1
     assert "do not divide among 3 ranks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_the_forward_message_carries_every_batch_field(fresh: bool):
+    """What rank 0 broadcasts for a forward rebuilds its batch on the other ranks, host
+    fields included: `fresh` picks the attention path, so every rank must take the same."""
+    from engine.cache import ForwardBatch, PagedKVCache, Sequence
+    from engine.tensor_parallel.protocol import HEADER, batch_from, batch_header, batch_payload
+
+    cache = PagedKVCache(
+        num_layers=1, num_kv_heads=1, head_dim=8, num_pages=8, page_size=4,
+        dtype=torch.float32, layer_devices=[torch.device("cpu")],
+    )  # fmt: skip
+    seq = Sequence()
+    if not fresh:
+        ForwardBatch.build(cache, [seq], [[1, 2, 3]])
+    batch = ForwardBatch.build(cache, [seq], [[4, 5, 6, 7, 8]])
+    assert batch.fresh == fresh
+    header = batch_header(batch)
+    assert len(header) <= HEADER
+    again = batch_from(header + [0] * (HEADER - len(header)), batch_payload(batch))
+    for name in ("token_ids", "positions", "slots", "cu_seqlens", "context_lens", "page_table",
+                 "logits_indices"):  # fmt: skip
+        assert torch.equal(getattr(again, name), getattr(batch, name)), name
+    assert (again.max_query_len, again.max_context_len, again.fresh) == (
+        batch.max_query_len, batch.max_context_len, fresh,
+    )  # fmt: skip

@@ -33,17 +33,16 @@ def send_stop(device: torch.device) -> None:
     _broadcast_header([STOP], device)
 
 
-def send_batch(batch: ForwardBatch, device: torch.device) -> None:
-    """Rank 0: announce a forward and send its batch."""
-    num_tokens = batch.token_ids.numel()
+def batch_header(batch: ForwardBatch) -> list[int]:
+    """The FORWARD header of `batch`: the sizes of its payload and its host-side fields."""
     num_seqs, max_pages = batch.page_table.shape
-    num_logits = batch.logits_indices.numel()
-    _broadcast_header(
-        [FORWARD, num_tokens, num_seqs, max_pages, num_logits, batch.max_query_len,
-         batch.max_context_len, int(batch.fresh)],
-        device,
-    )  # fmt: skip
-    payload = torch.cat(
+    return [FORWARD, batch.token_ids.numel(), num_seqs, max_pages, batch.logits_indices.numel(),
+            batch.max_query_len, batch.max_context_len, int(batch.fresh)]  # fmt: skip
+
+
+def batch_payload(batch: ForwardBatch) -> torch.Tensor:
+    """The batch's index tensors as one int64 vector (CPU), in the header's sizes."""
+    return torch.cat(
         [
             batch.token_ids.long().cpu(),
             batch.positions.long().cpu(),
@@ -54,16 +53,17 @@ def send_batch(batch: ForwardBatch, device: torch.device) -> None:
             batch.logits_indices.long().cpu(),
         ]
     )
-    dist.broadcast(payload.to(device), src=0)
 
 
-def receive_batch(header: list[int], device: torch.device) -> ForwardBatch:
-    """Other ranks: the batch announced by `header` (a FORWARD header)."""
+def _payload_sizes(header: list[int]) -> list[int]:
+    _, t, b, pages, n = header[:5]
+    return [t, t, t, b + 1, b, b * pages, n]
+
+
+def batch_from(header: list[int], payload: torch.Tensor) -> ForwardBatch:
+    """The ForwardBatch that `batch_header` and `batch_payload` describe."""
     _, t, b, pages, n, max_q, max_ctx, fresh = header
-    sizes = [t, t, t, b + 1, b, b * pages, n]
-    payload = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
-    dist.broadcast(payload, src=0)
-    tokens, positions, slots, cu, lens, table, logits = payload.split(sizes)
+    tokens, positions, slots, cu, lens, table, logits = payload.split(_payload_sizes(header))
     return ForwardBatch(
         token_ids=tokens,
         positions=positions,
@@ -76,6 +76,19 @@ def receive_batch(header: list[int], device: torch.device) -> ForwardBatch:
         max_context_len=max_ctx,
         fresh=bool(fresh),  # every rank takes the same attention path
     )
+
+
+def send_batch(batch: ForwardBatch, device: torch.device) -> None:
+    """Rank 0: announce a forward and send its batch."""
+    _broadcast_header(batch_header(batch), device)
+    dist.broadcast(batch_payload(batch).to(device), src=0)
+
+
+def receive_batch(header: list[int], device: torch.device) -> ForwardBatch:
+    """Other ranks: the batch announced by `header` (a FORWARD header)."""
+    payload = torch.zeros(sum(_payload_sizes(header)), dtype=torch.int64, device=device)
+    dist.broadcast(payload, src=0)
+    return batch_from(header, payload)
 
 
 def announce_graph_decode(batch_size: int, device: torch.device) -> None:
