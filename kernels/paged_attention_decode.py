@@ -56,6 +56,8 @@ MAX_SPLITS = 128
 PROGRAMS_PER_SM = 3
 # Splits merged per step of the merge kernel's loop.
 _MERGE_CHUNK = 16
+# Software-pipelining depth of the decode kernel's key-block loop.
+DECODE_NUM_STAGES = 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,7 +574,7 @@ def decode_attention(
             EMULATE_BF16=INTERPRETED,
             **storage,
             num_warps=num_warps,
-            num_stages=2,
+            num_stages=DECODE_NUM_STAGES,
             USE_PDL=pdl,
             launch_pdl=pdl,
         )

@@ -45,6 +45,14 @@ class DotConfig:
         of two >= M in [min_block_m, max_block_m] (16 is tl.dot's least size), BLOCK_K
         the group-aligned chunk (see _chunk_rows).
     max_iters: chunks per split-K slice; programs_per_sm: the split-K target.
+    fold: how far the dequantization goes into the operand, for fp16 x, whole-group chunks
+        and integer (uint8) zero points, where it stays exact. 0: the MMA takes the raw
+        codes and each chunk's product is corrected by x's row sums times the zero points,
+        then scaled. 1: the operand is code - zero (the magic-number subtract takes the
+        zero along: (1024 + code) - (1024 + zero) is exact in fp16), so no row sums. 2: it
+        is (code - zero) * scale in fp16, the same rounding as a dequantized fp16 weight
+        (the product of two fp16 values rounds once), so the MMA accumulates across chunks
+        with no per-chunk epilogue at all.
     """
 
     transposed: bool = False
@@ -57,6 +65,7 @@ class DotConfig:
     num_warps: int = 4
     num_stages: int = 3
     programs_per_sm: int = 2
+    fold: int = 0
 
 
 # By the most rows of x each serves. tools/tune_mid_m.py on an H100 (8B GPTQ, every linear
@@ -253,6 +262,7 @@ def _dot_kernel(
     EMULATE_BF16: tl.constexpr,
     WIDE: tl.constexpr,  # unpack whole words (BLOCK_K a multiple of every plane's RPW)
     TRANSPOSED: tl.constexpr,  # weights as the MMA's left operand (DotConfig.transposed)
+    FOLD: tl.constexpr,  # DotConfig.fold (0 unless GROUPED, fp16 x and uint8 zero points)
     ITERS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -334,7 +344,21 @@ def _dot_kernel(
             mask=_along_m(m_ok, TRANSPOSED) & _along_n(row_ok, TRANSPOSED),
             other=0.0,
         )
-        if GROUPED:
+        if FOLD > 0:
+            group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
+            sz = group * sz_stride + cols
+            zero = _zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP)
+            # (1024 + code) - (1024 + zero): both exact in fp16, so is the difference.
+            offset = _along_n((zero + 1024.0).to(tl.float16), TRANSPOSED)
+            w = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - offset
+            if FOLD == 2:
+                scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float16)
+                acc = _mma(x_tile, w * _along_n(scale, TRANSPOSED), acc, TRANSPOSED, False)
+            else:
+                scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
+                part = _mma(x_tile, w, zero_acc, TRANSPOSED, False)
+                acc += part * _along_n(scale, TRANSPOSED)
+        elif GROUPED:
             # Codes (< 256) are exact in fp16/bf16: the tensor cores see no rounding of W.
             w = _codes_to_operand(codes, x_dtype)
             part = _mma(x_tile, w, zero_acc, TRANSPOSED, EMULATE_BF16)
@@ -370,6 +394,16 @@ def _dot_config(M: int) -> DotConfig:
     return next(config for most, config in _DOT_CONFIGS if M <= most)
 
 
+def _fold(config: DotConfig, qw: QuantizedWeight, dtype: torch.dtype, grouped: bool) -> int:
+    """DotConfig.fold where it is exact, else 0: fp16 x, whole-group chunks, integer zero
+    points in [0, 255] (uint8) and, to fold the scale, fp16 scales."""
+    if not grouped or dtype != torch.float16 or qw.zeros.dtype != torch.uint8:
+        return 0
+    if config.fold == 2 and qw.scales.dtype != torch.float16:
+        return 1
+    return config.fold
+
+
 def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
     """y [M, n] (x's dtype) = x2d @ W (+ bias) on the tensor cores: one launch per segment,
     summing in the device's self-resetting float32 workspace like the GEMV, so no
@@ -390,6 +424,7 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None
     segments = [s for s in qw.segments if s.row_end > s.row_start]
     arrivals = sum(triton.cdiv(s.row_end - s.row_start, rows_per_split) for s in segments)
     out32, counters = _workspace(x2d.device, M * n, m_tiles * n_tiles)
+    fold = _fold(config, qw, x2d.dtype, grouped)
     first = True
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start
@@ -426,6 +461,7 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None
             EMULATE_BF16=_INTERPRETED,
             WIDE=config.wide and all(block_k % (32 // p.bits) == 0 for p in segment.planes),
             TRANSPOSED=config.transposed,
+            FOLD=fold,
             ITERS=iters,
             BLOCK_M=block_m,
             BLOCK_N=block_n,

@@ -361,6 +361,43 @@ def test_dot_variants(
     _check(qw, M, dtype, device, "dot")
 
 
+@pytest.mark.parametrize("fold", [1, 2])
+@pytest.mark.parametrize("transposed", [False, True], ids=["t0", "t1"])
+@pytest.mark.parametrize("per_group", [False, True], ids=["column_zeros", "group_zeros"])
+def test_dot_folds_zero_points_and_scales_into_the_operand(
+    device: str, fold: int, transposed: bool, per_group: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DotConfig.fold: the operand is code - zero (1), or (code - zero) * scale in fp16 (2),
+    # exact for integer zero points in uint8. With 2 the tensor cores see the very fp16
+    # weights that dequantize_triton writes, so the product is that matmul's up to the
+    # summation order.
+    _require_triton(device)
+    config = qdot.DotConfig(transposed=transposed, max_block_m=32, fold=fold)
+    monkeypatch.setattr(qdot, "_DOT_CONFIGS", ((1 << 62, config),))
+    qw = make_weight(512, 96, [4, 6, 3], group_size=128, device=device)
+    generator = torch.Generator().manual_seed(6)
+    shape = (qw.num_groups, 1 if per_group else qw.out_features)
+    zeros = torch.randint(0, 64, shape, generator=generator).expand(qw.zeros.shape)
+    qw.zeros = compact_zero_points(zeros.half().contiguous()).to(device)
+    assert qw.zeros.dtype == torch.uint8 and per_group_zeros(qw.zeros) == per_group
+    assert qdot._fold(config, qw, torch.float16, grouped=True) == fold
+    assert qdot._fold(config, qw, torch.bfloat16, grouped=True) == 0
+    assert qdot._fold(config, qw, torch.float16, grouped=False) == 0
+    for M in (3, 17):
+        x = _x((M, qw.in_features), torch.float16, device, seed=M)
+        got = quant_matmul_triton(x, qw, path="dot")
+        _assert_close(got, quant_matmul_reference(x, qw), torch.float16)
+        if fold == 2:
+            dense = dequantize_triton(qw, dtype=torch.float16).float()
+            expected = x.float() @ dense
+            if qw.bias is not None:
+                expected += qw.bias.float()
+            torch.testing.assert_close(got.float(), expected, rtol=2e-3, atol=2e-3)
+    fractional = qw.zeros.half() + 0.5
+    qw.zeros = fractional
+    assert qdot._fold(config, qw, torch.float16, grouped=True) == 0
+
+
 def test_gemv_every_row_count(device: str) -> None:
     # One accumulator per row of x is unrolled in the kernel: check all eight.
     _require_triton(device)
