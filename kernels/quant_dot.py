@@ -68,13 +68,31 @@ class DotConfig:
     fold: int = 0
 
 
-# By the most rows of x each serves. tools/tune_mid_m.py on an H100 (8B GPTQ, every linear
-# of the model in turn, bench/results/2026-11-25-h100-tune-mid-m.json): at M = 8 the
-# transposed kernel with 64 columns and 128-row chunks took 5.51 ms per round of linears
-# against 6.54 for the best untransposed one; at M = 64 untransposed 128 x 128 took 6.33
-# against 7.84 for the earlier 64-row chunks (and 8.23 transposed). M = 32 with a 32-row
-# tile took 10.8 ms (M = 64: 7.8), so rows past 16 take the 64-row tile.
+# By the most rows of x each serves, for weights the operand can fold (`_fold`: fp16 x,
+# whole-group chunks, uint8 zero points, fp16 scales: GPTQ and EXL2 models in fp16). H100,
+# 8B GPTQ, one round of every linear of the model (.devdata sweeps, two runs, noise ~5%):
+# folding the zero points and scales into the operand lets the MMAs chain with no per-chunk
+# epilogue, and untransposed 16-row tiles then beat the transposed kernel at M <= 16 (3.6-3.7
+# ms against 5.2 for the unfolded transposed default); M = 32: 4.5 ms (was 5.1); M = 64:
+# 64 x 64 tiles of 128-row chunks, 4.7 ms (was 5.5); M = 128: 8.2 ms with 32 chunks per
+# slice (was 9.5; dequantize + cuBLAS takes 13.8). At M = 256 dequantize + cuBLAS wins.
 _DOT_CONFIGS: tuple[tuple[int, DotConfig], ...] = (
+    (16, DotConfig(block_n=128, min_block_m=16, max_block_m=16, max_block_k=128,
+                   programs_per_sm=4, fold=2)),
+    (32, DotConfig(block_n=128, min_block_m=32, max_block_m=32, max_block_k=64, fold=2)),
+    (64, DotConfig(block_n=64, min_block_m=64, max_block_m=64, max_block_k=128, fold=2)),
+    (1 << 62, DotConfig(block_n=128, min_block_m=64, max_block_m=64, max_block_k=64,
+                        max_iters=32, fold=2)),
+)  # fmt: skip
+
+# Weights or activations the operand cannot fold (bf16 or fp32 x, fractional zero points,
+# groups that split a chunk). tools/tune_mid_m.py on an H100 (8B GPTQ, unfolded,
+# bench/results/2026-11-25-h100-tune-mid-m.json): at M = 8 the transposed kernel with 64
+# columns and 128-row chunks took 5.51 ms per round of linears against 6.54 for the best
+# untransposed one; at M = 64 untransposed 128 x 128 took 6.33 against 7.84 for the earlier
+# 64-row chunks (and 8.23 transposed). M = 32 with a 32-row tile took 10.8 ms (M = 64: 7.8),
+# so rows past 16 take the 64-row tile.
+_UNFOLDED_DOT_CONFIGS: tuple[tuple[int, DotConfig], ...] = (
     (16, DotConfig(transposed=True, block_n=64, max_block_k=128)),
     (1 << 62, DotConfig(block_n=128, min_block_m=64, max_block_m=64, max_block_k=128)),
 )
@@ -389,9 +407,11 @@ def _dot_kernel(
     finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter_ptr + pid_m * n_tiles + pid_n, arrivals)
 
 
-def _dot_config(M: int) -> DotConfig:
-    """The mid-M path's settings for M rows of x (see _DOT_CONFIGS)."""
-    return next(config for most, config in _DOT_CONFIGS if M <= most)
+def _dot_config(M: int, folded: bool = True) -> DotConfig:
+    """The mid-M path's settings for M rows of x (see _DOT_CONFIGS), or for a weight whose
+    operand cannot fold (_UNFOLDED_DOT_CONFIGS)."""
+    table = _DOT_CONFIGS if folded else _UNFOLDED_DOT_CONFIGS
+    return next(config for most, config in table if M <= most)
 
 
 def _fold(config: DotConfig, qw: QuantizedWeight, dtype: torch.dtype, grouped: bool) -> int:
@@ -410,21 +430,26 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None
     zero-fill or cast kernel runs around it."""
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
     config = _dot_config(M)
+    block_k = _chunk_rows(qw, 16, config.max_block_k)  # tl.dot's least K
+    grouped = _chunks_in_groups(qw, block_k)
+    fold = _fold(config, qw, x2d.dtype, grouped)
+    if fold == 0 and config.fold != 0:
+        config = _dot_config(M, folded=False)
+        block_k = _chunk_rows(qw, 16, config.max_block_k)
+        grouped = _chunks_in_groups(qw, block_k)
+        fold = _fold(config, qw, x2d.dtype, grouped)
     block_m = min(config.max_block_m, max(config.min_block_m, triton.next_power_of_2(M)))
     block_n = min(config.block_n, max(16, triton.next_power_of_2(n)))
-    block_k = _chunk_rows(qw, 16, config.max_block_k)  # tl.dot's least K
     m_tiles, n_tiles = triton.cdiv(M, block_m), triton.cdiv(n, block_n)
     iters = _split(
         k, m_tiles * n_tiles, block_k, config.programs_per_sm, config.max_iters, x2d.device
     )
     rows_per_split = iters * block_k
-    grouped = _chunks_in_groups(qw, block_k)
     perm = qw.perm if qw.perm is not None else qw.row_group
     bias = qw.bias if qw.bias is not None else qw.scales
     segments = [s for s in qw.segments if s.row_end > s.row_start]
     arrivals = sum(triton.cdiv(s.row_end - s.row_start, rows_per_split) for s in segments)
     out32, counters = _workspace(x2d.device, M * n, m_tiles * n_tiles)
-    fold = _fold(config, qw, x2d.dtype, grouped)
     first = True
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start

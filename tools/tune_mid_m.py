@@ -35,21 +35,23 @@ from tools.bench import add_model_arguments, model_from_arguments  # noqa: E402
 from tools.profile_decode import _graph_time, _read_bandwidth  # noqa: E402
 
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
-# The dot sweep: (transposed, wide, block_n, max_block_k, warps, stages, programs per SM).
+# The dot sweep: (transposed, fold, rows per tile, block_n, max_block_k, warps, programs
+# per SM). Folding (DotConfig.fold) applies to this tool's fp16 GPTQ model.
 DOT_SWEEP = list(
-    itertools.product((True, False), (True, False), (64, 128), (64, 128), (4, 8), (3,), (1, 2))
+    itertools.product((True, False), (0, 2), (16, 32, 64), (64, 128), (64, 128), (4, 8), (2, 4))
 )
 
 
 def _config(values: tuple) -> quant_dot.DotConfig:
-    transposed, wide, block_n, block_k, warps, stages, pps = values
+    transposed, fold, block_m, block_n, block_k, warps, pps = values
     return quant_dot.DotConfig(
         transposed=transposed,
-        wide=wide,
+        fold=fold,
+        min_block_m=block_m,
+        max_block_m=block_m,
         block_n=block_n,
         max_block_k=block_k,
         num_warps=warps,
-        num_stages=stages,
         programs_per_sm=pps,
     )
 
@@ -104,6 +106,8 @@ def main() -> int:
     for M in args.sweep_m:
         for values in DOT_SWEEP:
             config = _config(values)
+            if config.min_block_m > max(16, M):
+                continue
             quant_dot._DOT_CONFIGS = ((1 << 62, config),)
             us = round_us(M, "dot")
             if us is not None:
