@@ -20,7 +20,7 @@ from kernels.paged_attention import (
     paged_attention_reference,
     paged_attention_triton,
 )
-from kernels.paged_attention_decode import plan_splits
+from kernels.paged_attention_decode import plan_splits, wide_split_config
 
 # `paged_attention` is also the name of the op; the module is needed for monkeypatching.
 pa_module = importlib.import_module("kernels.paged_attention")
@@ -228,6 +228,31 @@ def test_split_plan_goes_down_to_one_key_block() -> None:
     assert plan_splits(1, 8, 8208, 132, 64) == (43, 192)
     # A full batch needs no split at all.
     assert plan_splits(64, 8, 8208, 132, 64) == (1, 8256)
+
+
+def test_splits_of_a_few_blocks_take_wide_blocks(device: str) -> None:
+    # Splits of 2-4 blocks of 64 keys run 128-key blocks on 8 warps (wide_split_config);
+    # one-block splits, unsplit batches and float32 keep the 64-key tile.
+    config = (16, 64, 4)
+    assert wide_split_config(config, 43, 192, 128, True, torch.float16) == (16, 128, 8)
+    assert wide_split_config(config, 32, 128, 128, True, torch.bfloat16) == (16, 128, 8)
+    assert wide_split_config(config, 11, 64, 128, True, torch.float16) is None
+    assert wide_split_config(config, 43, 384, 128, True, torch.float16) is None
+    assert wide_split_config(config, 1, 8256, 128, True, torch.float16) is None
+    assert wide_split_config(config, 43, 192, 128, True, torch.float32) is None
+    assert wide_split_config(config, 43, 192, 256, True, torch.float16) is None
+    assert wide_split_config((2, 64, 4), 43, 192, 128, False, torch.float16) is None
+    # On the interpreter (2 "SMs") one sequence of 1000 keys and 2 KV heads plans 3 splits
+    # of 384 keys; 1 KV head 6 of 192: the wide tile, against the reference.
+    _require_triton(device)
+    assert plan_splits(1, 1, 1000, 2, 64) == (6, 192)
+    dtype = torch.float16
+    args = _batch([(999, 1)], 8, 1, 64, dtype, device, seed=3)
+    ref = paged_attention_reference(*args, scale=0.125)
+    sms = 2 if device == "cpu" else torch.cuda.get_device_properties(0).multi_processor_count
+    bound = 1000 if device == "cpu" else 64 * sms  # splits of 2-4 blocks on either
+    out = paged_attention_triton(*args, scale=0.125, max_query_len=1, max_context_len=bound)
+    _check(out, ref, dtype)
 
 
 def test_short_contexts_under_a_long_plan(device: str) -> None:
