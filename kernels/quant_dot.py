@@ -39,7 +39,7 @@ class DotConfig:
         [BLOCK_K, block_n] weight tile is the right operand and goes through shared
         memory every chunk. The output columns are then the MMA's M (64 per warpgroup)
         and the rows of x its N (16 and up), which suits 8-64 rows of x.
-    wide: unpack each packed word once and split it by shifts (see _plane_codes_wide)
+    wide: unpack each packed word once and split it by shifts (see _wide_codes)
         rather than gathering the word of every row.
     block_n, min_block_m, max_block_m, max_block_k: the tile; BLOCK_M is the next power
         of two >= M in [min_block_m, max_block_m] (16 is tl.dot's least size), BLOCK_K
@@ -96,37 +96,6 @@ _UNFOLDED_DOT_CONFIGS: tuple[tuple[int, DotConfig], ...] = (
     (16, DotConfig(transposed=True, block_n=64, max_block_k=128)),
     (1 << 62, DotConfig(block_n=128, min_block_m=64, max_block_m=64, max_block_k=128)),
 )
-
-
-@triton.jit
-def _plane_codes_wide(
-    plane_ptr,
-    plane_stride,
-    r0,
-    k_end,
-    cols,
-    col_ok,
-    BITS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Codes [BLOCK_K, BLOCK_N] of one plane for the chunk of rows [r0, r0 + BLOCK_K) (r0 a
-    multiple of the rows per word): each int32 word is loaded once, as a [W, BLOCK_N] tile,
-    and split into its RPW codes by shifts, then laid out as rows. The row-gathering
-    `_segment_codes_2d` loads every word RPW times (from L1), which made the mid-M path
-    bound by load instructions rather than by the tensor cores or DRAM. Codes of rows past
-    k_end are garbage; the caller's x is zero there."""
-    RPW: tl.constexpr = 32 // BITS
-    W: tl.constexpr = BLOCK_K // RPW
-    word = tl.arange(0, W)[:, None, None]  # [W, 1, 1]
-    lane = tl.arange(0, RPW)[None, :, None]  # [1, RPW, 1]
-    words = tl.load(
-        plane_ptr + (r0 // RPW + word) * plane_stride + cols[None, None, :],
-        mask=(r0 + word * RPW < k_end) & col_ok[None, None, :],
-        other=0,
-    )  # [W, 1, N]
-    codes = (words >> (lane * BITS)) & ((1 << BITS) - 1)  # [W, RPW, N]
-    return tl.reshape(codes, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
@@ -208,11 +177,15 @@ def _wide_codes(
     BLOCK_N: tl.constexpr,
     TRANSPOSED: tl.constexpr,
 ):
-    """One plane's codes of the chunk [r0, r0 + BLOCK_K), each word loaded once and split by
-    shifts: [BLOCK_K, BLOCK_N], or [BLOCK_N, BLOCK_K] transposed."""
+    """One plane's codes of the chunk of rows [r0, r0 + BLOCK_K) (r0 a multiple of the rows
+    per word): [BLOCK_K, BLOCK_N], or [BLOCK_N, BLOCK_K] transposed. Each int32 word is
+    loaded once and split into its RPW codes by shifts, then laid out as rows. The
+    row-gathering `_segment_codes_2d` loads every word RPW times (from L1), which made the
+    mid-M path bound by load instructions rather than by the tensor cores or DRAM. Codes of
+    rows past k_end are garbage; the caller's x is zero there."""
+    RPW: tl.constexpr = 32 // BITS
+    W: tl.constexpr = BLOCK_K // RPW
     if TRANSPOSED:
-        RPW: tl.constexpr = 32 // BITS
-        W: tl.constexpr = BLOCK_K // RPW
         word = tl.arange(0, W)
         words = tl.load(
             plane_ptr + (r0 // RPW + word)[None, :] * plane_stride + cols[:, None],
@@ -223,9 +196,15 @@ def _wide_codes(
         codes = (words[:, :, None] >> (lane * BITS)[None, None, :]) & ((1 << BITS) - 1)
         return tl.reshape(codes, (BLOCK_N, BLOCK_K))
     else:
-        return _plane_codes_wide(
-            plane_ptr, plane_stride, r0, k_end, cols, col_ok, BITS, BLOCK_K, BLOCK_N
-        )
+        word = tl.arange(0, W)[:, None, None]  # [W, 1, 1]
+        lane = tl.arange(0, RPW)[None, :, None]  # [1, RPW, 1]
+        words = tl.load(
+            plane_ptr + (r0 // RPW + word) * plane_stride + cols[None, None, :],
+            mask=(r0 + word * RPW < k_end) & col_ok[None, None, :],
+            other=0,
+        )  # [W, 1, N]
+        codes = (words >> (lane * BITS)) & ((1 << BITS) - 1)  # [W, RPW, N]
+        return tl.reshape(codes, (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
