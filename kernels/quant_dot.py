@@ -25,7 +25,7 @@ from kernels.quant_common import (
     _workspace,
     _zero_points,
 )
-from kernels.quant_matmul import QuantizedWeight, Segment, per_group_zeros
+from kernels.quant_matmul import QuantizedWeight, per_group_zeros
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +53,6 @@ class DotConfig:
         is (code - zero) * scale in fp16, the same rounding as a dequantized fp16 weight
         (the product of two fp16 values rounds once), so the MMA accumulates across chunks
         with no per-chunk epilogue at all.
-    nibbles: with fold 2, how a 4-bit plane becomes the operand (`_nibble_operand`): 0
-        unpacks code by code; 1 and 2 take two codes per 32-bit instruction (one LOP3 puts
-        rows i and i + 4 of a word into the mantissas of an fp16 pair, then a paired
-        subtract and multiply), in inline PTX with one (1) or two (2) words per asm block.
     """
 
     transposed: bool = False
@@ -70,7 +66,6 @@ class DotConfig:
     num_stages: int = 3
     programs_per_sm: int = 2
     fold: int = 0
-    nibbles: int = 0
 
 
 # By the most rows of x each serves, for weights the operand can fold (`_fold`: fp16 x,
@@ -212,113 +207,6 @@ def _wide_codes(
         return tl.reshape(codes, (BLOCK_K, BLOCK_N))
 
 
-# Two codes per instruction: (word >> 4j) & 0x000F000F | 0x64006400 holds rows j and j + 4
-# of the word as the fp16 pair (1024 + code), then (pair - (1024 + zero)) * scale, both
-# rounded once (.rn: no contraction into an FMA), the very values of the fold-2 operand.
-_NIBBLE_STEP = """
-    lop3.b32 t, w, 0x000f000f, 0x64006400, 0xea;
-    sub.rn.f16x2 t, t, z2;
-    mul.rn.f16x2 t, t, s2;
-"""
-_NIBBLES_ASM_ONE_WORD = (
-    "{ .reg .b32 t, w, z2, s2; mov.b32 z2, {$9, $9}; mov.b32 s2, {$10, $10}; mov.b32 w, $8;"
-    + "".join(
-        _NIBBLE_STEP + f"mov.b32 {{${j}, ${j + 4}}}, t; shr.u32 w, $8, {4 * j + 4};"
-        for j in range(4)
-    )
-    + "}"
-)
-_NIBBLES_ASM_TWO_WORDS = (
-    "{ .reg .b32 t, ta, w, z2, s2, za, zb, sa, sb; .reg .b16 h0, h1;"
-    " mov.b32 {h0, h1}, $10; mov.b32 za, {h0, h0}; mov.b32 zb, {h1, h1};"
-    " mov.b32 {h0, h1}, $11; mov.b32 sa, {h0, h0}; mov.b32 sb, {h1, h1};"
-    + "".join(
-        f"shr.u32 w, $8, {4 * j}; mov.b32 z2, za; mov.b32 s2, sa;"
-        + _NIBBLE_STEP
-        + f"mov.b32 ta, t; shr.u32 w, $9, {4 * j}; mov.b32 z2, zb; mov.b32 s2, sb;"
-        + _NIBBLE_STEP
-        + f"prmt.b32 ${j}, ta, t, 0x5410; prmt.b32 ${j + 4}, ta, t, 0x7632;"
-        for j in range(4)
-    )
-    + "}"
-)
-
-
-@triton.jit
-def _nibble(words, i: tl.constexpr, offset, scale):
-    """Row i of each word's eight 4-bit codes as the fold-2 operand, in Triton operations."""
-    codes = ((words >> (4 * i)) & 15) | 0x6400
-    return (codes.to(tl.int16).to(tl.float16, bitcast=True) - offset) * scale
-
-
-@triton.jit
-def _nibble_operand(
-    plane_ptr,
-    plane_stride,
-    r0,
-    k_end,
-    cols,
-    col_ok,
-    offset,  # [N] fp16: 1024 + zero point
-    scale,  # [N] fp16
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    VARIANT: tl.constexpr,  # DotConfig.nibbles
-    INTERPRETED: tl.constexpr,
-):
-    """The fold-2 operand [BLOCK_N, BLOCK_K] of a 4-bit plane's chunk [r0, r0 + BLOCK_K),
-    its k axis in `_nibble_rows` order: the eight rows of each word come out of the asm as
-    eight tensors and are joined (free: registers of one thread), not interleaved back."""
-    W: tl.constexpr = BLOCK_K // 8
-    word = tl.arange(0, W)
-    words = tl.load(
-        plane_ptr + (r0 // 8 + word)[None, :] * plane_stride + cols[:, None],
-        mask=col_ok[:, None] & (r0 + word * 8 < k_end)[None, :],
-        other=0,
-    )  # [N, W]
-    off = tl.broadcast_to(offset[:, None], (BLOCK_N, W))
-    sc = tl.broadcast_to(scale[:, None], (BLOCK_N, W))
-    if INTERPRETED:  # no PTX on the interpreter: the same values, code by code
-        o0 = _nibble(words, 0, off, sc)
-        o1 = _nibble(words, 1, off, sc)
-        o2 = _nibble(words, 2, off, sc)
-        o3 = _nibble(words, 3, off, sc)
-        o4 = _nibble(words, 4, off, sc)
-        o5 = _nibble(words, 5, off, sc)
-        o6 = _nibble(words, 6, off, sc)
-        o7 = _nibble(words, 7, off, sc)
-    elif VARIANT == 1:
-        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            _NIBBLES_ASM_ONE_WORD,
-            "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h",
-            [words, off, sc],
-            dtype=(tl.float16,) * 8,
-            is_pure=True,
-            pack=1,
-        )
-    else:
-        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            _NIBBLES_ASM_TWO_WORDS,
-            "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r",
-            [words, off, sc],
-            dtype=(tl.float16,) * 8,
-            is_pure=True,
-            pack=2,
-        )
-    low = tl.join(tl.join(o0, o1), tl.join(o2, o3))
-    high = tl.join(tl.join(o4, o5), tl.join(o6, o7))
-    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_K))
-
-
-@triton.jit
-def _nibble_rows(r0, offs_k):
-    """Rows of the chunk in `_nibble_operand`'s k order: position f holds row 8 (f // 8) +
-    bitrev3(f % 8), the nesting of its joins (the innermost pair is row bit 0 and the last
-    axis of the flattening, so position bits come out reversed)."""
-    f = offs_k % 8
-    return r0 + (offs_k // 8) * 8 + ((f & 1) << 2) + (f & 2) + ((f >> 2) & 1)
-
-
 @triton.jit
 def _mma(x_tile, w, acc, TRANSPOSED: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc + x @ W ([M, N]), or acc + W^T @ x^T ([N, M]) with the weights on the left."""
@@ -372,7 +260,6 @@ def _dot_kernel(
     WIDE: tl.constexpr,  # unpack whole words (BLOCK_K a multiple of every plane's RPW)
     TRANSPOSED: tl.constexpr,  # weights as the MMA's left operand (DotConfig.transposed)
     FOLD: tl.constexpr,  # DotConfig.fold (0 unless GROUPED, fp16 x and uint8 zero points)
-    NIBBLES: tl.constexpr,  # DotConfig.nibbles (0 unless FOLD == 2 and one 4-bit plane)
     ITERS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -410,14 +297,9 @@ def _dot_kernel(
     # can be software-pipelined. Chunks past k_end (a segment's last split) are masked out.
     for it in range(ITERS):
         r0 = k_begin + it * BLOCK_K
-        if NIBBLES > 0:
-            rows = _nibble_rows(r0, offs_k)  # the operand's k order
-        else:
-            rows = r0 + offs_k  # [BLOCK_K], segment-relative
+        rows = r0 + offs_k  # [BLOCK_K], segment-relative
         row_ok = rows < k_end
-        if NIBBLES > 0:
-            codes = offs_k  # unused: _nibble_operand reads the words itself
-        elif WIDE:
+        if WIDE:
             codes = (
                 _wide_codes(
                     p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K, BLOCK_N,
@@ -459,20 +341,7 @@ def _dot_kernel(
             mask=_along_m(m_ok, TRANSPOSED) & _along_n(row_ok, TRANSPOSED),
             other=0.0,
         )
-        if NIBBLES > 0:
-            group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
-            sz = group * sz_stride + cols
-            zero = _zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP)
-            scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float16)
-            w_nk = _nibble_operand(
-                p0_ptr, p0_stride, r0, k_end, cols, col_ok, (zero + 1024.0).to(tl.float16),
-                scale, BLOCK_K, BLOCK_N, NIBBLES, EMULATE_BF16,
-            )  # fmt: skip
-            if TRANSPOSED:
-                acc = _mma(x_tile, w_nk, acc, TRANSPOSED, False)
-            else:
-                acc = _mma(x_tile, tl.trans(w_nk), acc, TRANSPOSED, False)
-        elif FOLD > 0:
+        if FOLD > 0:
             group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
             sz = group * sz_stride + cols
             zero = _zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP)
@@ -532,13 +401,6 @@ def _fold(config: DotConfig, qw: QuantizedWeight, dtype: torch.dtype, grouped: b
     if config.fold == 2 and qw.scales.dtype != torch.float16:
         return 1
     return config.fold
-
-
-def _nibbles(config: DotConfig, fold: int, segment: Segment, block_k: int) -> int:
-    """DotConfig.nibbles for one segment: a single 4-bit plane of a fold-2 weight."""
-    planes = segment.planes
-    whole = len(planes) == 1 and planes[0].bits == 4 and planes[0].shift == 0
-    return config.nibbles if fold == 2 and whole and block_k % 8 == 0 else 0
 
 
 def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
@@ -604,7 +466,6 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None
             WIDE=config.wide and all(block_k % (32 // p.bits) == 0 for p in segment.planes),
             TRANSPOSED=config.transposed,
             FOLD=fold,
-            NIBBLES=_nibbles(config, fold, segment, block_k),
             ITERS=iters,
             BLOCK_M=block_m,
             BLOCK_N=block_n,

@@ -367,24 +367,18 @@ def test_dot_variants(
     _check(qw, M, dtype, device, "dot")
 
 
-@pytest.mark.parametrize("fold,nibbles", [(1, 0), (2, 0), (2, 1), (2, 2)])
+@pytest.mark.parametrize("fold", [1, 2])
 @pytest.mark.parametrize("transposed", [False, True], ids=["t0", "t1"])
 @pytest.mark.parametrize("per_group", [False, True], ids=["column_zeros", "group_zeros"])
 def test_dot_folds_zero_points_and_scales_into_the_operand(
-    device: str,
-    fold: int,
-    nibbles: int,
-    transposed: bool,
-    per_group: bool,
-    monkeypatch: pytest.MonkeyPatch,
+    device: str, fold: int, transposed: bool, per_group: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # DotConfig.fold: the operand is code - zero (1), or (code - zero) * scale in fp16 (2),
     # exact for integer zero points in uint8. With 2 the tensor cores see the very fp16
     # weights that dequantize_triton writes, so the product is that matmul's up to the
-    # summation order. DotConfig.nibbles builds the 4-bit segment's operand two codes at a
-    # time, its k axis reordered (the interpreter runs the same order in Triton operations).
+    # summation order.
     _require_triton(device)
-    config = qdot.DotConfig(transposed=transposed, max_block_m=32, fold=fold, nibbles=nibbles)
+    config = qdot.DotConfig(transposed=transposed, max_block_m=32, fold=fold)
     monkeypatch.setattr(qdot, "_DOT_CONFIGS", ((1 << 62, config),))
     qw = make_weight(512, 96, [4, 6, 3], group_size=128, device=device)
     generator = torch.Generator().manual_seed(6)
@@ -393,8 +387,6 @@ def test_dot_folds_zero_points_and_scales_into_the_operand(
     qw.zeros = compact_zero_points(zeros.half().contiguous()).to(device)
     assert qw.zeros.dtype == torch.uint8 and per_group_zeros(qw.zeros) == per_group
     assert qdot._fold(config, qw, torch.float16, grouped=True) == fold
-    taken = [qdot._nibbles(config, fold, segment, 64) for segment in qw.segments]
-    assert taken == [nibbles if segment.bits == 4 else 0 for segment in qw.segments]
     assert qdot._fold(config, qw, torch.bfloat16, grouped=True) == 0
     assert qdot._fold(config, qw, torch.float16, grouped=False) == 0
     for M in (3, 17):
