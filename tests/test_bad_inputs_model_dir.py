@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 import loader
 from engine.config import ConfigError
 from engine.tokenizer import TokenizerError
-from engine.weights import WeightError
+from engine.weights import WeightError, WeightStore
 
 from bad_inputs import (
     DROP,
@@ -259,6 +259,7 @@ INDEX_CASES = [
     ("index-weight-map-empty", {"weight_map": {}}, None, r"index\.json: 'weight_map' must be"),
     ("index-missing-shard", _index_to("shard-2.safetensors"), None, r"missing shard.*shard-2"),
     ("index-shard-not-a-string", _index_to(5), None, r"index\.json: invalid shard name 5"),
+    ("index-shard-a-list", _index_to(["x"]), None, r"index\.json: invalid shard name \['x'\]"),
     (
         "index-shard-dot-dot",
         _index_to("../evil.safetensors"),
@@ -285,6 +286,15 @@ def test_bad_shard_index(tiny, tmp_path, serving, index, outside, match):
     path = copy_model(tiny, tmp_path / "m")
     _shard(path, index, tmp_path / outside if outside else None)
     _refused(path, WeightError, match, serving)
+
+
+def test_one_shard_named_two_ways(tiny, tmp_path):
+    # An index may spell one shard differently ("./shard-1..." and "shard-1..."): it is one
+    # file, read once, not a tensor "in both" shards.
+    path = copy_model(tiny, tmp_path / "m")
+    _shard(path, _index_to("./shard-1.safetensors"))
+    store = WeightStore(path)
+    assert UP in store and "model.norm.weight" in store
 
 
 def test_shard_symlink_escaping_the_model_directory(tiny, tmp_path, serving):
