@@ -169,4 +169,8 @@ def _load_quantized_linears(
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, replacement)
         quantized.add(name)
+    if quantized and torch.cuda.is_available():
+        # Repacking on the GPU left its temporaries in the allocator's cache: hand them back,
+        # so that nvidia-smi and other processes see what the model holds, not the peak.
+        torch.cuda.empty_cache()
     return quantized

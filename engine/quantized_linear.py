@@ -94,7 +94,9 @@ def load_quantized_linear(
                 store, name, in_features, out_features, device, quantization_config, device
             )
         except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()  # repacking's temporaries did not fit: do it on the CPU
+            pass  # repacking's temporaries did not fit: do it on the CPU
+        # Outside the except block, whose traceback held the failed attempt's tensors.
+        torch.cuda.empty_cache()
     return _load_quantized_linear(
         store, name, in_features, out_features, device, quantization_config, torch.device("cpu")
     )

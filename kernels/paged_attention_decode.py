@@ -58,7 +58,8 @@ PROGRAMS_PER_SM = 3
 _MERGE_CHUNK = 16
 # Software-pipelining depth of the decode kernel's key-block loop. One stage (no
 # prefetch into shared memory) was 6% faster than two on average over batch 1-64 and
-# 128-8192 keys, 13% at batch 1 with 8192 (H100, .devdata sweep, fp16 8B shapes):
+# 128-8192 keys, 13% at batch 1 with 8192 (H100, fp16 8B shapes,
+# bench/results/2026-11-25-h100-mid-m-fold-and-decode-attention-s8.json):
 # the resident programs hide the gather latency better than a deeper pipeline does.
 DECODE_NUM_STAGES = 1
 
@@ -467,16 +468,21 @@ def wide_split_config(
     block_d: int,
     use_dot: bool,
     dtype: torch.dtype,
+    native_cache: bool = True,
 ) -> tuple[int, int, int] | None:
-    """The tile for a plan of splits that each take 2-4 blocks of 64 keys (a few sequences
-    at 2k-16k keys), or None to keep `config`: blocks of 128 keys on 8 warps, double the
-    bytes in flight per load. On an H100 (8B shapes, one sequence, fp16) that took
-    4096 keys from 14.0 to 12.1 µs per layer and 8192 from 20.5 to 17.7; splits of one
-    block (short contexts, batches) or of 6 and more (16k keys, two sequences at 8k) were
-    as fast or faster with 64-key blocks on 4 warps (.devdata/attn2.py)."""
+    """The tile for a plan of splits that each take 2-4 blocks of 64 keys (on an H100, one
+    sequence at about 4k-8k keys), or None to keep `config`: blocks of 128 keys on 8 warps,
+    double the bytes in flight per load. On an H100 (8B shapes, one sequence, fp16 cache)
+    that took 4096 keys from 14.0 to 12.1 µs per layer and 8192 from 20.5 to 17.7; splits
+    of one block (short contexts, batches) or of 6 and more (16k keys, two sequences at 8k)
+    were as fast or faster with 64-key blocks on 4 warps
+    (bench/results/2026-11-25-h100-mid-m-fold-and-decode-attention-s8.json,
+    attn_wide_tiles). Only measured with an unquantized cache: quantized ones
+    (`native_cache` False) keep `config`."""
     block_g, block_n, _ = config
     if (
         not use_dot
+        or not native_cache
         or num_splits < 2
         or block_n != 64
         or block_d > 128
@@ -545,8 +551,9 @@ def decode_attention(
             batch, num_kv_heads, key_span, _num_sms(q.device), block_n
         )
         wide = wide_split_config(
-            (block_g, block_n, num_warps), num_splits, split_tokens, block_d, use_dot, q.dtype
-        )
+            (block_g, block_n, num_warps), num_splits, split_tokens, block_d, use_dot, q.dtype,
+            native_cache=not (k_format.quantized or v_format.quantized),
+        )  # fmt: skip
         if wide is not None:
             block_g, block_n, num_warps = wide
             num_splits, split_tokens = plan_splits(

@@ -3,7 +3,9 @@ of x (batched decode, speculative verification, short prefill chunks), between t
 GEMV and dequantize + cuBLAS (kernels/quant_matmul_triton.py chooses by M and describes
 the design). `_launch_dot` runs one launch per segment, split-K, summing in the shared
 self-resetting workspace (kernels/quant_common.py) with `finish_dot_tile`; `DotConfig`
-and `_DOT_CONFIGS` are its settings per M (tools/tune_mid_m.py sweeps them).
+and `_DOT_CONFIGS` are its settings per M for weights whose operand folds zero points and
+scales (`_fold`: fp16 GPTQ and EXL2), `_UNFOLDED_DOT_CONFIGS` for the others
+(tools/tune_mid_m.py sweeps one config at a time).
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class DotConfig:
 
 # By the most rows of x each serves, for weights the operand can fold (`_fold`: fp16 x,
 # whole-group chunks, uint8 zero points, fp16 scales: GPTQ and EXL2 models in fp16). H100,
-# 8B GPTQ, one round of every linear of the model (.devdata sweeps, two runs, noise ~5%):
+# 8B GPTQ, one round of every linear of the model (three sweeps, noise ~5%: mid_fold_* in
+# bench/results/2026-11-25-h100-mid-m-fold-and-decode-attention-s8.json):
 # folding the zero points and scales into the operand lets the MMAs chain with no per-chunk
 # epilogue, and untransposed 16-row tiles then beat the transposed kernel at M <= 16 (3.6-3.7
 # ms against 5.2 for the unfolded transposed default); M = 32: 4.5 ms (was 5.1); M = 64:
@@ -393,10 +396,17 @@ def _dot_config(M: int, folded: bool = True) -> DotConfig:
     return next(config for most, config in table if M <= most)
 
 
+def _foldable(qw: QuantizedWeight, dtype: torch.dtype) -> bool:
+    """fp16 x and integer zero points in [0, 255] (uint8): code - zero is exact in fp16.
+    (8-bit GPTQ v1 with a zero point of 256 keeps int16 zeros and the unfolded path.)"""
+    return dtype == torch.float16 and qw.zeros.dtype == torch.uint8
+
+
 def _fold(config: DotConfig, qw: QuantizedWeight, dtype: torch.dtype, grouped: bool) -> int:
-    """DotConfig.fold where it is exact, else 0: fp16 x, whole-group chunks, integer zero
-    points in [0, 255] (uint8) and, to fold the scale, fp16 scales."""
-    if not grouped or dtype != torch.float16 or qw.zeros.dtype != torch.uint8:
+    """DotConfig.fold where it applies, else 0: `_foldable`, whole-group chunks and, to
+    fold the scale, fp16 scales. Fold 1 is exact; fold 2 rounds W to fp16 once, as
+    dequantization does."""
+    if not grouped or not _foldable(qw, dtype):
         return 0
     if config.fold == 2 and qw.scales.dtype != torch.float16:
         return 1
@@ -408,11 +418,11 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None
     summing in the device's self-resetting float32 workspace like the GEMV, so no
     zero-fill or cast kernel runs around it."""
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
-    config = _dot_config(M)
+    config = _dot_config(M, folded=_foldable(qw, x2d.dtype))
     block_k = _chunk_rows(qw, 16, config.max_block_k)  # tl.dot's least K
     grouped = _chunks_in_groups(qw, block_k)
     fold = _fold(config, qw, x2d.dtype, grouped)
-    if fold == 0 and config.fold != 0:
+    if fold == 0 and config.fold != 0:  # groups that split the folded table's chunks
         config = _dot_config(M, folded=False)
         block_k = _chunk_rows(qw, 16, config.max_block_k)
         grouped = _chunks_in_groups(qw, block_k)

@@ -84,7 +84,8 @@ def pack_plane(codes: torch.Tensor, bits: int, shift: int = 0) -> torch.Tensor:
             acc |= padded[:, j].long() << (j * bits)
         return _to_int32_words(acc)
     # Byte by byte in uint8 (a few passes over the codes, not per_word passes in int64:
-    # loading an EXL2 model repacks billions of codes on the CPU): byte b of a word holds
+    # loading an EXL2 model repacks billions of codes, on the GPU or, when it is out of
+    # memory, the CPU): byte b of a word holds
     # its codes b * per_byte .. (b + 1) * per_byte - 1, low bits first; the 4 bytes of each
     # word are then made adjacent and read as one little-endian int32.
     per_byte = 8 // bits

@@ -37,9 +37,9 @@ Paths, by the number of activation rows M (tuning constants below, to be set on 
   a [BLOCK_M, BLOCK_K] x tile and a [BLOCK_K, BLOCK_N] code tile on the tensor cores
   (tl.dot, wgmma on Hopper, float32 accumulation, software-pipelined loads). Codes
   (< 256) are exact in fp16/bf16, so the tensor cores see no rounding of W:
-  acc += ((x @ codes) - rowsum(x) * z) * s. For fp16 x with integer zero points (GPTQ,
-  EXL2) the operand is instead (codes - z) * s in fp16 (DotConfig.fold), the very W that
-  dequantization writes: the MMAs then chain across chunks with no epilogue.
+  acc += ((x @ codes) - rowsum(x) * z) * s. For fp16 x with uint8 zero points (GPTQ up
+  to 8-bit v2, EXL2) the operand is instead (codes - z) * s in fp16 (DotConfig.fold), the
+  very W that dequantization writes: the MMAs then chain across chunks with no epilogue.
 * M >= _DEQUANT_MIN_M (prefill): `dequantize_triton` writes W in the *original* row order
   (row i lands at perm[i]: whole rows, so no cost), then cuBLAS does x @ W + bias: no
   gathered copy of x. W is a fresh tensor from torch's caching allocator, which hands the

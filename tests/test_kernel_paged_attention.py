@@ -242,6 +242,7 @@ def test_splits_of_a_few_blocks_take_wide_blocks(device: str) -> None:
     assert wide_split_config(config, 43, 192, 128, True, torch.float32) is None
     assert wide_split_config(config, 43, 192, 256, True, torch.float16) is None
     assert wide_split_config((2, 64, 4), 43, 192, 128, False, torch.float16) is None
+    assert wide_split_config(config, 43, 192, 128, True, torch.float16, False) is None
     # On the interpreter (2 "SMs") one sequence of 1000 keys and 2 KV heads plans 3 splits
     # of 384 keys; 1 KV head 6 of 192: the wide tile, against the reference.
     _require_triton(device)
@@ -250,7 +251,11 @@ def test_splits_of_a_few_blocks_take_wide_blocks(device: str) -> None:
     args = _batch([(999, 1)], 8, 1, 64, dtype, device, seed=3)
     ref = paged_attention_reference(*args, scale=0.125)
     sms = 2 if device == "cpu" else torch.cuda.get_device_properties(0).multi_processor_count
-    bound = 1000 if device == "cpu" else 64 * sms  # splits of 2-4 blocks on either
+    # A bound whose plan takes the wide tile here (1000 keys) and on any GPU of 43+ SMs
+    # (128 splits of 192 keys); the kernel spreads the 1000 real keys over the splits.
+    bound = 1000 if device == "cpu" else 192 * 128
+    plan = plan_splits(1, 1, bound, sms, 64)
+    assert wide_split_config((16, 64, 4), *plan, 64, True, dtype) is not None
     out = paged_attention_triton(*args, scale=0.125, max_query_len=1, max_context_len=bound)
     _check(out, ref, dtype)
 

@@ -199,6 +199,12 @@ def test_one_zero_point_per_group(device: str, group_size: int, path: str, M: in
     if device == "cpu":  # the interpreter sums in a fixed order: the very same values
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     _assert_close(got, quant_matmul_reference(x, qw), torch.float16)
+    # bf16 x takes the unfolded kernels, which read zeros[group] too.
+    x_bf16 = _x((M, qw.in_features), torch.bfloat16, device)
+    _assert_close(
+        quant_matmul_triton(x_bf16, qw, path=path), quant_matmul_reference(x_bf16, qw),
+        torch.bfloat16,
+    )  # fmt: skip
     torch.testing.assert_close(dequantize_triton(qw, dtype=torch.float32), dense, rtol=0, atol=0)
     torch.testing.assert_close(dense, dequantize_reference(qw), rtol=0, atol=0)
 
@@ -380,7 +386,9 @@ def test_dot_folds_zero_points_and_scales_into_the_operand(
     _require_triton(device)
     config = qdot.DotConfig(transposed=transposed, max_block_m=32, fold=fold)
     monkeypatch.setattr(qdot, "_DOT_CONFIGS", ((1 << 62, config),))
+    monkeypatch.setattr(qdot, "_UNFOLDED_DOT_CONFIGS", ())  # a fallback would raise
     qw = make_weight(512, 96, [4, 6, 3], group_size=128, device=device)
+    assert qmt._chunks_in_groups(qw, qdot._chunk_rows(qw, 16, config.max_block_k))
     generator = torch.Generator().manual_seed(6)
     shape = (qw.num_groups, 1 if per_group else qw.out_features)
     zeros = torch.randint(0, 64, shape, generator=generator).expand(qw.zeros.shape)
@@ -399,9 +407,26 @@ def test_dot_folds_zero_points_and_scales_into_the_operand(
             if qw.bias is not None:
                 expected += qw.bias.float()
             torch.testing.assert_close(got.float(), expected, rtol=2e-3, atol=2e-3)
+    if fold == 2:  # scales of another dtype fold the zero points only
+        wide_scales = dataclasses.replace(qw, scales=qw.scales.float())
+        assert qdot._fold(config, wide_scales, torch.float16, grouped=True) == 1
     fractional = qw.zeros.half() + 0.5
     qw.zeros = fractional
     assert qdot._fold(config, qw, torch.float16, grouped=True) == 0
+
+
+@pytest.mark.parametrize("M", [3, 20, 40, 80])
+def test_default_folded_tiles(device: str, M: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each entry of the default folded table (16-, 32- and 64-row tiles, 32 chunks per slice
+    # past 64 rows) on a GPTQ-like weight (uint8 zero points, act-order), against the
+    # reference; none may fall back to the unfolded table.
+    _require_triton(device)
+    monkeypatch.setattr(qdot, "_UNFOLDED_DOT_CONFIGS", ())
+    qw = make_weight(512, 160, [4], group_size=128, device=device, seed=M)
+    zeros = torch.randint(0, 16, tuple(qw.zeros.shape), generator=torch.Generator().manual_seed(M))
+    qw.zeros = compact_zero_points(zeros.half()).to(device)
+    assert qdot._dot_config(M).fold == 2
+    _check(qw, M, torch.float16, device, "dot", seed=M)
 
 
 def test_gemv_every_row_count(device: str) -> None:
