@@ -10,7 +10,11 @@ replayed in a CUDA graph:
   - per M, each path (gemv for M <= 4, the tensor-core "dot" path, dequantize + cuBLAS);
   - for the dot path at the --sweep-m sizes, every DotConfig of the sweep below.
 Reports µs per round and the effective GB/s of the packed weights, and writes
-tune_mid_m.json; _DOT_CONFIGS in kernels/quant_dot.py come from here.
+tune_mid_m.json. The tables in kernels/quant_dot.py came from this sweep and the finer
+ones recorded in bench/results/2026-11-25-h100-mid-m-fold-and-decode-attention-s8.json
+(chunks per slice, 16-row tiles at M <= 16). A fold-2 config on a weight that cannot
+fold (bf16, fractional zero points) runs the unfolded table instead: sweep an fp16 GPTQ or
+EXL2 model.
 """
 
 from __future__ import annotations
