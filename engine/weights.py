@@ -76,13 +76,11 @@ class WeightStore:
                 # Checked once per distinct name, not per tensor (resolving symlinks of 2000
                 # names took 0.85 s of an 8B model's load); a set of the resolved paths, as
                 # "m.safetensors" and "./m.safetensors" are one shard.
-                bad = [f for f in weight_map.values() if not isinstance(f, str)]
-                if bad:
-                    raise PathConfinementError(f"invalid shard name {bad[0]!r}")
-                names = weight_map.values()
-                files = sorted(
-                    {confined_path(self.model_dir, f, what="shard") for f in dict.fromkeys(names)}
-                )
+                names: list[object] = []  # distinct, in order; a bad one need not hash
+                for name in weight_map.values():
+                    if name not in names:
+                        names.append(name)
+                files = sorted({confined_path(self.model_dir, f, what="shard") for f in names})
             except PathConfinementError as e:
                 raise WeightError(f"{index}: {e}") from None
             missing = [f.name for f in files if not f.is_file()]
