@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import loader
+from engine import quantized_linear
 from engine.quant.checks import QuantFormatError
 from engine.quant.exl2 import Exl2Tensors, dequantize_exl2
 from engine.quant.exl2_writer import quantize_rtn_exl2
@@ -161,6 +162,38 @@ def test_corrupt_exl2_tensors_fail_at_load_by_name(fp_model: Path, tmp_path: Pat
     _corrupt(path, f"{name}.q_groups", groups)
     with pytest.raises(QuantFormatError, match=f"{name}.q_groups"):
         loader.load(path, "kestrel", device=device)
+
+
+@pytest.mark.gpu
+def test_gpu_repack_out_of_memory_falls_back_to_the_cpu(
+    fp_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # Linears are repacked on the target GPU; one whose repack runs out of GPU memory (the
+    # error injected into every other linear's GPU attempt) is repacked on the CPU instead,
+    # lands on the GPU all the same and gives the same logits.
+    ref = _quantize_model(fp_model, tmp_path / "q", _exl2)
+    real = quantized_linear.exl2_to_runtime
+    works: list[str] = []
+
+    def repack(exl2: Exl2Tensors):
+        works.append(exl2.q_weight.device.type)
+        if exl2.q_weight.is_cuda and works.count("cuda") % 2 == 1:
+            raise torch.cuda.OutOfMemoryError("injected")
+        return real(exl2)
+
+    monkeypatch.setattr(quantized_linear, "exl2_to_runtime", repack)
+    m = loader.load(tmp_path / "q", "kestrel", device="cuda", dtype="float32")
+    assert "cpu" in works and works.count("cpu") == (works.count("cuda") + 1) // 2
+    linears = [
+        q for q in m.engine.model.modules() if isinstance(q, quantized_linear.QuantizedLinear)
+    ]
+    assert linears and all(q.qweight.scales.is_cuda for q in linears)
+    assert all(p.packed.is_cuda for q in linears for g in q.qweight.segments for p in g.planes)
+    ids = _ids()
+    expected = ref(torch.tensor([ids])).logits[0]
+    got = m.logits(ids).cpu()
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-4
+    m.unload()
 
 
 @pytest.mark.gpu
