@@ -43,14 +43,20 @@ def reference(model_dir: Path) -> tuple[torch.Tensor, str]:
     return out
 
 
-def _split_after_first_layer(model_dir: Path) -> list[float]:
-    """gpu_split (GiB) that holds the embeddings and layer 0 on cuda:0, the rest on cuda:1."""
+# Cache tokens of the runs with several concurrent jobs: the default cache holds one
+# sequence (max_seq_len, 256 here), which would run the jobs one after another.
+MANY_JOBS_CACHE = 4096
+
+
+def _split_after_first_layer(model_dir: Path, cache_tokens: int | None = None) -> list[float]:
+    """gpu_split (GiB) that holds the embeddings and layer 0 (with its share of a cache of
+    `cache_tokens`, default one sequence) on cuda:0, the rest on cuda:1."""
     config = ModelConfig.from_dir(model_dir)
     fp = model_footprint(
         WeightStore(model_dir),
         config,
         dtype=torch.float16,
-        cache_tokens=config.max_position_embeddings,
+        cache_tokens=cache_tokens or config.max_position_embeddings,
         page_size=256,
         prefill_chunk=2048,
     )
@@ -105,8 +111,8 @@ def test_layer_split_graphs_match_one_gpu_batched(model_dir: Path, speculative: 
     ids = _ids()
     prompts = [ids[:10], ids[5:20], ids[10:14], ids[:10] * 3]  # the last repeats: drafts
     settings = [{**GREEDY, "max_new_tokens": 24}] * len(prompts)
-    split = _split_after_first_layer(model_dir)
-    options = dict(dtype="float16", speculative=speculative)
+    split = _split_after_first_layer(model_dir, MANY_JOBS_CACHE)
+    options = dict(dtype="float16", speculative=speculative, cache_tokens=MANY_JOBS_CACHE)
     runs = {}
     for name, extra in (
         ("one_gpu", dict(device="cuda:0")),
@@ -142,9 +148,17 @@ def test_layer_split_lora_graphs_match_one_gpu(model_dir: Path, tmp_path: Path):
     runs = {}
     for name, extra in (
         ("one_gpu", dict(device="cuda:0")),
-        ("split", dict(gpu_split=_split_after_first_layer(model_dir), split_cuda_graphs=True)),
+        (
+            "split",
+            dict(
+                gpu_split=_split_after_first_layer(model_dir, MANY_JOBS_CACHE),
+                split_cuda_graphs=True,
+            ),
+        ),
     ):
-        m = loader.load(model_dir, "kestrel", dtype="float16", **extra)
+        m = loader.load(
+            model_dir, "kestrel", dtype="float16", cache_tokens=MANY_JOBS_CACHE, **extra
+        )
         try:
             m.load_lora(tmp_path / "A", "A")
             m.load_lora(tmp_path / "C", "C")
