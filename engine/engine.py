@@ -61,9 +61,10 @@ class EngineOptions:
     rope_alpha: float = 1.0
     prefill_chunk: int = 2048
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (one per GPU of a split)
-    # Graphs for a layer split over several GPUs (one segment per GPU): tested on the CPU
-    # and as segments on one GPU, not yet on two GPUs, so opt-in until a 2-GPU run.
-    split_cuda_graphs: bool = False
+    # Graphs for a layer split over several GPUs (one segment per GPU). On 2xH100 a 70B
+    # split decodes as fast as one GPU with them (66.1 tok/s each); an eager split step is
+    # bound by launching its kernels from Python (8B on 2xH200: 33 tok/s against 324).
+    split_cuda_graphs: bool = True
     # ... also the decode steps that apply LoRA adapters (off: those run eagerly)
     lora_cuda_graphs: bool = LORA_GRAPHS
     max_batch: int = 64  # concurrent jobs; more wait in the scheduler's queue

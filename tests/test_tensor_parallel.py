@@ -9,14 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import loader
+from engine.config import ModelConfig
+from engine.loading import load_causal_lm
+from engine.placement import Placement
+from engine.placement.plan import ModelFootprint
 from engine.quant.exl2 import Exl2Tensors, exl2_to_runtime
 from engine.quant.exl2_writer import quantize_rtn_exl2
 from engine.quant.gptq import GptqTensors, gptq_to_runtime, quantize_rtn_gptq
 from engine.quantized_linear import QuantizedLinear
 from engine.tensor_parallel.shard import quantized_columns, quantized_rows, rows_of_inputs
-from engine.tensor_parallel.transform import _mlp_inputs
+from engine.tensor_parallel.staging import staging_placement
+from engine.tensor_parallel.transform import _mlp_inputs, move_model, shard_model
 from kernels.quant_matmul import dequantize_reference, quant_matmul_reference
 
 from model_factory import make_tiny_llama
@@ -244,3 +250,77 @@ def test_the_forward_message_carries_every_batch_field(fresh: bool):
     assert (again.max_query_len, again.max_context_len, again.fresh) == (
         batch.max_query_len, batch.max_context_len, fresh,
     )  # fmt: skip
+
+
+# -- staging: where a rank loads each layer before cutting its shard ---------------------
+
+GPU0 = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+
+
+def _weights(layers: list[int], embed: int = 100, head: int = 100) -> ModelFootprint:
+    return ModelFootprint(embed, layers, head, cache_bytes_per_layer=0, activation_bytes=0)
+
+
+def test_staging_fills_the_gpu_with_whole_layers_in_order():
+    fp = _weights([400, 400, 400, 400])
+    # Room after the reserve (100), embeddings and head (200) and the largest shard (200):
+    # 1000 - 500 = 500 holds one whole layer; 1300 holds two.
+    plan = staging_placement(fp, 2, GPU0, free_bytes=1000, reserve_bytes=100)
+    assert plan.layer_devices == [GPU0, CPU, CPU, CPU]
+    assert plan.embed_device == GPU0 and plan.head_device == GPU0
+    plan = staging_placement(fp, 2, GPU0, free_bytes=1300, reserve_bytes=100)
+    assert plan.layer_devices == [GPU0, GPU0, CPU, CPU]
+    plan = staging_placement(fp, 4, GPU0, free_bytes=2100, reserve_bytes=100)
+    assert plan.layer_devices == [GPU0] * 4  # 2100 - 300 - 100 = 1700 >= 1600
+    # A small layer after one that went to the CPU stays on the CPU: one GPU run, in order.
+    plan = staging_placement(_weights([400, 900, 100]), 2, GPU0, 1300, reserve_bytes=100)
+    assert plan.layer_devices == [GPU0, CPU, CPU]
+
+
+def test_staging_falls_back_to_the_cpu():
+    fp = _weights([400, 400])
+    # The embeddings, head and largest shard alone do not fit: everything on the CPU.
+    plan = staging_placement(fp, 2, GPU0, free_bytes=450, reserve_bytes=100)
+    assert plan.devices == [CPU]
+    # A CPU rank (gloo) loads on the CPU whatever the numbers say.
+    assert staging_placement(fp, 2, CPU, free_bytes=10**12).devices == [CPU]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_shards_cut_on_the_gpu_equal_shards_cut_on_the_cpu(mixed_model: Path, rank: int):
+    """A rank that stages layers on its GPU (quantized weights repacked there, groups sliced
+    there) keeps exactly the shard a rank cutting everything on the CPU keeps; here layer 0
+    is staged on the GPU and layers 1-2 (EXL2 and GPTQ) on the CPU, then the reverse."""
+    config = ModelConfig.from_dir(mixed_model)
+    n = config.num_hidden_layers
+
+    def shard(placement: Placement) -> nn.Module:
+        model = load_causal_lm(
+            mixed_model, device=GPU0, dtype=torch.float16, config=config, placement=placement
+        )
+        shard_model(model, rank=rank, world=2)
+        return move_model(model, GPU0)
+
+    expected = shard(Placement.single(CPU, n))
+    for layers in ([GPU0, CPU, CPU], [GPU0] * n):
+        got = shard(Placement(GPU0, layers, GPU0))
+        for (name, a), (_, b) in zip(
+            got.named_parameters(), expected.named_parameters(), strict=True
+        ):
+            assert torch.equal(a, b), name
+        quantized = [
+            (name, m, dict(expected.named_modules())[name])
+            for name, m in got.named_modules()
+            if isinstance(m, QuantizedLinear)
+        ]
+        assert quantized and len(quantized) == sum(
+            isinstance(m, QuantizedLinear) for m in expected.modules()
+        )
+        for name, a, b in quantized:
+            assert torch.equal(dequantize_reference(a.qweight), dequantize_reference(b.qweight))
+            assert (a.qweight.perm is None) == (b.qweight.perm is None), name
+            if a.qweight.perm is not None:
+                assert torch.equal(a.qweight.perm, b.qweight.perm), name

@@ -1,8 +1,9 @@
 """One tensor-parallel rank: build its shard of the model and KV cache, and (ranks > 0)
 serve the forwards rank 0 announces until told to stop.
 
-Every rank loads the checkpoint onto the CPU, keeps its shard (transform.py) and moves
-that to its device: cuda:<rank> with NCCL, or the CPU with gloo (what CI tests).
+Every rank loads the checkpoint (whole layers on its GPU as far as they fit, the rest on
+the CPU: staging.py), keeps its shard (transform.py) and moves that to its device:
+cuda:<rank> with NCCL, or the CPU with gloo (what CI tests).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.fusion import fuse_projections
 from engine.loading import DTYPES, load_causal_lm
+from engine.placement import Placement
+from engine.placement.footprint import model_footprint
 from engine.tensor_parallel import protocol
+from engine.tensor_parallel.staging import staging_placement
 from engine.tensor_parallel.transform import move_model, shard_model
+from engine.weights import WeightStore
 
 # NVLink SHARP multicast (NVLS) can take GPUs shared with others out of service; NCCL and
 # torch's symmetric memory must not use it. Set before any NCCL communicator exists.
@@ -70,11 +75,18 @@ def build_rank(
     """This rank's model shard, its KV cache (its KV heads only) and decode graphs."""
     config = ModelConfig.from_dir(spec.model_dir)
     device = spec.device(rank)
+    dtype = DTYPES[spec.dtype]
     model = load_causal_lm(
-        spec.model_dir, device=torch.device("cpu"), dtype=DTYPES[spec.dtype], config=config
+        spec.model_dir,
+        device=device,
+        dtype=dtype,
+        config=config,
+        placement=_staging(spec, config, device),
     )
     shard_model(model, rank=rank, world=spec.world_size)
     move_model(model, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the staged whole layers, now cut
     # After sharding: each rank's q/k/v (gate/up) shards concatenate like whole weights.
     fuse_projections(model)
     model.setup_rotary(spec.max_seq_len, rope_alpha=spec.rope_alpha)
@@ -84,13 +96,27 @@ def build_rank(
         head_dim=config.head_dim,
         num_pages=spec.cache_pages,
         page_size=spec.page_size,
-        dtype=DTYPES[spec.dtype],
+        dtype=dtype,
         layer_devices=model.layer_devices,
     )
     graphs = None
     if spec.cuda_graphs and device.type == "cuda":
         graphs = DecodeGraphs(model, cache, spec.max_seq_len)
     return model, cache, graphs, config
+
+
+def _staging(spec: ShardSpec, config: ModelConfig, device: torch.device) -> Placement:
+    """Where this rank loads each layer before cutting its shard (staging.py)."""
+    weights = model_footprint(
+        WeightStore(spec.model_dir),
+        config,
+        dtype=DTYPES[spec.dtype],
+        cache_tokens=0,  # the cache comes after the shards: weights only here
+        page_size=spec.page_size,
+        prefill_chunk=1,
+    )
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    return staging_placement(weights, spec.world_size, device, free)
 
 
 def serve(
