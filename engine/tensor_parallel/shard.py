@@ -83,7 +83,9 @@ def quantized_rows(
     return QuantizedWeight(
         in_features=rows.numel(),
         out_features=qw.out_features,
-        perm=None if perm is None else perm.to(torch.int32).contiguous(),
+        # The local permutation is computed on the host (rows_of_inputs); it goes where the
+        # weight is (a rank may cut its shard on its GPU: staging.py).
+        perm=None if perm is None else perm.to(qw.scales.device, torch.int32).contiguous(),
         segments=segments,
         scales=qw.scales[used].contiguous(),
         zeros=compact_zero_points(qw.zeros[used]),
