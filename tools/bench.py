@@ -110,7 +110,12 @@ def _random_quantized(
     dev: str = "cuda",
 ) -> dict:
     if fmt == "gptq":
-        codes = torch.randint(0, 16, (k, n), device=dev, generator=gen, dtype=torch.int32)
+        # Codes 1..15 around the zero point 8: weights of mean zero. With 0..15 every weight
+        # had a mean of -scale/2, the outputs shared that common part, and it grew with the
+        # width from layer to layer: at 70B widths the MLP's outputs reached ~6,000 by the
+        # third layer and the fp16 residual overflowed (non-finite logits) long before the
+        # 80th. Speed does not depend on the codes' values.
+        codes = torch.randint(1, 16, (k, n), device=dev, generator=gen, dtype=torch.int32)
         groups = k // 128
         zeros = torch.full((groups, n), 7, device=dev, dtype=torch.int32)  # v1: 8 - 1
         return {
