@@ -205,6 +205,36 @@ def test_two_gloo_ranks_match_one_process(mixed_model: Path):
         tp.unload()
 
 
+@pytest.mark.parametrize("cache_type", ["fp8", "q4"])
+def test_two_gloo_ranks_with_a_quantized_cache_match_one_process(
+    mixed_model: Path, cache_type: str
+):
+    """A quantized cache keeps codes and scales per token and KV head, so each rank's cache
+    of its own KV heads holds what one process's cache holds for them: the same logits and
+    greedy tokens as one process with that cache type."""
+    ids = _ids()
+    single = loader.load(
+        mixed_model, "kestrel", device="cpu", dtype="float32", cache_type=cache_type
+    )
+    expected_logits = single.logits(ids)
+    expected_text = single.generate(ids[:10], GREEDY)
+    single.unload()
+
+    tp = loader.load(
+        mixed_model, "kestrel", device="cpu", dtype="float32", tp=2, cache_type=cache_type
+    )
+    try:
+        cache = tp.engine.cache
+        assert cache.cache_type == cache_type and cache.k[0].dtype == torch.uint8
+        assert cache.k[0].shape[2] == 1  # this rank's KV head, as byte rows
+        logits = tp.logits(ids)
+        torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+        assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
+        assert tp.generate(ids[:10], GREEDY) == expected_text
+    finally:
+        tp.unload()
+
+
 def test_tp_refuses_what_it_cannot_shard(mixed_model: Path):
     with pytest.raises(loader.LoaderError, match="4 query / 2 KV heads do not divide among 3"):
         loader.load(mixed_model, "kestrel", device="cpu", tp=3)

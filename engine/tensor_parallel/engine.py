@@ -69,11 +69,6 @@ class TensorParallelEngine(Engine):
                 f"cache_type '{options.cache_type}' is not supported yet "
                 f"(available: {', '.join(CACHE_TYPES)})"
             )
-        if options.cache_type != "fp16":
-            raise TensorParallelError(
-                f"cache_type '{options.cache_type}' is not available with tensor parallelism "
-                "yet (the ranks keep an fp16 cache); use cache_type='fp16' or one GPU"
-            )
         config = ModelConfig.from_dir(model_dir)
         if config.num_key_value_heads % world_size or config.num_attention_heads % world_size:
             raise TensorParallelError(
@@ -99,6 +94,7 @@ class TensorParallelEngine(Engine):
             world_size=world_size,
             device_type=device.type,
             dtype=str(dtype).removeprefix("torch."),
+            cache_type=options.cache_type,
             max_seq_len=max_seq_len,
             cache_pages=-(-cache_tokens // options.page_size),
             page_size=options.page_size,

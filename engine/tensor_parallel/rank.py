@@ -40,6 +40,10 @@ class ShardSpec:
     world_size: int
     device_type: str  # "cuda" (rank r on cuda:r, NCCL) or "cpu" (gloo)
     dtype: str  # a key of engine.loading.DTYPES
+    # K/V storage (kernels/kv_quant.py). Quantized types keep their codes and scales per
+    # token and KV head, so a rank's cache of its own KV heads holds exactly what one
+    # process's cache holds for them.
+    cache_type: str
     max_seq_len: int
     cache_pages: int
     page_size: int
@@ -98,6 +102,7 @@ def build_rank(
         page_size=spec.page_size,
         dtype=dtype,
         layer_devices=model.layer_devices,
+        cache_type=spec.cache_type,
     )
     graphs = None
     if spec.cuda_graphs and device.type == "cuda":
