@@ -149,3 +149,50 @@ def make_tiny_model(
     model.to(dtype).save_pretrained(path, safe_serialization=True, **layout)
     write_tokenizer(path)
     return model.float().eval()
+
+
+def make_scripted_llama(path: Path, script: list[str], chat_template: str) -> list[str]:
+    """Save a real LlamaForCausalLM whose greedy reply to any prompt that ends in
+    `script[0]` is the words `script[1:]`, then EOS. Returns its vocabulary.
+
+    The tokenizer is word-level on whitespace (unknown words are <unk>); the embeddings are
+    one-hot, every attention and MLP output projection is zero, so the last hidden state is
+    the current word's embedding, and the head maps each script word to the next one. The
+    words decode joined by single spaces."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaForCausalLM
+
+    vocab = ["<unk>", "<s>", "</s>", *dict.fromkeys(script)]
+    if len(vocab) != 3 + len(script):
+        raise ValueError("script words must be distinct (each has one successor)")
+    ids = {word: i for i, word in enumerate(vocab)}
+    size = max(64, len(vocab))
+    config = tiny_llama_config(
+        vocab_size=len(vocab), hidden_size=size, intermediate_size=size, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0 if "norm" in name else 0.0)
+        model.model.embed_tokens.weight[:, : len(vocab)] = torch.eye(len(vocab))
+        for word, following in zip(script, [*script[1:], "</s>"], strict=True):
+            model.lm_head.weight[ids[following], ids[word]] = 1.0
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer = Tokenizer(models.WordLevel(ids, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "add_bos_token": False,
+                "chat_template": chat_template,
+            }
+        ),
+        encoding="utf-8",
+    )
+    return vocab

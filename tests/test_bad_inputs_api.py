@@ -163,7 +163,9 @@ BAD_CHATS = [
     ({"max_completion_tokens": -3}, "max_tokens", "-3"),
     ({"top_logprobs": 50, "logprobs": True}, "top_logprobs", "50"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
-    ({"tools": [{"type": "function"}]}, "tools", "tools"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function", "must be an object"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "does not take tools"),  # the tiny model's chat template has no place for them
     ({"temperature": NAN}, "temperature", "nan"),
     ({"logit_bias": {"3": INF}}, "logit_bias", "inf"),
 ]  # fmt: skip

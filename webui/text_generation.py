@@ -187,10 +187,12 @@ def prepare_chat(
     state: Mapping[str, Any],
     *,
     model: LoadedModel | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The prompt for `messages` (OpenAI-style dicts with role and content) and the state
     to generate it with, after state_modifier, history_modifier, input_modifier (on the
-    last user message) and bot_prefix_modifier."""
+    last user message) and bot_prefix_modifier. `tools` (function definitions) go to the
+    chat template."""
     model = model or shared.manager.current()
     state = extensions.apply_state_modifier(dict(state))
     history = extensions.apply_history_modifier([dict(m) for m in messages])
@@ -202,7 +204,8 @@ def prepare_chat(
         history[-1]["content"] = extensions.apply_input_modifier(
             history[-1]["content"], state, is_chat=True
         )
-    prompt = model.apply_chat_template(history, add_generation_prompt=True)
+    kwargs = {"tools": tools} if tools else {}
+    prompt = model.apply_chat_template(history, add_generation_prompt=True, **kwargs)
     prompt += extensions.apply_bot_prefix_modifier("", state)
     # The template writes the BOS token itself where the model wants one (TGW does this too).
     state["add_bos_token"] = False
@@ -215,10 +218,11 @@ def stream_chat_reply(
     *,
     stop_event: threading.Event | None = None,
     model: LoadedModel | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> Iterator[ReplyChunk]:
     """The assistant's reply to `messages` as chunks; output_modifier on the final one."""
     model = model or shared.manager.current()
-    prompt, state = prepare_chat(messages, state, model=model)
+    prompt, state = prepare_chat(messages, state, model=model, tools=tools)
     for chunk in stream_reply(prompt, state, is_chat=True, stop_event=stop_event, model=model):
         if chunk.finish_reason is not None:
             chunk.text = extensions.apply_output_modifier(chunk.text, state, is_chat=True)

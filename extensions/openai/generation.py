@@ -6,6 +6,9 @@ submitted (prompt too long for the context or the cache, bad settings) are still
 4xx responses; a later error ends the stream with an `error` event. Usage counts come from
 the engine (prompt tokens counted once per prompt, completion tokens over all choices).
 
+With `tools`, a chat reply's tool calls come back as `tool_calls` (extensions/openai/tools.py;
+a stream holds back text from where a call may begin).
+
 Output modifiers (extensions) apply to the finished reply, as in TGW: a non-streamed
 answer carries the modified text; a streamed one sends raw deltas and, at the end, what the
 modifier appended (a modifier that rewrites earlier text cannot recall what was sent).
@@ -40,6 +43,14 @@ from extensions.openai.params import (
 )
 from extensions.openai.runner import ChoiceRunner, ChunkSource, watch_disconnect
 from extensions.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from extensions.openai.tools import (
+    ToolCallStream,
+    check_template_takes_tools,
+    parse_tool_calls,
+    request_tools,
+    template_messages,
+    tool_names,
+)
 from loader.base import LoadedModel
 from webui.text_generation import ReplyChunk, stream_chat_reply, stream_reply
 
@@ -296,14 +307,18 @@ async def chat_completions(
 ) -> Any:
     state = build_state(body)
     check_logit_bias(state, model.backend.tokenizer.vocab_size)
-    messages = message_dicts(body)
+    messages = template_messages(message_dicts(body))
+    tools = request_tools(body.tools, body.tool_choice)
+    names = tool_names(tools) if tools else set()
+    if tools:
+        check_template_takes_tools(model, messages, tools)
     n = body.n
     req = _Request(request, model, name, body)
     tokenizer = model.backend.tokenizer
     want_logprobs = bool(body.logprobs)
     choices = [Choice() for _ in range(n)]
     sources: list[ChunkSource] = [
-        partial(stream_chat_reply, messages, s, stop_event=req.stop, model=model)
+        partial(stream_chat_reply, messages, s, stop_event=req.stop, model=model, tools=tools)
         for s in choice_states(state, n)
     ]
     events = req.start(sources)
@@ -318,6 +333,16 @@ async def chat_completions(
                 choices[index].logprobs += chat_logprobs(tokenizer, chunk.logprobs)
 
         await req.collect(events, first, record)
+
+        def message(c: Choice) -> tuple[dict[str, Any], str | None]:
+            if not tools:
+                return {"role": "assistant", "content": c.text}, c.finish_reason
+            text, calls = parse_tool_calls(c.text, names)
+            if not calls:
+                return {"role": "assistant", "content": c.text}, c.finish_reason
+            return {"role": "assistant", "content": text or None, "tool_calls": calls}, "tool_calls"
+
+        replies = [message(c) for c in choices]
         return JSONResponse(
             {
                 "id": cid,
@@ -327,11 +352,11 @@ async def chat_completions(
                 "choices": [
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": c.text},
+                        "message": reply,
                         "logprobs": {"content": c.logprobs} if want_logprobs else None,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": reason,
                     }
-                    for i, c in enumerate(choices)
+                    for i, (c, (reply, reason)) in enumerate(zip(choices, replies, strict=True))
                 ],
                 "usage": _usage(choices, n),
             }
@@ -365,9 +390,18 @@ async def chat_completions(
         for i in range(n)
     ]
 
+    # With tools, text from where a call may begin is held back (extensions/openai/tools.py).
+    held = [ToolCallStream(names) for _ in range(n)] if tools else None
+
     def render(index: int, chunk: ReplyChunk) -> Iterator[bytes]:
         text = choices[index].update(chunk)
         reason = choices[index].finish_reason
+        calls: list[dict[str, Any]] = []
+        if held is not None:
+            text = held[index].feed(text)
+            if reason:
+                rest, calls = held[index].finish()
+                text += rest
         lp = None
         if want_logprobs and chunk.logprobs:
             lp = {"content": chat_logprobs(tokenizer, chunk.logprobs)}
@@ -379,6 +413,11 @@ async def chat_completions(
                 "finish_reason": None,
             }
             yield _sse(chunk_body([item]))
+        if calls:
+            deltas = [{"index": j, **call} for j, call in enumerate(calls)]
+            item = {"index": index, "delta": {"tool_calls": deltas}, "finish_reason": None}
+            yield _sse(chunk_body([{**item, "logprobs": None}]))
+            reason = "tool_calls"
         if reason:
             item = {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
             yield _sse(chunk_body([item]))

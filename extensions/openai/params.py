@@ -124,8 +124,6 @@ def _check_completion(body: CompletionRequest) -> None:
 
 
 def _check_chat(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise ApiError(400, "tools (function calling) are not supported yet", param="tools")
     kind = (body.response_format or {}).get("type", "text")
     if kind != "text":
         raise ApiError(
@@ -160,5 +158,15 @@ def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"role": message.role, "content": content or ""}
         if message.name:
             entry["name"] = message.name
+        if message.tool_calls:
+            if message.role != "assistant":
+                raise ApiError(
+                    400,
+                    f"messages[{i}].tool_calls: only an assistant message carries tool calls",
+                    param=f"messages.{i}.tool_calls",
+                )
+            entry["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         messages.append(entry)
     return messages
