@@ -130,7 +130,8 @@ def _random_quantized(
         }
     bits = 6 if head else 4
     groups = -(-k // 128)
-    codes = torch.randint(0, 1 << bits, (k, n), device=dev, generator=gen, dtype=torch.int32)
+    # Around EXL2's implicit zero of 2^(bits-1), of mean zero as for GPTQ above.
+    codes = torch.randint(1, 1 << bits, (k, n), device=dev, generator=gen, dtype=torch.int32)
     return pack_exl2(
         codes,
         [bits] * groups,
