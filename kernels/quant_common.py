@@ -102,8 +102,16 @@ def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _plane_args(segment: Segment) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    planes = [_unit_col_stride(plane.packed) for plane in segment.planes]
+def _plane_args(
+    segment: Segment, col_start: int = 0, col_end: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The segment's planes (the second repeats the first when there is one) as views of
+    columns [col_start, col_end), and their row strides."""
+    whole = col_start == 0 and col_end is None  # the decode paths: no view to build
+    planes = [
+        _unit_col_stride(plane.packed if whole else plane.packed[:, col_start:col_end])
+        for plane in segment.planes
+    ]
     second = planes[1] if len(planes) == 2 else planes[0]
     return planes[0], second, planes[0].stride(0), second.stride(0)
 

@@ -152,6 +152,12 @@ _GEMV_CONFIG = GemvConfig(
 _DEQUANT_BLOCK_K = 32
 _DEQUANT_BLOCK_N = 128
 _DEQUANT_NUM_WARPS = 4
+# The most bytes of dense weight the dequantize + cuBLAS path writes at once. A larger
+# linear is dequantized and multiplied in column chunks: a 70B model's fused gate/up would
+# take 0.94 GB of fp16 scratch in one piece (and as much again in the prompt graphs' pool),
+# in chunks of 8192 x 16384 it takes 256 MiB, and each chunk is still a large matmul. The
+# 8B model's linears (at most 235 MB) stay whole.
+DEQUANT_SCRATCH_MAX_BYTES = 256 << 20
 
 
 _FLOAT_MAGIC = 0x4B000000  # the bits of 2^23 as float32
@@ -793,40 +799,52 @@ def _launch_gemv(
 
 
 def dequantize_triton(
-    qw: QuantizedWeight, *, dtype: torch.dtype = torch.float16, permuted: bool = False
+    qw: QuantizedWeight,
+    *,
+    dtype: torch.dtype = torch.float16,
+    permuted: bool = False,
+    cols: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """W [k, n] in `dtype`: original row order by default (as `dequantize_reference`, so
     y = x @ W + bias), or permuted order (row i is the kernel's row i) with permuted=True.
+    `cols` (start, end): only those output columns, W[:, start:end].
 
     Computed in float32 and rounded once (round to nearest even) to `dtype`.
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
-    k, n = qw.in_features, qw.out_features
+    k = qw.in_features
+    c0, c1 = cols if cols is not None else (0, qw.out_features)
+    if not 0 <= c0 <= c1 <= qw.out_features:
+        raise ValueError(f"cols {cols} are not a range of the {qw.out_features} columns")
+    n = c1 - c0
     out = torch.empty((k, n), dtype=dtype, device=qw.scales.device)
     if k == 0 or n == 0:
         return out
     perm = qw.perm if qw.perm is not None else qw.row_group
+    # Column views: the kernel indexes columns from each view's start, with its row stride.
+    # Zero points kept one per group (strides (1, 0)) stay the same view.
+    scales, zeros = qw.scales[:, c0:c1], qw.zeros[:, c0:c1]
     with device_guard(out):
         for segment in qw.segments:
             seg_rows = segment.row_end - segment.row_start
             if seg_rows <= 0:
                 continue
-            p0, p1, p0_stride, p1_stride = _plane_args(segment)
+            p0, p1, p0_stride, p1_stride = _plane_args(segment, c0, None if cols is None else c1)
             grid = (triton.cdiv(seg_rows, _DEQUANT_BLOCK_K), triton.cdiv(n, _DEQUANT_BLOCK_N))
             _dequant_kernel[grid](
                 out,
                 p0,
                 p1,
-                qw.scales,
-                qw.zeros,
+                scales,
+                zeros,
                 qw.row_group,
                 perm,
                 n,
                 out.stride(0),
                 p0_stride,
                 p1_stride,
-                qw.scales.stride(0),
+                scales.stride(0),
                 segment.row_start,
                 seg_rows,
                 SCATTER=qw.perm is not None and not permuted,
@@ -837,6 +855,39 @@ def dequantize_triton(
                 BLOCK_N=_DEQUANT_BLOCK_N,
                 num_warps=_DEQUANT_NUM_WARPS,
             )
+    return out
+
+
+def dequant_chunk_columns(k: int, n: int, itemsize: int) -> int:
+    """Columns per dense chunk of the dequantize + cuBLAS path: all n when W [k, n] fits
+    DEQUANT_SCRATCH_MAX_BYTES, else the most whole dequantization tiles that do (one at
+    least)."""
+    if k * n * itemsize <= DEQUANT_SCRATCH_MAX_BYTES:
+        return n
+    tiles = DEQUANT_SCRATCH_MAX_BYTES // (k * itemsize * _DEQUANT_BLOCK_N)
+    return max(tiles, 1) * _DEQUANT_BLOCK_N
+
+
+def _dequant_matmul(x2d: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """x2d @ W + bias through dense W in x's dtype, in column chunks (see
+    DEQUANT_SCRATCH_MAX_BYTES). W comes in the original row order: x needs no gather."""
+    n = qw.out_features
+    step = dequant_chunk_columns(qw.in_features, n, x2d.element_size())
+    bias = None if qw.bias is None else qw.bias.to(x2d.dtype)
+    if step >= n:
+        w = dequantize_triton(qw, dtype=x2d.dtype)
+        return x2d @ w if bias is None else torch.addmm(bias, x2d, w)
+    out = torch.empty((x2d.shape[0], n), dtype=x2d.dtype, device=x2d.device)
+    for c0 in range(0, n, step):
+        c1 = min(n, c0 + step)
+        w = dequantize_triton(qw, dtype=x2d.dtype, cols=(c0, c1))
+        # A column slice of the row-major output is a valid cuBLAS operand (its row
+        # stride is n): the product is written in place.
+        if bias is None:
+            torch.mm(x2d, w, out=out[:, c0:c1])
+        else:
+            torch.addmm(bias[c0:c1], x2d, w, out=out[:, c0:c1])
+        del w  # the next chunk reuses this one's memory
     return out
 
 
@@ -869,12 +920,7 @@ def quant_matmul_triton(
 
     with device_guard(x):
         if path == "dequant":
-            w = dequantize_triton(qw, dtype=x.dtype)  # original row order: x needs no gather
-            if qw.bias is None:
-                out = x2d @ w
-            else:
-                out = torch.addmm(qw.bias.to(x.dtype), x2d, w)
-            return out.reshape(*lead, n)
+            return _dequant_matmul(x2d, qw).reshape(*lead, n)
 
         if path == "gemv" and M > _GEMV_LIMIT_M:
             raise ValueError(f"path='gemv' takes at most {_GEMV_LIMIT_M} rows of x, got {M}")

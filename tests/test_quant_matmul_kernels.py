@@ -241,6 +241,52 @@ def test_dequantize_rounds_like_torch(device: str, dtype: torch.dtype) -> None:
     torch.testing.assert_close(dequantize_triton(qw, dtype=dtype), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("perm", [True, False], ids=["perm", "no_perm"])
+@pytest.mark.parametrize("per_group", [True, False], ids=["group_zeros", "full_zeros"])
+def test_dequantize_a_column_range(device: str, perm: bool, per_group: bool) -> None:
+    """Columns [c0, c1) alone equal those columns of the whole W (the chunks of the
+    dequantize + cuBLAS path), zero points one per group or per column."""
+    _require_triton(device)
+    qw = make_weight(200, 384, [8, 4, 3], perm=perm, device=device)
+    if per_group:
+        qw = dataclasses.replace(qw, zeros=compact_zero_points(qw.zeros[:, :1].expand_as(qw.zeros)))
+        assert per_group_zeros(qw.zeros)
+    ref = dequantize_reference(qw)
+    for c0, c1 in ((0, 128), (128, 384), (256, 300), (0, 384)):
+        got = dequantize_triton(qw, dtype=torch.float32, cols=(c0, c1))
+        torch.testing.assert_close(got, ref[:, c0:c1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"cols \(300, 400\) are not a range of the 384"):
+        dequantize_triton(qw, cols=(300, 400))
+
+
+def test_dequant_chunk_columns_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 70B's fused gate/up in fp16: 0.94 GB, so chunks of 16384 columns (256 MiB); the 8B
+    # model's (235 MB) stays whole.
+    assert qmt.dequant_chunk_columns(8192, 57344, 2) == 16384
+    assert qmt.dequant_chunk_columns(4096, 28672, 2) == 28672
+    # At least one dequantization tile, whatever the limit.
+    monkeypatch.setattr(qmt, "DEQUANT_SCRATCH_MAX_BYTES", 1)
+    assert qmt.dequant_chunk_columns(8192, 57344, 2) == 128
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_dequant_path_in_column_chunks(
+    device: str, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A linear past DEQUANT_SCRATCH_MAX_BYTES goes through dense chunks of its columns, each
+    product written into its columns of the output: the whole-W product's result."""
+    _require_triton(device)
+    qw = make_weight(256, 640, [4, 3], bias=bias, device=device)
+    x = _x((300, 256), torch.float32, device)
+    whole = quant_matmul_triton(x, qw, path="dequant")
+    # Two dequantization tiles per chunk: 640 columns in chunks of 256, 256 and 128.
+    monkeypatch.setattr(qmt, "DEQUANT_SCRATCH_MAX_BYTES", 256 * 4 * 256)
+    assert qmt.dequant_chunk_columns(256, 640, 4) == 256
+    chunked = quant_matmul_triton(x, qw, path="dequant")
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-5)
+    _assert_close(chunked, quant_matmul_reference(x, qw), torch.float32)
+
+
 # --- the matmul paths ------------------------------------------------------------------------
 
 

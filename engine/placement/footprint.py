@@ -17,6 +17,7 @@ from engine.config import ModelConfig
 from engine.cuda_graph import prompt_bucket_of
 from engine.placement.plan import ModelFootprint
 from engine.weights import WeightStore
+from kernels.quant_matmul_triton import DEQUANT_SCRATCH_MAX_BYTES
 
 
 def _tensor_bytes(
@@ -58,8 +59,8 @@ def _gptq_zero_bytes(store: WeightStore, module: str, n: int) -> int:
 
 
 def _largest_quantized_linear(store: WeightStore) -> int:
-    """Elements of the largest quantized linear: prefill dequantizes one into a dense
-    fp16 scratch [k, n] for cuBLAS."""
+    """Elements of the largest quantized linear of the checkpoint (before q/k/v and
+    gate/up fuse): prefill dequantizes linears into a dense fp16 scratch for cuBLAS."""
     largest = 0
     for name in store.names():
         if name.endswith((".q_weight", ".qweight")):
@@ -109,7 +110,10 @@ def model_footprint(
     # float32 logits of a whole chunk (logits() asks for every row).
     width = 4 * config.hidden_size + 3 * config.intermediate_size
     width += (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    scratch = _largest_quantized_linear(store) * 2
+    # The dense fp16 chunk of the dequantize + cuBLAS path: the largest linear after q/k/v
+    # and gate/up fuse (twice the largest checkpoint linear, at most), capped by the
+    # column chunking of kernels/quant_matmul_triton.py.
+    scratch = min(2 * _largest_quantized_linear(store) * 2, DEQUANT_SCRATCH_MAX_BYTES)
     activations = prefill_chunk * width * 4 + scratch
     activations += prefill_chunk * config.vocab_size * 4
     # The prompt graphs' shared pool (engine/cuda_graph.py) holds another set for the
