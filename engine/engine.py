@@ -395,6 +395,28 @@ class Engine:
             finally:
                 seq.release(self.cache)
 
+    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
+        """Final hidden states [len, hidden] (float32, CPU) of a whole sequence, after the
+        final norm, without keeping its cache; under the model's default LoRA selection,
+        as `logits`."""
+        self.check_length(len(token_ids))
+        seq = Sequence()
+        outputs = []
+        with self.lock:
+            try:
+                scales = self.loras.scales([self.loras.default])
+                for start in range(0, len(token_ids), self.options.prefill_chunk):
+                    chunk = token_ids[start : start + self.options.prefill_chunk]
+                    lora_batch = None
+                    if scales is not None:
+                        lora_batch = self.loras.batch(scales, [len(chunk)], [len(chunk)])
+                    batch = ForwardBatch.build(self.cache, [seq], [chunk], all_logits=True)
+                    with self.loras.active(lora_batch):
+                        outputs.append(self.model.hidden_states(batch, self.cache).float().cpu())
+            finally:
+                seq.release(self.cache)
+        return torch.cat(outputs)
+
     @property
     def logits_device(self) -> torch.device:
         return self.model.lm_head_device

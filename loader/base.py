@@ -21,6 +21,7 @@ import torch
 
 from engine.generator import GenerationBackend, TokenLogprob, generate
 from engine.sampling_settings import SamplingSettings
+from loader.embeddings import POOLINGS, EmbeddingError, default_pooling, pool
 
 
 class LoaderError(ValueError):
@@ -70,6 +71,12 @@ class LoadedModel(ABC):
     @abstractmethod
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Logits [len(ids), vocab] as float32 on the CPU."""
+
+    def hidden_states(self, ids: list[int]) -> torch.Tensor:
+        """The final norm's output [len(ids), width] as float32 on the CPU."""
+        raise UnsupportedFeatureError(
+            f"loader '{self.loader_name}' does not give hidden states (embeddings) yet"
+        )
 
     @abstractmethod
     def info(self) -> dict[str, Any]: ...
@@ -127,6 +134,17 @@ class LoadedModel(ABC):
         if isinstance(prompt, list):
             return list(prompt)
         return self.encode(prompt, add_bos=settings.add_bos_token)
+
+    def embed(
+        self, ids: list[int], pooling: str | None = None, dimensions: int | None = None
+    ) -> torch.Tensor:
+        """An L2-normalised embedding [width] (or its first `dimensions`) of `ids`: the
+        final hidden states pooled by `pooling` (loader/embeddings.py; default: the
+        model's sentence-transformers pooling config, else "mean")."""
+        pooling = pooling or default_pooling(self.path)
+        if pooling not in POOLINGS:  # before the forward, which may be long
+            raise EmbeddingError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        return pool(self.hidden_states(list(ids)), pooling, dimensions)
 
     def generate(
         self, prompt: str | list[int], settings: SamplingSettings | Mapping[str, Any] | None = None

@@ -14,7 +14,7 @@ from engine.engine import Engine, EngineOptions
 from engine.generator import GenerationBackend
 from engine.placement import PlacementError
 from engine.tensor_parallel.transform import TensorParallelError
-from loader.base import LoadedModel, LoaderError
+from loader.base import LoadedModel, LoaderError, UnsupportedFeatureError
 
 NAME = "kestrel"
 
@@ -100,6 +100,16 @@ class KestrelModel(LoadedModel):
         engine = self.backend
         assert isinstance(engine, Engine)
         return engine.logits(list(ids))
+
+    def hidden_states(self, ids: list[int]) -> torch.Tensor:
+        engine = self.backend
+        assert isinstance(engine, Engine)
+        if engine.tp_world_size > 1:
+            # Rank 0 alone cannot run a forward: every rank must join it.
+            raise UnsupportedFeatureError(
+                "hidden states (embeddings) are not available with tensor parallelism yet"
+            )
+        return engine.hidden_states(list(ids))
 
     def info(self) -> dict[str, Any]:
         engine = self.backend

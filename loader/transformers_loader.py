@@ -133,13 +133,22 @@ class TransformersModel(LoadedModel):
         return self._backend
 
     @torch.inference_mode()
-    def logits(self, ids: list[int]) -> torch.Tensor:
+    def _forward(self, ids: list[int], **kwargs: Any) -> Any:
+        """The transformers model's output for the whole sequence `ids`."""
         backend = self._backend
         if backend is None:
             raise LoaderError(f"the model {self.path} was unloaded")
         backend.check_length(len(ids))
         input_ids = torch.tensor([list(ids)], device=backend.device)
-        return backend.model(input_ids=input_ids).logits[0].float().cpu()
+        with torch.no_grad():  # plain tensors out (inference-mode ones refuse in-place edits)
+            return backend.model(input_ids=input_ids, **kwargs)
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        return self._forward(ids).logits[0].float().cpu()
+
+    def hidden_states(self, ids: list[int]) -> torch.Tensor:
+        # transformers' last hidden state is the final norm's output.
+        return self._forward(ids, output_hidden_states=True).hidden_states[-1][0].float().cpu()
 
     def info(self) -> dict[str, Any]:
         backend = self._backend

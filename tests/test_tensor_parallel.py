@@ -24,6 +24,7 @@ from engine.tensor_parallel.shard import quantized_columns, quantized_rows, rows
 from engine.tensor_parallel.staging import staging_placement
 from engine.tensor_parallel.transform import _mlp_inputs, move_model, shard_model
 from kernels.quant_matmul import dequantize_reference, quant_matmul_reference
+from loader.base import UnsupportedFeatureError
 
 from model_factory import make_tiny_llama
 
@@ -201,6 +202,9 @@ def test_two_gloo_ranks_match_one_process(mixed_model: Path):
         torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
         assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
         assert tp.generate(ids[:10], GREEDY) == expected_text
+        # Every rank would have to join a forward for hidden states: refused, clearly.
+        with pytest.raises(UnsupportedFeatureError, match="tensor parallelism"):
+            tp.embed(ids)
     finally:
         tp.unload()
 

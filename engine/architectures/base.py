@@ -112,6 +112,14 @@ class CausalLM(nn.Module):
         h = self.forward_embed(batch)
         return self.forward_span(h, batch, cache, 0, len(self.model.layers), head=True)
 
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor:
+        """The final norm's output [T, hidden] for every new token of the batch, on the
+        head's device: what the head would read (embeddings pool it)."""
+        h = self.forward_embed(batch)
+        h = self.forward_span(h, batch, cache, 0, len(self.model.layers), head=False)
+        return self.model.norm(h.to(self.lm_head_device))
+
     # The forward in parts, so that the decode graphs of a layer-split model
     # (engine/cuda_graph.py) can capture each device's share as its own graph and still
     # run exactly this code.

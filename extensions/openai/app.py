@@ -30,12 +30,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from extensions.openai import generation
+from extensions.openai import embeddings, generation
 from extensions.openai.errors import ApiError, error_for, install_handlers
 from extensions.openai.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from extensions.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     LoadModelRequest,
     LoraRequest,
 )
@@ -156,6 +157,11 @@ def create_app(
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Any:
         model, name = current(body.model)
         return await generation.chat_completions(request, body, model, name)
+
+    @app.post("/v1/embeddings", dependencies=user)
+    async def create_embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+        model, name = current(body.model)
+        return await embeddings.embeddings(body, model, name)
 
     @app.get("/v1/internal/health", dependencies=user)
     async def health() -> dict[str, Any]:

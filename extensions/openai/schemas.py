@@ -59,6 +59,15 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
 
 
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    pooling: str | None = None  # Kestrel's: "mean" or "last" (default: the model's)
+    user: str | None = None
+
+
 class LoadModelRequest(_Body):
     model_name: str
     args: dict[str, Any] = Field(default_factory=dict)  # loader options (max_seq_len, ...)

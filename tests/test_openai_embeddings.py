@@ -1,0 +1,136 @@
+"""Embeddings: the loaders' pooled final hidden states against transformers', and
+/v1/embeddings with the real `openai` client (float and base64 encodings)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+import loader
+from extensions.openai import ApiServer, run_api_server
+from loader.embeddings import EmbeddingError, default_pooling
+from loader.manager import ModelManager
+from webui import shared
+
+from model_factory import make_tiny_llama
+
+TEXTS = ["The kestrel hovers over the field.", "A small falcon.", "Tensor cores"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    root = tmp_path_factory.mktemp("embed")
+    hf = make_tiny_llama(root / "models" / "tiny")
+    (root / "loras").mkdir()
+    return root, hf
+
+
+def _reference(hf: torch.nn.Module, ids: list[int], pooling: str, dims: int | None = None):
+    """transformers' final hidden states (after the final norm), pooled, normalised."""
+    with torch.no_grad():
+        hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    vector = hidden.mean(0) if pooling == "mean" else hidden[-1]
+    return torch.nn.functional.normalize(vector[:dims], dim=0)
+
+
+@pytest.fixture(scope="module")
+def served(tiny) -> Iterator[tuple[openai.OpenAI, loader.LoadedModel]]:
+    root, _ = tiny
+    manager = ModelManager(root / "models", root / "loras")
+    manager.load("tiny", "kestrel", device="cpu", dtype="float32")
+    previous, shared.manager = shared.manager, manager
+    server: ApiServer = run_api_server("127.0.0.1", 0, manager=manager)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        yield client, manager.current()
+    finally:
+        server.stop()
+        shared.manager = previous
+        manager.unload()
+
+
+@pytest.mark.parametrize("loader_name", ["kestrel", "transformers"])
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_embeddings_are_transformers_hidden_states_pooled(tiny, loader_name, pooling):
+    root, hf = tiny
+    # Chunks of 8 tokens: the kestrel loader's states of later chunks read the paged cache.
+    extra = {"prefill_chunk": 8} if loader_name == "kestrel" else {}
+    m = loader.load(root / "models" / "tiny", loader_name, device="cpu", dtype="float32", **extra)
+    try:
+        ids = m.encode(TEXTS[0])
+        assert len(ids) > 8
+        got = m.embed(ids, pooling)
+        torch.testing.assert_close(got, _reference(hf, ids, pooling), rtol=1e-4, atol=1e-5)
+        assert abs(float(got.norm()) - 1.0) < 1e-5
+        short = m.embed(ids, pooling, dimensions=16)
+        torch.testing.assert_close(short, _reference(hf, ids, pooling, 16), rtol=1e-4, atol=1e-5)
+    finally:
+        m.unload()
+
+
+def test_the_models_pooling_config_decides_the_default(tmp_path: Path):
+    assert default_pooling(tmp_path) == "mean"  # no sentence-transformers config
+    config = tmp_path / "1_Pooling" / "config.json"
+    config.parent.mkdir()
+    modes = {"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}
+    config.write_text(json.dumps(modes))
+    assert default_pooling(tmp_path) == "last"
+    config.write_text(json.dumps({"pooling_mode_cls_token": True}))
+    with pytest.raises(EmbeddingError, match="pooling_mode_cls_token"):
+        default_pooling(tmp_path)
+    config.write_text("{not json")
+    with pytest.raises(EmbeddingError, match="not readable JSON"):
+        default_pooling(tmp_path)
+
+
+def test_v1_embeddings_with_the_openai_client(served, tiny):
+    client, model = served
+    _, hf = tiny
+    # Left out, encoding_format is base64 on the wire and the client decodes it; asked for
+    # explicitly, base64 comes back as the string (little-endian float32).
+    for extra in ({}, {"encoding_format": "float"}, {"encoding_format": "base64"}):
+        reply = client.embeddings.create(model="tiny", input=TEXTS, **extra)
+        assert [d.index for d in reply.data] == [0, 1, 2]
+        for text, item in zip(TEXTS, reply.data, strict=True):
+            vector = item.embedding
+            if isinstance(vector, str):
+                vector = np.frombuffer(base64.b64decode(vector), dtype="<f4").copy()
+            expected = _reference(hf, model.encode(text), "mean")
+            torch.testing.assert_close(torch.tensor(vector), expected, rtol=1e-4, atol=1e-5)
+        assert reply.usage.prompt_tokens == sum(len(model.encode(t)) for t in TEXTS)
+    ids = model.encode(TEXTS[1])
+    reply = client.embeddings.create(
+        model="tiny", input=[ids], dimensions=8, extra_body={"pooling": "last"}
+    )
+    (item,) = reply.data
+    torch.testing.assert_close(
+        torch.tensor(item.embedding), _reference(hf, ids, "last", 8), rtol=1e-4, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": ["ok", ""]}, "input", "input[1] is an empty string"),
+        ({"input": [[1, 2, 99999]]}, "input", "outside"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format", "int8"),
+        ({"input": "x", "pooling": "cls"}, "pooling", "cls"),
+        ({"input": "x", "dimensions": 0}, "dimensions", ">= 1"),
+        ({"input": "x", "dimensions": 65}, "dimensions", "1..64"),
+        ({"input": ["x"] * 2049}, "input", "at most 2048"),
+    ],
+)
+def test_bad_embedding_requests_are_a_400_naming_the_field(served, body, param, words):
+    client, _ = served
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.post("/embeddings", body={"model": "tiny", **body}, cast_to=object)
+    error = caught.value.body
+    assert error["param"] == param and words in error["message"], error
