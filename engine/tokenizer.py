@@ -171,6 +171,16 @@ class _HFBackend:
         plain = self.tok.encode("a", add_special_tokens=False).ids
         return with_specials[:1] == [bos_id] and plain[:1] != [bos_id]
 
+    def closing_ids(self) -> list[int]:
+        """Special tokens the post-processor appends after the text (Qwen3-Embedding's
+        <|endoftext|>, a BERT-style [SEP]); [] for most chat models."""
+        with_specials = self.tok.encode("a", add_special_tokens=True).ids
+        plain = self.tok.encode("a", add_special_tokens=False).ids
+        at = len(with_specials) - len(plain)
+        while at >= 0 and with_specials[at : at + len(plain)] != plain:
+            at -= 1
+        return with_specials[at + len(plain) :] if at >= 0 else []
+
 
 class _SPBackend:
     """A SentencePiece tokenizer.model, plus added tokens from tokenizer_config.json."""
@@ -212,6 +222,9 @@ class _SPBackend:
 
     def adds_bos(self, bos_id: int) -> bool:
         return True  # sentencepiece models (Llama 1/2, Mistral) are trained with BOS
+
+    def closing_ids(self) -> list[int]:
+        return []  # no post-processor
 
     @staticmethod
     def _splitter(tokens: dict[int, str]) -> re.Pattern[str] | None:
@@ -303,6 +316,7 @@ class Tokenizer:
         chat_template: ChatTemplate | None = None,
     ) -> None:
         self._backend = backend
+        self._closing_ids: list[int] | None = None  # encode_for_embedding's, when first asked
         self.vocab_size: int = backend.vocab_size
         self.special_ids: frozenset[int] = frozenset(backend.special_ids)
         self.chat_template = chat_template
@@ -386,6 +400,14 @@ class Tokenizer:
         if add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def encode_for_embedding(self, text: str) -> list[int]:
+        """`text` framed as the model's tokenizer frames a bare call: BOS by default, and
+        whatever special tokens its post-processor appends (an embedding model that pools
+        its last token, as Qwen3-Embedding, is trained to end on one)."""
+        if self._closing_ids is None:
+            self._closing_ids = self._backend.closing_ids()
+        return self.encode(text, add_bos=None) + self._closing_ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         return self._backend.decode(ids, skip_special)

@@ -49,11 +49,17 @@ class TensorInfo:
     shape: tuple[int, ...]
 
 
+# A base-model checkpoint (the backbone saved without its task head: Qwen3-Embedding ships
+# so) names the backbone's tensors without the "model." prefix of the causal-LM classes.
+_BACKBONE_ROOTS = ("embed_tokens.", "layers.", "norm.")
+
+
 class WeightStore:
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
         self._tensors: dict[str, TensorInfo] = {}
         self._handles: dict[Path, object] = {}
+        self._stored: dict[str, str] = {}  # name -> the name in the file, where they differ
         for file in self._files():
             for name, info in _read_header(file).items():
                 if name in self._tensors:
@@ -62,6 +68,18 @@ class WeightStore:
                         f"and {file.name}"
                     )
                 self._tensors[name] = info
+        names = self._tensors
+        if not any(n.startswith("model.") for n in names) and any(
+            n.startswith("layers.") for n in names
+        ):
+            # Indexed under the causal-LM names; read under the stored ones.
+            renamed = {}
+            for name, info in names.items():
+                public = f"model.{name}" if name.startswith(_BACKBONE_ROOTS) else name
+                renamed[public] = info
+                if public != name:
+                    self._stored[public] = name
+            self._tensors = renamed
 
     def _files(self) -> list[Path]:
         index = self.model_dir / "model.safetensors.index.json"
@@ -142,7 +160,7 @@ class WeightStore:
             handle = self._handles.get(info.file)
             if handle is None:
                 handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-            tensor = handle.get_tensor(name)  # type: ignore[attr-defined]
+            tensor = handle.get_tensor(self._stored.get(name, name))  # type: ignore[attr-defined]
         except (SafetensorError, OSError) as e:  # a header our check let through
             raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
         if dtype is None:

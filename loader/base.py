@@ -91,6 +91,10 @@ class LoadedModel(ABC):
     def decode(self, ids: list[int]) -> str:
         return self.backend.tokenizer.decode(ids)
 
+    def encode_for_embedding(self, text: str) -> list[int]:
+        """Token ids of `text` as `embed` should see them (engine/tokenizer.py)."""
+        return self.backend.tokenizer.encode_for_embedding(text)
+
     def stream(
         self, prompt: str | list[int], settings: SamplingSettings | Mapping[str, Any] | None = None
     ) -> Iterator[Chunk]:

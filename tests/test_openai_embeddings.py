@@ -19,7 +19,7 @@ from loader.embeddings import EmbeddingError, default_pooling
 from loader.manager import ModelManager
 from webui import shared
 
-from model_factory import make_tiny_llama
+from model_factory import make_tiny_llama, write_tokenizer
 
 TEXTS = ["The kestrel hovers over the field.", "A small falcon.", "Tensor cores"]
 
@@ -64,7 +64,7 @@ def test_embeddings_are_transformers_hidden_states_pooled(tiny, loader_name, poo
     extra = {"prefill_chunk": 8} if loader_name == "kestrel" else {}
     m = loader.load(root / "models" / "tiny", loader_name, device="cpu", dtype="float32", **extra)
     try:
-        ids = m.encode(TEXTS[0])
+        ids = m.encode_for_embedding(TEXTS[0])
         assert len(ids) > 8
         got = m.embed(ids, pooling)
         torch.testing.assert_close(got, _reference(hf, ids, pooling), rtol=1e-4, atol=1e-5)
@@ -102,10 +102,10 @@ def test_v1_embeddings_with_the_openai_client(served, tiny):
             vector = item.embedding
             if isinstance(vector, str):
                 vector = np.frombuffer(base64.b64decode(vector), dtype="<f4").copy()
-            expected = _reference(hf, model.encode(text), "mean")
+            expected = _reference(hf, model.encode_for_embedding(text), "mean")
             torch.testing.assert_close(torch.tensor(vector), expected, rtol=1e-4, atol=1e-5)
-        assert reply.usage.prompt_tokens == sum(len(model.encode(t)) for t in TEXTS)
-    ids = model.encode(TEXTS[1])
+        assert reply.usage.prompt_tokens == sum(len(model.encode_for_embedding(t)) for t in TEXTS)
+    ids = model.encode_for_embedding(TEXTS[1])
     reply = client.embeddings.create(
         model="tiny", input=[ids], dimensions=8, extra_body={"pooling": "last"}
     )
@@ -134,3 +134,66 @@ def test_bad_embedding_requests_are_a_400_naming_the_field(served, body, param, 
         client.post("/embeddings", body={"model": "tiny", **body}, cast_to=object)
     error = caught.value.body
     assert error["param"] == param and words in error["message"], error
+
+
+def safe_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
+def _qwen3_embedding_model(path: Path):
+    """A tiny model shipped as Qwen3-Embedding ships: the backbone alone (tensor names
+    without "model.", no lm_head, tied), a tokenizer whose post-processor closes every
+    text with a special token, and a sentence-transformers config naming last-token
+    pooling. Returns transformers' Qwen3Model of it."""
+    from tokenizers import Tokenizer, processors
+    from transformers import Qwen3Config, Qwen3Model
+
+    config = Qwen3Config(
+        vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = Qwen3Model(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForCausalLM"]}))
+    write_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    closing = tok.token_to_id("<|im_end|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A <|im_end|>", special_tokens=[("<|im_end|>", closing)]
+    )
+    tok.save(str(path / "tokenizer.json"))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    return model.float().eval(), closing
+
+
+def test_a_qwen3_embedding_style_checkpoint_loads_and_embeds_like_transformers(tmp_path: Path):
+    path = tmp_path / "qwen3-embedding"
+    hf, closing = _qwen3_embedding_model(path)
+    assert not any(n.startswith("model.") for n in safe_names(path))
+    m = loader.load(path, "kestrel", device="cpu", dtype="float32")
+    try:
+        ids = m.encode_for_embedding(TEXTS[0])
+        assert ids[-1] == closing and m.encode(TEXTS[0])[-1] != closing
+        with torch.no_grad():
+            hidden = hf(torch.tensor([ids])).last_hidden_state[0]
+        expected = torch.nn.functional.normalize(hidden[-1], dim=0)
+        # The pooling config names last-token pooling: the default.
+        torch.testing.assert_close(m.embed(ids), expected, rtol=1e-4, atol=1e-5)
+    finally:
+        m.unload()

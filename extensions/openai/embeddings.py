@@ -80,7 +80,7 @@ async def embeddings(body: EmbeddingRequest, model: LoadedModel, name: str) -> d
     def run() -> tuple[list[Any], int]:
         vectors, tokens = [], 0
         for item in items:
-            ids = model.encode(item) if isinstance(item, str) else item
+            ids = model.encode_for_embedding(item) if isinstance(item, str) else item
             vectors.append(model.embed(ids, body.pooling, body.dimensions))
             tokens += len(ids)
         return vectors, tokens
