@@ -80,6 +80,17 @@ def tiny_llama_config(**overrides: Any) -> Any:
     return LlamaConfig(**values)
 
 
+def randomize_weights(model: torch.nn.Module) -> None:
+    """Norms near 1, other weights N(0, 0.08). The default init gives near-uniform logits;
+    larger weights make argmax ties unlikely, so greedy comparisons test something."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            else:
+                p.normal_(0, 0.08)
+
+
 def make_tiny_llama(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """Save a random-weight LlamaForCausalLM (and tokenizer) to `path`; returns the HF model
     in float32 on the CPU, in eval mode with the eager attention for exact reference math."""
@@ -88,14 +99,7 @@ def make_tiny_llama(path: Path, seed: int = 0, dtype: torch.dtype = torch.float3
     config = tiny_llama_config(**overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    # Default init gives near-uniform logits; larger weights make argmax ties unlikely, so
-    # greedy comparisons test something.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0, 0.08)
+    randomize_weights(model)
     model.to(dtype).save_pretrained(path, safe_serialization=True)
     write_tokenizer(path)
     return model.float().eval()

@@ -19,7 +19,7 @@ from loader.embeddings import EmbeddingError, default_pooling
 from loader.manager import ModelManager
 from webui import shared
 
-from model_factory import make_tiny_llama, write_tokenizer
+from model_factory import make_tiny_llama, randomize_weights, write_tokenizer
 
 TEXTS = ["The kestrel hovers over the field.", "A small falcon.", "Tensor cores"]
 
@@ -161,12 +161,7 @@ def _qwen3_embedding_model(path: Path):
     )  # fmt: skip
     torch.manual_seed(3)
     model = Qwen3Model(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-            else:
-                p.normal_(0, 0.08)
+    randomize_weights(model)
     model.save_pretrained(path, safe_serialization=True)
     cfg = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForCausalLM"]}))
