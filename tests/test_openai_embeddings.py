@@ -192,3 +192,26 @@ def test_a_qwen3_embedding_style_checkpoint_loads_and_embeds_like_transformers(t
         torch.testing.assert_close(m.embed(ids), expected, rtol=1e-4, atol=1e-5)
     finally:
         m.unload()
+
+
+def test_embeddings_apply_the_default_lora_as_peft_does(tiny, tmp_path: Path):
+    """Under a default adapter selection (set_loras), hidden states are the peft model's."""
+    from test_lora import ALL, _hf, _make_adapter
+
+    root, _ = tiny
+    path = root / "models" / "tiny"
+    peft_model = _make_adapter(_hf(path), tmp_path / "A", 1, r=4, lora_alpha=8, target_modules=ALL)
+    m = loader.load(path, "kestrel", device="cpu", dtype="float32", prefill_chunk=8)
+    try:
+        m.load_lora(tmp_path / "A", "A")
+        ids = m.encode_for_embedding(TEXTS[0])
+        plain = m.embed(ids)
+        m.set_loras({"A": 1.0})
+        with torch.no_grad():
+            out = peft_model(torch.tensor([ids]), output_hidden_states=True)
+        expected = torch.nn.functional.normalize(out.hidden_states[-1][0].mean(0), dim=0)
+        got = m.embed(ids)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(got, plain, atol=1e-3)  # the adapter changed something
+    finally:
+        m.unload()
