@@ -215,3 +215,23 @@ def test_embeddings_apply_the_default_lora_as_peft_does(tiny, tmp_path: Path):
         assert not torch.allclose(got, plain, atol=1e-3)  # the adapter changed something
     finally:
         m.unload()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_embeddings_on_the_gpu_match_the_cpu(tiny):
+    """The GPU path (fused norm kernels, paged attention over earlier 8-token chunks) gives
+    the CPU's vectors up to fp16 rounding."""
+    root, _ = tiny
+    path = root / "models" / "tiny"
+    vectors = {}
+    for device, dtype in (("cpu", "float32"), ("cuda", "float16")):
+        m = loader.load(path, "kestrel", device=device, dtype=dtype, prefill_chunk=8)
+        try:
+            ids = m.encode_for_embedding(" ".join(TEXTS))
+            assert len(ids) > 16
+            vectors[device] = [m.embed(ids, pooling) for pooling in ("mean", "last")]
+        finally:
+            m.unload()
+    for got, want in zip(vectors["cuda"], vectors["cpu"], strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-3)
