@@ -199,3 +199,20 @@ def test_tensor_parallel_over_nccl_matches_one_gpu(model_dir: Path, reference, c
         assert m.generate(_ids()[:10], GREEDY) == reference[1]
     finally:
         m.unload()
+
+
+def test_tensor_parallel_with_a_quantized_cache_matches_one_gpu(model_dir: Path):
+    """Each rank keeps its KV heads' q8 rows: the logits and greedy tokens of one GPU with
+    the same cache type."""
+    one = loader.load(model_dir, "kestrel", device="cuda:0", dtype="float16", cache_type="q8")
+    try:
+        expected = one.logits(_ids()), one.generate(_ids()[:10], GREEDY)
+    finally:
+        one.unload()
+    m = loader.load(model_dir, "kestrel", dtype="float16", tp=2, cache_type="q8")
+    try:
+        assert m.engine.cache.cache_type == "q8"
+        _close(m.logits(_ids()), expected[0])
+        assert m.generate(_ids()[:10], GREEDY) == expected[1]
+    finally:
+        m.unload()
