@@ -20,6 +20,7 @@ from engine.cache import CACHE_TYPES, ForwardBatch, PagedKVCache, Sequence, cach
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.fusion import fuse_projections, set_kernel_fusion
+from engine.hidden_states import hidden_states_many
 from engine.loading import load_causal_lm, resolve_device, resolve_dtype
 from engine.lora import LoraManager
 from engine.moe import SparseMoE
@@ -397,25 +398,12 @@ class Engine:
 
     def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
         """Final hidden states [len, hidden] (float32, CPU) of a whole sequence, after the
-        final norm, without keeping its cache; under the model's default LoRA selection,
-        as `logits`."""
-        self.check_length(len(token_ids))
-        seq = Sequence()
-        outputs = []
-        with self.lock:
-            try:
-                scales = self.loras.scales([self.loras.default])
-                for start in range(0, len(token_ids), self.options.prefill_chunk):
-                    chunk = token_ids[start : start + self.options.prefill_chunk]
-                    lora_batch = None
-                    if scales is not None:
-                        lora_batch = self.loras.batch(scales, [len(chunk)], [len(chunk)])
-                    batch = ForwardBatch.build(self.cache, [seq], [chunk], all_logits=True)
-                    with self.loras.active(lora_batch):
-                        outputs.append(self.model.hidden_states(batch, self.cache).float().cpu())
-            finally:
-                seq.release(self.cache)
-        return torch.cat(outputs)
+        final norm, without keeping its cache (engine/hidden_states.py)."""
+        return hidden_states_many(self, [token_ids])[0]
+
+    def hidden_states_many(self, inputs: list[list[int]]) -> list[torch.Tensor]:
+        """`hidden_states` of each input, short ones sharing forwards."""
+        return hidden_states_many(self, inputs)
 
     @property
     def logits_device(self) -> torch.device:

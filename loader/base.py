@@ -78,6 +78,10 @@ class LoadedModel(ABC):
             f"loader '{self.loader_name}' does not give hidden states (embeddings) yet"
         )
 
+    def hidden_states_many(self, inputs: list[list[int]]) -> list[torch.Tensor]:
+        """`hidden_states` of each input (a loader may batch them)."""
+        return [self.hidden_states(ids) for ids in inputs]
+
     @abstractmethod
     def info(self) -> dict[str, Any]: ...
 
@@ -145,10 +149,17 @@ class LoadedModel(ABC):
         """An L2-normalised embedding [width] (or its first `dimensions`) of `ids`: the
         final hidden states pooled by `pooling` (loader/embeddings.py; default: the
         model's sentence-transformers pooling config, else "mean")."""
+        return self.embed_many([ids], pooling, dimensions)[0]
+
+    def embed_many(
+        self, inputs: list[list[int]], pooling: str | None = None, dimensions: int | None = None
+    ) -> list[torch.Tensor]:
+        """`embed` of each input; short inputs may share forwards."""
         pooling = pooling or default_pooling(self.path)
-        if pooling not in POOLINGS:  # before the forward, which may be long
+        if pooling not in POOLINGS:  # before the forwards, which may be long
             raise EmbeddingError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-        return pool(self.hidden_states(list(ids)), pooling, dimensions)
+        states = self.hidden_states_many([list(ids) for ids in inputs])
+        return [pool(h, pooling, dimensions) for h in states]
 
     def generate(
         self, prompt: str | list[int], settings: SamplingSettings | Mapping[str, Any] | None = None

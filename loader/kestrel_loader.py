@@ -102,6 +102,9 @@ class KestrelModel(LoadedModel):
         return engine.logits(list(ids))
 
     def hidden_states(self, ids: list[int]) -> torch.Tensor:
+        return self.hidden_states_many([ids])[0]
+
+    def hidden_states_many(self, inputs: list[list[int]]) -> list[torch.Tensor]:
         engine = self.backend
         assert isinstance(engine, Engine)
         if engine.tp_world_size > 1:
@@ -109,7 +112,7 @@ class KestrelModel(LoadedModel):
             raise UnsupportedFeatureError(
                 "hidden states (embeddings) are not available with tensor parallelism yet"
             )
-        return engine.hidden_states(list(ids))
+        return engine.hidden_states_many([list(ids) for ids in inputs])
 
     def info(self) -> dict[str, Any]:
         engine = self.backend

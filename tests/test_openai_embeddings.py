@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import loader
+from engine.hidden_states import pack
 from extensions.openai import ApiServer, run_api_server
 from loader.embeddings import EmbeddingError, default_pooling
 from loader.manager import ModelManager
@@ -235,3 +236,43 @@ def test_embeddings_on_the_gpu_match_the_cpu(tiny):
             m.unload()
     for got, want in zip(vectors["cuda"], vectors["cpu"], strict=True):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-3)
+
+
+def test_pack_groups_inputs_in_order_within_the_budgets():
+    # Tokens: at most 8 per group; pages of 4 tokens: plenty.
+    assert pack([3, 4, 2, 9, 1, 1], 8, 4, 100) == [[0, 1], [2], [3], [4, 5]]
+    assert pack([20], 8, 4, 100) == [[0]]  # longer than a chunk: alone, chunked by the caller
+    assert pack([], 8, 4, 100) == []
+    # Pages: two free pages hold two short sequences at a time.
+    assert pack([1, 1, 1, 1, 1], 8, 4, 2) == [[0, 1], [2, 3], [4]]
+
+
+def test_short_inputs_share_forwards_and_give_the_same_states(tiny, monkeypatch):
+    root, _ = tiny
+    m = loader.load(
+        root / "models" / "tiny",
+        "kestrel",
+        device="cpu",
+        dtype="float32",
+        page_size=16,
+        cache_tokens=512,
+    )
+    try:
+        engine = m.engine
+        engine.options.prefill_chunk = 32
+        inputs = [m.encode_for_embedding(t) for t in [*TEXTS, " ".join(TEXTS * 3), "Hi"]]
+        assert sum(map(len, inputs[:3])) <= 32 < len(inputs[3])
+        alone = [m.hidden_states(ids) for ids in inputs]
+        calls = []
+        forward = engine.model.hidden_states
+        monkeypatch.setattr(
+            engine.model, "hidden_states", lambda b, c: calls.append(b) or forward(b, c)
+        )
+        together = m.hidden_states_many(inputs)
+        for got, want in zip(together, alone, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # The first three share one forward, the long one takes its chunks, "Hi" one more.
+        assert len(calls) == 1 + -(-len(inputs[3]) // 32) + 1
+        assert engine.cache.free_pages == engine.cache.num_pages  # nothing stays cached
+    finally:
+        m.unload()

@@ -78,12 +78,8 @@ async def embeddings(body: EmbeddingRequest, model: LoadedModel, name: str) -> d
     items = _inputs(body, model.backend.tokenizer.vocab_size)
 
     def run() -> tuple[list[Any], int]:
-        vectors, tokens = [], 0
-        for item in items:
-            ids = model.encode_for_embedding(item) if isinstance(item, str) else item
-            vectors.append(model.embed(ids, body.pooling, body.dimensions))
-            tokens += len(ids)
-        return vectors, tokens
+        ids = [model.encode_for_embedding(i) if isinstance(i, str) else i for i in items]
+        return model.embed_many(ids, body.pooling, body.dimensions), sum(map(len, ids))
 
     try:
         vectors, tokens = await asyncio.to_thread(run)
