@@ -18,21 +18,22 @@ if TYPE_CHECKING:
     from engine.engine import Engine
 
 
-def pack(lengths: list[int], budget: int, page_size: int, free_pages: int) -> list[list[int]]:
-    """Indices of `lengths` in order, grouped so that a group holds at most `budget` tokens
-    and its sequences' pages fit `free_pages` (each sequence takes whole pages); an item
-    past either limit is a group of its own (it runs alone, as `Engine.logits` would)."""
-    groups: list[list[int]] = []
-    tokens = pages = 0
-    for i, n in enumerate(lengths):
-        need = -(-n // page_size)
-        if groups and tokens + n <= budget and pages + need <= free_pages:
-            groups[-1].append(i)
-            tokens, pages = tokens + n, pages + need
-        else:
-            groups.append([i])
-            tokens, pages = n, need
-    return groups
+def next_group(
+    lengths: list[int], start: int, budget: int, page_size: int, free_pages: int
+) -> list[int]:
+    """Indices start, start + 1, ... of the inputs that share the next forward: at most
+    `budget` tokens, and their sequences' pages (whole pages each) within `free_pages`. The
+    input at `start` always goes (alone if it passes either limit, as `Engine.logits` would
+    run it)."""
+    group = [start]
+    tokens, pages = lengths[start], -(-lengths[start] // page_size)
+    for i in range(start + 1, len(lengths)):
+        need = -(-lengths[i] // page_size)
+        if tokens + lengths[i] > budget or pages + need > free_pages:
+            break
+        group.append(i)
+        tokens, pages = tokens + lengths[i], pages + need
+    return group
 
 
 def _forward(engine: Engine, sequences: list[Sequence], tokens: list[list[int]]) -> torch.Tensor:
@@ -46,24 +47,27 @@ def _forward(engine: Engine, sequences: list[Sequence], tokens: list[list[int]])
 
 
 def hidden_states_many(engine: Engine, inputs: list[list[int]]) -> list[torch.Tensor]:
-    """[len(ids), width] per input, in order (see the module docstring)."""
+    """[len(ids), width] per input, in order (see the module docstring). The engine lock is
+    taken per forward group, so that generation steps interleave with a long batch."""
     for ids in inputs:
         engine.check_length(len(ids))
     chunk = engine.options.prefill_chunk
+    lengths = [len(ids) for ids in inputs]
     out: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
-    with engine.lock:
-        lengths = [len(ids) for ids in inputs]
-        cache = engine.cache
-        for group in pack(lengths, chunk, cache.page_size, cache.free_pages):
+    start = 0
+    while start < len(inputs):
+        with engine.lock:
+            cache = engine.cache
+            group = next_group(lengths, start, chunk, cache.page_size, cache.free_pages)
             sequences = [Sequence() for _ in group]
             try:
                 if len(group) == 1:
-                    ids = inputs[group[0]]
+                    ids = inputs[start]
                     parts = [
-                        _forward(engine, sequences, [ids[start : start + chunk]])
-                        for start in range(0, len(ids), chunk)
+                        _forward(engine, sequences, [ids[at : at + chunk]])
+                        for at in range(0, len(ids), chunk)
                     ]
-                    out[group[0]] = torch.cat(parts)
+                    out[start] = torch.cat(parts)
                 else:
                     tokens = [inputs[i] for i in group]
                     rows = _forward(engine, sequences, tokens)
@@ -71,5 +75,6 @@ def hidden_states_many(engine: Engine, inputs: list[list[int]]) -> list[torch.Te
                         out[i] = part
             finally:
                 for seq in sequences:
-                    seq.release(engine.cache)
+                    seq.release(cache)
+        start = group[-1] + 1
     return out

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import loader
-from engine.hidden_states import pack
+from engine.hidden_states import next_group
 from extensions.openai import ApiServer, run_api_server
 from loader.embeddings import EmbeddingError, default_pooling
 from loader.manager import ModelManager
@@ -238,13 +238,20 @@ def test_embeddings_on_the_gpu_match_the_cpu(tiny):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-3)
 
 
-def test_pack_groups_inputs_in_order_within_the_budgets():
+def _groups(lengths: list[int], budget: int, page_size: int, free: int) -> list[list[int]]:
+    groups, start = [], 0
+    while start < len(lengths):
+        groups.append(next_group(lengths, start, budget, page_size, free))
+        start = groups[-1][-1] + 1
+    return groups
+
+
+def test_inputs_group_in_order_within_the_token_and_page_budgets():
     # Tokens: at most 8 per group; pages of 4 tokens: plenty.
-    assert pack([3, 4, 2, 9, 1, 1], 8, 4, 100) == [[0, 1], [2], [3], [4, 5]]
-    assert pack([20], 8, 4, 100) == [[0]]  # longer than a chunk: alone, chunked by the caller
-    assert pack([], 8, 4, 100) == []
+    assert _groups([3, 4, 2, 9, 1, 1], 8, 4, 100) == [[0, 1], [2], [3], [4, 5]]
+    assert _groups([20], 8, 4, 100) == [[0]]  # past a chunk: alone, chunked by the caller
     # Pages: two free pages hold two short sequences at a time.
-    assert pack([1, 1, 1, 1, 1], 8, 4, 2) == [[0, 1], [2, 3], [4]]
+    assert _groups([1, 1, 1, 1, 1], 8, 4, 2) == [[0, 1], [2, 3], [4]]
 
 
 def test_short_inputs_share_forwards_and_give_the_same_states(tiny, monkeypatch):
