@@ -155,7 +155,9 @@ class ToolCallStream:
     sent: str = ""
     held: str = ""
     holding: bool = False
-    _pending: str = field(default="", repr=False)  # a possible marker's first characters
+    # Text held back until it is clear whether a call starts there (the first characters
+    # of a marker, leading white space, the start of a ```json fence).
+    _pending: str = field(default="", repr=False)
 
     def feed(self, delta: str) -> str:
         """The part of `delta` (with anything held back before) that can be sent."""
