@@ -396,13 +396,10 @@ class Engine:
             finally:
                 seq.release(self.cache)
 
-    def hidden_states(self, token_ids: list[int]) -> torch.Tensor:
-        """Final hidden states [len, hidden] (float32, CPU) of a whole sequence, after the
-        final norm, without keeping its cache (engine/hidden_states.py)."""
-        return hidden_states_many(self, [token_ids])[0]
-
     def hidden_states_many(self, inputs: list[list[int]]) -> list[torch.Tensor]:
-        """`hidden_states` of each input, short ones sharing forwards."""
+        """Final hidden states [len, hidden] (float32, CPU) of whole sequences, after the
+        final norm, without keeping their cache; short ones share forwards
+        (engine/hidden_states.py)."""
         return hidden_states_many(self, inputs)
 
     @property

@@ -107,7 +107,8 @@ def _plane_args(
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The segment's planes (the second repeats the first when there is one) as views of
     columns [col_start, col_end), and their row strides."""
-    whole = col_start == 0 and col_end is None  # the decode paths: no view to build
+    # All columns (the decode paths, an unchunked dequantization): no view to build.
+    whole = col_start == 0 and col_end in (None, segment.planes[0].packed.shape[1])
     planes = [
         _unit_col_stride(plane.packed if whole else plane.packed[:, col_start:col_end])
         for plane in segment.planes

@@ -830,7 +830,7 @@ def dequantize_triton(
             seg_rows = segment.row_end - segment.row_start
             if seg_rows <= 0:
                 continue
-            p0, p1, p0_stride, p1_stride = _plane_args(segment, c0, None if cols is None else c1)
+            p0, p1, p0_stride, p1_stride = _plane_args(segment, c0, c1)
             grid = (triton.cdiv(seg_rows, _DEQUANT_BLOCK_K), triton.cdiv(n, _DEQUANT_BLOCK_N))
             _dequant_kernel[grid](
                 out,

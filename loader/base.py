@@ -21,7 +21,7 @@ import torch
 
 from engine.generator import GenerationBackend, TokenLogprob, generate
 from engine.sampling_settings import SamplingSettings
-from loader.embeddings import POOLINGS, EmbeddingError, default_pooling, pool
+from loader.embeddings import check_pooling, default_pooling, pool
 
 
 class LoaderError(ValueError):
@@ -155,9 +155,7 @@ class LoadedModel(ABC):
         self, inputs: list[list[int]], pooling: str | None = None, dimensions: int | None = None
     ) -> list[torch.Tensor]:
         """`embed` of each input; short inputs may share forwards."""
-        pooling = pooling or default_pooling(self.path)
-        if pooling not in POOLINGS:  # before the forwards, which may be long
-            raise EmbeddingError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        pooling = check_pooling(pooling or default_pooling(self.path))  # before the forwards
         states = self.hidden_states_many([list(ids) for ids in inputs])
         return [pool(h, pooling, dimensions) for h in states]
 

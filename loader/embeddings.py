@@ -21,7 +21,21 @@ _MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_lasttoken": "last"}
 
 
 class EmbeddingError(ValueError):
-    """An embedding cannot be made as asked (the message names what is wrong)."""
+    """An embedding cannot be made as asked (the message names what is wrong; `param`, the
+    argument at fault, when it is one: "pooling", "dimensions" or "input")."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_pooling(pooling: str) -> str:
+    """`pooling` if Kestrel offers it (EmbeddingError otherwise)."""
+    if pooling not in POOLINGS:
+        raise EmbeddingError(
+            f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}", param="pooling"
+        )
+    return pooling
 
 
 def default_pooling(model_dir: Path) -> str:
@@ -46,17 +60,17 @@ def default_pooling(model_dir: Path) -> str:
 
 
 def pool(hidden: torch.Tensor, pooling: str, dimensions: int | None = None) -> torch.Tensor:
-    """hidden [tokens, width] -> one L2-normalised vector (float32). `dimensions` keeps
-    that many leading components before normalising (Matryoshka-trained models)."""
-    if pooling not in POOLINGS:
-        raise EmbeddingError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+    """hidden [tokens, width] -> one L2-normalised vector (float32), pooled by `pooling`
+    (check_pooling). `dimensions` keeps that many leading components before normalising
+    (Matryoshka-trained models)."""
     if hidden.shape[0] == 0:
-        raise EmbeddingError("the input is empty: at least one token is needed")
+        raise EmbeddingError("the input is empty: at least one token is needed", param="input")
     vector = hidden.float().mean(dim=0) if pooling == "mean" else hidden[-1].float()
     if dimensions is not None:
         if not 1 <= dimensions <= vector.numel():
             raise EmbeddingError(
-                f"dimensions must be in 1..{vector.numel()} (the model's width), got {dimensions}"
+                f"dimensions must be in 1..{vector.numel()} (the model's width), got {dimensions}",
+                param="dimensions",
             )
         vector = vector[:dimensions]
     return torch.nn.functional.normalize(vector, dim=0)

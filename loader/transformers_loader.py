@@ -140,8 +140,7 @@ class TransformersModel(LoadedModel):
             raise LoaderError(f"the model {self.path} was unloaded")
         backend.check_length(len(ids))
         input_ids = torch.tensor([list(ids)], device=backend.device)
-        with torch.no_grad():  # plain tensors out (inference-mode ones refuse in-place edits)
-            return backend.model(input_ids=input_ids, **kwargs)
+        return backend.model(input_ids=input_ids, **kwargs)
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         return self._forward(ids).logits[0].float().cpu()

@@ -17,7 +17,7 @@ from extensions.openai.errors import ApiError, error_for
 from extensions.openai.params import check_text
 from extensions.openai.schemas import EmbeddingRequest
 from loader.base import LoadedModel
-from loader.embeddings import POOLINGS
+from loader.embeddings import EmbeddingError
 
 MAX_INPUTS = 2048  # as OpenAI: inputs per request
 FORMATS = ("float", "base64")
@@ -67,12 +67,6 @@ async def embeddings(body: EmbeddingRequest, model: LoadedModel, name: str) -> d
             f"encoding_format must be one of {', '.join(FORMATS)}, got {body.encoding_format!r}",
             param="encoding_format",
         )
-    if body.pooling is not None and body.pooling not in POOLINGS:
-        raise ApiError(
-            400,
-            f"pooling must be one of {', '.join(POOLINGS)}, got {body.pooling!r}",
-            param="pooling",
-        )
     if body.dimensions is not None and body.dimensions < 1:
         raise ApiError(400, f"dimensions must be >= 1, got {body.dimensions}", param="dimensions")
     items = _inputs(body, model.backend.tokenizer.vocab_size)
@@ -83,11 +77,10 @@ async def embeddings(body: EmbeddingRequest, model: LoadedModel, name: str) -> d
 
     try:
         vectors, tokens = await asyncio.to_thread(run)
+    except EmbeddingError as error:  # pooling, dimensions past the width, a bad pooling config
+        raise ApiError(400, str(error), param=error.param) from error
     except Exception as error:
-        api_error = error_for(error, "input")
-        if api_error.status == 400 and "dimensions" in str(error):
-            api_error = ApiError(400, str(error), param="dimensions")
-        raise api_error from error
+        raise error_for(error, "input") from error
     return {
         "object": "list",
         "data": [
