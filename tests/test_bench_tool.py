@@ -205,3 +205,25 @@ def test_scheduler_decode_speed_runs_one_job_through_the_scheduler(tmp_path, mon
     info = _info()
     info["results"][0]["scheduler_decode_tok_s"] = 171.5
     assert "scheduler decode   171.5 tok/s" in bench.summary_lines(info)[1]
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "exl2"])
+def test_random_weights_have_mean_zero(fmt: str) -> None:
+    """Codes 1..15 around the zero point 8 (EXL2's implicit one too): weights of mean zero,
+    whose outputs do not share a part that grows with the width layer by layer (with codes
+    0..15 a 70B model's fp16 residual overflowed)."""
+    from engine.quant.exl2 import Exl2Tensors, exl2_to_runtime
+    from engine.quant.gptq import GptqTensors, gptq_to_runtime
+    from kernels.quant_matmul import dequantize_reference
+
+    gen = torch.Generator().manual_seed(0)
+    packed = bench._random_quantized(fmt, 512, 256, False, gen, None, "cpu")
+    if fmt == "gptq":
+        qw = gptq_to_runtime(GptqTensors.from_dict(packed, bits=4, checkpoint_format="gptq"))
+    else:
+        qw = exl2_to_runtime(Exl2Tensors.from_dict(packed))
+    codes = torch.cat([segment.codes() for segment in qw.segments])
+    assert int(codes.min()) == 1 and int(codes.max()) == 15
+    w = dequantize_reference(qw)
+    # The mean is a few standard errors of zero (it was -scale/2, ~9 errors, before).
+    assert abs(float(w.mean())) < 3 * float(w.std()) / w.numel() ** 0.5
