@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import Backend, cast_rtne, device_guard, is_interpreted, resolve_backend
+from kernels.quant_common import add_partial
 from kernels.quant_matmul_triton import GemvShare, finish_gemv_tile
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -287,9 +288,9 @@ def _lora_expand_gemv_kernel(
 ):  # fmt: skip
     # The expand as extra split-K programs of a decode GEMV (kernels.quant_matmul_triton.
     # GemvShare): program (tile, sub) adds the LoRA terms of SUB_N columns of GEMV column
-    # tile `tile` to the GEMV's float32 sums, then arrives at the tile's counter; the last
-    # arrival (this or a GEMV program) writes y. No read-modify-write of y, no ordering
-    # against the GEMV, and one rounding of base + delta.
+    # tile `tile` to the GEMV's sums (kernels.quant_common.add_partial), then arrives at
+    # the tile's counter; the last arrival (this or a GEMV program) writes y. No
+    # read-modify-write of y, no ordering against the GEMV, and one rounding of base + delta.
     tile = tl.program_id(0)
     sub = tl.program_id(1)
     cols = tile * GEMV_BLOCK_N + sub * SUB_N + tl.arange(0, SUB_N)
@@ -306,7 +307,7 @@ def _lora_expand_gemv_kernel(
             S, SPLITS, stride_bl, stride_bn, BLOCK_R, SUB_N,
         )  # fmt: skip
         if has_row:
-            tl.atomic_add(sums_ptr + row * n + cols, acc, mask=col_ok, sem="relaxed")
+            add_partial(sums_ptr, row * n + cols, acc, col_ok)
     tile_cols = tile * GEMV_BLOCK_N + tl.arange(0, GEMV_BLOCK_N)
     finish_gemv_tile(
         sums_ptr, y_ptr, counters_ptr + tile, arrivals, n, tile_cols, tile_cols < n, M_ROWS

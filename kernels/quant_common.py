@@ -4,9 +4,18 @@ dequantization, and kernels/quant_dot.py's tensor-core path for a few rows of x.
 Inside a kernel: a segment's codes gathered row by row (`_segment_codes_2d`) and its zero
 points (`_zero_points`). On the host: the constexprs and arguments of a segment's planes,
 the group check that lets scales apply once per chunk (`_chunks_in_groups`), the split-K
-plan (`_split`), and the per-device float32 workspace that split-K partials sum into and
-that the last program of each tile leaves zeroed again (`_workspace`). The design of the
-paths is in kernels/quant_matmul_triton.py's docstring.
+plan (`_split`), and the per-device workspace that split-K partials sum into and that the
+last program of each tile leaves zeroed again (`_workspace`, `add_partial`,
+`take_sums`). The design of the paths is in kernels/quant_matmul_triton.py's docstring.
+
+Determinism: split-K partials arrive in whatever order the programs finish. Summed as
+float32 atomics (the default: the fastest), that order can change the last bit of a sum,
+and rarely a token, from one run to the next. With `kernels.backend.set_deterministic_sums`
+(EngineOptions.deterministic) float16 outputs sum as 64-bit fixed point instead
+(`FIXED_POINT_SCALE`): integer addition does not depend on order, so decode gives the same
+bits every run, for 12% of batch-1 decode speed (H100, 8B GPTQ: 64-bit atomics cost more).
+bfloat16 and float32 outputs need more range than 64 bits of fixed point give at their
+precision, and keep float32 atomics either way.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.backend import deterministic_sums
 from kernels.quant_matmul import QuantizedWeight, Segment
 
 _PLANE_BITS = (1, 2, 4, 8)
@@ -174,7 +184,67 @@ def _chunks_in_groups(qw: QuantizedWeight, block_k: int) -> bool:
     return result
 
 
-# Per device: a float32 sum buffer and int32 tile counters that are zero between calls.
+# Fixed-point sums (float16 outputs): a partial p adds round(p * 2^32) to an int64. A
+# partial is clamped to +-2^20 first (16 times float16's largest value, so a clamped sum
+# still overflows to inf when cast to float16), and at most MAX_FIXED_POINT_ARRIVALS
+# partials meet in one sum: 1024 * 2^52 = 2^62, no overflow. The grid (2^-32) is far
+# below float16's smallest step (2^-24), so the sum rounds to float16 as a float32 sum would.
+FIXED_POINT_SCALE = 2.0**32
+FIXED_POINT_LIMIT = 2.0**20
+MAX_FIXED_POINT_ARRIVALS = 1024
+
+
+@triton.jit
+def add_partial(sums_ptr, offsets, values, mask):
+    """Atomically add float32 `values` to the workspace at `offsets`: as fixed point when
+    the workspace is int64 (float16 outputs: the sum does not depend on the order of
+    arrival), else as float32. A NaN partial adds as the limit (the float16 sum is inf)."""
+    if sums_ptr.dtype.element_ty == tl.int64:
+        clean = tl.where(values != values, 2.0**20, values)  # FIXED_POINT_LIMIT
+        clean = tl.minimum(tl.maximum(clean, -(2.0**20)), 2.0**20)
+        scaled = clean * 4294967296.0  # FIXED_POINT_SCALE; |scaled| <= 2^52, exact
+        fixed = (scaled + tl.where(scaled < 0, -0.5, 0.5)).to(tl.int64)  # nearest
+        tl.atomic_add(sums_ptr + offsets, fixed, mask=mask, sem="relaxed")
+    else:
+        tl.atomic_add(sums_ptr + offsets, values, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def take_sums(sums_ptr, offsets, mask):
+    """The workspace's sums at `offsets` as float32, zeroed again behind them (the last
+    program of a tile calls this after every partial has arrived). Read from L2 (.cg),
+    past an L1 that may hold the lines from an earlier call."""
+    sums = tl.load(sums_ptr + offsets, mask=mask, other=0, cache_modifier=".cg")
+    # Every thread has read before any zeroes: a layout may hold an element in several
+    # threads (an MMA accumulator tile narrower than a warpgroup's 64 rows).
+    tl.debug_barrier()
+    tl.store(sums_ptr + offsets, tl.zeros_like(sums), mask=mask)
+    if sums_ptr.dtype.element_ty == tl.int64:
+        return sums.to(tl.float32) * (1.0 / 4294967296.0)
+    else:
+        return sums
+
+
+def sums_view(workspace: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The workspace as the kernels sum into it for outputs of `out_dtype`: int64 fixed
+    point for float16 under `deterministic_sums()`, the same zeroed bytes as float32
+    otherwise (the kernels pick the arithmetic from the pointer's type)."""
+    if out_dtype == torch.float16 and deterministic_sums():
+        return workspace
+    return workspace.view(torch.float32)
+
+
+def check_fixed_point_arrivals(arrivals: int) -> None:
+    """The fixed-point sums have room for MAX_FIXED_POINT_ARRIVALS partials each."""
+    if arrivals > MAX_FIXED_POINT_ARRIVALS:
+        raise ValueError(
+            f"{arrivals} split-K partials per output exceed the fixed-point workspace's "
+            f"{MAX_FIXED_POINT_ARRIVALS} (in_features too large for the decode kernels)"
+        )
+
+
+# Per device: an int64 sum buffer (viewed as float32 for bfloat16/float32 outputs) and
+# int32 tile counters that are zero between calls.
 # Each GEMV and mid-M matmul leaves them zeroed (the last program per tile resets its
 # part), so kernels of one stream share them in turn. The first (uncaptured) call of every
 # shape sizes them, which a CUDA graph's warm-up run provides. They only grow, and a
@@ -196,7 +266,7 @@ def _workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tenso
         have = (
             torch.zeros(
                 max(sums, 2 * old_sums if grow_sums else old_sums, 1 << 16),
-                dtype=torch.float32,
+                dtype=torch.int64,
                 device=device,
             ),
             torch.zeros(

@@ -26,6 +26,10 @@ from kernels.quant_common import (
     _split,
     _workspace,
     _zero_points,
+    add_partial,
+    check_fixed_point_arrivals,
+    sums_view,
+    take_sums,
 )
 from kernels.quant_matmul import QuantizedWeight, per_group_zeros
 
@@ -129,9 +133,8 @@ def finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter, arrivals):
     tl.debug_barrier()
     done = tl.atomic_add(counter, 1, sem="acq_rel")
     if done == arrivals - 1:
-        sums = tl.load(out_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+        sums = take_sums(out_ptr, offsets, mask)
         tl.store(y_ptr + offsets, sums.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_ptr + offsets, tl.zeros_like(sums), mask=mask)
         tl.store(counter, 0)
 
 
@@ -230,7 +233,7 @@ def _sum_over_k(x_tile, TRANSPOSED: tl.constexpr):
 @triton.jit(do_not_specialize=["add_bias", "arrivals"])
 def _dot_kernel(
     x_ptr,  # [M, k], unit column stride
-    out_ptr,  # float32 [M, n]: the device's workspace, zero between calls (see finish_dot_tile)
+    out_ptr,  # [M, n] sums: the device's workspace, zero between calls (see finish_dot_tile)
     y_ptr,  # [M, n] in x's dtype, contiguous
     counter_ptr,  # int32 per (row tile, column tile), zero on entry
     arrivals,  # programs per tile over all segments' launches
@@ -385,7 +388,7 @@ def _dot_kernel(
     acc += _along_n(bias.to(tl.float32), TRANSPOSED)
     offsets = _along_m(offs_m.to(tl.int64), TRANSPOSED) * n + _along_n(cols, TRANSPOSED)
     mask = _along_m(m_ok, TRANSPOSED) & _along_n(col_ok, TRANSPOSED)
-    tl.atomic_add(out_ptr + offsets, acc, mask=mask, sem="relaxed")
+    add_partial(out_ptr, offsets, acc, mask)
     finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter_ptr + pid_m * n_tiles + pid_n, arrivals)
 
 
@@ -415,7 +418,7 @@ def _fold(config: DotConfig, qw: QuantizedWeight, dtype: torch.dtype, grouped: b
 
 def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
     """y [M, n] (x's dtype) = x2d @ W (+ bias) on the tensor cores: one launch per segment,
-    summing in the device's self-resetting float32 workspace like the GEMV, so no
+    summing in the device's self-resetting workspace like the GEMV, so no
     zero-fill or cast kernel runs around it."""
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
     config = _dot_config(M, folded=_foldable(qw, x2d.dtype))
@@ -438,7 +441,9 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None
     bias = qw.bias if qw.bias is not None else qw.scales
     segments = [s for s in qw.segments if s.row_end > s.row_start]
     arrivals = sum(triton.cdiv(s.row_end - s.row_start, rows_per_split) for s in segments)
-    out32, counters = _workspace(x2d.device, M * n, m_tiles * n_tiles)
+    workspace, counters = _workspace(x2d.device, M * n, m_tiles * n_tiles)
+    out32 = sums_view(workspace, y.dtype)
+    check_fixed_point_arrivals(arrivals)
     first = True
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start

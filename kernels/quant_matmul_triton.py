@@ -45,17 +45,20 @@ Paths, by the number of activation rows M (tuning constants below, to be set on 
   gathered copy of x. W is a fresh tensor from torch's caching allocator, which hands the
   same block back on the next call of that size (a reusable scratch without a global).
 
-Reduction: split-K partials and the segments are summed with relaxed float32 atomic adds
-into one [M, n] float32 buffer. One launch per Segment (at most 6; the plane layout is a
+Reduction: split-K partials and the segments are summed with relaxed atomic adds into one
+[M, n] buffer (int64 fixed point for float16 outputs, so the sum does not depend on the
+order of arrival and decode is bitwise reproducible; float32 otherwise: see
+kernels/quant_common.py). One launch per Segment (at most 6; the plane layout is a
 compile-time constant of the unpacking code), all adding into the same buffer; the first
 one adds the bias. Atomics rather than a second reduction pass: the partials stay in L2
-(no [splits, M, n] buffer written and read back) and there is no extra launch. The price:
-the summation order varies from run to run, which can flip the last float32 bit and,
-rarely, the rounding to 16 bits. The GEMV sums into a per-device workspace that is zero
-between calls: the last program of each column tile (an atomic counter per tile) writes
-y in x's dtype and zeroes its part again, so a decode linear is one launch per segment
-and nothing else (a zero-fill and a cast kernel cost as much as a small GEMV). The mid-M
-path sums into the same workspace and finishes its tiles the same way.
+(no [splits, M, n] buffer written and read back) and there is no extra launch. Float32
+atomics would let the summation order vary from run to run, flipping the last float32 bit
+and, rarely, the rounding to 16 bits; integer sums cannot. The GEMV sums into a per-device
+workspace that is zero between calls: the last program of each column tile (an atomic
+counter per tile) writes y in x's dtype and zeroes its part again, so a decode linear is
+one launch per segment and nothing else (a zero-fill and a cast kernel cost as much as a
+small GEMV). The mid-M path sums into the same workspace and finishes its tiles the same
+way.
 
 Modules: this one holds the GEMV, the dequantization, the path choice and the public
 functions; kernels/quant_dot.py the mid-M tensor-core path (`DotConfig`, `_DOT_CONFIGS`,
@@ -95,6 +98,10 @@ from kernels.quant_common import (
     _unit_col_stride,
     _workspace,
     _zero_points,
+    add_partial,
+    check_fixed_point_arrivals,
+    sums_view,
+    take_sums,
 )
 from kernels.quant_dot import _launch_dot
 from kernels.quant_matmul import (
@@ -296,7 +303,8 @@ def _gemv_zero_term(
 @triton.jit(do_not_specialize=["add_bias", "arrivals"])
 def _gemv_kernel(
     x_ptr,  # [M, k], unit column stride
-    out_ptr,  # float32 [M, n], contiguous, accumulated atomically (a zeroed workspace)
+    out_ptr,  # [M, n] sums, contiguous, added to atomically (the zeroed workspace: int64
+    # fixed point for float16 y, float32 otherwise; see add_partial)
     y_ptr,  # [M, n] in x's dtype, contiguous: written by each column tile's last program
     counter_ptr,  # int32 [column tiles], zero on entry: programs of the tile done so far
     p0_ptr,
@@ -509,13 +517,13 @@ def _gemv_kernel(
     acc1 += bias
     acc2 += bias
     acc3 += bias
-    tl.atomic_add(out_ptr + cols, acc0, mask=col_ok, sem="relaxed")
+    add_partial(out_ptr, cols, acc0, col_ok)
     if M_ROWS > 1:
-        tl.atomic_add(out_ptr + n + cols, acc1, mask=col_ok, sem="relaxed")
+        add_partial(out_ptr, n + cols, acc1, col_ok)
     if M_ROWS > 2:
-        tl.atomic_add(out_ptr + 2 * n + cols, acc2, mask=col_ok, sem="relaxed")
+        add_partial(out_ptr, 2 * n + cols, acc2, col_ok)
     if M_ROWS > 3:
-        tl.atomic_add(out_ptr + 3 * n + cols, acc3, mask=col_ok, sem="relaxed")
+        add_partial(out_ptr, 3 * n + cols, acc3, col_ok)
     finish_gemv_tile(out_ptr, y_ptr, counter_ptr + pid_n, arrivals, n, cols, col_ok, M_ROWS)
 
 
@@ -524,15 +532,13 @@ def finish_gemv_tile(out_ptr, y_ptr, counter, arrivals, n, cols, col_ok, M_ROWS:
     """The last program of a column tile to finish writes the tile's sums as y and leaves
     the workspace as it found it (zeros, counter 0), so no zero-fill or cast kernel runs
     around the GEMV. The barrier makes every thread's atomics precede the counter's
-    release (the split-K semaphore pattern); the sums are read from L2 (.cg), past an L1
-    that may hold the workspace's lines from an earlier call."""
+    release (the split-K semaphore pattern); `take_sums` reads them back."""
     tl.debug_barrier()
     done = tl.atomic_add(counter, 1, sem="acq_rel")
     if done == arrivals - 1:
         for m in tl.static_range(M_ROWS):
-            sums = tl.load(out_ptr + m * n + cols, mask=col_ok, other=0.0, cache_modifier=".cg")
+            sums = take_sums(out_ptr, m * n + cols, col_ok)
             tl.store(y_ptr + m * n + cols, sums.to(y_ptr.dtype.element_ty), mask=col_ok)
-            tl.store(out_ptr + m * n + cols, tl.zeros_like(sums), mask=col_ok)
         tl.store(counter, 0)
 
 
@@ -694,7 +700,8 @@ class GemvShare:
     added kernels does not matter: they may run on two streams at once."""
 
     y: torch.Tensor  # [M, n] in x's dtype
-    sums: torch.Tensor  # the device's float32 workspace, zero between calls
+    sums: torch.Tensor  # the device's workspace (int64 fixed point for float16 y), zero
+    # between calls
     counters: torch.Tensor  # int32 per column tile, zero between calls
     tiling: GemvTiling
     extra: int
@@ -717,9 +724,13 @@ def gemv_share(
     if x2d.dim() != 2 or x2d.stride(1) != 1 or M == 0 or n == 0 or _choose_path(M) != "gemv":
         return None
     tiling = _gemv_tiling(x2d, qw)
-    sums, counters = _workspace(x2d.device, M * n, tiling.n_tiles)
+    workspace, counters = _workspace(x2d.device, M * n, tiling.n_tiles)
     y = torch.empty((M, n), dtype=x2d.dtype, device=x2d.device)
-    return GemvShare(y, sums, counters, tiling, extra_per_tile(tiling.block_n))
+    share = GemvShare(
+        y, sums_view(workspace, y.dtype), counters, tiling, extra_per_tile(tiling.block_n)
+    )
+    check_fixed_point_arrivals(share.arrivals)
+    return share
 
 
 def launch_gemv_shared(x2d: torch.Tensor, qw: QuantizedWeight, share: GemvShare) -> None:
@@ -737,7 +748,7 @@ def _launch_gemv(
     extra_arrivals: int = 0,
 ) -> None:
     """y [M, n] (x's dtype) = x2d [M <= 4, k] @ W (+ bias): one launch per segment, summing
-    in the device's self-resetting float32 workspace (see finish_gemv_tile). `extra_arrivals`
+    in the device's self-resetting workspace (see finish_gemv_tile). `extra_arrivals`
     programs of other kernels per column tile add to the same sums (see GemvShare).
 
     If the GPU-side gaps between these launches show in decode profiles, the next step is
@@ -752,7 +763,9 @@ def _launch_gemv(
     bias = qw.bias if qw.bias is not None else qw.scales
     segments = [s for s in qw.segments if s.row_end > s.row_start]
     arrivals = t.arrivals + extra_arrivals
-    out32, counters = _workspace(x2d.device, M * n, n_tiles)
+    workspace, counters = _workspace(x2d.device, M * n, n_tiles)
+    out32 = sums_view(workspace, y.dtype)
+    check_fixed_point_arrivals(arrivals)
     pdl = programmatic_launch(x2d)
     first = True
     for segment in segments:

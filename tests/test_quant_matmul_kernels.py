@@ -21,6 +21,7 @@ import os
 import pytest
 import torch
 
+import kernels.backend as backend
 from engine.quant.bitpack import make_segment
 from kernels.quant_matmul import (
     QuantizedWeight,
@@ -483,11 +484,22 @@ def test_gemv_every_row_count(device: str) -> None:
         _check(qw, M, torch.float16, device, "gemv", seed=M)
 
 
-def test_workspace_is_left_zeroed(device: str) -> None:
+@pytest.mark.parametrize("fixed_point", [False, True])
+def test_workspace_is_left_zeroed(device: str, fixed_point: bool) -> None:
     # The GEMV and the mid-M path sum in a shared workspace that each call must leave as it
     # found it: calls of different shapes, paths and row counts in turn each equal the
-    # reference (M = 3 takes the transposed kernel, M = 20 the 64-row one; both grow it).
+    # reference (M = 3 takes the transposed kernel, M = 20 the 64-row one; both grow it),
+    # with float32 sums and with deterministic (fixed-point) ones.
     _require_triton(device)
+    before = backend.deterministic_sums()
+    backend.set_deterministic_sums(fixed_point)
+    try:
+        _calls_leave_the_workspace_zeroed(device)
+    finally:
+        backend.set_deterministic_sums(before)
+
+
+def _calls_leave_the_workspace_zeroed(device: str) -> None:
     weights = [
         make_weight(256, 200, [4, 3], device=device, seed=1),
         make_weight(96, 512, [8], device=device, seed=2, bias=False),

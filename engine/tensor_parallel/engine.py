@@ -101,6 +101,7 @@ class TensorParallelEngine(Engine):
             rope_alpha=options.rope_alpha,
             cuda_graphs=use_graphs,
             init_method=f"tcp://127.0.0.1:{_free_port()}",
+            deterministic=options.deterministic,
         )
         tokenizer = Tokenizer.from_dir(model_dir)
         os.environ.update(NCCL_ENV)  # inherited by the spawned ranks, set before NCCL init

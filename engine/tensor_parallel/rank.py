@@ -26,6 +26,7 @@ from engine.tensor_parallel import protocol
 from engine.tensor_parallel.staging import staging_placement
 from engine.tensor_parallel.transform import move_model, shard_model
 from engine.weights import WeightStore
+from kernels.backend import set_deterministic_sums
 
 # NVLink SHARP multicast (NVLS) can take GPUs shared with others out of service; NCCL and
 # torch's symmetric memory must not use it. Set before any NCCL communicator exists.
@@ -51,6 +52,7 @@ class ShardSpec:
     cuda_graphs: bool
     init_method: str  # tcp://127.0.0.1:<port>
     timeout_s: float = 1800.0
+    deterministic: bool = False  # EngineOptions.deterministic, for each rank's process
 
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
@@ -80,6 +82,7 @@ def build_rank(
     config = ModelConfig.from_dir(spec.model_dir)
     device = spec.device(rank)
     dtype = DTYPES[spec.dtype]
+    set_deterministic_sums(spec.deterministic)  # a spawned rank starts with the default
     model = load_causal_lm(
         spec.model_dir,
         device=device,
