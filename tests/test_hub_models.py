@@ -7,6 +7,7 @@ the real huggingface_hub reads it with HF_HUB_OFFLINE=1: no network, no stand-in
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,24 @@ def test_a_cached_repo_without_weights_is_refused(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "someone/no-weights has no .safetensors weights" in result.stderr
     assert not any(models.iterdir())
+
+
+def test_model_tab_download_panel_offline(tmp_path: Path) -> None:
+    """The Model tab's handler (webui/hub_panel.py) on the same cache: the model lands in the
+    models directory under its listed name; an id that is not cached says it is offline."""
+    make_tiny_llama(tmp_path / "src")
+    fill_cache(tmp_path / "hub", "someone/tiny", "main", tmp_path / "src")
+    script = (
+        "import json, sys; from pathlib import Path\n"
+        "from loader.manager import ModelManager; from webui.hub_panel import download\n"
+        "m = ModelManager(Path(sys.argv[1]), Path(sys.argv[1]) / 'loras')\n"
+        "print(json.dumps([download(m, 'someone/tiny'), download(m, 'someone/other'),\n"
+        "                  download(m, 'not an id'), [e.name for e in m.list_models()]]))\n"
+    )
+    result = run(["-c", script, str(tmp_path / "models")], tmp_path)
+    assert result.returncode == 0, result.stderr
+    found, missing, bad, listed = json.loads(result.stdout)
+    assert found[1] == "someone_tiny" and "Downloaded someone/tiny" in found[0]
+    assert missing[1] is None and "offline (HF_HUB_OFFLINE is set)" in missing[0]
+    assert bad[1] is None and "not a Hugging Face id" in bad[0]
+    assert listed == ["someone_tiny"]
