@@ -124,6 +124,8 @@ def download_snapshot(repo_id: str, revision: str | None, *, progress: bool = Tr
     except HFValidationError as e:
         raise ModelSourceError(f"{repo_id!r} is not a valid Hugging Face id: {e}") from None
     except LocalEntryNotFoundError as e:
+        if type(e).__name__ == "IncompleteSnapshotError":  # a download cut short, now offline
+            raise ModelSourceError(f"cannot finish downloading {where}: {_first_line(e)}") from None
         cache = constants.HF_HUB_CACHE
         if constants.HF_HUB_OFFLINE:
             why = "offline (HF_HUB_OFFLINE is set)"
