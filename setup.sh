@@ -8,7 +8,9 @@ if [ ! -x .venv/bin/python ]; then
     echo "creating .venv"
     "$PY" -m venv .venv
 fi
-PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+# pip's own output is the progress: each package as it is collected, downloads with a bar.
+# (With -q it printed nothing for minutes on a small CPU.)
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check --progress-bar on)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
         echo "installing torch (CUDA build) and triton"
@@ -19,8 +21,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
         "${PIP[@]}" "torch==2.13.0" "triton==3.6.0"
     fi
 fi
+echo "installing requirements.txt (transformers, gradio, ...): a few minutes on a small CPU"
 "${PIP[@]}" -r requirements.txt
 if [ "${KESTREL_DEV:-0}" = "1" ]; then
+    echo "installing requirements-dev.txt (pytest, ruff, playwright, ...)"
     "${PIP[@]}" -r requirements-dev.txt
 fi
 .venv/bin/python -c "import torch, triton; print(f'ready: torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.cuda.is_available()}')"

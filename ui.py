@@ -7,8 +7,10 @@ use), and serves on 127.0.0.1 only. Flags are modelled on text-generation-webui'
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from pathlib import Path
 
 # No usage reporting and no update checks from a local tool (must precede the import).
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -18,6 +20,20 @@ from webui import cli  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     args = cli.parse_args(argv)
+    # Before anything slow: a port in use or a model that cannot be had ends here, in seconds.
+    problem = _port_problem(args)
+    if problem:
+        print(f"[kestrel ui] {problem}", file=sys.stderr, flush=True)
+        return 2
+    if args.model:  # a name, a path or a Hugging Face id (downloaded here, once)
+        from loader.hub import ModelSourceError, resolve_model
+
+        try:
+            path = resolve_model(args.model, args.models_dir)
+        except ModelSourceError as e:
+            print(f"[kestrel ui] --model: {e}", file=sys.stderr, flush=True)
+            return 2
+        args.model = path.name if path.parent == Path(args.models_dir) else str(path)
 
     from loader.manager import ModelManager
     from webui import extensions, shared, startup
@@ -58,6 +74,23 @@ def main(argv: list[str] | None = None) -> int:
         **launch_kwargs(ctx),
     )
     return 0
+
+
+def _port_problem(args: argparse.Namespace) -> str | None:
+    """Why the web UI's or the API's port cannot be served on, naming the flag; else None."""
+    from webui.ports import port_problem
+
+    host = cli.host(args)
+    wanted = [] if args.nowebui else [(args.port, "--port")]
+    if args.api:
+        wanted.append((args.api_port, "--api-port"))
+    if len(wanted) == 2 and args.port == args.api_port and args.port != 0:
+        return f"--port and --api-port are both {args.port}: give them different ports"
+    for port, flag in wanted:
+        problem = port_problem(host, port, flag)
+        if problem:
+            return problem
+    return None
 
 
 if __name__ == "__main__":

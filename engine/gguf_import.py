@@ -219,6 +219,54 @@ def _fast_gguf_reader() -> Iterator[None]:
         gguf.GGUFReader = stock
 
 
+@contextmanager
+def _elapsed_until_the_bar(progress: bool, label: str) -> Iterator[None]:
+    """transformers parses the GGUF metadata and builds the model before its per-tensor bar
+    appears: 15 s with nothing on screen on a busy 2-core CPU. A ticking line shows that
+    stage's elapsed time and gives way when transformers' bar starts (its module's `tqdm`
+    is wrapped for that while; without that name the ticker just runs to the end)."""
+    if not progress:
+        yield
+        return
+    import threading
+
+    from tqdm.auto import tqdm
+
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        gguf_utils = None
+    ticker = tqdm(desc=f"[gguf import] {label}", bar_format="{desc}: {elapsed}", file=sys.stderr)
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(0.5):
+            ticker.refresh()
+
+    def end() -> None:
+        if not stop.is_set():
+            stop.set()
+            thread.join()
+            ticker.close()
+
+    stock = getattr(gguf_utils, "tqdm", None)
+
+    def bar(*args: Any, **kwargs: Any) -> Any:
+        end()
+        return stock(*args, **kwargs)  # type: ignore[misc]
+
+    thread = threading.Thread(target=tick, name="gguf-import-ticker", daemon=True)
+    thread.start()
+    if stock is not None:
+        gguf_utils.tqdm = bar
+    try:
+        yield
+    finally:
+        end()
+        if stock is not None:
+            gguf_utils.tqdm = stock
+
+
 def _require_packages() -> None:
     missing = []
     for module in ("gguf", "accelerate"):
@@ -245,9 +293,10 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> 
             tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
             _say(progress, "dequantizing the weights (transformers)")
             # float32 so that nothing is lost before the one cast below.
-            model = AutoModelForCausalLM.from_pretrained(
-                where, gguf_file=name, dtype=torch.float32, **_dequantize_option()
-            )
+            with _elapsed_until_the_bar(progress, "reading the GGUF metadata, building the model"):
+                model = AutoModelForCausalLM.from_pretrained(
+                    where, gguf_file=name, dtype=torch.float32, **_dequantize_option()
+                )
     except Exception as e:  # a damaged file fails in many ways inside gguf and transformers
         arch = gguf_architecture(gguf_path)
         what = f"architecture '{arch}'" if arch else "a model"

@@ -158,7 +158,9 @@ class SamplingSettings:
     xtc_threshold: float = 0.1
     xtc_probability: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
-    repetition_penalty_range: int = 0  # last N context tokens; 0: the whole context
+    # Last N context tokens (0: the whole context). 1024 is TGW's default: a penalty over a
+    # long chat's whole history would also push down words the reply needs.
+    repetition_penalty_range: int = 1024
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     dry_multiplier: float = 0.0  # 0: off

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
+from engine.architectures import ARCHITECTURES
 from engine.config import ConfigError, ModelConfig
 from loader import kestrel_loader, transformers_loader
 from loader.base import Chunk, LoadedModel, LoaderError, UnsupportedFeatureError
@@ -99,6 +100,8 @@ def load(
                 f"no loader can load {path} (is there a config.json and weights?); "
                 f"loaders: {', '.join(loaders)}"
             )
+        if loader == transformers_loader.NAME:
+            _refuse_unknown_architecture(model_path)
     elif loader not in loaders:
         raise LoaderError(f"unknown loader '{loader}' (available: {', '.join(loaders)})")
     return loaders[loader].load(
@@ -111,6 +114,26 @@ def load(
         autosplit=autosplit,
         tensor_parallel=tensor_parallel,
         **loader_specific,
+    )
+
+
+def _refuse_unknown_architecture(path: Path) -> None:
+    """An architecture Kestrel's engine does not run falls back to transformers; one that
+    transformers does not know either is refused here, before anything is loaded, saying
+    first what Kestrel supports (transformers' own error would only say to upgrade it)."""
+    problem = transformers_loader.architecture_problem(path)
+    if problem is None:
+        return
+    try:
+        arch = ModelConfig.from_dir(path).architecture
+    except ConfigError:
+        arch = None
+    if arch is None or arch in ARCHITECTURES:
+        raise LoaderError(f"cannot load {path}: {problem}")
+    raise LoaderError(
+        f"{path}: architecture '{arch}' is not supported. Kestrel runs "
+        f"{', '.join(sorted(ARCHITECTURES))}; its transformers fallback cannot run it either "
+        f"({problem})"
     )
 
 

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import loader
 from engine.sampling_settings import SamplingSettingsError
+from loader.hub import resolve_model
+
+# The checkout's models/ (where ui.py looks too), wherever the command is run from.
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,8 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "model",
         nargs="?",
-        help="model directory (Hugging Face layout); default: SmolLM2-135M-Instruct, "
-        "downloaded into models/ on first use",
+        help="model directory (Hugging Face layout), a name in --models-dir, or a Hugging Face "
+        "id (owner/name, or owner/name:branch) downloaded into --models-dir once; default: "
+        "SmolLM2-135M-Instruct, prepared in --models-dir on first use",
+    )
+    parser.add_argument(
+        "--models-dir",
+        type=Path,
+        default=MODELS_DIR,
+        help="where named, downloaded and default models live (default: models/ of the checkout)",
     )
     parser.add_argument("-p", "--prompt", default="Once upon a time,")
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -116,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is None:
             from loader.default_model import ensure_default_model
 
-            args.model = str(ensure_default_model())
+            args.model = str(ensure_default_model(args.models_dir))
             print(f"model: {args.model} (the default)", file=sys.stderr)
+        else:  # a name, a path or a Hugging Face id (downloaded first)
+            args.model = str(resolve_model(args.model, args.models_dir))
         model = loader.load(
             args.model,
             args.loader,

@@ -34,6 +34,27 @@ def can_load(path: Path) -> bool:
     return isinstance(config, dict)
 
 
+def architecture_problem(path: Path) -> str | None:
+    """Why AutoModelForCausalLM cannot build the model of `path`'s config.json, found from
+    the config alone (no weight is read); None when transformers knows its model type."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # transformers' own error names the file
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        return f"{path / 'config.json'} has no 'model_type', which transformers needs"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return (
+            f"transformers {transformers.__version__} has no causal language model of type "
+            f"{model_type!r}"
+        )
+    return None
+
+
 def load(
     path: Path,
     *,
@@ -56,6 +77,9 @@ def load(
         )
     if options:
         raise LoaderError(f"unknown option(s) for the transformers loader: {sorted(options)}")
+    problem = architecture_problem(path)
+    if problem:  # before any file of the model is read
+        raise LoaderError(f"the transformers loader cannot load {path}: {problem}")
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     tokenizer = Tokenizer.from_dir(path)

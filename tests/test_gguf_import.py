@@ -288,8 +288,16 @@ def test_existing_output_directory(gguf_file: Path, tmp_path: Path) -> None:
 
 
 def test_cli(gguf_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    stock_tqdm = gguf_utils.tqdm
     assert gguf_import_main([str(gguf_file), str(tmp_path / "cli")]) == 0
-    assert "imported" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "imported" in err
+    # No silent stage: a ticking line until transformers' per-tensor bar takes over.
+    ticker = err.index("[gguf import] reading the GGUF metadata, building the model: ")
+    assert ticker < err.index("Converting and de-quantizing GGUF tensors")
+    assert gguf_utils.tqdm is stock_tqdm
     assert (tmp_path / "cli" / "model.safetensors").is_file()
 
     # As a module, in a fresh interpreter: a clear one-line error, not a traceback.

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -322,7 +322,27 @@ def test_dry_matches_definition(allowed: int, device: str) -> None:
     torch.testing.assert_close(logits - ours, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_dry_range_and_8k_context_speed() -> None:
+class _CountOps(TorchDispatchMode):
+    """Counts the tensor operations run under it (each aten call once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _dry_ops(settings: dict, ctx: list[int]) -> list[str]:
+    sampler = Sampler(settings)
+    logits = torch.zeros(1, 512)
+    with _CountOps() as counter:
+        sampler.process(logits, torch.tensor([ctx]))
+    return counter.ops
+
+
+def test_dry_range_and_8k_context() -> None:
     g = torch.Generator().manual_seed(3)
     phrase = torch.randint(0, 500, (40,), generator=g).tolist()
     ctx = torch.randint(0, 500, (8192,), generator=g).tolist()
@@ -330,22 +350,30 @@ def test_dry_range_and_8k_context_speed() -> None:
     ctx[-30:] = phrase[:30]
     logits = torch.zeros(1, 512)
     settings = {"dry_multiplier": 1.0, "dry_base": 1.5, "dry_sequence_breakers": ""}
-    sampler = Sampler(settings)
-    started = time.perf_counter()
-    ours = sampler.process(logits, torch.tensor([ctx]))
-    assert time.perf_counter() - started < 1.0
+    whole = {**settings, "repetition_penalty_range": 0}
+    ours = Sampler(whole).process(logits, torch.tensor([ctx]))
     ref = _dry_reference(ctx, 512, 1.0, 1.5, 2, set())
     torch.testing.assert_close(
         -ours[0], torch.tensor(ref, dtype=torch.float32), rtol=1e-5, atol=1e-5
     )
     assert -ours[0, phrase[30]] == pytest.approx(1.5**28, rel=1e-5)
-    # The range: dry_penalty_last_n, or repetition_penalty_range by default (TGW).
-    for extra in ({"dry_penalty_last_n": 5000}, {"repetition_penalty_range": 5000}):
+    # The range: dry_penalty_last_n, else repetition_penalty_range (TGW; 1024 by default).
+    for extra, last in (
+        ({"dry_penalty_last_n": 5000}, 5000),
+        ({"repetition_penalty_range": 5000}, 5000),
+        ({}, 1024),
+    ):
         cut = Sampler({**settings, **extra}).process(logits, torch.tensor([ctx]))
         assert torch.equal(
-            cut, -torch.tensor([_dry_reference(ctx[-5000:], 512, 1.0, 1.5, 2, set())])
+            cut, -torch.tensor([_dry_reference(ctx[-last:], 512, 1.0, 1.5, 2, set())])
         )
         assert cut[0, phrase[30]] == 0
+    # Work, counted in tensor operations rather than seconds (a busy machine changes the
+    # seconds): the same operations whatever the context length, so no Python loop runs
+    # over the context's positions or matches, and no value is read back to the host.
+    short, long = _dry_ops(whole, ctx[-1024:]), _dry_ops(whole, ctx)
+    assert short == long
+    assert not [op for op in long if "_local_scalar_dense" in op or "nonzero" in op]
 
 
 def test_mirostat_truncation_and_update(device: str) -> None:

@@ -23,7 +23,10 @@ def start_api(args: argparse.Namespace, *, block: bool) -> bool:
         print(f"[kestrel ui] OpenAI-compatible API on http://{host}:{args.api_port}/v1",
               file=sys.stderr, flush=True)  # fmt: skip
     try:
-        run_api_server(host, args.api_port, args.api_key, args.admin_key, block)
+        origins = [o.strip() for o in getattr(args, "cors_origins", "").split(",") if o.strip()]
+        run_api_server(
+            host, args.api_port, args.api_key, args.admin_key, block, cors_origins=origins
+        )
     except Exception as e:
         print(f"[kestrel ui] the API did not start: {e}", file=sys.stderr, flush=True)
         return False

@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model")
     m.add_argument(
         "--model",
-        help="model to load at start: a name in --models-dir or a path. Without it: the model "
-        "loaded last time, else the default model (prepared on first use)",
+        help="model to load at start: a name in --models-dir, a path, or a Hugging Face id "
+        "(owner/name, or owner/name:branch) downloaded into --models-dir once. Without it: the "
+        "model loaded last time, else the default model (prepared on first use)",
     )
     m.add_argument("--models-dir", "--model-dir", type=Path, default=ROOT / "models",
                    help="default: models/ beside ui.py")  # fmt: skip
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-port", type=int, default=5000)
     s.add_argument("--api-key", default="", help="key the API requires (default: none)")
     s.add_argument("--admin-key", default="", help="key for model loading through the API")
+    s.add_argument(
+        "--cors-origins", "--api-cors-origins", dest="cors_origins", default="",
+        help="comma-separated origins the API allows by CORS (default: CORS off)",
+    )  # fmt: skip
     s.add_argument("--nowebui", action="store_true", help="start only the API, no web UI")
     s.add_argument("--extensions", nargs="+", default=[], help="extensions/<name> to load")
     s.add_argument(

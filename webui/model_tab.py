@@ -16,7 +16,7 @@ import gradio as gr
 
 import loader
 from loader.manager import ModelManager
-from webui import load_options
+from webui import hub_panel, load_options
 from webui.cli import CACHE_TYPES
 from webui.context import AppContext
 from webui.load_options import AUTO, OPTION_NAMES
@@ -98,6 +98,7 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> ModelTab:
             scale=4,
         )
         refresh = gr.Button("Refresh list", elem_id="model-refresh", scale=1)
+    hub_panel.build(ctx.manager, model_dd, model_choices)  # fetch a Hugging Face id
     loader_dd = gr.Dropdown(
         [AUTO, *loader.available()],
         value=remembered.get("loader") or AUTO,

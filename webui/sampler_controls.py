@@ -127,7 +127,7 @@ CONTROLS: tuple[Control, ...] = (
     _s("repetition_penalty", 1, 1.5, 0.01, "repetition", "1: off"),
     _s("presence_penalty", 0, 2, 0.05, "repetition"),
     _s("frequency_penalty", 0, 2, 0.05, "repetition"),
-    _s("repetition_penalty_range", 0, 4096, 64, "repetition", "0: the whole context"),
+    _s("repetition_penalty_range", 0, 4096, 64, "repetition", "last N tokens; 0: all"),
     _s("no_repeat_ngram_size", 0, 20, 1, "repetition", "0: off"),
     _s("dry_multiplier", 0, 5, 0.01, "repetition", "DRY; 0: off"),
     _s("dry_base", 1, 4, 0.01, "repetition"),

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import loader
 from extensions.openai.server import run_api_server
+from loader.hub import resolve_model
 from loader.manager import ModelManager, UnknownNameError
 from webui import extensions, shared
+from webui.ports import port_problem
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", help="a name in --models-dir, or a model directory")
+    parser.add_argument(
+        "--model",
+        help="a name in --models-dir, a model directory, or a Hugging Face id (owner/name, or "
+        "owner/name:branch) downloaded into --models-dir once",
+    )
     parser.add_argument("--models-dir", type=Path, default=Path("models"))
     parser.add_argument("--loras-dir", type=Path, default=Path("loras"))
     parser.add_argument("--loader", default=None, choices=loader.available())
@@ -81,15 +87,21 @@ def main(argv: list[str] | None = None) -> int:
     manager = ModelManager(args.models_dir, args.loras_dir)
     shared.manager = manager
     shared.args = args
+    host = (args.listen_host or "0.0.0.0") if args.listen else "127.0.0.1"
+    problem = port_problem(host, args.port, "--port")  # before the (slow) model load
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.model:
         try:
+            path = resolve_model(args.model, args.models_dir)  # a Hub id: downloaded here
+            args.model = path.name if path.parent == args.models_dir else str(path)
             load_model(manager, args)
         except (ValueError, OSError) as error:
             print(f"error: cannot load {args.model!r}: {error}", file=sys.stderr)
             return 2
         print(f"model: {manager.name}", file=sys.stderr)
     extensions.load_extensions([e for e in args.extensions if e != "openai"])
-    host = (args.listen_host or "0.0.0.0") if args.listen else "127.0.0.1"
     origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
     run_api_server(
         host, args.port, args.api_key, args.admin_key, block=True, manager=manager,

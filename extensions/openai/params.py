@@ -17,6 +17,17 @@ from extensions.openai.schemas import ChatCompletionRequest, CompletionRequest, 
 from webui import shared
 
 DEFAULT_MAX_TOKENS = 512  # TGW's default max_new_tokens
+# Sampling for a request that chooses none (README, "OpenAI-compatible API"). OpenAI's own
+# default, temperature 1 with nothing cut, gives word salad on small models (SmolLM2 135M
+# at 4 bits: "Kestrel, quinchinna fer a stetlew le mugah..."); 0.7 with min_p 0.1 keeps
+# their replies on topic and still varied. A request that sets any of _SAMPLER_CHOICE gets
+# exactly what it asked for, the rest off, as in OpenAI's API and TGW's.
+API_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 0.7, "min_p": 0.1}
+_SAMPLER_CHOICE = (
+    "temperature", "do_sample", "top_p", "top_k", "min_p", "top_a", "typical_p", "tfs",
+    "top_n_sigma", "epsilon_cutoff", "eta_cutoff", "xtc_probability", "mirostat_mode",
+    "dynamic_temperature", "smoothing_factor",
+)  # fmt: skip
 # Body fields that are not sampling settings (handled by the endpoints themselves).
 _NOT_SETTINGS = {
     "model", "n", "stream", "stream_options", "user", "max_tokens", "max_completion_tokens",
@@ -55,6 +66,8 @@ def build_state(body: SamplingFields) -> dict[str, Any]:
         value = getattr(body, key)
         if value is not None:
             state[key] = value
+    if not any(key in state for key in _SAMPLER_CHOICE):
+        state.update(API_SAMPLING_DEFAULTS)
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens

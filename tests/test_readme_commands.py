@@ -1,0 +1,110 @@
+"""Every command in the README runs as written after the two set-up commands (issue 25).
+
+The README's fenced shell blocks are read, each command is run in its `--help` form from a
+copy of the checkout as a fresh clone has it (the committed and to-be-committed files, with
+the virtual environment that `bash setup.sh` makes), and every flag the command uses must be
+one its `--help` lists. Python blocks must compile. Commands in the prose must not call a
+bare `python`, which is not the one with Kestrel's dependencies.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+FLAG = re.compile(r"^--?[A-Za-z][\w-]*$")
+
+
+def blocks(language: set[str]) -> list[str]:
+    return [m[2] for m in FENCE.finditer(README.read_text("utf-8")) if m[1] in language]
+
+
+def shell_commands() -> list[list[str]]:
+    """Each command of the README's shell blocks as argv (comments, line continuations,
+    `&&` chains and leading VAR=value assignments handled as the shell would)."""
+    commands = []
+    for block in blocks({"bash", "sh", "shell"}):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            while words:
+                cut = words.index("&&") if "&&" in words else len(words)
+                command, words = words[:cut], words[cut + 1 :]
+                while command and re.match(r"^[A-Z_][A-Z0-9_]*=", command[0]):
+                    command = command[1:]
+                if command:
+                    commands.append(command)
+    return commands
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkout's files as a fresh clone has them, plus setup.sh's .venv."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    target = tmp_path_factory.mktemp("clone")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():  # a deleted-but-tracked file is not in a fresh clone
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+    (target / ".venv").symlink_to(sys.prefix)  # the virtual environment running the tests
+    return target
+
+
+COMMANDS = shell_commands()
+
+
+def test_the_readme_has_commands() -> None:
+    starts = {" ".join(c[:2]) for c in COMMANDS}
+    assert {"bash setup.sh", ".venv/bin/python ui.py"} <= starts
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(c)[:60] for c in COMMANDS])
+def test_command_runs_as_written(command: list[str], clone: Path) -> None:
+    if command[:2] == ["bash", "setup.sh"]:
+        # The one command not run here (it installs); it must exist and parse.
+        assert subprocess.run(["bash", "-n", "setup.sh"], cwd=clone).returncode == 0
+        return
+    assert command[0] == ".venv/bin/python", f"not runnable after set-up: {shlex.join(command)}"
+    # argparse prints the help of the (sub)command reached and exits 0 at --help.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HUB_OFFLINE"] = "1"
+    result = subprocess.run(
+        [*command, "--help"], cwd=clone, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, f"{shlex.join(command)} --help:\n{result.stderr[-2000:]}"
+    # Flags the command gives must be ones the program has (argparse would refuse the rest
+    # only after --help had already ended the run).
+    for word in command[2:]:
+        if FLAG.match(word):
+            assert re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", result.stdout), (
+                f"{shlex.join(command)}: {word} is not among the flags of its --help"
+            )
+
+
+@pytest.mark.parametrize("index", range(len(blocks({"python"}))))
+def test_python_block_compiles(index: int) -> None:
+    compile(blocks({"python"})[index], f"README python block {index}", "exec")
+
+
+def test_prose_commands_use_the_venv() -> None:
+    text = README.read_text("utf-8")
+    bare = re.findall(r"(?<![/\w])python3? (?:-m |[\w/]+\.py)", text)
+    assert not bare, f"commands with a bare python (use .venv/bin/python): {bare}"
+
+
+def test_relative_links_exist() -> None:
+    for target in re.findall(r"\]\(([^)#:]+)\)", README.read_text("utf-8")):
+        assert (ROOT / target).exists(), target
