@@ -58,15 +58,31 @@ def _key(config: qmt.GemvConfig) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(parser)
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="time the fixed-point split-K sums (EngineOptions.deterministic)",
+    )
+    parser.add_argument("--warps", type=int, nargs="+", default=list(WARPS))
+    parser.add_argument("--cols", type=int, nargs="+", default=list(COLS))
+    parser.add_argument("--programs-per-sm", type=int, nargs="+", default=list(PROGRAMS_PER_SM))
+    parser.add_argument("--max-iters", type=int, nargs="+", default=list(MAX_ITERS))
+    parser.add_argument("--prefetch", choices=["on", "off", "both"], default="both")
     args = parser.parse_args()
     path, out = model_from_arguments(args)
-    engine = Engine.load(path, EngineOptions(device="cuda", dtype="float16", max_seq_len=256))
+    engine = Engine.load(
+        path,
+        EngineOptions(
+            device="cuda", dtype="float16", max_seq_len=256, deterministic=args.deterministic
+        ),
+    )
     bandwidth = _read_bandwidth()
     default = qmt._GEMV_CONFIG
+    prefetch_values = {"on": (True,), "off": (False,), "both": PREFETCH}[args.prefetch]
     configs = [
         qmt.GemvConfig(warps, (cols, cols, 4, 4), pps, iters, prefetch)
         for warps, cols, pps, iters, prefetch in itertools.product(
-            WARPS, COLS, PROGRAMS_PER_SM, MAX_ITERS, PREFETCH
+            args.warps, args.cols, args.programs_per_sm, args.max_iters, prefetch_values
         )
     ]
     if default not in configs:
@@ -126,6 +142,7 @@ def main() -> int:
             {
                 "gpu": torch.cuda.get_device_name(),
                 "format": args.format,
+                "deterministic": args.deterministic,
                 "read_bandwidth_gb_s": bandwidth / 1e9,
                 "default_total_us": totals[_key(default)],
                 "per_shape_best_total_us": per_shape_best,
