@@ -1,5 +1,6 @@
-"""Decode is bitwise reproducible on one GPU: the same prompt, settings and seed give the
-same tokens and the same logits in every run and every process (issue 31).
+"""With EngineOptions.deterministic, decode is bitwise reproducible on one GPU: the same
+prompt, settings and seed give the same tokens and the same logits in every run and every
+process (issue 31).
 
 The split-K GEMVs and the mid-M matmul sum their partials as fixed-point integers for
 float16 outputs (kernels/quant_common.py), so the order in which programs finish cannot
@@ -45,3 +46,24 @@ def test_decode_is_bitwise_the_same_in_fresh_processes(fmt: str, tmp_path: Path)
                 # Exact float equality: the log-probabilities come from the logits, so any
                 # bit of difference upstream shows here.
                 assert job == want, f"process {i}, {batch} job {j} differs from process 0's"
+
+
+def test_the_loader_option_sets_the_kernels_switch(tmp_path: Path) -> None:
+    """`deterministic=True` reaches the kernels through the public loader (and the CLI's
+    --deterministic), set before any kernel runs; the next load without it turns it off."""
+    import kernels.backend as backend
+    import loader
+
+    from model_factory import make_tiny_llama
+
+    make_tiny_llama(tmp_path / "tiny")
+    before = backend.deterministic_sums()
+    try:
+        model = loader.load(tmp_path / "tiny", "kestrel", device="cpu", deterministic=True)
+        assert backend.deterministic_sums()
+        assert model.generate("hello", {"max_new_tokens": 3, "temperature": 0})
+        model.unload()
+        loader.load(tmp_path / "tiny", "kestrel", device="cpu").unload()
+        assert not backend.deterministic_sums()
+    finally:
+        backend.set_deterministic_sums(before)
