@@ -15,7 +15,9 @@ from pathlib import Path
 
 import loader
 from engine.sampling_settings import SamplingSettingsError
+from engine.tensor_parallel.launched import launched_rank
 from loader.hub import resolve_model
+from loader.kestrel_loader import serve_tensor_parallel_rank
 
 # The checkout's models/ (where ui.py looks too), wherever the command is run from.
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -57,7 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-offload", action="store_true", help="run layers that fit no GPU on the CPU"
     )
     parser.add_argument(
-        "--tp", type=int, default=None, help="tensor parallel over N GPUs (one process each)"
+        "--tp",
+        type=int,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="N",
+        help="tensor parallel over N GPUs (one process each); without N: every GPU, or every "
+        "rank when started by torchrun (several machines: see the README)",
     )
     parser.add_argument(
         "--cache-type",
@@ -139,6 +148,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model: {args.model} (the default)", file=sys.stderr)
         else:  # a name, a path or a Hugging Face id (downloaded first)
             args.model = str(resolve_model(args.model, args.models_dir))
+        if args.tp is not None and launched_rank() is not None and launched_rank().rank > 0:
+            # torchrun started this process as another rank: serve rank 0, print nothing.
+            serve_tensor_parallel_rank(
+                Path(args.model),
+                device=args.device,
+                dtype=args.dtype,
+                max_seq_len=args.max_seq_len,
+                cache_type=args.cache_type,
+                **kestrel_options,
+            )
+            return 0
         model = loader.load(
             args.model,
             args.loader,
@@ -149,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             **kestrel_options,
             cache_type=args.cache_type,
         )
-        if args.tp or args.gpu_split or args.autosplit:
+        if args.tp is not None or args.gpu_split or args.autosplit:
             print(f"placement: {model.info().get('placement')}", file=sys.stderr)
         selection = {}
         for spec in args.lora:
@@ -203,8 +223,10 @@ def _placement_args(args: argparse.Namespace) -> dict:
         out["gpu_reserve_gb"] = args.gpu_reserve
     if args.cpu_offload:
         out["cpu_offload"] = True
-    if args.tp is not None:
+    if args.tp:
         out["tp"] = args.tp
+    elif args.tp == 0:  # --tp without N
+        out["tensor_parallel"] = True
     return out
 
 

@@ -13,6 +13,7 @@ from engine.config import ModelConfig
 from engine.engine import Engine, EngineOptions
 from engine.generator import GenerationBackend
 from engine.placement import PlacementError
+from engine.tensor_parallel.launched import launched_rank
 from engine.tensor_parallel.transform import TensorParallelError
 from loader.base import LoadedModel, LoaderError, UnsupportedFeatureError
 
@@ -75,12 +76,39 @@ def _tp_world_size(tensor_parallel: bool, tp: object, device: str | None) -> int
         return tp
     if not tensor_parallel:
         return 1
+    launched = launched_rank()
+    if launched is not None:  # torchrun started the ranks: as many as it says
+        return launched.world_size
     if device is not None and str(device).startswith("cpu"):
         raise LoaderError("tensor_parallel=True on the CPU needs tp=N (the number of ranks)")
     count = torch.cuda.device_count()
     if count < 2:
         raise LoaderError(f"tensor_parallel=True needs 2 or more GPUs, {count} visible")
     return count
+
+
+def serve_tensor_parallel_rank(
+    path: Path,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    max_seq_len: int | None = None,
+    cache_type: str = "fp16",
+    **options: Any,
+) -> None:
+    """Ranks 1.. of a torchrun launch (`torchrun ... -m loader MODEL --tp`): build this
+    rank's shard from the options rank 0 loads with, and serve rank 0 until it unloads."""
+    from engine.tensor_parallel.engine import serve_launched_rank
+
+    options.pop("tp", None)
+    options.pop("tensor_parallel", None)
+    engine_options = EngineOptions(
+        device=device, dtype=dtype, max_seq_len=max_seq_len, cache_type=cache_type, **options
+    )
+    try:
+        serve_launched_rank(path, engine_options)
+    except TensorParallelError as e:
+        raise LoaderError(str(e)) from e
 
 
 class KestrelModel(LoadedModel):

@@ -1,12 +1,13 @@
 """Rank 0 of a tensor-parallel model: the launcher and the engine the loader hands out.
 
 `TensorParallelEngine.launch(model_dir, options, world_size)` spawns ranks 1..W-1 (torch
-multiprocessing, one process per GPU), joins them in a process group (NCCL on GPUs, gloo
-on the CPU), builds its own shard and waits until every rank has built its own. From then
-on it is an ordinary `Engine` (tokenizer, scheduler, page bookkeeping) whose `forward`
-first broadcasts the step to the other ranks, which run the same forward on their shards.
-Decode steps replay CUDA graphs on every rank (all-reduces captured inside); prefill and
-mixed steps run eagerly.
+multiprocessing, one process per GPU) or, under torchrun, takes the ranks torchrun started
+(those run `serve_launched_rank`: engine/tensor_parallel/launched.py); it joins them in a
+process group (NCCL on GPUs, gloo on the CPU), builds its own shard and waits until every
+rank has built its own. From then on it is an ordinary `Engine` (tokenizer, scheduler,
+page bookkeeping) whose `forward` first broadcasts the step to the other ranks, which run
+the same forward on their shards. Decode steps replay CUDA graphs on every rank
+(all-reduces captured inside); prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOption
 from engine.loading import resolve_device, resolve_dtype
 from engine.lora.adapter import LoraError
 from engine.tensor_parallel import protocol
-from engine.tensor_parallel.rank import NCCL_ENV, ShardSpec, build_rank, init_rank, worker_main
+from engine.tensor_parallel.launched import LaunchedRank, launched_rank
+from engine.tensor_parallel.rank import (
+    NCCL_ENV,
+    ShardSpec,
+    build_rank,
+    init_rank,
+    serve,
+    worker_main,
+)
 from engine.tensor_parallel.transform import TensorParallelError
 from engine.tokenizer import Tokenizer
 
@@ -50,73 +59,54 @@ class TensorParallelEngine(Engine):
     def launch(
         cls, model_dir: str | Path, options: EngineOptions | None, world_size: int
     ) -> TensorParallelEngine:
+        """Rank 0 of `world_size` ranks: spawned here (one process per GPU of this machine),
+        or, in a torchrun launch (engine/tensor_parallel/launched.py), the ranks torchrun
+        started, joined through torch.distributed's environment rendezvous."""
         options = options or EngineOptions()
         started = time.perf_counter()
         model_dir = Path(model_dir)
-        if world_size < 2:
-            raise TensorParallelError(f"tensor parallelism needs 2 or more ranks, got {world_size}")
-        if options.gpu_split or options.autosplit or options.cpu_offload:
-            raise TensorParallelError(
-                "tensor parallelism and layer split (gpu_split/autosplit/cpu_offload) "
-                "cannot be combined"
-            )
-        if dist.is_initialized():
-            raise TensorParallelError(
-                "a tensor-parallel model is already loaded in this process; unload it first"
-            )
-        if options.cache_type not in CACHE_TYPES:
-            raise ValueError(
-                f"cache_type '{options.cache_type}' is not supported yet "
-                f"(available: {', '.join(CACHE_TYPES)})"
-            )
-        config = ModelConfig.from_dir(model_dir)
-        if config.num_key_value_heads % world_size or config.num_attention_heads % world_size:
-            raise TensorParallelError(
-                f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads do "
-                f"not divide among {world_size} ranks"
-            )
-        device = resolve_device(options.device)
-        if device.type == "cuda" and torch.cuda.device_count() < world_size:
-            raise TensorParallelError(
-                f"tensor parallelism over {world_size} GPUs asked for, "
-                f"{torch.cuda.device_count()} are visible"
-            )
-        dtype = resolve_dtype(options.dtype, device)
-        max_seq_len = options.max_seq_len or min(
-            config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN
-        )
-        if max_seq_len <= 0:
-            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
-        use_graphs = options.cuda_graphs and device.type == "cuda"
-        cache_tokens = options.cache_tokens or max_seq_len
-        spec = ShardSpec(
-            model_dir=str(model_dir),
-            world_size=world_size,
-            device_type=device.type,
-            dtype=str(dtype).removeprefix("torch."),
-            cache_type=options.cache_type,
-            max_seq_len=max_seq_len,
-            cache_pages=-(-cache_tokens // options.page_size),
-            page_size=options.page_size,
-            rope_alpha=options.rope_alpha,
-            cuda_graphs=use_graphs,
-            init_method=f"tcp://127.0.0.1:{_free_port()}",
-            deterministic=options.deterministic,
-        )
+        launched = launched_rank()
+        if launched is not None:
+            if launched.rank != 0:
+                raise TensorParallelError(
+                    f"this is rank {launched.rank} of a torchrun launch: ranks other than 0 "
+                    "run serve_launched_rank, not the engine"
+                )
+            if world_size != launched.world_size:
+                raise TensorParallelError(
+                    f"tp={world_size} asked for, but torchrun started {launched.world_size} "
+                    "ranks (WORLD_SIZE)"
+                )
+        spec, config, max_seq_len = _shard_spec(model_dir, options, world_size, launched)
         tokenizer = Tokenizer.from_dir(model_dir)
         os.environ.update(NCCL_ENV)  # inherited by the spawned ranks, set before NCCL init
-        context = mp.get_context("spawn")
-        reports = context.Queue()
-        workers = [
-            context.Process(target=worker_main, args=(rank, spec, reports), daemon=True)
-            for rank in range(1, world_size)
-        ]
-        for worker in workers:
-            worker.start()
+        workers: list = []
+        if launched is None:
+            context = mp.get_context("spawn")
+            reports = context.Queue()
+            workers = [
+                context.Process(target=worker_main, args=(rank, spec, reports), daemon=True)
+                for rank in range(1, world_size)
+            ]
+            for worker in workers:
+                worker.start()
         try:
             init_rank(spec, 0)
-            model, cache, graphs, _ = build_rank(spec, 0)
-            _wait_ready(workers, reports)
+            try:
+                model, cache, graphs, _ = build_rank(spec, 0)
+            except Exception as e:
+                if launched is not None:  # the other ranks wait for every rank's word
+                    _gather_load_errors(f"{type(e).__name__}: {e}")
+                raise
+            if launched is None:
+                _wait_ready(workers, reports)
+            else:
+                failed = _gather_load_errors(None)
+                if failed:
+                    rank, error = failed[0]
+                    raise TensorParallelError(
+                        f"tensor-parallel rank {rank} failed to load: {error}"
+                    )
         except BaseException:
             _stop_workers(workers)
             if dist.is_initialized():
@@ -173,14 +163,20 @@ class TensorParallelEngine(Engine):
         return self.model(batch.on(self._device), self.cache)
 
     def unload(self) -> None:
+        stopped = False
         if self.model is not None and dist.is_initialized():
             with self.lock:
                 protocol.send_stop(self._device)
+            stopped = True
         super().unload()
         for worker in self._workers:
             worker.join(timeout=60)
         _stop_workers(self._workers)
         if dist.is_initialized():
+            if stopped and launched_rank() is not None:
+                # torchrun's ranks outlive this call: leave the group together, or a rank
+                # still tearing down its side aborts when this process exits first.
+                dist.barrier()
             dist.destroy_process_group()
 
     def abort(self) -> None:
@@ -193,6 +189,100 @@ class TensorParallelEngine(Engine):
         self.graphs = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _shard_spec(
+    model_dir: Path, options: EngineOptions, world_size: int, launched: LaunchedRank | None
+) -> tuple[ShardSpec, ModelConfig, int]:
+    """What every rank builds its shard from, checked; the same on every rank of a
+    torchrun launch, which computes it from the same command line."""
+    if world_size < 2:
+        raise TensorParallelError(f"tensor parallelism needs 2 or more ranks, got {world_size}")
+    if options.gpu_split or options.autosplit or options.cpu_offload:
+        raise TensorParallelError(
+            "tensor parallelism and layer split (gpu_split/autosplit/cpu_offload) "
+            "cannot be combined"
+        )
+    if dist.is_initialized():
+        raise TensorParallelError(
+            "a tensor-parallel model is already loaded in this process; unload it first"
+        )
+    if options.cache_type not in CACHE_TYPES:
+        raise ValueError(
+            f"cache_type '{options.cache_type}' is not supported yet "
+            f"(available: {', '.join(CACHE_TYPES)})"
+        )
+    config = ModelConfig.from_dir(model_dir)
+    if config.num_key_value_heads % world_size or config.num_attention_heads % world_size:
+        raise TensorParallelError(
+            f"{config.num_attention_heads} query / {config.num_key_value_heads} KV heads do "
+            f"not divide among {world_size} ranks"
+        )
+    device = resolve_device(options.device)
+    local_ranks = launched.local_world_size if launched is not None else world_size
+    if device.type == "cuda" and torch.cuda.device_count() < local_ranks:
+        raise TensorParallelError(
+            f"tensor parallelism over {local_ranks} GPUs of this machine asked for, "
+            f"{torch.cuda.device_count()} are visible"
+        )
+    dtype = resolve_dtype(options.dtype, device)
+    max_seq_len = options.max_seq_len or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+    if max_seq_len <= 0:
+        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    cache_tokens = options.cache_tokens or max_seq_len
+    spec = ShardSpec(
+        model_dir=str(model_dir),
+        world_size=world_size,
+        device_type=device.type,
+        dtype=str(dtype).removeprefix("torch."),
+        cache_type=options.cache_type,
+        max_seq_len=max_seq_len,
+        cache_pages=-(-cache_tokens // options.page_size),
+        page_size=options.page_size,
+        rope_alpha=options.rope_alpha,
+        cuda_graphs=options.cuda_graphs and device.type == "cuda",
+        # torchrun's rendezvous (MASTER_ADDR/MASTER_PORT) or a port of this machine.
+        init_method="env://" if launched is not None else f"tcp://127.0.0.1:{_free_port()}",
+        deterministic=options.deterministic,
+        local_world_size=launched.local_world_size if launched is not None else None,
+    )
+    return spec, config, max_seq_len
+
+
+def serve_launched_rank(model_dir: str | Path, options: EngineOptions | None = None) -> None:
+    """A rank other than 0 of a torchrun launch: build this rank's shard from the same
+    options rank 0 was given, then run what rank 0 announces until it unloads the model."""
+    launched = launched_rank()
+    if launched is None or launched.rank == 0:
+        raise TensorParallelError(
+            "serve_launched_rank runs in ranks 1.. of a torchrun launch (RANK, WORLD_SIZE, "
+            "LOCAL_RANK, MASTER_ADDR and MASTER_PORT set); rank 0 loads the engine"
+        )
+    spec, _, _ = _shard_spec(Path(model_dir), options or EngineOptions(), launched.world_size,
+                             launched)  # fmt: skip
+    os.environ.update(NCCL_ENV)
+    init_rank(spec, launched.rank)
+    try:
+        try:
+            model, cache, graphs, _ = build_rank(spec, launched.rank)
+        except Exception as e:
+            _gather_load_errors(f"{type(e).__name__}: {e}")
+            raise
+        failed = _gather_load_errors(None)
+        if failed:
+            rank, error = failed[0]
+            raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
+        serve(model, cache, graphs, spec.device(launched.rank))
+        dist.barrier()  # rank 0's unload waits here too (see TensorParallelEngine.unload)
+    finally:
+        dist.destroy_process_group()
+
+
+def _gather_load_errors(error: str | None) -> list[tuple[int, str]]:
+    """Every rank's load outcome (None: ready), so that all ranks agree whether to go on."""
+    outcomes: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, error)
+    return [(rank, e) for rank, e in enumerate(outcomes) if e is not None]
 
 
 def _wait_ready(workers: list, reports) -> None:

@@ -53,9 +53,14 @@ class ShardSpec:
     init_method: str  # tcp://127.0.0.1:<port>
     timeout_s: float = 1800.0
     deterministic: bool = False  # EngineOptions.deterministic, for each rank's process
+    # Ranks per machine: rank r uses GPU r % local_world_size of its machine (torchrun over
+    # several machines); None: every rank on this one, rank r on cuda:r.
+    local_world_size: int | None = None
 
     def device(self, rank: int) -> torch.device:
-        return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
+        if self.device_type != "cuda":
+            return torch.device("cpu")
+        return torch.device("cuda", rank % (self.local_world_size or self.world_size))
 
     @property
     def backend(self) -> str:
@@ -65,7 +70,7 @@ class ShardSpec:
 def init_rank(spec: ShardSpec, rank: int) -> None:
     os.environ.update(NCCL_ENV)
     if spec.device_type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(spec.device(rank))
     dist.init_process_group(
         spec.backend,
         init_method=spec.init_method,
