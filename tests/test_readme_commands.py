@@ -77,7 +77,18 @@ def test_command_runs_as_written(command: list[str], clone: Path) -> None:
         # The one command not run here (it installs); it must exist and parse.
         assert subprocess.run(["bash", "-n", "setup.sh"], cwd=clone).returncode == 0
         return
+    if command[0] == ".venv/bin/torchrun":
+        # torchrun's own flags, then the module it starts on every rank with the rest.
+        split = command.index("-m")
+        _check_help(command[:split], clone)
+        _check_help([".venv/bin/python", *command[split:]], clone)
+        return
     assert command[0] == ".venv/bin/python", f"not runnable after set-up: {shlex.join(command)}"
+    _check_help(command, clone)
+
+
+def _check_help(command: list[str], clone: Path) -> None:
+    """`command --help` runs, and lists every flag the command gives."""
     # argparse prints the help of the (sub)command reached and exits 0 at --help.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_HUB_OFFLINE"] = "1"
@@ -87,8 +98,8 @@ def test_command_runs_as_written(command: list[str], clone: Path) -> None:
     assert result.returncode == 0, f"{shlex.join(command)} --help:\n{result.stderr[-2000:]}"
     # Flags the command gives must be ones the program has (argparse would refuse the rest
     # only after --help had already ended the run).
-    for word in command[2:]:
-        if FLAG.match(word):
+    for word in command[1:]:
+        if FLAG.match(word) and word != "-m":
             assert re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", result.stdout), (
                 f"{shlex.join(command)}: {word} is not among the flags of its --help"
             )
