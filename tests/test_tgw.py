@@ -168,6 +168,24 @@ def test_model_class_streams_cumulative_text_and_stops(tmp_path):
         model.encode("x")
 
 
+def test_ignored_settings_are_warned_through_the_injected_logger(tmp_path):
+    make_tiny_llama(tmp_path / "m")
+    warnings: list[str] = []
+    model = KestrelTGWModel.load(tmp_path / "m", {"cpu": True}, warn=warnings.append)
+    try:
+        state = {"max_new_tokens": 2, "do_sample": False, "auto_max_new_tokens": False}
+        list(model.generate_with_streaming("Hi", state))
+        assert warnings == []  # TGW's defaults set nothing Kestrel ignores
+        cfg = dict(state, guidance_scale=1.5, negative_prompt="no", grammar_string="root ::= x")
+        list(model.generate_with_streaming("Hi", cfg))
+        assert warnings == [
+            "Kestrel ignores these settings: guidance_scale and negative_prompt (CFG), "
+            "grammar_string (grammars)"
+        ]
+    finally:
+        model.unload()
+
+
 # -- settings schema -------------------------------------------------------------------------
 def test_kestrel_schema_matches_what_the_loader_accepts(tmp_path):
     schema = loader.settings_schema("kestrel")
@@ -354,6 +372,22 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     assert sampled[3:] == [0.0, 0.0]
     assert out["inferred_exl2"] == "Kestrel"  # EXL2 folders default to Kestrel again
     assert out["unloaded"]
+    assert out["q8_0_cache"] == "q8"  # TGW's llama.cpp name for the same storage
+    # Ignored settings are named in TGW's console (its logger), once per generation.
+    (warning,) = out["warnings"]
+    for key in ("guidance_scale", "negative_prompt", "grammar_string", "adaptive_target"):
+        assert key in warning
+    # Logprobs through TGW's own completions code: the top 3 per generated token, the
+    # greedy token first, with the values the reference computes.
+    assert out["api_text"] == expected[: len(out["api_text"])] and out["api_text"]
+    logprobs = out["api_logprobs"]
+    assert logprobs is not None, "TGW's API returned no logprobs for Kestrel"
+    first = logprobs["top_logprobs"][0]
+    assert len(first) == 3 and len(logprobs["top_logprobs"]) == len(logprobs["tokens"])
+    top3 = torch.log_softmax(reference_logits, dim=-1).topk(3)
+    torch.testing.assert_close(
+        torch.tensor(list(first.values())), top3.values, rtol=1e-4, atol=1e-4
+    )
 
     lora = out["lora"]
     if lora["status"] == "error":
