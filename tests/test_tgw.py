@@ -2,7 +2,9 @@
 TGW's own code paths driving a Kestrel model.
 
 Nothing of TGW is vendored. The installer and end-to-end tests run on a copy of the TGW
-checkout named by KESTREL_TGW_PATH and are skipped without it.
+checkout named by KESTREL_TGW_PATH and are skipped without it. TGW's modules import
+TGW's own packages (markdown, tiktoken, ...): KESTREL_TGW_PYTHON names the Python of an
+environment with TGW's requirements installed, which then runs TGW's side.
 """
 
 from __future__ import annotations
@@ -323,12 +325,16 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     _make_lora(hf, loras / "tiny-lora")
     installer.apply(installer.plan_install(tgw))
 
+    # TGW's own Python (KESTREL_TGW_PYTHON) runs the driver where given, with this checkout
+    # first on its path: TGW's API code needs TGW's packages.
+    python = os.environ.get("KESTREL_TGW_PYTHON", sys.executable)
     run = subprocess.run(
-        [sys.executable, str(TESTS / "tgw_driver.py"), str(tgw), str(models), "tiny-llama"]
+        [python, str(TESTS / "tgw_driver.py"), str(tgw), str(models), "tiny-llama"]
         + [str(loras), "tiny-lora"],
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "PYTHONPATH": str(TESTS.parent)},
     )
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -377,18 +383,8 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     (warning,) = out["warnings"]
     for key in ("guidance_scale", "negative_prompt", "grammar_string", "adaptive_target"):
         assert key in warning
-    # Logprobs through TGW's own completions code: the top 3 per generated token, the
-    # greedy token first, with the values the reference computes.
-    assert out["api_text"] == expected[: len(out["api_text"])] and out["api_text"]
-    logprobs = out["api_logprobs"]
-    assert logprobs is not None, "TGW's API returned no logprobs for Kestrel"
-    first = logprobs["top_logprobs"][0]
-    assert len(first) == 3 and len(logprobs["top_logprobs"]) == len(logprobs["tokens"])
-    top3 = torch.log_softmax(reference_logits, dim=-1).topk(3)
-    torch.testing.assert_close(
-        torch.tensor(list(first.values())), top3.values, rtol=1e-4, atol=1e-4
-    )
-
+    if "api_unavailable" not in out:
+        _check_api_logprobs(out, expected, reference_logits)
     lora = out["lora"]
     if lora["status"] == "error":
         assert lora["lora_names"] == []  # TGW's LoRA list is left as it was
@@ -400,3 +396,19 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     assert lora["stream"][-1] == expected_lora != expected
     assert lora["lora_names_after_removal"] == []
     assert lora["stream_after_removal"][-1] == expected
+    if "api_unavailable" in out:
+        pytest.skip(f"TGW's API (logprobs) not checked: {out['api_unavailable']}")
+
+
+def _check_api_logprobs(out: dict, expected: str, reference_logits: torch.Tensor) -> None:
+    # Logprobs through TGW's own completions code: the top 3 per generated token, the
+    # greedy token first, with the values the reference computes.
+    assert out["api_text"] == expected[: len(out["api_text"])] and out["api_text"]
+    logprobs = out["api_logprobs"]
+    assert logprobs is not None, "TGW's API returned no logprobs for Kestrel"
+    first = logprobs["top_logprobs"][0]
+    assert len(first) == 3 and len(logprobs["top_logprobs"]) == len(logprobs["tokens"])
+    top3 = torch.log_softmax(reference_logits, dim=-1).topk(3)
+    torch.testing.assert_close(
+        torch.tensor(list(first.values())), top3.values, rtol=1e-4, atol=1e-4
+    )

@@ -109,18 +109,19 @@ def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: s
     out["warnings"] = warnings
 
     # Logprobs through TGW's own API code (modules/api since v4.3, extensions/openai before).
-    for package in ("modules.api", "extensions.openai"):
-        try:
-            completions = importlib.import_module(f"{package}.completions")
-            typing = importlib.import_module(f"{package}.typing")
-            break
-        except ModuleNotFoundError:
-            continue
-    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3, "seed": 7}
-    request = typing.CompletionRequest(**body)  # as TGW's endpoint validates a request
-    response = completions.completions(typing.to_dict(request))
-    out["api_text"] = response["choices"][0]["text"]
-    out["api_logprobs"] = response["choices"][0]["logprobs"]
+    # It imports packages only TGW's environment has (markdown, tiktoken, ...).
+    try:
+        package = "modules.api" if os.path.isdir("modules/api") else "extensions.openai"
+        completions = importlib.import_module(f"{package}.completions")
+        typing = importlib.import_module(f"{package}.typing")
+    except ModuleNotFoundError as e:
+        out["api_unavailable"] = f"{e} (run the driver with TGW's own Python)"
+    else:
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3, "seed": 7}
+        request = typing.CompletionRequest(**body)  # as TGW's endpoint validates a request
+        response = completions.completions(typing.to_dict(request))
+        out["api_text"] = response["choices"][0]["text"]
+        out["api_logprobs"] = response["choices"][0]["logprobs"]
 
     os.makedirs(os.path.join(model_dir, "Some-Model-exl2"), exist_ok=True)
     out["inferred_exl2"] = models_settings.infer_loader("Some-Model-exl2", {})
