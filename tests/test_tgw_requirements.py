@@ -100,7 +100,7 @@ def test_engine_ranges_admit_every_tgw_pin(release):
     assert not clashes, f"TGW {release}: " + "; ".join(clashes)
     # torch's own triton: TGW's torch 2.9 pins triton 3.5, which the engine's range admits.
     triton = next(r for r in engine_requirements() if r.name == "triton")
-    assert Version("3.5.1") in triton.specifier
+    assert Version("3.5.1") in triton.specifier and Version("3.9.0") not in triton.specifier
     assert (
         pin_example(pins["torch"])
         in next(r for r in engine_requirements() if r.name == "torch").specifier
@@ -154,17 +154,25 @@ def test_readme_pip_install_keeps_tgw_pins(tmp_path, release):
     args = pip_command.split()[2:]
     args = [str(ROOT) if a == "/path/to/kestrel" else a for a in args]
     report_path = tmp_path / "report.json"
+    # pip builds a local project in place; leave the checkout as the test found it.
+    litter = [ROOT / "build", ROOT / "kestrel.egg-info"]
+    existed = {path: path.exists() for path in litter}
     # In TGW's folder, as the README says; --dry-run --report: what pip would install into
     # an environment holding TGW's pins (--ignore-installed: not this test's own).
-    run = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
-        + ["--report", str(report_path), "-r", "requirements/kestrel-check/pins.txt", *args],
-        cwd=tgw,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
-    )
+    try:
+        run = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "-q"]
+            + ["--report", str(report_path), "-r", "requirements/kestrel-check/pins.txt", *args],
+            cwd=tgw,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+        )
+    finally:
+        for path, was_there in existed.items():
+            if not was_there:
+                shutil.rmtree(path, ignore_errors=True)
     if run.returncode != 0:
         if "ResolutionImpossible" in run.stderr or "conflict" in run.stderr.lower():
             pytest.fail(f"Kestrel's requirements conflict with TGW {release}'s:\n{run.stderr}")
