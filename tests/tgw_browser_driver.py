@@ -18,10 +18,16 @@ LAST_REPLY = (
 )
 
 
+def _options(dropdown: Locator) -> Locator:
+    """The option list of this Gradio dropdown (rendered inside its own div.wrap)."""
+    wrap = dropdown.locator("xpath=ancestor::div[contains(concat(' ', @class, ' '), ' wrap ')][1]")
+    return wrap.locator("ul[role=listbox] li")
+
+
 def _menu_options(page: Page, dropdown: Locator) -> list[str]:
     """The options a Gradio dropdown offers (opened, read, closed again)."""
     dropdown.click()
-    options = page.locator("ul[role=listbox] li")
+    options = _options(dropdown)
     options.first.wait_for()
     texts = [text.replace("✓", "").strip() for text in options.all_inner_texts()]
     page.keyboard.press("Escape")
@@ -32,7 +38,8 @@ def _menu_options(page: Page, dropdown: Locator) -> list[str]:
 
 def _pick(page: Page, dropdown: Locator, option: str) -> None:
     dropdown.click()
-    page.locator("ul[role=listbox] li", has_text=option).first.click()
+    _options(dropdown).filter(has_text=option).first.click()
+    _options(dropdown).first.wait_for(state="detached")
 
 
 def _pick_loader(page: Page, tab: Locator, loader: str) -> None:
