@@ -14,7 +14,8 @@ PIP=(.venv/bin/python -m pip install --disable-pip-version-check --progress-bar 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then
         echo "installing torch (CUDA build) and triton"
-        "${PIP[@]}" "torch>=2.6"
+        # With the engine's requirements, so that pip picks a torch whose triton fits them.
+        "${PIP[@]}" "torch>=2.6" -r requirements-engine.txt
     else
         # No GPU: the CPU path and the Triton interpreter. 2.13.0 is the release CI uses.
         echo "installing torch 2.13.0 and triton 3.6.0 (no NVIDIA GPU found: CPU mode)"

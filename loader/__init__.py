@@ -12,129 +12,75 @@ point names a module (or object) with `can_load(path) -> bool` and `load(path, *
 
 from __future__ import annotations
 
-from importlib import metadata
-from pathlib import Path
-from types import ModuleType
-from typing import Any, Protocol
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
-from engine.architectures import ARCHITECTURES
-from engine.config import ConfigError, ModelConfig
-from loader import kestrel_loader, transformers_loader
-from loader.base import Chunk, LoadedModel, LoaderError, UnsupportedFeatureError
-from loader.settings_schema import Control, SettingsSchema, schema_for
+if TYPE_CHECKING:
+    from loader.base import Chunk, LoadedModel, LoaderError, UnsupportedFeatureError
+    from loader.registry import available, load, register, settings_schema
+    from loader.settings_schema import Control, SettingsSchema
 
-ENTRY_POINT_GROUP = "kestrel.loaders"
-
-
-class LoaderPlugin(Protocol):
-    def can_load(self, path: Path) -> bool: ...
-    def load(self, path: Path, **options: Any) -> LoadedModel: ...
-
-
-# Order matters: when no loader is named, the first that can load the files wins.
-_BUILTIN: dict[str, LoaderPlugin | ModuleType] = {
-    kestrel_loader.NAME: kestrel_loader,
-    transformers_loader.NAME: transformers_loader,
+# Where each public name lives. They are imported on first use, not here: the TGW
+# installer (`python -m loader.tgw`, `kestrel-tgw`) only edits text files and must run
+# without importing the engine, torch or triton.
+_EXPORTS: dict[str, str] = {
+    "Chunk": "loader.base",
+    "LoadedModel": "loader.base",
+    "LoaderError": "loader.base",
+    "UnsupportedFeatureError": "loader.base",
+    "Control": "loader.settings_schema",
+    "SettingsSchema": "loader.settings_schema",
+    "ENTRY_POINT_GROUP": "loader.registry",
+    "LoaderPlugin": "loader.registry",
+    "available": "loader.registry",
+    "load": "loader.registry",
+    "register": "loader.registry",
+    "_registered": "loader.registry",
 }
-_registered: dict[str, LoaderPlugin | ModuleType] = {}
 
 
-def register(name: str, plugin: LoaderPlugin | ModuleType) -> None:
-    """Register a loader at run time (entry points do this without code)."""
-    _registered[name] = plugin
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        try:  # a submodule not imported yet, e.g. `loader.base` after `import loader`
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
-def _loaders() -> dict[str, LoaderPlugin | ModuleType]:
-    found: dict[str, LoaderPlugin | ModuleType] = dict(_BUILTIN)
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in found:
-            try:
-                found[ep.name] = ep.load()
-            except Exception as e:  # a broken plugin must not break the built-in loaders
-                import warnings
-
-                warnings.warn(f"loader plugin '{ep.name}' failed to import: {e}", stacklevel=2)
-    found.update(_registered)
-    return found
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS) | {"settings_schema"})
 
 
-def available() -> list[str]:
-    return list(_loaders())
+class _Package(types.ModuleType):
+    """`loader.settings_schema` is the function, as it was when this file imported
+    everything at once, although a submodule of that name exists: importing the submodule
+    later would otherwise replace the function with the module (the import system sets the
+    package attribute)."""
+
+    @property
+    def settings_schema(self) -> Any:
+        override = self.__dict__.get("_settings_schema_override")
+        if override is not None:
+            return override
+        from loader.registry import settings_schema
+
+        return settings_schema
+
+    @settings_schema.setter
+    def settings_schema(self, value: Any) -> None:
+        if not isinstance(value, types.ModuleType):  # e.g. a test's monkeypatch
+            self.__dict__["_settings_schema_override"] = value
 
 
-def settings_schema(name: str) -> SettingsSchema:
-    """The load-time controls of loader `name`, for a UI to render (see settings_schema.py)."""
-    loaders = _loaders()
-    if name not in loaders:
-        raise LoaderError(f"unknown loader '{name}' (available: {', '.join(loaders)})")
-    return schema_for(name, loaders[name])
-
-
-def load(
-    path: str | Path,
-    loader: str | None = None,
-    *,
-    device: str | None = None,
-    dtype: str | None = None,
-    max_seq_len: int | None = None,
-    cache_type: str = "fp16",
-    gpu_split: list[float] | None = None,
-    autosplit: bool = False,
-    tensor_parallel: bool = False,
-    **loader_specific: Any,
-) -> LoadedModel:
-    model_path = Path(path).expanduser()
-    if not model_path.exists():
-        raise LoaderError(f"model path not found: {path}")
-    if not model_path.is_dir():
-        raise LoaderError(f"model path is not a directory: {path}")
-    loaders = _loaders()
-    if loader is None:
-        loader = next((name for name, p in loaders.items() if p.can_load(model_path)), None)
-        if loader is None:
-            try:  # the config's own error says more than "no loader" where it is the cause
-                ModelConfig.from_dir(model_path)
-            except ConfigError as e:
-                raise LoaderError(f"no loader can load {path}: {e}") from None
-            raise LoaderError(
-                f"no loader can load {path} (is there a config.json and weights?); "
-                f"loaders: {', '.join(loaders)}"
-            )
-        if loader == transformers_loader.NAME:
-            _refuse_unknown_architecture(model_path)
-    elif loader not in loaders:
-        raise LoaderError(f"unknown loader '{loader}' (available: {', '.join(loaders)})")
-    return loaders[loader].load(
-        model_path,
-        device=device,
-        dtype=dtype,
-        max_seq_len=max_seq_len,
-        cache_type=cache_type,
-        gpu_split=gpu_split,
-        autosplit=autosplit,
-        tensor_parallel=tensor_parallel,
-        **loader_specific,
-    )
-
-
-def _refuse_unknown_architecture(path: Path) -> None:
-    """An architecture Kestrel's engine does not run falls back to transformers; one that
-    transformers does not know either is refused here, before anything is loaded, saying
-    first what Kestrel supports (transformers' own error would only say to upgrade it)."""
-    problem = transformers_loader.architecture_problem(path)
-    if problem is None:
-        return
-    try:
-        arch = ModelConfig.from_dir(path).architecture
-    except ConfigError:
-        arch = None
-    if arch is None or arch in ARCHITECTURES:
-        raise LoaderError(f"cannot load {path}: {problem}")
-    raise LoaderError(
-        f"{path}: architecture '{arch}' is not supported. Kestrel runs "
-        f"{', '.join(sorted(ARCHITECTURES))}; its transformers fallback cannot run it either "
-        f"({problem})"
-    )
+sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

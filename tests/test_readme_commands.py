@@ -77,6 +77,16 @@ def test_command_runs_as_written(command: list[str], clone: Path) -> None:
         # The one command not run here (it installs); it must exist and parse.
         assert subprocess.run(["bash", "-n", "setup.sh"], cwd=clone).returncode == 0
         return
+    if command[0] == "pip":
+        # The TGW section's commands run in TGW's own environment: tests/
+        # test_tgw_requirements.py resolves this very command against TGW's pins.
+        assert command[1] in ("install", "uninstall"), shlex.join(command)
+        return
+    if command[0] == "kestrel-tgw":
+        # The console script `pip install /path/to/kestrel` puts in TGW's environment runs
+        # loader.tgw's main (pyproject.toml [project.scripts]).
+        _check_help([".venv/bin/python", "-m", "loader.tgw", *command[1:]], clone)
+        return
     if command[0] == ".venv/bin/torchrun":
         # torchrun's own flags, then the module it starts on every rank with the rest.
         split = command.index("-m")

@@ -2,7 +2,9 @@
 TGW's own code paths driving a Kestrel model.
 
 Nothing of TGW is vendored. The installer and end-to-end tests run on a copy of the TGW
-checkout named by KESTREL_TGW_PATH and are skipped without it.
+checkout named by KESTREL_TGW_PATH and are skipped without it. TGW's modules import
+TGW's own packages (markdown, tiktoken, ...): KESTREL_TGW_PYTHON names the Python of an
+environment with TGW's requirements installed, which then runs TGW's side.
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ import argparse
 import ast
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,6 +50,12 @@ TESTS = Path(__file__).parent
 TGW_PATH = os.environ.get("KESTREL_TGW_PATH")
 needs_tgw = pytest.mark.skipif(
     not TGW_PATH, reason="set KESTREL_TGW_PATH to a text-generation-webui checkout"
+)
+TGW_PYTHON = os.environ.get("KESTREL_TGW_PYTHON")
+needs_tgw_ui = pytest.mark.skipif(
+    not (TGW_PATH and TGW_PYTHON and Path("/usr/bin/chromium").exists()),
+    reason="TGW's web UI needs KESTREL_TGW_PATH, KESTREL_TGW_PYTHON (TGW's environment, "
+    "with TGW's own Gradio build) and /usr/bin/chromium",
 )
 
 
@@ -166,6 +178,24 @@ def test_model_class_streams_cumulative_text_and_stops(tmp_path):
     assert model.model is None
     with pytest.raises(LoaderError, match="unloaded"):
         model.encode("x")
+
+
+def test_ignored_settings_are_warned_through_the_injected_logger(tmp_path):
+    make_tiny_llama(tmp_path / "m")
+    warnings: list[str] = []
+    model = KestrelTGWModel.load(tmp_path / "m", {"cpu": True}, warn=warnings.append)
+    try:
+        state = {"max_new_tokens": 2, "do_sample": False, "auto_max_new_tokens": False}
+        list(model.generate_with_streaming("Hi", state))
+        assert warnings == []  # TGW's defaults set nothing Kestrel ignores
+        cfg = dict(state, guidance_scale=1.5, negative_prompt="no", grammar_string="root ::= x")
+        list(model.generate_with_streaming("Hi", cfg))
+        assert warnings == [
+            "Kestrel ignores these settings: guidance_scale and negative_prompt (CFG), "
+            "grammar_string (grammars)"
+        ]
+    finally:
+        model.unload()
 
 
 # -- settings schema -------------------------------------------------------------------------
@@ -305,12 +335,16 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     _make_lora(hf, loras / "tiny-lora")
     installer.apply(installer.plan_install(tgw))
 
+    # TGW's own Python (KESTREL_TGW_PYTHON) runs the driver where given, with this checkout
+    # first on its path: TGW's API code needs TGW's packages.
+    python = os.environ.get("KESTREL_TGW_PYTHON", sys.executable)
     run = subprocess.run(
-        [sys.executable, str(TESTS / "tgw_driver.py"), str(tgw), str(models), "tiny-llama"]
+        [python, str(TESTS / "tgw_driver.py"), str(tgw), str(models), "tiny-llama"]
         + [str(loras), "tiny-lora"],
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "PYTHONPATH": str(TESTS.parent)},
     )
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
@@ -354,7 +388,13 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     assert sampled[3:] == [0.0, 0.0]
     assert out["inferred_exl2"] == "Kestrel"  # EXL2 folders default to Kestrel again
     assert out["unloaded"]
-
+    assert out["q8_0_cache"] == "q8"  # TGW's llama.cpp name for the same storage
+    # Ignored settings are named in TGW's console (its logger), once per generation.
+    (warning,) = out["warnings"]
+    for key in ("guidance_scale", "negative_prompt", "grammar_string", "adaptive_target"):
+        assert key in warning
+    if "api_unavailable" not in out:
+        _check_api_logprobs(out, expected, reference_logits)
     lora = out["lora"]
     if lora["status"] == "error":
         assert lora["lora_names"] == []  # TGW's LoRA list is left as it was
@@ -366,3 +406,94 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     assert lora["stream"][-1] == expected_lora != expected
     assert lora["lora_names_after_removal"] == []
     assert lora["stream_after_removal"][-1] == expected
+    if "api_unavailable" in out:
+        pytest.skip(f"TGW's API (logprobs) not checked: {out['api_unavailable']}")
+
+
+def _check_api_logprobs(out: dict, expected: str, reference_logits: torch.Tensor) -> None:
+    # Logprobs through TGW's own completions code: the top 3 per generated token, the
+    # greedy token first, with the values the reference computes.
+    assert out["api_text"] == expected[: len(out["api_text"])] and out["api_text"]
+    logprobs = out["api_logprobs"]
+    assert logprobs is not None, "TGW's API returned no logprobs for Kestrel"
+    first = logprobs["top_logprobs"][0]
+    assert len(first) == 3 and len(logprobs["top_logprobs"]) == len(logprobs["tokens"])
+    top3 = torch.log_softmax(reference_logits, dim=-1).topk(3)
+    torch.testing.assert_close(
+        torch.tensor(list(first.values())), top3.values, rtol=1e-4, atol=1e-4
+    )
+
+
+# -- done when: TGW's web UI with the Kestrel loader (a real browser) -------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_http(url: str, server: subprocess.Popen, log: Path, timeout: float) -> None:
+    """Until `url` answers; fails with the server's log if it exits or never answers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"TGW's server.py exited ({server.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=5):
+                return
+        except OSError:
+            time.sleep(0.5)  # polling the server's state, not timing anything
+    pytest.fail(f"TGW's server did not answer at {url}:\n{log.read_text()[-4000:]}")
+
+
+@needs_tgw_ui
+@pytest.mark.browser
+@pytest.mark.slow
+def test_tgw_web_ui_loads_kestrel_streams_and_stops(tgw, tmp_path):
+    from tgw_browser_driver import run as drive_browser
+
+    models = tmp_path / "models"
+    # Big enough that a reply takes seconds on a CPU, so Stop lands mid-stream; the name
+    # makes TGW pick the Kestrel loader by itself (an EXL2-style folder name).
+    make_tiny_llama(
+        models / "story-llama-exl2",
+        dtype=torch.float16,
+        max_position_embeddings=4096,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    )
+    installer.apply(installer.plan_install(tgw))
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [TGW_PYTHON, "server.py", "--model-dir", str(models), "--listen-port", str(port)],
+            cwd=tgw,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(TESTS.parent)},
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_for_http(url, server, log, timeout=300)
+        seen = drive_browser(url, "story-llama-exl2", str(tmp_path))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    text = log.read_text()
+
+    assert "Kestrel" in seen["loaders"]
+    assert seen["kestrel_cache_types"] == list(CACHE_TYPES)  # Kestrel's only
+    assert seen["kestrel_cache_info"] == "Kestrel: fp16, fp8, q8, q6, q4 (q8_0, q4_0: q8, q4)"
+    assert "q8_0" in seen["llamacpp_cache_types"]  # TGW's own list for its loaders
+    assert seen["loader_picked_for_model"] == "Kestrel"
+    assert "Successfully loaded" in seen["load_message"], text[-3000:]
+    lengths = seen["reply_lengths_while_streaming"]
+    assert lengths == sorted(set(lengths)) and seen["stop_shown_while_streaming"]
+    assert seen["reply_after_stop"]
+    # TGW logs each reply's length: Stop ended it long before its token budget (512).
+    generated = [int(n) for n in re.findall(r"(\d+)\s+tokens, context", text)]
+    assert len(generated) == 1 and 0 < generated[0] < 512, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

@@ -9,7 +9,9 @@ Prints one JSON object (what TGW returned at each step) on its last line of stdo
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -90,6 +92,37 @@ def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: s
     sampling = dict(state, do_sample=True, temperature=1.0, top_k=3)
     out["sampled_probs"] = logits.get_next_logits(prompt, sampling, True, "", 5, True)
 
+    # Settings Kestrel ignores are named through TGW's own logger (its console).
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    from modules.logging_colors import logger
+
+    handler = Collect(level=logging.WARNING)
+    logger.addHandler(handler)
+    ignored = dict(state, guidance_scale=1.5, negative_prompt="no", grammar_string="root ::= x")
+    reply(dict(ignored, adaptive_target=0.5))
+    logger.removeHandler(handler)
+    out["warnings"] = warnings
+
+    # Logprobs through TGW's own API code (modules/api since v4.3, extensions/openai before).
+    # It imports packages only TGW's environment has (markdown, tiktoken, ...).
+    try:
+        package = "modules.api" if os.path.isdir("modules/api") else "extensions.openai"
+        completions = importlib.import_module(f"{package}.completions")
+        typing = importlib.import_module(f"{package}.typing")
+    except ModuleNotFoundError as e:
+        out["api_unavailable"] = f"{e} (run the driver with TGW's own Python)"
+    else:
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3, "seed": 7}
+        request = typing.CompletionRequest(**body)  # as TGW's endpoint validates a request
+        response = completions.completions(typing.to_dict(request))
+        out["api_text"] = response["choices"][0]["text"]
+        out["api_logprobs"] = response["choices"][0]["logprobs"]
+
     os.makedirs(os.path.join(model_dir, "Some-Model-exl2"), exist_ok=True)
     out["inferred_exl2"] = models_settings.infer_loader("Some-Model-exl2", {})
 
@@ -113,6 +146,12 @@ def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: s
 
     models.unload_model()
     out["unloaded"] = shared.model is None and model.model is None
+
+    # TGW's llama.cpp cache-type name for 8-bit K/V loads Kestrel's q8 cache.
+    shared.args.cache_type = "q8_0"
+    shared.model, shared.tokenizer = models.load_model(model_name)
+    out["q8_0_cache"] = shared.model.loaded.info().get("cache_type")
+    models.unload_model()
     return out
 
 

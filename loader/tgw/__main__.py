@@ -1,4 +1,10 @@
-"""python -m loader.tgw {install,uninstall,status,hashes} PATH_TO_TGW [--dry-run]"""
+"""kestrel-tgw {install,uninstall,status,hashes} PATH_TO_TGW [--dry-run]
+
+The same as `python -m loader.tgw ...`. `kestrel-tgw` is the console script `pip install
+/path/to/kestrel` puts into the environment; `python /path/to/kestrel/loader/tgw ...`
+works from any folder without installing. Either way only text files are edited: nothing
+here imports the engine (torch, triton).
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from loader.tgw import installer
-from loader.tgw.edits import EDITS, SHIM_FILE
-from loader.tgw.state import LOADER_NAME
+if not __package__:  # run by path: the `loader` package is two folders up from here
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from loader.tgw import installer  # noqa: E402
+from loader.tgw.edits import EDITS, SHIM_FILE  # noqa: E402
+from loader.tgw.names import LOADER_NAME  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loader.tgw",
+        prog="kestrel-tgw",
         description="Add the Kestrel loader to text-generation-webui, or remove it.",
     )
     parser.add_argument("command", choices=["install", "uninstall", "status", "hashes"])
@@ -51,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "install":
         print(
             f"done: start text-generation-webui and pick the '{LOADER_NAME}' loader "
-            f"(or --loader kestrel). Undo with: python -m loader.tgw uninstall {root}"
+            f"(or --loader kestrel). Undo with: kestrel-tgw uninstall {root}"
         )
     return 0
 

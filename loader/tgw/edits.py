@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loader.tgw.state import LOADER_NAME, TGW_PARAMS, TGW_SAMPLERS
+from loader.tgw.names import CACHE_TYPES, LOADER_NAME, TGW_PARAMS, TGW_SAMPLERS
 
 MODEL_CLASS = "KestrelTGWModel"
 SHIM_FILE = "modules/kestrel.py"
@@ -47,6 +47,38 @@ EDITS: tuple[Edit, ...] = (
         "modules/loaders.py",
         "loaders_samplers",
         _list_literal(f"loaders_samplers[{LOADER_NAME!r}]", TGW_SAMPLERS, "{}"),
+    ),
+    Edit(
+        "cache-types",
+        "modules/loaders.py",
+        "make_loader_params_visible",
+        (
+            f"    if 'cache_type' in all_params and loader == {LOADER_NAME!r}:",
+            "        # Kestrel's cache types only (TGW's q8_0/q4_0 map to them when typed)",
+            f"        kestrel_cache_types = {list(CACHE_TYPES)!r}",
+            "        updates = [gr.update(visible=k in params) for k in all_params]",
+            "        updates[all_params.index('cache_type')] = gr.update(",
+            "            visible=True,",
+            "            choices=kestrel_cache_types,",
+            "            info=f'Kestrel: {\", \".join(kestrel_cache_types)} (q8_0, q4_0: q8, q4)',",
+            "        )",
+            "        return updates",
+            "    if 'cache_type' in all_params:  # TGW's own list back for the other loaders",
+            "        from modules import shared",
+            "",
+            "        dropdown = shared.gradio.get('cache_type')",
+            "        if dropdown is not None and getattr(dropdown, 'choices', None):",
+            "            updates = [gr.update(visible=k in params) for k in all_params]",
+            "            updates[all_params.index('cache_type')] = gr.update(",
+            "                visible='cache_type' in params,",
+            "                choices=dropdown.choices,",
+            "                info=dropdown.info,",
+            "            )",
+            "            return updates",
+        ),
+        anchor="    return [gr.update(visible=True) if k in params else gr.update(visible=False) "
+        "for k in all_params]\n",
+        before=True,
     ),
     Edit(
         "load-func",
@@ -107,6 +139,29 @@ EDITS: tuple[Edit, ...] = (
             "            generate_func = generate_reply_custom",
         ),
         anchor="        else:\n            generate_func = generate_reply_HF\n",
+    ),
+    Edit(
+        "logprobs-keep",
+        "modules/text_generation.py",
+        "generate_reply_custom",
+        (
+            "    kestrel_processors = None",
+            f"    if shared.model.__class__.__name__ == {MODEL_CLASS!r}:",
+            "        kestrel_processors = state.get('logits_processor')",
+        ),
+        anchor="    state = copy.deepcopy(state)\n",
+        before=True,
+    ),
+    Edit(
+        "logprobs-restore",
+        "modules/text_generation.py",
+        "generate_reply_custom",
+        (
+            "    if kestrel_processors is not None:",
+            "        # the API reads logprobs from its own LogprobProcessor, not from a copy",
+            "        state['logits_processor'] = kestrel_processors",
+        ),
+        anchor="    state = copy.deepcopy(state)\n",
     ),
     Edit(
         "encode",
@@ -230,6 +285,10 @@ KNOWN_UNITS: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
         "60358f5862457347": _releases("v4.1", "v4.5.2"),
         "c8121d18cebba9ad": _releases("v4.6", "v4.7.3"),
     },
+    ("modules/loaders.py", "make_loader_params_visible"): {
+        "dfe6b5ca66266362": ("v4.0",),
+        "44ca149ad14f0825": _releases("v4.1", "v4.7.3"),
+    },
     ("modules/models.py", "load_model"): {
         "6e66551b4e5a9c5b": ("v4.0",),
         "1dc472f3e1e2fef3": ("v4.1", "v4.1.1", "v4.2"),
@@ -248,6 +307,10 @@ KNOWN_UNITS: dict[tuple[str, str], dict[str, tuple[str, ...]]] = {
     ("modules/text_generation.py", "_generate_reply"): {
         "cf9a022de83dee05": ("v4.0",),
         "5752e39e842a44b8": _releases("v4.1", "v4.7.3"),
+    },
+    ("modules/text_generation.py", "generate_reply_custom"): {
+        "858ae2708f41228b": _releases("v4.0", "v4.1.1"),
+        "d1ebcda369a89396": _releases("v4.2", "v4.7.3"),
     },
     ("modules/text_generation.py", "encode"): {
         "822d5dcb7596febf": _releases("v4.0", "v4.2"),

@@ -242,25 +242,49 @@ def _apply_edits(original: str, edits: list[Edit], file: str) -> str:
 
 
 def shim_source(kestrel_root: Path) -> str:
+    """modules/kestrel.py: puts the Kestrel that ran the install (the folder holding its
+    `loader` package: a checkout, or site-packages after `pip install`) on sys.path and
+    imports the glue from there. When that Kestrel has moved or been uninstalled, or another
+    `loader` package shadows it, the import fails with a message saying what to do."""
     root = str(Path(kestrel_root).resolve())
     return (
         f"{SHIM_HEADER} install`,\n"
         "removed by `python -m loader.tgw uninstall`). The code lives in Kestrel's\n"
         'loader/tgw/glue.py; this file only makes Kestrel importable from TGW."""\n'
         "\n"
+        "import os\n"
         "import sys\n"
         "\n"
         f"KESTREL_ROOT = {root!r}\n"
+        "_GLUE = os.path.join(KESTREL_ROOT, 'loader', 'tgw', 'glue.py')\n"
+        "_TGW = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))\n"
+        "if not os.path.isfile(_GLUE):\n"
+        "    raise ImportError(\n"
+        "        f'the Kestrel loader was installed into this text-generation-webui from '\n"
+        "        f'{KESTREL_ROOT}, and Kestrel is no longer there (moved or uninstalled). '\n"
+        "        f'Install it again from where Kestrel is now: pip install /path/to/kestrel, '\n"
+        "        f'then kestrel-tgw install {_TGW}'\n"
+        "    )\n"
         "if KESTREL_ROOT not in sys.path:\n"
         "    sys.path.append(KESTREL_ROOT)\n"
         "\n"
         "try:\n"
-        "    from loader.tgw.glue import add_lora_to_model, encode, load_model  # noqa: F401\n"
+        "    from loader.tgw import glue as _glue\n"
         "except ImportError as e:\n"
         "    raise ImportError(\n"
-        "        f'cannot import Kestrel from {KESTREL_ROOT}: {e}. Install its '\n"
-        "        f'requirements into this Python: pip install -r {KESTREL_ROOT}/requirements.txt'\n"
+        "        f'cannot import Kestrel from {KESTREL_ROOT}: {e}. Install its engine into '\n"
+        "        'this Python (from the cmd_* shell): pip install /path/to/kestrel'\n"
         "    ) from e\n"
+        "if os.path.realpath(_glue.__file__) != os.path.realpath(_GLUE):\n"
+        "    raise ImportError(\n"
+        "        f\"another package named 'loader' ({_glue.__file__}) shadows Kestrel's at \"\n"
+        "        f'{KESTREL_ROOT}; remove it from this Python or reinstall Kestrel'\n"
+        "    )\n"
+        "add_lora_to_model, encode, load_model = (\n"
+        "    _glue.add_lora_to_model,\n"
+        "    _glue.encode,\n"
+        "    _glue.load_model,\n"
+        ")\n"
     )
 
 

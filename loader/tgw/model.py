@@ -29,9 +29,16 @@ from typing import Any
 import torch
 
 import loader as kestrel_loaders
+from engine.generator import TokenLogprob
 from engine.sampling import Sampler
 from loader.base import LoadedModel, LoaderError
-from loader.tgw.state import load_options, prompt_budget, sampling_settings
+from loader.tgw.state import (
+    ignored_text,
+    load_options,
+    logprob_processor,
+    prompt_budget,
+    sampling_settings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +63,18 @@ class CausalLMOutput:
 
 class KestrelTGWModel:
     def __init__(
-        self, model: LoadedModel, *, stop_requested: Callable[[], bool] = lambda: False
+        self,
+        model: LoadedModel,
+        *,
+        stop_requested: Callable[[], bool] = lambda: False,
+        warn: Callable[[str], None] = log.warning,
     ) -> None:
         self.model: LoadedModel | None = model
-        # TGW's global Stop button (shared.stop_everything); injected so that this class
-        # needs no TGW import.
+        # TGW's global Stop button (shared.stop_everything) and TGW's logger (the one its
+        # console shows; Kestrel's own logger is silent there); injected so that this
+        # class needs no TGW import.
         self.stop_requested = stop_requested
+        self.warn = warn
         self.loras: list[str] = []
         self._last_prompt_token_count = 0
 
@@ -73,19 +86,26 @@ class KestrelTGWModel:
         args: Any,
         *,
         stop_requested: Callable[[], bool] = lambda: False,
+        warn: Callable[[str], None] = log.warning,
     ) -> KestrelTGWModel:
         """Load `path` with the kestrel engine, options taken from TGW-style `args`."""
         model = kestrel_loaders.load(path, "kestrel", **load_options(args))
-        return cls(model, stop_requested=stop_requested)
+        return cls(model, stop_requested=stop_requested, warn=warn)
 
     @classmethod
     def from_pretrained(cls, model_name: str) -> tuple[KestrelTGWModel, KestrelTGWModel]:
         """TGW's entry point: the model under TGW's model dir, TGW's Model-tab flags."""
         from modules import shared  # TGW's globals; only ever called inside TGW
+        from modules.logging_colors import logger
         from modules.utils import resolve_model_path
 
         path = Path(resolve_model_path(model_name))
-        model = cls.load(path, shared.args, stop_requested=lambda: bool(shared.stop_everything))
+        model = cls.load(
+            path,
+            shared.args,
+            stop_requested=lambda: bool(shared.stop_everything),
+            warn=logger.warning,
+        )
         return model, model
 
     @property
@@ -160,7 +180,11 @@ class KestrelTGWModel:
         settings = sampling_settings(state, len(ids))
         ignored = settings.unsupported()
         if ignored:
-            log.warning("Kestrel ignores these TGW settings: %s", ", ".join(ignored))
+            self.warn(f"Kestrel ignores these settings: {ignored_text(ignored)}")
+        # TGW's API asks for logprobs by putting a LogprobProcessor (a transformers logits
+        # processor) into the state and reading the top alternatives it recorded per token;
+        # Kestrel computes them in its sampler and records them there the same way.
+        logprob_proc = logprob_processor(state)
         stop_event = state.get("stop_event")
         reply = ""
         chunks = self.loaded.stream(ids, settings)
@@ -168,11 +192,25 @@ class KestrelTGWModel:
             for chunk in chunks:
                 if self.stop_requested() or (stop_event is not None and stop_event.is_set()):
                     break
+                if logprob_proc is not None and chunk.logprobs:
+                    self._record_logprobs(logprob_proc, chunk.logprobs)
                 if chunk.text:
                     reply += chunk.text
                     yield reply
         finally:
             chunks.close()
+
+    def _record_logprobs(self, proc: Any, logprobs: Sequence[TokenLogprob]) -> None:
+        """Each token's top alternatives as TGW's LogprobProcessor records them: a dict
+        {token text: logprob}, best first, as `token_alternatives` (the latest token) and
+        appended to `token_alternatives_history`."""
+        for entry in logprobs:
+            alternatives = {
+                self.decode([token_id], skip_special_tokens=False): float(value)
+                for token_id, value in entry.top
+            }
+            proc.token_alternatives = alternatives
+            proc.token_alternatives_history.append(alternatives)
 
     def generate(self, prompt: str, state: Mapping[str, Any]) -> str:
         replies = self.generate_with_streaming(prompt, state)

@@ -5,9 +5,10 @@ controls, as command-line flags) at load time, and a `state` dict (the Parameter
 each generation. Kestrel's SamplingSettings already uses TGW's state-key names, so the
 sampling keys pass through unchanged; this module handles what is TGW-specific:
 
-- load: `ctx_size` -> max_seq_len (0 lets Kestrel choose), `cache_type`, `gpu_split`
-  ("20,7,7", GB per GPU) -> a list of floats, `enable_tp` -> tensor_parallel, `cpu` ->
-  device "cpu". Unknown cache types are left for the engine to reject by name.
+- load: `ctx_size` -> max_seq_len (0 lets Kestrel choose), `cache_type` (TGW's names for
+  the same storage mapped to Kestrel's, others refused naming Kestrel's; names.py),
+  `gpu_split` ("20,7,7", GB per GPU) -> a list of floats, `enable_tp` -> tensor_parallel,
+  `cpu` -> device "cpu".
 - generate: `truncation_length` keeps the last (truncation_length - max_new_tokens)
   prompt tokens, as TGW's own loaders do; `auto_max_new_tokens` fills the context;
   top_p 0 (TGW's slider allows it) keeps only the most likely token, which is what
@@ -23,55 +24,13 @@ from typing import Any
 
 from engine.sampling_settings import SamplingSettings
 from loader.base import LoaderError
-
-LOADER_NAME = "Kestrel"  # the name in TGW's loader menu and `--loader kestrel`
-
-# Model-tab controls TGW shows for the Kestrel loader (TGW's loaders_and_params entry).
-TGW_PARAMS: tuple[str, ...] = ("ctx_size", "cache_type", "gpu_split", "enable_tp", "cpu")
-
-# Parameters-tab controls TGW shows for Kestrel (its loaders_samplers entry): the TGW
-# sampling keys SamplingSettings implements, plus the ones this adapter handles itself.
-ADAPTER_KEYS: frozenset[str] = frozenset({"auto_max_new_tokens"})
-TGW_SAMPLERS: tuple[str, ...] = (
-    "temperature",
-    "dynatemp_low",
-    "dynatemp_high",
-    "dynatemp_exponent",
-    "smoothing_factor",
-    "smoothing_curve",
-    "min_p",
-    "top_p",
-    "top_k",
-    "typical_p",
-    "xtc_threshold",
-    "xtc_probability",
-    "epsilon_cutoff",
-    "eta_cutoff",
-    "tfs",
-    "top_a",
-    "top_n_sigma",
-    "dry_multiplier",
-    "dry_allowed_length",
-    "dry_base",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "no_repeat_ngram_size",
-    "repetition_penalty_range",
-    "mirostat_mode",
-    "mirostat_tau",
-    "mirostat_eta",
-    "do_sample",
-    "dynamic_temperature",
-    "temperature_last",
-    "auto_max_new_tokens",
-    "ban_eos_token",
-    "add_bos_token",
-    "skip_special_tokens",
-    "seed",
-    "sampler_priority",
-    "custom_token_bans",
-    "dry_sequence_breakers",
+from loader.tgw.names import (  # noqa: F401  (LOADER_NAME, TGW_PARAMS: re-exported)
+    ADAPTER_KEYS,
+    LOADER_NAME,
+    TGW_PARAMS,
+    TGW_SAMPLERS,
+    CacheTypeError,
+    kestrel_cache_type,
 )
 
 # The smallest positive float: as top_p it keeps exactly the top token.
@@ -110,7 +69,10 @@ def load_options(args: Any) -> dict[str, Any]:
     ctx_size = int(_get(args, "ctx_size", 0) or 0)
     if ctx_size < 0:
         raise LoaderError(f"ctx_size {ctx_size}: must be >= 0 (0 lets Kestrel choose)")
-    cache_type = str(_get(args, "cache_type", "fp16") or "fp16").strip().lower()
+    try:
+        cache_type = kestrel_cache_type(_get(args, "cache_type", "fp16"))
+    except CacheTypeError as e:
+        raise LoaderError(str(e)) from None
     return {
         "device": "cpu" if _get(args, "cpu", False) else None,
         "max_seq_len": ctx_size or None,
@@ -135,11 +97,39 @@ def sampling_settings(state: Mapping[str, Any], prompt_tokens: int) -> SamplingS
         fixed["top_p"] = _KEEP_ONE
     if fixed.get("auto_max_new_tokens") and int(fixed.get("truncation_length", 0) or 0) > 0:
         fixed["max_new_tokens"] = max(int(fixed["truncation_length"]) - prompt_tokens, 0)
+    # TGW's API asks for k logprobs per token through a LogprobProcessor in the state
+    # (model.py fills it); Kestrel's own `logprobs` setting makes the sampler compute them.
+    count = getattr(logprob_processor(state), "logprobs", None)
+    if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+        fixed["logprobs"] = count
     # Objects TGW keeps in the state (a threading.Event, logits processors) mean nothing
     # here; leave them out of `extra` so the settings stay plain data.
     for key in ("stop_event", "logits_processor", "logprob_proc"):
         fixed.pop(key, None)
     return SamplingSettings.from_any(fixed)
+
+
+def logprob_processor(state: Mapping[str, Any]) -> Any:
+    """The LogprobProcessor TGW's API puts into `state['logits_processor']` (and, for chat,
+    `state['logprob_proc']`) when a request asks for logprobs; None otherwise. Found by
+    what it records (`token_alternatives_history`), so that no TGW import is needed."""
+    candidates = [state.get("logprob_proc"), *(state.get("logits_processor") or ())]
+    return next((c for c in candidates if hasattr(c, "token_alternatives_history")), None)
+
+
+# What TGW calls the settings SamplingSettings.unsupported() names, where it helps to say
+# more than the key: CFG is two of them.
+_IGNORED_NAMES = {
+    "guidance_scale": "guidance_scale and negative_prompt (CFG)",
+    "grammar_string": "grammar_string (grammars)",
+    "adaptive_target": "adaptive_target (adaptive-p sampling)",
+    "mirostat_mode": "mirostat_mode 1 (mode 2 works)",
+}
+
+
+def ignored_text(keys: list[str]) -> str:
+    """The ignored TGW settings `keys` as a warning shows them."""
+    return ", ".join(_IGNORED_NAMES.get(key, key) for key in keys)
 
 
 def implemented_keys() -> frozenset[str]:
