@@ -15,6 +15,8 @@ Names are entries of the manager's models/LoRA directories, never paths. Keys ar
 `Authorization: Bearer <key>`. With `local_only` (no --listen) requests must name a
 loopback host, which stops DNS-rebinding pages from reaching the API. CORS is off unless
 origins are given. Request bodies over `max_body_bytes` (32 MiB) are refused with a 413.
+extensions/openai/guards.py refuses cross-site state changes and admin routes reached from
+the network without a key. /openapi.json needs the API key too.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from extensions.openai import embeddings, generation
 from extensions.openai.errors import ApiError, error_for, install_handlers
+from extensions.openai.guards import RequestGuard
 from extensions.openai.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from extensions.openai.schemas import (
     ChatCompletionRequest,
@@ -103,8 +106,16 @@ def create_app(
     local_only: bool = True,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    app = FastAPI(title="Kestrel OpenAI-compatible API", docs_url=None, redoc_url=None)
+    # The schema is served below, behind the API key like every other route.
+    app = FastAPI(
+        title="Kestrel OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None
+    )
     install_handlers(app)
+    # Innermost first: the guard turns stray exceptions into responses before Starlette's
+    # outermost error middleware (which would drop the connection after answering).
+    app.add_middleware(
+        RequestGuard, cors_origins=cors_origins, admin_key_set=bool(admin_key or api_key)
+    )
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if cors_origins:
         app.add_middleware(
@@ -238,6 +249,10 @@ def create_app(
     @app.post("/v1/internal/lora/unload", dependencies=admin)
     async def admin_unload_loras(body: LoraRequest | None = None) -> dict[str, Any]:
         return await blocking(unload_loras, body or LoraRequest())
+
+    @app.get("/openapi.json", dependencies=user, include_in_schema=False)
+    async def openapi_schema() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
     @app.get("/", include_in_schema=False)
     async def root() -> JSONResponse:
