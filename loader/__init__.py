@@ -17,7 +17,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import MAX_LAYERS, REQUIRED_KEYS, ConfigError, ModelConfig
+from engine.weights import WeightError, WeightStore
 from loader import kestrel_loader, transformers_loader
 from loader.base import Chunk, LoadedModel, LoaderError, UnsupportedFeatureError
 from loader.settings_schema import Control, SettingsSchema, schema_for
@@ -69,6 +70,56 @@ def settings_schema(name: str) -> SettingsSchema:
     return schema_for(name, loaders[name])
 
 
+def detect(path: Path) -> str | None:
+    """The first loader that can load `path` (in registration order), or None."""
+    return next((name for name, p in _loaders().items() if p.can_load(path)), None)
+
+
+def check_options(name: str, options: dict[str, Any]) -> None:
+    """The loader's own check of its options (types, ranges), where it has one."""
+    check = getattr(_loaders().get(name), "check_options", None)
+    if check is not None:
+        check(options)
+
+
+def check_model_dir(path: Path) -> None:
+    """The checks every loader's model goes through before any loader reads it, so that no
+    loader (the transformers fallback included) loads what Kestrel's refuses: the weights
+    (index shards and *.safetensors symlinks inside the folder, readable headers) and the
+    config's sizes. A config Kestrel does not read at all (another family of architectures,
+    without its required keys) is left to the loader, but its layer count is bounded."""
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists():
+        try:
+            WeightStore(path).close()
+        except WeightError as e:
+            raise LoaderError(str(e)) from None
+    try:
+        ModelConfig.from_dir(path)
+        return
+    except ConfigError as e:
+        raw = _raw_config(path)
+        if raw is None or all(key in raw for key in REQUIRED_KEYS):
+            raise LoaderError(f"cannot load {path}: {e}") from None
+    for key in ("num_hidden_layers", "num_layers", "n_layer"):
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, int) or not 0 < value <= MAX_LAYERS):
+            raise LoaderError(
+                f"{path / 'config.json'}: '{key}' is {value!r}; expected 1..{MAX_LAYERS}"
+            )
+
+
+def _raw_config(path: Path) -> dict[str, Any] | None:
+    import json
+
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if isinstance(raw, dict) and "text_config" in raw and isinstance(raw["text_config"], dict):
+        raw = {**raw["text_config"], **raw}
+    return raw if isinstance(raw, dict) else None
+
+
 def load(
     path: str | Path,
     loader: str | None = None,
@@ -88,8 +139,12 @@ def load(
     if not model_path.is_dir():
         raise LoaderError(f"model path is not a directory: {path}")
     loaders = _loaders()
+    if loader is None or loader in _BUILTIN:
+        # Refusals for safety or validity end here, whichever loader would come next: the
+        # fallback to transformers is for architectures Kestrel's engine does not run.
+        check_model_dir(model_path)
     if loader is None:
-        loader = next((name for name, p in loaders.items() if p.can_load(model_path)), None)
+        loader = detect(model_path)
         if loader is None:
             try:  # the config's own error says more than "no loader" where it is the cause
                 ModelConfig.from_dir(model_path)
@@ -121,6 +176,9 @@ __all__ = [
     "LoaderError",
     "UnsupportedFeatureError",
     "available",
+    "check_model_dir",
+    "check_options",
+    "detect",
     "load",
     "register",
     "SettingsSchema",

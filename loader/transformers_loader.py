@@ -60,8 +60,10 @@ def load(
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     tokenizer = Tokenizer.from_dir(path)
     try:
+        # trust_remote_code=False: a checkpoint's own Python (auto_map) never runs, and
+        # transformers never asks on the terminal whether it may.
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=resolved_dtype, use_safetensors=True
+            str(path), dtype=resolved_dtype, use_safetensors=True, trust_remote_code=False
         )
     except (OSError, ValueError, KeyError) as e:
         raise LoaderError(f"transformers could not load {path}: {e}") from e

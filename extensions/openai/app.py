@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from extensions.openai import embeddings, generation
 from extensions.openai.errors import ApiError, error_for, install_handlers
 from extensions.openai.guards import RequestGuard
 from extensions.openai.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from extensions.openai.load_defaults import with_cache_default
 from extensions.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,6 +49,10 @@ from loader.base import LoadedModel
 from loader.manager import ModelManager, UnknownNameError
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
+RESERVED_LOAD_ARGS = {"self", "name", "loader_name", "progress"}
+# Adapters are trained for scale 1; past this the activations overflow (1e308 made every
+# request fail) and no use of a LoRA goes near it.
+MAX_LORA_WEIGHT = 100.0
 
 
 def _bearer(request: Request) -> str:
@@ -204,7 +210,20 @@ def create_app(
 
     @app.post("/v1/internal/model/load", dependencies=admin)
     async def admin_load_model(body: LoadModelRequest) -> dict[str, Any]:
-        model = await blocking(manager.load, body.model_name, body.loader, **body.args)
+        reserved = sorted(set(body.args) & RESERVED_LOAD_ARGS)
+        if reserved:  # keywords of ModelManager.load itself, not loader options
+            raise ApiError(
+                400,
+                f"args.{reserved[0]} is not a loader option (args takes options such as "
+                "max_seq_len, cache_tokens, cache_type)",
+                param=f"args.{reserved[0]}",
+            )
+        args = dict(body.args)
+        try:
+            args = with_cache_default(args, manager.resolve_model(body.model_name), body.loader)
+        except UnknownNameError:
+            pass  # manager.load says so, as a 404
+        model = await blocking(manager.load, body.model_name, body.loader, **args)
         return {"status": "loaded", "model_name": body.model_name, "info": model.info()}
 
     @app.post("/v1/internal/model/unload", dependencies=admin)
@@ -225,6 +244,14 @@ def create_app(
                 f"{len(weights)} lora_weights for {len(body.lora_names)} lora_names",
                 param="lora_weights",
             )
+        for i, weight in enumerate(weights):
+            if not math.isfinite(weight) or abs(weight) > MAX_LORA_WEIGHT:
+                raise ApiError(
+                    400,
+                    f"lora_weights[{i}] is {weight!r}; a LoRA scale is a number in "
+                    f"[-{MAX_LORA_WEIGHT:g}, {MAX_LORA_WEIGHT:g}]",
+                    param=f"lora_weights.{i}",
+                )
         loaded = {}
         for name, weight in zip(body.lora_names, weights, strict=True):
             try:
