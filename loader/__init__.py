@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from engine.config import MAX_LAYERS, REQUIRED_KEYS, ConfigError, ModelConfig
-from engine.weights import WeightError, WeightStore
+from engine.weights import WeightStore
 from loader import kestrel_loader, transformers_loader
 from loader.base import Chunk, LoadedModel, LoaderError, UnsupportedFeatureError
 from loader.settings_schema import Control, SettingsSchema, schema_for
@@ -84,26 +84,24 @@ def check_options(name: str, options: dict[str, Any]) -> None:
 
 def check_model_dir(path: Path) -> None:
     """The checks every loader's model goes through before any loader reads it, so that no
-    loader (the transformers fallback included) loads what Kestrel's refuses: the weights
+    loader (the transformers fallback included) loads what Kestrel's refuses (WeightError,
+    ConfigError): the weights
     (index shards and *.safetensors symlinks inside the folder, readable headers) and the
     config's sizes. A config Kestrel does not read at all (another family of architectures,
     without its required keys) is left to the loader, but its layer count is bounded."""
     if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists():
-        try:
-            WeightStore(path).close()
-        except WeightError as e:
-            raise LoaderError(str(e)) from None
+        WeightStore(path).close()  # raises WeightError (a ValueError) naming file and tensor
     try:
         ModelConfig.from_dir(path)
         return
-    except ConfigError as e:
+    except ConfigError:
         raw = _raw_config(path)
         if raw is None or all(key in raw for key in REQUIRED_KEYS):
-            raise LoaderError(f"cannot load {path}: {e}") from None
+            raise
     for key in ("num_hidden_layers", "num_layers", "n_layer"):
         value = raw.get(key)
         if value is not None and (not isinstance(value, int) or not 0 < value <= MAX_LAYERS):
-            raise LoaderError(
+            raise ConfigError(
                 f"{path / 'config.json'}: '{key}' is {value!r}; expected 1..{MAX_LAYERS}"
             )
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine.architectures import ARCHITECTURES
+from engine.cache import CACHE_TYPES
 from engine.config import ModelConfig
 from engine.engine import Engine, EngineOptions
 from engine.generator import GenerationBackend
@@ -47,6 +48,11 @@ _FLOAT_RANGES = {
     "cache_memory_fraction": (0.01, 1.0),
 }
 
+_BOOLS = {
+    "cuda_graphs", "split_cuda_graphs", "lora_cuda_graphs", "prefix_caching", "lookahead",
+    "fuse_projections", "fuse_kernels", "autosplit", "cpu_offload", "tensor_parallel",
+}  # fmt: skip
+
 
 def check_options(options: Mapping[str, Any]) -> None:
     """A LoaderError naming the first option this loader does not take or whose value is out
@@ -74,6 +80,12 @@ def check_options(options: Mapping[str, Any]) -> None:
                 or not low_f <= value <= high_f
             ):
                 raise LoaderError(f"{name}={value!r}: expected a number {low_f:g}..{high_f:g}")
+        elif name in _BOOLS and not isinstance(value, bool):
+            raise LoaderError(f"{name}={value!r}: expected true or false")
+    if options.get("cache_type") is not None and options["cache_type"] not in CACHE_TYPES:
+        raise LoaderError(
+            f"cache_type={options['cache_type']!r}: expected one of {', '.join(CACHE_TYPES)}"
+        )
     page_size = options.get("page_size")
     if isinstance(page_size, int) and page_size & (page_size - 1):
         raise LoaderError(f"page_size={page_size}: expected a power of two")

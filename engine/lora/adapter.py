@@ -135,7 +135,7 @@ def _check_patterns(config: dict[str, Any], file: Path) -> None:
         try:
             check_pattern(pattern)
         except UnsafePatternError as e:
-            raise LoraError(f"{file}: '{key}' refused: {e}") from None
+            raise LoraError(f"{file}: '{key}' holds a bad pattern: {e}") from None
 
 
 def read_tensors(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
