@@ -196,11 +196,8 @@ class Engine:
                 how = f"{options.cache_memory_fraction:g} of the free GPU memory"
             else:
                 how = "one full context: sizing from free memory applies to GPUs only"
-        log.info(
-            describe(
-                cache_tokens, layer_token_bytes * config.num_hidden_layers, max_seq_len, how
-            )
-        )
+        held = -(-cache_tokens // options.page_size) * options.page_size  # whole pages
+        log.info(describe(held, layer_token_bytes * config.num_hidden_layers, max_seq_len, how))
         placement = plan_for_model(
             str(model_dir),
             config,
