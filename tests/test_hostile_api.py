@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hostile_server import LOOP_TEMPLATE, TOOL_CALL_TEMPLATE, free_port, set_template, wait_up
 
 from engine.engine import EngineOptions
 from extensions.openai import ApiServer, run_api_server
@@ -38,36 +39,14 @@ LOAD_OPTIONS = dict(
     device="cpu", dtype="float32", page_size=16, cache_tokens=1024, max_seq_len=256, max_batch=8
 )  # fmt: skip
 JSON = {"content-type": "application/json"}
-# Qwen2.5's way of writing an assistant's earlier tool calls (its template's own lines).
-TOOL_CALL_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
-    "{% if message.tool_calls %}{% for tool_call in message.tool_calls %}"
-    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
-    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
-    "\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if tools %}{% for tool in tools %}{{ tool | tojson }}{% endfor %}{% endif %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# Nested loops of 10^10 iterations that output nothing, only when tools are sent.
-LOOP_TEMPLATE = (
-    "{% if tools %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
-    "{% endfor %}{% endif %}"
-    "{% for message in messages %}{{ message.content }}{% endfor %}"
-)
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-
-
-def _set_template(model_dir: Path, template: str) -> None:
-    config_file = model_dir / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config_file.write_text(json.dumps({**config, "chat_template": template}))
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("hostile-api")
     make_tiny_llama(root / "models" / "tiny")
-    _set_template(root / "models" / "tiny", TOOL_CALL_TEMPLATE)
+    set_template(root / "models" / "tiny", TOOL_CALL_TEMPLATE)
     loras = root / "loras"
     # An adapter_config.json whose rank_pattern backtracks exponentially on module names.
     evil = loras / "evil"
@@ -339,8 +318,8 @@ def test_first_sigterm_stops_the_server_during_a_hostile_render(
 ) -> None:
     model = tmp_path / "loop"
     make_tiny_llama(model)
-    _set_template(model, LOOP_TEMPLATE)
-    port = _free_port()
+    set_template(model, LOOP_TEMPLATE)
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "extensions.openai", "--model", str(model), "--port", str(port),
          "--device", "cpu", "--dtype", "float32", "--max-seq-len", "256"],
@@ -348,7 +327,7 @@ def test_first_sigterm_stops_the_server_during_a_hostile_render(
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_up(url, process)
+        wait_up(url, process)
         body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
         pending = threading.Thread(
             target=_catch,
@@ -368,28 +347,6 @@ def test_first_sigterm_stops_the_server_during_a_hostile_render(
         if process.poll() is None:
             process.kill()
             process.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_up(url: str, process: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"the server exited: {process.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the server did not start")
 
 
 # -- 8. admin inputs -------------------------------------------------------------------------

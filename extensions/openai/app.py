@@ -25,7 +25,7 @@ import asyncio
 import hmac
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -61,8 +61,10 @@ def _bearer(request: Request) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def _key_check(key: str | None, what: str) -> Callable[[Request], None]:
-    def check(request: Request) -> None:
+def _key_check(key: str | None, what: str) -> Callable[[Request], Awaitable[None]]:
+    # async: FastAPI runs a plain function dependency in a worker thread, one per concurrent
+    # request, which then idle for 10 s: a burst of requests left dozens behind.
+    async def check(request: Request) -> None:
         if key and not hmac.compare_digest(_bearer(request).encode(), key.encode()):
             raise ApiError(
                 401,
