@@ -239,3 +239,23 @@ def test_memory_sizing_on_a_gpu(tiny: Path, caplog: pytest.LogCaptureFixture) ->
         assert f"KV cache: {tokens} tokens" in caplog.text and "free GPU memory" in caplog.text
     finally:
         model.unload()
+
+
+def test_every_auto_class_load_passes_trust_remote_code_false() -> None:
+    """transformers' Auto* classes are the ones that run a checkpoint's own Python (its
+    auto_map); left unset, trust_remote_code makes transformers ask on the terminal, and a
+    "y" piped in runs the code. Every such call in the shipped code says False."""
+    import ast
+
+    from test_source_audit import _dotted, _is_false, _shipped_files
+
+    calls = []
+    for path in _shipped_files():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and _dotted(node.func).endswith(".from_pretrained"):
+                owner = _dotted(node.func).rsplit(".", 2)[-2]
+                if owner.startswith("Auto"):
+                    flag = {k.arg: k.value for k in node.keywords}.get("trust_remote_code")
+                    calls.append((f"{path.relative_to(ROOT)}:{node.lineno}", flag))
+    assert calls  # the loader's and the GGUF import's
+    assert [where for where, flag in calls if flag is None or not _is_false(flag)] == []
