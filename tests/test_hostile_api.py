@@ -168,6 +168,8 @@ def test_a_10mb_prompt_is_refused_by_size_while_models_answers(server: ApiServer
     big = [{"role": "user", "content": "hello " * 1_000_000}]
     error = _error(_post(server, "/v1/chat/completions", {"messages": big}), 400)
     assert error["param"] == "messages" and "without tokenizing" in error["message"]
+    error = _error(_post(server, "/v1/embeddings", {"input": [prompt]}), 400)
+    assert error["param"] == "input" and "without tokenizing" in error["message"]
 
 
 def test_tokenizing_lets_other_threads_run(manager: ModelManager) -> None:
