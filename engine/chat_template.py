@@ -126,10 +126,10 @@ def render_chat_template(
         # The template is code from the Hub: whatever it raises (a TypeError from tojson of
         # an undefined value the messages did not supply, a macro recursing forever, a
         # MemoryError) is a problem of these messages with this template, not a crash.
-        raise ChatTemplateError(
-            f"chat template failed: {type(exc).__name__}: {exc} (check the messages' fields, "
-            "e.g. an assistant tool call without 'arguments')"
-        ) from exc
+        hint = ""
+        if isinstance(exc, TypeError) and "Undefined" in str(exc):
+            hint = " (a field the template reads is missing, e.g. a tool call's 'arguments')"
+        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}{hint}") from exc
 
 
 def _with_reasoning_aliases(message: Any) -> Any:

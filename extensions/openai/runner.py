@@ -110,12 +110,14 @@ class ChoiceRunner:
         except BaseException as error:  # delivered to the consumer, which answers with it
             self._post((index, error))
         finally:
-            if stream is not None:
-                close = getattr(stream, "close", None)
-                if close is not None:
-                    close()
-            self._post((index, _DONE))
-            slots.give()
+            try:
+                if stream is not None:
+                    close = getattr(stream, "close", None)
+                    if close is not None:
+                        close()
+                self._post((index, _DONE))
+            finally:
+                slots.give()
 
     async def chunks(self) -> AsyncIterator[tuple[int, ReplyChunk]]:
         """(choice index, chunk) in arrival order; raises the first error of any choice."""
