@@ -5,7 +5,8 @@
 - GET /v1/models, /v1/models/{id}: the loaded model.
 - POST /v1/completions, /v1/chat/completions (extensions/openai/generation.py).
 - GET /v1/internal/health, /v1/internal/model/info.
-- Admin (admin key; the API key when no admin key is set): GET /v1/internal/model/list,
+- Admin (admin key; the API key when no admin key is set; with neither, loopback clients
+  only): GET /v1/internal/model/list,
   POST /v1/internal/model/load {"model_name", "args": {loader options}, "loader"},
   POST /v1/internal/model/unload, GET /v1/internal/lora/list,
   POST /v1/internal/lora/load {"lora_names", "lora_weights"},
