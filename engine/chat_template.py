@@ -2,7 +2,8 @@
 
 Contract: `render_chat_template(source, messages, ...)` returns the same string as
 `transformers` `apply_chat_template(..., tokenize=False)` for the same template, messages and
-special tokens: an `ImmutableSandboxedEnvironment` with `trim_blocks`/`lstrip_blocks`, the
+special tokens: an `ImmutableSandboxedEnvironment` (bounded in time and output size,
+engine/template_limits.py) with `trim_blocks`/`lstrip_blocks`, the
 `loopcontrols` extension, a pass-through `{% generation %}` tag, transformers' `tojson` filter
 (no HTML escaping, `ensure_ascii=False`), and the globals `raise_exception`, `strftime_now`,
 `dict` and a `namespace` that rejects underscore-prefixed names. The template sees `messages`,
@@ -30,7 +31,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from engine.template_limits import BoundedSandbox, bounded_render
 
 ChatTemplate = str | dict[str, str]
 
@@ -106,16 +108,28 @@ def render_chat_template(
             raise ChatTemplateError(f"chat messages must be dicts, got {message!r}")
     # Explicit keyword arguments override special tokens of the same name, as in transformers.
     variables = {**(special_tokens or {}), **_plain(extra)}
+    template = _compile(source)
     try:
-        return _compile(source).render(
-            messages=chat,
-            tools=_plain(tools),
-            documents=_plain(documents),
-            add_generation_prompt=add_generation_prompt,
-            **variables,
+        return bounded_render(
+            template,
+            dict(
+                messages=chat,
+                tools=_plain(tools),
+                documents=_plain(documents),
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            ),
         )
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
+    except Exception as exc:
+        # The template is code from the Hub: whatever it raises (a TypeError from tojson of
+        # an undefined value the messages did not supply, a macro recursing forever, a
+        # MemoryError) is a problem of these messages with this template, not a crash.
+        hint = ""
+        if isinstance(exc, TypeError) and "Undefined" in str(exc):
+            hint = " (a field the template reads is missing, e.g. a tool call's 'arguments')"
+        raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}{hint}") from exc
 
 
 def _with_reasoning_aliases(message: Any) -> Any:
@@ -218,7 +232,7 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson

@@ -8,6 +8,7 @@ use of the cache (scheduler steps, `logits`) across threads.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Collection, Mapping
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.cache import CACHE_TYPES, ForwardBatch, PagedKVCache, Sequence, cache_bytes_per_token
+from engine.cache_sizing import describe, memory_sized_tokens
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.fusion import fuse_projections, set_kernel_fusion
@@ -30,6 +32,7 @@ from engine.speculative import SPECULATIVE_MODES, DraftModel
 from engine.tokenizer import Tokenizer
 from kernels.backend import set_deterministic_sums
 
+log = logging.getLogger(__name__)
 DEFAULT_MAX_SEQ_LEN = 8192  # caps a 128k-context config so the cache fits a consumer GPU
 
 
@@ -59,6 +62,9 @@ class EngineOptions:
     # Size the cache by memory instead: as many tokens as fit this many GiB of the cache
     # type (so a smaller type holds more tokens); cache_tokens wins when both are given.
     cache_gib: float | None = None
+    # Or: this fraction of the GPU memory free at load time (one GPU only; the API server's
+    # default, engine/cache_sizing.py). cache_tokens and cache_gib win over it.
+    cache_memory_fraction: float | None = None
     page_size: int = 256
     rope_alpha: float = 1.0
     prefill_chunk: int = 2048
@@ -70,6 +76,9 @@ class EngineOptions:
     # ... also the decode steps that apply LoRA adapters (off: those run eagerly)
     lora_cuda_graphs: bool = LORA_GRAPHS
     max_batch: int = 64  # concurrent jobs; more wait in the scheduler's queue
+    # Jobs that may wait beyond max_batch; more are refused (QueueFullError, the API's 429)
+    # rather than queued without end. None: no limit.
+    max_waiting: int | None = 256
     prefix_caching: bool = True  # reuse the cached pages of a repeated prompt prefix
     # The scheduler launches the next decode forward before reading the last step's tokens,
     # so its host work overlaps the GPU (engine/scheduler.py, "Lookahead"); same output.
@@ -129,6 +138,7 @@ class Engine:
             self,
             max_batch=options.max_batch,
             max_tokens_per_step=max(options.prefill_chunk, options.max_batch),
+            max_waiting=options.max_waiting,
             prefix_caching=options.prefix_caching,
             lookahead=options.lookahead,
         )
@@ -169,6 +179,32 @@ class Engine:
                     f"cache_gib={options.cache_gib} holds {cache_tokens} tokens of "
                     f"{per_token} bytes ({options.cache_type}); one page needs {options.page_size}"
                 )
+        how = "cache_tokens" if options.cache_tokens else "one full context"
+        if options.cache_gib is not None and options.cache_tokens is None:
+            how = f"cache_gib={options.cache_gib:g}"
+        elif (
+            options.cache_memory_fraction is not None
+            and options.cache_tokens is None
+            and not (options.gpu_split or options.autosplit or options.cpu_offload)
+        ):
+            sized = memory_sized_tokens(
+                fraction=options.cache_memory_fraction,
+                device=device,
+                model_dir=model_dir,
+                token_bytes=layer_token_bytes * config.num_hidden_layers,
+                max_seq_len=max_seq_len,
+                max_batch=options.max_batch,
+                prefill_chunk=options.prefill_chunk,
+                vocab_size=config.vocab_size,
+                page_size=options.page_size,
+            )
+            if sized is not None:
+                cache_tokens = sized
+                how = f"{options.cache_memory_fraction:g} of the free GPU memory"
+            else:
+                how = "one full context: sizing from free memory applies to GPUs only"
+        held = -(-cache_tokens // options.page_size) * options.page_size  # whole pages
+        log.info(describe(held, layer_token_bytes * config.num_hidden_layers, max_seq_len, how))
         placement = plan_for_model(
             str(model_dir),
             config,

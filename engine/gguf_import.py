@@ -290,12 +290,19 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> 
     _say(progress, f"reading the tokenizer of {gguf_path}")
     try:
         with _fast_gguf_reader():
-            tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+            # trust_remote_code=False: never run (or ask to run) code from the folder.
+            tokenizer = AutoTokenizer.from_pretrained(
+                where, gguf_file=name, trust_remote_code=False
+            )
             _say(progress, "dequantizing the weights (transformers)")
             # float32 so that nothing is lost before the one cast below.
             with _elapsed_until_the_bar(progress, "reading the GGUF metadata, building the model"):
                 model = AutoModelForCausalLM.from_pretrained(
-                    where, gguf_file=name, dtype=torch.float32, **_dequantize_option()
+                    where,
+                    gguf_file=name,
+                    dtype=torch.float32,
+                    trust_remote_code=False,
+                    **_dequantize_option(),
                 )
     except Exception as e:  # a damaged file fails in many ways inside gguf and transformers
         arch = gguf_architecture(gguf_path)

@@ -129,15 +129,17 @@ class _HFBackend:
         return self.tok.token_to_id(text)
 
     def encode(self, text: str, special: bool) -> list[int]:
+        # encode_batch releases the GIL while it works (encode holds it: a megabyte of text
+        # would stop every other thread, the API's event loop included, for seconds).
         if special:
-            return self.tok.encode(text, add_special_tokens=False).ids
+            return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         if self._plain_tok is None:
             # A second instance, so that toggling the flag never races with other callers.
             from tokenizers import Tokenizer as RawTokenizer
 
             self._plain_tok = RawTokenizer.from_file(str(self._path))
             self._plain_tok.encode_special_tokens = True
-        return self._plain_tok.encode(text, add_special_tokens=False).ids
+        return self._plain_tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special: bool) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
@@ -317,6 +319,7 @@ class Tokenizer:
     ) -> None:
         self._backend = backend
         self._closing_ids: list[int] | None = None  # encode_for_embedding's, when first asked
+        self._max_token_bytes: int | None = None  # max_token_bytes, when first asked
         self.vocab_size: int = backend.vocab_size
         self.special_ids: frozenset[int] = frozenset(backend.special_ids)
         self.chat_template = chat_template
@@ -424,6 +427,16 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._backend.token_bytes(token_id)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token stands for (at least 1): a text of B bytes has
+        at least B / max_token_bytes tokens, which bounds a prompt before tokenizing it.
+        Computed once (a pass over the vocabulary)."""
+        if self._max_token_bytes is None:
+            longest = max((len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1)
+            self._max_token_bytes = max(longest, 1)
+        return self._max_token_bytes
 
     @property
     def has_chat_template(self) -> bool:

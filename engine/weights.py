@@ -106,6 +106,14 @@ class WeightStore:
                 raise WeightError(f"{index} names missing shard(s): {', '.join(missing)}")
             return files
         files = sorted(self.model_dir.glob("*.safetensors"))
+        for file in files:  # a symlink to a file elsewhere is refused as an index's shard is
+            try:
+                confined_path(self.model_dir, file.name, what="weights file")
+            except PathConfinementError as e:
+                raise WeightError(
+                    f"{e}; copy the file into the model directory (a download tool's "
+                    "--local-dir does that)"
+                ) from None
         if not files:
             found = sorted(p.name for p in self.model_dir.glob("*.bin")) + sorted(
                 p.name for p in self.model_dir.glob("*.pt")
@@ -199,6 +207,10 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(header_len))
         except ValueError as e:  # UnicodeDecodeError is one
             raise WeightError(f"{file}: corrupt safetensors header ({e})") from e
+        except RecursionError:  # JSON nested deeper than the interpreter's recursion limit
+            raise WeightError(
+                f"{file}: corrupt safetensors header (JSON nested too deeply)"
+            ) from None
     if not isinstance(header, dict):
         raise WeightError(
             f"{file}: corrupt safetensors header (a JSON {type(header).__name__}, not an object)"

@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from loader.base import Chunk, LoadedModel, LoaderError, UnsupportedFeatureError
-    from loader.registry import available, load, register, settings_schema
+    from loader.registry import (
+        available,
+        check_model_dir,
+        check_options,
+        detect,
+        load,
+        register,
+        settings_schema,
+    )
     from loader.settings_schema import Control, SettingsSchema
 
 # Where each public name lives. They are imported on first use, not here: the TGW
@@ -35,6 +43,9 @@ _EXPORTS: dict[str, str] = {
     "ENTRY_POINT_GROUP": "loader.registry",
     "LoaderPlugin": "loader.registry",
     "available": "loader.registry",
+    "check_model_dir": "loader.registry",
+    "check_options": "loader.registry",
+    "detect": "loader.registry",
     "load": "loader.registry",
     "register": "loader.registry",
     "_registered": "loader.registry",
@@ -90,6 +101,9 @@ __all__ = [
     "LoaderError",
     "UnsupportedFeatureError",
     "available",
+    "check_model_dir",
+    "check_options",
+    "detect",
     "load",
     "register",
     "SettingsSchema",

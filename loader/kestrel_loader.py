@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from engine.architectures import ARCHITECTURES
+from engine.cache import CACHE_TYPES
 from engine.config import ModelConfig
 from engine.engine import Engine, EngineOptions
 from engine.generator import GenerationBackend
@@ -28,6 +29,69 @@ def can_load(path: Path) -> bool:
     return config.architecture in ARCHITECTURES and any(path.glob("*.safetensors"))
 
 
+# Ranges of the engine options outside the settings schema (which checks its own): a value
+# past them is refused before anything is unloaded (loader/manager.py calls check_options).
+_INT_RANGES = {
+    "page_size": (1, 65536),
+    "cache_tokens": (1, 2**31),
+    "max_batch": (1, 4096),
+    "prefill_chunk": (1, 2**20),
+    "num_draft_tokens": (1, 64),
+    "speculative_max_batch": (1, 4096),
+    "max_waiting": (0, 2**20),
+    "max_seq_len": (1, 2**22),
+    "tp": (1, 1024),
+}
+_FLOAT_RANGES = {
+    "cache_gib": (1e-6, 2**20),
+    "rope_alpha": (1e-3, 1e3),
+    "gpu_reserve_gb": (0.0, 2**20),
+    "cache_memory_fraction": (0.01, 1.0),
+}
+
+_BOOLS = {
+    "cuda_graphs", "split_cuda_graphs", "lora_cuda_graphs", "prefix_caching", "lookahead",
+    "fuse_projections", "fuse_kernels", "autosplit", "cpu_offload", "tensor_parallel",
+}  # fmt: skip
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """A LoaderError naming the first option this loader does not take or whose value is out
+    of range (types and ranges only: whether the model fits is known after loading)."""
+    known = set(EngineOptions.__dataclass_fields__) | {"tp", "tensor_parallel", "autosplit"}
+    known |= {"gpu_split"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise LoaderError(
+            f"unknown option(s) for the kestrel loader: {', '.join(unknown)} "
+            f"(known: {', '.join(sorted(known))})"
+        )
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name in _INT_RANGES:
+            low, high = _INT_RANGES[name]
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise LoaderError(f"{name}={value!r}: expected a whole number {low}..{high}")
+        elif name in _FLOAT_RANGES:
+            low_f, high_f = _FLOAT_RANGES[name]
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not low_f <= value <= high_f
+            ):
+                raise LoaderError(f"{name}={value!r}: expected a number {low_f:g}..{high_f:g}")
+        elif name in _BOOLS and not isinstance(value, bool):
+            raise LoaderError(f"{name}={value!r}: expected true or false")
+    if options.get("cache_type") is not None and options["cache_type"] not in CACHE_TYPES:
+        raise LoaderError(
+            f"cache_type={options['cache_type']!r}: expected one of {', '.join(CACHE_TYPES)}"
+        )
+    page_size = options.get("page_size")
+    if isinstance(page_size, int) and page_size & (page_size - 1):
+        raise LoaderError(f"page_size={page_size}: expected a power of two")
+
+
 def load(
     path: Path,
     *,
@@ -41,15 +105,8 @@ def load(
     **options: Any,
 ) -> KestrelModel:
     # tensor_parallel=True: one rank per visible GPU; tp=N: N ranks (N > 1 implies TP).
+    check_options({**options, "max_seq_len": max_seq_len})
     tp = _tp_world_size(tensor_parallel, options.pop("tp", None), device)
-    known = set(EngineOptions.__dataclass_fields__) - {"device", "dtype", "max_seq_len"}
-    known -= {"gpu_split", "autosplit"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise LoaderError(
-            f"unknown option(s) for the kestrel loader: {', '.join(unknown)} "
-            f"(known: {', '.join(sorted(known))})"
-        )
     engine_options = EngineOptions(
         device=device,
         dtype=dtype,

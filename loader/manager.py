@@ -204,11 +204,14 @@ class ModelManager:
         load_options = dict(options)
         if draft:  # a name from the UI or the API: confined to the models directory too
             load_options["draft_model"] = resolve_name(self.models_dir, draft, "draft model")
+        # A bad value of a control the loader publishes (or of an option its check_options
+        # knows) is refused before the current model is unloaded.
         if loader_name is not None:
-            # A bad value of a control the loader publishes is refused before the current
-            # model is unloaded (options outside its schema are left to the loader).
             schema = loader.settings_schema(loader_name)
             schema.check({k: v for k, v in options.items() if k in schema.names()})
+        chosen = loader_name or loader.detect(path)
+        if chosen is not None:
+            loader.check_options(chosen, options)
         with self._lock:
             self.unload()
             path = self._gguf_imported(path, progress)

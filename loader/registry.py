@@ -5,13 +5,15 @@ lazily (see there why); import them from `loader`, not from here.
 
 from __future__ import annotations
 
+import json
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
 from engine.architectures import ARCHITECTURES
-from engine.config import ConfigError, ModelConfig
+from engine.config import MAX_LAYERS, REQUIRED_KEYS, ConfigError, ModelConfig
+from engine.weights import WeightStore
 from loader import kestrel_loader, transformers_loader
 from loader.base import LoadedModel, LoaderError
 from loader.settings_schema import SettingsSchema, schema_for
@@ -32,7 +34,6 @@ _BUILTIN: dict[str, LoaderPlugin | ModuleType] = {
 _registered: dict[str, LoaderPlugin | ModuleType] = {}
 
 
-
 def _refuse_unknown_architecture(path: Path) -> None:
     """An architecture Kestrel's engine does not run falls back to transformers; one that
     transformers does not know either is refused here, before anything is loaded, saying
@@ -51,6 +52,7 @@ def _refuse_unknown_architecture(path: Path) -> None:
         f"{', '.join(sorted(ARCHITECTURES))}; its transformers fallback cannot run it either "
         f"({problem})"
     )
+
 
 def register(name: str, plugin: LoaderPlugin | ModuleType) -> None:
     """Register a loader at run time (entry points do this without code)."""
@@ -83,6 +85,52 @@ def settings_schema(name: str) -> SettingsSchema:
     return schema_for(name, loaders[name])
 
 
+def detect(path: Path) -> str | None:
+    """The first loader that can load `path` (in registration order), or None."""
+    return next((name for name, p in _loaders().items() if p.can_load(path)), None)
+
+
+def check_options(name: str, options: dict[str, Any]) -> None:
+    """The loader's own check of its options (types, ranges), where it has one."""
+    check = getattr(_loaders().get(name), "check_options", None)
+    if check is not None:
+        check(options)
+
+
+def check_model_dir(path: Path) -> None:
+    """The checks every loader's model goes through before any loader reads it, so that no
+    loader (the transformers fallback included) loads what Kestrel's refuses (WeightError,
+    ConfigError): the weights (index shards and *.safetensors symlinks inside the folder,
+    readable headers) and the config's sizes. A config Kestrel does not read at all (another
+    family of architectures, without its required keys) is left to the loader, but its
+    layer count is bounded."""
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists():
+        WeightStore(path).close()  # raises WeightError (a ValueError) naming file and tensor
+    try:
+        ModelConfig.from_dir(path)
+        return
+    except ConfigError:
+        raw = _raw_config(path)
+        if raw is None or all(key in raw for key in REQUIRED_KEYS):
+            raise
+    for key in ("num_hidden_layers", "num_layers", "n_layer"):
+        value = raw.get(key)
+        if value is not None and (not isinstance(value, int) or not 0 < value <= MAX_LAYERS):
+            raise ConfigError(
+                f"{path / 'config.json'}: '{key}' is {value!r}; expected 1..{MAX_LAYERS}"
+            )
+
+
+def _raw_config(path: Path) -> dict[str, Any] | None:
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if isinstance(raw, dict) and "text_config" in raw and isinstance(raw["text_config"], dict):
+        raw = {**raw["text_config"], **raw}
+    return raw if isinstance(raw, dict) else None
+
+
 def load(
     path: str | Path,
     loader: str | None = None,
@@ -102,8 +150,12 @@ def load(
     if not model_path.is_dir():
         raise LoaderError(f"model path is not a directory: {path}")
     loaders = _loaders()
+    if loader is None or loader in _BUILTIN:
+        # Refusals for safety or validity end here, whichever loader would come next: the
+        # fallback to transformers is for architectures Kestrel's engine does not run.
+        check_model_dir(model_path)
     if loader is None:
-        loader = next((name for name, p in loaders.items() if p.can_load(model_path)), None)
+        loader = detect(model_path)
         if loader is None:
             try:  # the config's own error says more than "no loader" where it is the cause
                 ModelConfig.from_dir(model_path)

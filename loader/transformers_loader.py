@@ -48,10 +48,17 @@ def architecture_problem(path: Path) -> str | None:
     if not isinstance(model_type, str) or not model_type:
         return f"{path / 'config.json'} has no 'model_type', which transformers needs"
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return (
+        problem = (
             f"transformers {transformers.__version__} has no causal language model of type "
             f"{model_type!r}"
         )
+        if isinstance(config, dict) and "auto_map" in config:
+            # The checkpoint brings its own Python for it, which Kestrel never runs.
+            problem += (
+                "; the model ships its own code (auto_map in config.json), which Kestrel "
+                "never runs (trust_remote_code=False)"
+            )
+        return problem
     return None
 
 
@@ -84,8 +91,10 @@ def load(
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     tokenizer = Tokenizer.from_dir(path)
     try:
+        # trust_remote_code=False: a checkpoint's own Python (auto_map) never runs, and
+        # transformers never asks on the terminal whether it may.
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=resolved_dtype, use_safetensors=True
+            str(path), dtype=resolved_dtype, use_safetensors=True, trust_remote_code=False
         )
     except (OSError, ValueError, KeyError) as e:
         raise LoaderError(f"transformers could not load {path}: {e}") from e

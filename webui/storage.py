@@ -5,7 +5,7 @@ fsyncs it, then `os.replace`s it over the target: a reader (or the next start af
 crash) sees the old file or the new one, never a torn mix. Writers of the same file are
 serialised by a per-path lock held across processes (`fcntl.flock` on `<name>.lock`) and
 threads (a lock per path), so two concurrent saves cannot interleave and the last one wins
-whole.
+whole; the lock file exists only while a write holds it.
 """
 
 from __future__ import annotations
@@ -43,14 +43,29 @@ def locked(path: Path) -> Iterator[None]:
     with lock:
         path.parent.mkdir(parents=True, exist_ok=True)
         lock_file = path.with_name(path.name + ".lock")
-        with open(lock_file, "a+b") as handle:
-            if fcntl is not None:
-                fcntl.flock(handle, fcntl.LOCK_EX)
+        while True:
+            handle = open(lock_file, "a+b")  # noqa: SIM115 - closed below, after the unlink
+            if fcntl is None:
+                break
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            # The holder before us deletes the file as it leaves: a lock taken on a deleted
+            # file guards nothing, so take the current one's instead.
             try:
-                yield
-            finally:
-                if fcntl is not None:
-                    fcntl.flock(handle, fcntl.LOCK_UN)
+                current = os.path.samestat(os.fstat(handle.fileno()), os.stat(lock_file))
+            except FileNotFoundError:
+                current = False
+            if current:
+                break
+            handle.close()
+        try:
+            yield
+        finally:
+            # Removed while still held, so that no `.lock` file outlives its write.
+            with contextlib.suppress(OSError):
+                os.unlink(lock_file)
+            if fcntl is not None:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
 
 
 def atomic_write_text(path: Path, text: str) -> None:

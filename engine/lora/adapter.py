@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from engine.lora.patterns import UnsafePatternError, check_pattern
+
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
@@ -116,7 +118,24 @@ def read_config(path: Path) -> dict[str, Any]:
         or alpha <= 0
     ):
         raise LoraError(f"{file}: 'lora_alpha' must be a positive number, got {alpha!r}")
+    _check_patterns(config, file)
     return config
+
+
+def _check_patterns(config: dict[str, Any], file: Path) -> None:
+    # Before anything (this loader or peft) matches them: engine/lora/patterns.py.
+    patterns: list[tuple[str, Any]] = []
+    for key in ("rank_pattern", "alpha_pattern"):
+        value = config.get(key) or {}
+        if isinstance(value, dict):
+            patterns += [(key, pattern) for pattern in value]
+    if isinstance(config.get("target_modules"), str):
+        patterns.append(("target_modules", config["target_modules"]))
+    for key, pattern in patterns:
+        try:
+            check_pattern(pattern)
+        except UnsafePatternError as e:
+            raise LoraError(f"{file}: '{key}' holds a bad pattern: {e}") from None
 
 
 def read_tensors(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:

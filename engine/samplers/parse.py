@@ -108,7 +108,7 @@ def parse_stop(key: str, value: Any) -> list[str]:
         # literals, with escapes such as \n written out.
         try:
             parsed = ast.literal_eval(f"[{value}]")
-        except (ValueError, SyntaxError) as e:
+        except (ValueError, SyntaxError, RecursionError, MemoryError) as e:
             raise SamplingSettingsError(
                 f'{key} must look like \'"\\n", "User:"\', got {value!r} ({e})'
             ) from None
@@ -125,7 +125,7 @@ def parse_sequence_breakers(name: str, value: Any) -> list[str]:
             return []
         try:
             parsed = json.loads(text if text.startswith("[") else f"[{text}]")
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:  # nested past the stack's depth
             raise SamplingSettingsError(
                 f'{name} must be JSON strings like \'"\\n", ":"\', got {value!r} ({e})'
             ) from None

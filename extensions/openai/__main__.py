@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import loader
+from extensions.openai.load_defaults import with_cache_default
 from extensions.openai.server import run_api_server
 from loader.hub import resolve_model
 from loader.manager import ModelManager, UnknownNameError
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-tokens", type=int, default=None,
         help="KV cache size in tokens, shared by concurrent requests (kestrel loader)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cache-memory-fraction", type=float, default=None,
+        help="without --cache-tokens: the share of free GPU memory the KV cache takes (0.9)",
+    )  # fmt: skip
     parser.add_argument("--listen", action="store_true", help="bind 0.0.0.0, not 127.0.0.1")
     parser.add_argument("--listen-host", default=None, help="the address --listen binds")
     parser.add_argument("--port", "--api-port", dest="port", type=int, default=5000)
@@ -71,14 +76,18 @@ def load_model(manager: ModelManager, args: argparse.Namespace) -> None:
         }.items()
         if v is not None
     }
+    fraction = args.cache_memory_fraction
     try:
-        manager.load(args.model, args.loader, **options)
-        return
+        path = manager.resolve_model(args.model)
     except UnknownNameError:
         path = Path(args.model).expanduser()
         if not path.exists():
             raise
-    manager.adopt(loader.load(path, args.loader, **options), path.name)
+        options = with_cache_default(options, path, args.loader, fraction)
+        manager.adopt(loader.load(path, args.loader, **options), path.name)
+        return
+    options = with_cache_default(options, path, args.loader, fraction)
+    manager.load(args.model, args.loader, **options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@
 - GET /v1/models, /v1/models/{id}: the loaded model.
 - POST /v1/completions, /v1/chat/completions (extensions/openai/generation.py).
 - GET /v1/internal/health, /v1/internal/model/info.
-- Admin (admin key; the API key when no admin key is set): GET /v1/internal/model/list,
+- Admin (admin key; the API key when no admin key is set; with neither, loopback clients
+  only): GET /v1/internal/model/list,
   POST /v1/internal/model/load {"model_name", "args": {loader options}, "loader"},
   POST /v1/internal/model/unload, GET /v1/internal/lora/list,
   POST /v1/internal/lora/load {"lora_names", "lora_weights"},
@@ -15,14 +16,17 @@ Names are entries of the manager's models/LoRA directories, never paths. Keys ar
 `Authorization: Bearer <key>`. With `local_only` (no --listen) requests must name a
 loopback host, which stops DNS-rebinding pages from reaching the API. CORS is off unless
 origins are given. Request bodies over `max_body_bytes` (32 MiB) are refused with a 413.
+extensions/openai/guards.py refuses cross-site state changes and admin routes reached from
+the network without a key. /openapi.json needs the API key too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -32,7 +36,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from extensions.openai import embeddings, generation
 from extensions.openai.errors import ApiError, error_for, install_handlers
+from extensions.openai.guards import RequestGuard
 from extensions.openai.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from extensions.openai.load_defaults import with_cache_default
 from extensions.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,6 +50,10 @@ from loader.base import LoadedModel
 from loader.manager import ModelManager, UnknownNameError
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
+RESERVED_LOAD_ARGS = {"self", "name", "loader_name", "progress"}
+# Adapters are trained for scale 1; past this the activations overflow (1e308 made every
+# request fail) and no use of a LoRA goes near it.
+MAX_LORA_WEIGHT = 100.0
 
 
 def _bearer(request: Request) -> str:
@@ -52,8 +62,10 @@ def _bearer(request: Request) -> str:
     return token.strip() if scheme.lower() == "bearer" else ""
 
 
-def _key_check(key: str | None, what: str) -> Callable[[Request], None]:
-    def check(request: Request) -> None:
+def _key_check(key: str | None, what: str) -> Callable[[Request], Awaitable[None]]:
+    # async: FastAPI runs a plain function dependency in a worker thread, one per concurrent
+    # request, which then idle for 10 s: a burst of requests left dozens behind.
+    async def check(request: Request) -> None:
         if key and not hmac.compare_digest(_bearer(request).encode(), key.encode()):
             raise ApiError(
                 401,
@@ -103,8 +115,16 @@ def create_app(
     local_only: bool = True,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    app = FastAPI(title="Kestrel OpenAI-compatible API", docs_url=None, redoc_url=None)
+    # The schema is served below, behind the API key like every other route.
+    app = FastAPI(
+        title="Kestrel OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None
+    )
     install_handlers(app)
+    # Innermost first: the guard turns stray exceptions into responses before Starlette's
+    # outermost error middleware (which would drop the connection after answering).
+    app.add_middleware(
+        RequestGuard, cors_origins=cors_origins, admin_key_set=bool(admin_key or api_key)
+    )
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if cors_origins:
         app.add_middleware(
@@ -193,7 +213,20 @@ def create_app(
 
     @app.post("/v1/internal/model/load", dependencies=admin)
     async def admin_load_model(body: LoadModelRequest) -> dict[str, Any]:
-        model = await blocking(manager.load, body.model_name, body.loader, **body.args)
+        reserved = sorted(set(body.args) & RESERVED_LOAD_ARGS)
+        if reserved:  # keywords of ModelManager.load itself, not loader options
+            raise ApiError(
+                400,
+                f"args.{reserved[0]} is not a loader option (args takes options such as "
+                "max_seq_len, cache_tokens, cache_type)",
+                param=f"args.{reserved[0]}",
+            )
+        args = dict(body.args)
+        try:
+            args = with_cache_default(args, manager.resolve_model(body.model_name), body.loader)
+        except UnknownNameError:
+            pass  # manager.load says so, as a 404
+        model = await blocking(manager.load, body.model_name, body.loader, **args)
         return {"status": "loaded", "model_name": body.model_name, "info": model.info()}
 
     @app.post("/v1/internal/model/unload", dependencies=admin)
@@ -214,6 +247,14 @@ def create_app(
                 f"{len(weights)} lora_weights for {len(body.lora_names)} lora_names",
                 param="lora_weights",
             )
+        for i, weight in enumerate(weights):
+            if not math.isfinite(weight) or abs(weight) > MAX_LORA_WEIGHT:
+                raise ApiError(
+                    400,
+                    f"lora_weights[{i}] is {weight!r}; a LoRA scale is a number in "
+                    f"[-{MAX_LORA_WEIGHT:g}, {MAX_LORA_WEIGHT:g}]",
+                    param=f"lora_weights.{i}",
+                )
         loaded = {}
         for name, weight in zip(body.lora_names, weights, strict=True):
             try:
@@ -238,6 +279,10 @@ def create_app(
     @app.post("/v1/internal/lora/unload", dependencies=admin)
     async def admin_unload_loras(body: LoraRequest | None = None) -> dict[str, Any]:
         return await blocking(unload_loras, body or LoraRequest())
+
+    @app.get("/openapi.json", dependencies=user, include_in_schema=False)
+    async def openapi_schema() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
     @app.get("/", include_in_schema=False)
     async def root() -> JSONResponse:

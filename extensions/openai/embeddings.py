@@ -15,6 +15,7 @@ from typing import Any
 
 from extensions.openai.errors import ApiError, error_for
 from extensions.openai.params import check_text
+from extensions.openai.prompt_size import check_prompt_size
 from extensions.openai.schemas import EmbeddingRequest
 from loader.base import LoadedModel
 from loader.embeddings import EmbeddingError
@@ -70,6 +71,7 @@ async def embeddings(body: EmbeddingRequest, model: LoadedModel, name: str) -> d
     if body.dimensions is not None and body.dimensions < 1:
         raise ApiError(400, f"dimensions must be >= 1, got {body.dimensions}", param="dimensions")
     items = _inputs(body, model.backend.tokenizer.vocab_size)
+    await check_prompt_size(model, [i for i in items if isinstance(i, str)], "input")
 
     def run() -> tuple[list[Any], int]:
         ids = [model.encode_for_embedding(i) if isinstance(i, str) else i for i in items]

@@ -94,6 +94,8 @@ def error_for(error: BaseException, prompt_param: str = "messages") -> ApiError:
         return ApiError(503, message, type="server_error", code="model_unloaded")
     if isinstance(error, LoaderError | ValueError):
         return ApiError(400, message)
+    if isinstance(error, RecursionError):  # a value nested deeper than anything real
+        return ApiError(400, f"a value in the request is nested too deeply ({message})")
     log.exception("request failed", exc_info=error)
     return ApiError(500, f"internal error: {type(error).__name__}: {message}", type="server_error")
 

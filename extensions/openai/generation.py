@@ -41,7 +41,13 @@ from extensions.openai.params import (
     choice_states,
     message_dicts,
 )
-from extensions.openai.runner import ChoiceRunner, ChunkSource, watch_disconnect
+from extensions.openai.prompt_size import check_prompt_size
+from extensions.openai.runner import (
+    ChoiceRunner,
+    ChunkSource,
+    check_choice_count,
+    watch_disconnect,
+)
 from extensions.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from extensions.openai.tools import (
     ToolCallStream,
@@ -201,6 +207,8 @@ async def completions(
     vocab_size = model.backend.tokenizer.vocab_size
     check_logit_bias(state, vocab_size)
     prompts = _prompts(body)
+    check_choice_count(len(prompts), body.n)
+    await check_prompt_size(model, prompts, "prompt")  # type: ignore[arg-type]
     for prompt in prompts:
         bad = [t for t in prompt if not 0 <= t < vocab_size] if isinstance(prompt, list) else []
         if bad:
@@ -220,7 +228,11 @@ async def completions(
             logs[i] = CompletionLogprobs(tokenizer)
         if echo:
             for p, prompt in enumerate(prompts):
-                ids = prompt if isinstance(prompt, list) else model.encode(prompt)
+                ids = (
+                    prompt
+                    if isinstance(prompt, list)
+                    else await asyncio.to_thread(model.encode, prompt)
+                )
                 entries = await asyncio.to_thread(prompt_logprobs, model, ids, body.logprobs)
                 for j in range(n):
                     logs[p * n + j].add_prompt(ids, entries)  # type: ignore[union-attr]
@@ -308,10 +320,11 @@ async def chat_completions(
     state = build_state(body)
     check_logit_bias(state, model.backend.tokenizer.vocab_size)
     messages = template_messages(message_dicts(body))
+    await check_prompt_size(model, ["".join(m["content"] for m in messages)], "messages")
     tools = request_tools(body.tools, body.tool_choice)
     names = tool_names(tools) if tools else set()
-    if tools:
-        check_template_takes_tools(model, messages, tools)
+    if tools:  # renders the template (time-bounded, engine/chat_template.py): off the loop
+        await asyncio.to_thread(check_template_takes_tools, model, messages, tools)
     n = body.n
     req = _Request(request, model, name, body)
     tokenizer = model.backend.tokenizer

@@ -12,6 +12,7 @@ webui.shared.manager unless a manager is given.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -24,6 +25,27 @@ from loader.manager import ModelManager
 from webui import shared
 
 log = logging.getLogger(__name__)
+
+
+SHUTDOWN_GRACE_SECONDS = 3
+
+
+def warn_open(host: str, api_key: str | None, admin_key: str | None) -> None:
+    """Say loudly (log and stderr) what a server on a network address lets anyone do."""
+    if api_key:
+        return
+    admin = (
+        "admin routes need the admin key"
+        if admin_key
+        else "admin routes (model/LoRA loading) are refused from other hosts until "
+        "--admin-key is set"
+    )
+    message = (
+        f"WARNING: the API listens on {host} with no --api-key: anyone who can reach this "
+        f"machine can generate with the loaded model; {admin}. Set --api-key."
+    )
+    log.warning(message)
+    print(message, file=sys.stderr, flush=True)
 
 
 class ApiServerError(RuntimeError):
@@ -71,7 +93,18 @@ def run_api_server(
         cors_origins=cors_origins,
         local_only=host in LOOPBACK_HOSTS,
     )
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+    if host not in LOOPBACK_HOSTS:
+        warn_open(host, api_key, admin_key)
+    # A request still in flight at shutdown (a long render, a stream) must not keep the
+    # process alive after the first SIGTERM / Ctrl+C: uvicorn cancels it after this long.
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+    )
     server = uvicorn.Server(config)
     if block:
         log.warning("OpenAI-compatible API on http://%s:%d/v1", host, port)
