@@ -16,10 +16,27 @@ class PathConfinementError(ValueError):
     """A name would reach outside the directory it must stay in."""
 
 
+def hub_snapshot_repo(model_dir: str | Path) -> Path | None:
+    """The repository folder of a Hugging Face cache snapshot
+    (`<cache>/models--org--name/snapshots/<revision>`), whose files are symlinks into the
+    repository's own `blobs/`; None for any other folder."""
+    snapshot = Path(model_dir)
+    repo = snapshot.parent.parent
+    if snapshot.parent.name == "snapshots" and repo.name.startswith("models--"):
+        return repo if (repo / "blobs").is_dir() else None
+    return None
+
+
 def confined_path(
-    root: str | Path, name: str, *, what: str = "file", single_component: bool = False
+    root: str | Path,
+    name: str,
+    *,
+    what: str = "file",
+    single_component: bool = False,
+    within: str | Path | None = None,
 ) -> Path:
-    """`root / name`, checked to stay inside `root` (symlinks resolved).
+    """`root / name`, checked to stay inside `root` (symlinks resolved), or inside
+    `within` where given (a folder holding `root`, e.g. `hub_snapshot_repo(root)`).
 
     `single_component=True` accepts only one entry of `root` (a model or LoRA name), never
     a path with separators. Existence is not checked: callers say "not found" their way."""
@@ -40,10 +57,11 @@ def confined_path(
         raise PathConfinementError(f"invalid {what} name {name!r}: '..' leaves {root}")
     base = Path(root)
     candidate = base / name
-    resolved_root = base.resolve()
+    fence = Path(within) if within is not None else base
+    resolved_root = fence.resolve()
     resolved = candidate.resolve()
     if resolved_root not in resolved.parents:
         raise PathConfinementError(
-            f"{what} {name!r} points outside {root} (it resolves to {resolved})"
+            f"{what} {name!r} points outside {fence} (it resolves to {resolved})"
         )
     return candidate

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.paths import PathConfinementError, confined_path
+from engine.paths import PathConfinementError, confined_path, hub_snapshot_repo
 
 _DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8),
@@ -98,7 +98,11 @@ class WeightStore:
                 for name in weight_map.values():
                     if name not in names:
                         names.append(name)
-                files = sorted({confined_path(self.model_dir, f, what="shard") for f in names})
+                # A Hugging Face cache snapshot's files link into its repository's blobs/.
+                fence = hub_snapshot_repo(self.model_dir)
+                files = sorted(
+                    {confined_path(self.model_dir, f, what="shard", within=fence) for f in names}
+                )
             except PathConfinementError as e:
                 raise WeightError(f"{index}: {e}") from None
             missing = [f.name for f in files if not f.is_file()]
@@ -106,9 +110,10 @@ class WeightStore:
                 raise WeightError(f"{index} names missing shard(s): {', '.join(missing)}")
             return files
         files = sorted(self.model_dir.glob("*.safetensors"))
+        fence = hub_snapshot_repo(self.model_dir)
         for file in files:  # a symlink to a file elsewhere is refused as an index's shard is
             try:
-                confined_path(self.model_dir, file.name, what="weights file")
+                confined_path(self.model_dir, file.name, what="weights file", within=fence)
             except PathConfinementError as e:
                 raise WeightError(
                     f"{e}; copy the file into the model directory (a download tool's "

@@ -81,6 +81,36 @@ def test_a_weights_symlink_out_of_the_folder_is_refused(
         loader.load(model, name, **CPU)
 
 
+def _hub_snapshot(tiny: Path, cache: Path, blob_dir: Path) -> Path:
+    """A Hugging Face cache entry as huggingface_hub lays it out: the snapshot's files are
+    relative symlinks to content-named files in `blob_dir` (the repository's blobs/)."""
+    repo = cache / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir(exist_ok=True)
+    blob_dir.mkdir(parents=True, exist_ok=True)
+    for i, file in enumerate(sorted(p for p in tiny.iterdir() if p.is_file())):
+        blob = blob_dir / f"blob{i}"
+        shutil.copy(file, blob)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / file.name)
+    return snapshot
+
+
+def test_a_hugging_face_cache_snapshot_loads(tiny: Path, tmp_path: Path) -> None:
+    # Its symlinks leave the snapshot folder but stay in the repository's blobs/.
+    repo_blobs = tmp_path / "hub" / "models--org--tiny" / "blobs"
+    snapshot = _hub_snapshot(tiny, tmp_path / "hub", repo_blobs)
+    model = loader.load(snapshot, "kestrel", **CPU)
+    assert model.generate("hello", {"max_new_tokens": 2, "temperature": 0}) is not None
+    model.unload()
+
+
+def test_a_snapshot_linking_outside_its_repository_is_refused(tiny: Path, tmp_path: Path):
+    snapshot = _hub_snapshot(tiny, tmp_path / "hub", tmp_path / "elsewhere")
+    with pytest.raises(WeightError, match="points outside"):
+        loader.load(snapshot, None, **CPU)
+
+
 def test_huge_layer_count_is_refused_before_transformers_allocates(
     tiny: Path, tmp_path: Path
 ) -> None:
