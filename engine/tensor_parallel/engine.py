@@ -173,9 +173,10 @@ class TensorParallelEngine(Engine):
             worker.join(timeout=60)
         _stop_workers(self._workers)
         if dist.is_initialized():
-            if stopped and launched_rank() is not None:
-                # torchrun's ranks outlive this call: leave the group together, or a rank
-                # still tearing down its side aborts when this process exits first.
+            if stopped and launched_rank() is not None and dist.get_backend() == "gloo":
+                # torchrun's ranks outlive this call: on gloo a rank still tearing down
+                # aborts when this process exits first, so the group is left together.
+                # (On NCCL, 2xH100, a barrier here hung; the ranks leave as spawned ones do.)
                 dist.barrier()
             dist.destroy_process_group()
 
@@ -273,7 +274,8 @@ def serve_launched_rank(model_dir: str | Path, options: EngineOptions | None = N
             rank, error = failed[0]
             raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
         serve(model, cache, graphs, spec.device(launched.rank))
-        dist.barrier()  # rank 0's unload waits here too (see TensorParallelEngine.unload)
+        if dist.get_backend() == "gloo":
+            dist.barrier()  # rank 0's unload waits here too (see TensorParallelEngine.unload)
     finally:
         dist.destroy_process_group()
 
