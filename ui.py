@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     from webui.sessions import UserData
 
     shared.args = args
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     shared.manager = ModelManager(args.models_dir, args.loras_dir)
     user_data = UserData(args.user_data_dir)
     remembered = user_data.load_settings()
@@ -48,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     # Handlers share one model; generation handlers set their own (unlimited) limit and
     # are batched by the scheduler, everything else runs a few at a time.
     demo.queue(default_concurrency_limit=4)
+    # quiet: Gradio's own banner suggests `share=True` in launch(); ui.py has --share.
     demo.launch(
         server_name=cli.host(args),
         server_port=args.port,
@@ -55,8 +60,16 @@ def main(argv: list[str] | None = None) -> int:
         inbrowser=args.inbrowser,
         ssr_mode=False,
         show_error=True,
+        quiet=True,
+        prevent_thread_lock=True,
         **launch_kwargs(ctx),
     )
+    print(f"[kestrel ui] serving on {demo.local_url}", file=sys.stderr, flush=True)
+    if args.share:
+        print(f"[kestrel ui] public link: {demo.share_url}", file=sys.stderr, flush=True)
+    else:
+        print("[kestrel ui] (--share makes a public gradio.live link)", file=sys.stderr, flush=True)
+    demo.block_thread()
     return 0
 
 

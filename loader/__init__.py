@@ -69,6 +69,13 @@ def settings_schema(name: str) -> SettingsSchema:
     return schema_for(name, loaders[name])
 
 
+def pick(path: str | Path) -> str | None:
+    """The loader that `load(path)` uses when none is named (the first that can load the
+    files), or None when none can."""
+    model_path = Path(path).expanduser()
+    return next((name for name, p in _loaders().items() if p.can_load(model_path)), None)
+
+
 def load(
     path: str | Path,
     loader: str | None = None,
@@ -89,7 +96,7 @@ def load(
         raise LoaderError(f"model path is not a directory: {path}")
     loaders = _loaders()
     if loader is None:
-        loader = next((name for name, p in loaders.items() if p.can_load(model_path)), None)
+        loader = pick(model_path)
         if loader is None:
             try:  # the config's own error says more than "no loader" where it is the cause
                 ModelConfig.from_dir(model_path)
@@ -122,6 +129,7 @@ __all__ = [
     "UnsupportedFeatureError",
     "available",
     "load",
+    "pick",
     "register",
     "SettingsSchema",
     "settings_schema",

@@ -23,9 +23,20 @@ from webui.sampler_controls import state_from_values
 from webui.text_generation import ReplyChunk, prepare_chat, stream_chat_reply, stream_reply
 
 Message = dict[str, str]
-# A streamed page update costs a websocket message and a re-render; more than ~20 a second
-# only burns the CPU that generation needs.
+# A streamed page update costs a message and a re-render; more than ~20 a second only burns
+# the CPU that generation needs.
 MIN_UPDATE_SECONDS = 0.05
+# The browser re-renders the whole reply on every update, so its work per update grows with
+# the reply. Sent at a fixed rate, a long reply outruns a busy browser: the page falls
+# seconds behind the server, and a Stop pressed on what the page shows reaches the server
+# after the reply ended (a 3000-token reply at load 8 did exactly that). Updates are spaced
+# so that the page re-renders at most this many characters a second.
+RENDERED_CHARS_PER_SECOND = 40_000
+
+
+def update_interval(text_length: int) -> float:
+    """Seconds between two page updates of a reply `text_length` characters long."""
+    return max(MIN_UPDATE_SECONDS, text_length / RENDERED_CHARS_PER_SECOND)
 
 
 @dataclass
@@ -110,7 +121,8 @@ def _follow(chunks: Iterator[ReplyChunk], base: str = "") -> Iterator[Progress]:
             if first is None and chunk.completion_tokens:
                 first = time.perf_counter()
             now = time.perf_counter()
-            if chunk.finish_reason is None and now - last_update < MIN_UPDATE_SECONDS:
+            due = update_interval(len(base) + len(chunk.text))
+            if chunk.finish_reason is None and now - last_update < due:
                 continue
             last_update = now
             yield Progress(

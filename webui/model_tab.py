@@ -19,6 +19,7 @@ from loader.manager import ModelManager
 from webui import load_options
 from webui.cli import CACHE_TYPES
 from webui.context import AppContext
+from webui.load_check import LoadCheckError, check_load, loader_for
 from webui.load_options import AUTO, OPTION_NAMES
 
 
@@ -80,6 +81,55 @@ def describe_loaded(manager: ModelManager) -> str:
         facts.append(f"loaded in {info['load_seconds']:.1f} s")
     lines = [f"Loaded **{manager.name}**: " + ", ".join(facts), "", "Memory per device:"]
     return "\n".join(lines + _vram_lines(info))
+
+
+def shown_options(ctx: AppContext, name: str | None, loader_name: str | None) -> set[str]:
+    """The load options to show: those of the loader that will load `name` (under "auto",
+    the one picked from its files) that this machine can use (no GPU split without CUDA,
+    no tensor parallelism without two GPUs)."""
+    used = loader_name if loader_name not in (None, "", AUTO) else None
+    if used is None and name:
+        try:
+            used = loader_for(ctx.manager, name, None)
+        except Exception:  # an unknown name: the load says so
+            used = None
+    shown = load_options.visible_options(used or AUTO)
+    gpus = load_options.gpu_count()
+    if gpus == 0:
+        shown -= {"gpu_split", "autosplit", "tensor_parallel"}
+    elif gpus == 1:
+        shown -= {"tensor_parallel"}
+    return shown
+
+
+def _previous(manager: ModelManager) -> tuple[str, str | None, dict[str, Any]] | None:
+    """(name, loader, options) of the loaded model, to reload it if the next load fails;
+    None when nothing is loaded or it came from outside the models directory."""
+    if not manager.is_loaded() or manager.name is None:
+        return None
+    try:
+        manager.resolve_model(manager.name)
+    except Exception:
+        return None
+    return manager.name, manager.current().loader_name, manager.options
+
+
+def _still(ctx: AppContext) -> str:
+    if ctx.manager.is_loaded():
+        return f"\n\n{ctx.manager.name} is still loaded.\n\n" + describe_loaded(ctx.manager)
+    return "\n\nNo model is loaded."
+
+
+def _restore(ctx: AppContext, previous: Any, report: Any) -> str:
+    """After a failed load (the old model is unloaded by then): load the old one again."""
+    if previous is None:
+        return "\n\nNo model is loaded now."
+    name, loader_name, options = previous
+    try:
+        ctx.manager.load(name, loader_name, progress=report, **options)
+    except Exception as e:
+        return f"\n\nNo model is loaded now: reloading {name} failed too ({html.escape(str(e))})."
+    return f"\n\n{name} was loaded again.\n\n" + describe_loaded(ctx.manager)
 
 
 def _error(message: str) -> str:
@@ -197,12 +247,15 @@ def wire(ctx: AppContext, tab: ModelTab) -> tuple[Any, Any]:
     def load(name: str | None, loader_name: str, progress=gr.Progress(), *raw: Any) -> str:  # noqa: B008
         if not name:
             return _error("choose a model first")
-        shown = load_options.visible_options(loader_name)
+        chosen = None if loader_name in (None, "", AUTO) else loader_name
+        shown = shown_options(ctx, name, loader_name)
         try:
             kwargs = load_options.load_kwargs(dict(zip(OPTION_NAMES, raw, strict=True)), shown)
-        except ValueError as e:
-            return _error(str(e))
-        chosen = None if loader_name in (None, "", AUTO) else loader_name
+            # Everything that can be known before the working model is unloaded.
+            check_load(ctx.manager, name, chosen, kwargs)
+        except (ValueError, LoadCheckError) as e:
+            return _error(f"could not load {name}: {e}") + _still(ctx)
+        previous = _previous(ctx.manager)
         progress(0.05, desc=f"Loading {name}")
         steps = [0.05]
 
@@ -213,7 +266,7 @@ def wire(ctx: AppContext, tab: ModelTab) -> tuple[Any, Any]:
         try:
             ctx.manager.load(name, chosen, progress=report, **kwargs)
         except Exception as e:  # any loader failure is shown, and the server goes on
-            return _error(f"could not load {name}: {e}")
+            return _error(f"could not load {name}: {e}") + _restore(ctx, previous, report)
         progress(1.0, desc="Loaded")
         ctx.user_data.update_settings(model=name, loader=chosen, load_options=kwargs)
         return describe_loaded(ctx.manager)
@@ -227,8 +280,8 @@ def wire(ctx: AppContext, tab: ModelTab) -> tuple[Any, Any]:
     def refresh() -> Any:
         return gr.update(choices=model_choices(ctx.manager))
 
-    def show_options(loader_name: str) -> list[Any]:
-        shown = load_options.visible_options(loader_name)
+    def show_options(name: str | None, loader_name: str) -> list[Any]:
+        shown = shown_options(ctx, name, loader_name)
         return [gr.update(visible=n in shown) for n in OPTION_NAMES]
 
     loaded = tab.load.click(
@@ -236,5 +289,6 @@ def wire(ctx: AppContext, tab: ModelTab) -> tuple[Any, Any]:
     )
     unloaded = tab.unload.click(unload, None, [tab.status], concurrency_id="model")
     tab.refresh.click(refresh, None, [tab.model])
-    tab.loader.change(show_options, [tab.loader], tab.options)
+    for control in (tab.loader, tab.model):
+        control.change(show_options, [tab.model, tab.loader], tab.options, show_progress="hidden")
     return loaded, unloaded

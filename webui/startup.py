@@ -56,7 +56,7 @@ def pick_model(
     # Nothing there but (maybe) the default model's FP16 import: prepare its EXL2 form.
     if not [n for n in names if n != packaged_model(DEFAULT_MODEL).dirname]:
         _say(f"no model in {manager.models_dir}: preparing the default model (once)")
-        ensure_default_model(manager.models_dir)
+        ensure_default_model(manager.models_dir, threads=args.threads)
         return DEFAULT_MODEL_DIRNAME, None
     return None, None
 
@@ -76,8 +76,7 @@ def load_initial_model(
         remembered.get("loader") if name == remembered.get("model") else None
     )
     try:
-        if name is not None:
-            _say(f"loading {name} ...")
+        if name is not None:  # the manager's progress says "loading <name>"
             manager.load(name, loader_name, progress=_say, **options)
         else:
             assert path is not None
