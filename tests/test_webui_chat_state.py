@@ -239,7 +239,9 @@ def test_clearing_during_a_reply_detaches_it(context, server, dirs, how):
         page.click("#chat-clear")
     else:
         page.locator("#chatbot button[aria-label='Clear']").click()
-    page.wait_for_function(f"() => !document.querySelector('#chat-name textarea, #chat-name input').value.startsWith('{old}')")
+    page.wait_for_function(
+        f"() => !document.querySelector('#chat-name textarea, #chat-name input').value.startsWith('{old}')"
+    )
     expect(user_messages(page)).to_have_count(0)
     expect(page.locator("#chat-send")).to_be_visible()
     new = chat_name(page)

@@ -217,7 +217,10 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
                 saved = ctx.user_data.save_chat(name, final, system_prompt, revision)
             except StorageError as e:
                 if job.may_update_page():
-                    err = f"<div class='kestrel-error' id='chat-error'>Reply not saved: {e}</div>"
+                    err = (
+                        "<div class='kestrel-error' id='chat-error'>Reply not saved: "
+                        f"{html.escape(str(e))}</div>"
+                    )
                     yield final, final, err, *_unchanged(3)
                 return
             if job.may_update_page():

@@ -231,6 +231,10 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> ModelTab:
         device=device,
         dtype=dtype,
     )
+    # Only what the loader of the selected model takes and this machine can use.
+    shown = shown_options(ctx, ctx.manager.name, loader_dd.value)
+    for option_name, component in by_name.items():
+        component.visible = option_name in shown
     with gr.Row():
         load = gr.Button("Load", variant="primary", elem_id="model-load")
         unload = gr.Button("Unload", elem_id="model-unload")

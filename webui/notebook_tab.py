@@ -84,8 +84,11 @@ def wire(ctx: AppContext, tab: NotebookTab, params: ParametersTab) -> None:
     def stop(request: gr.Request) -> None:
         ctx.stop(session(request))
 
-    def remember(text: str) -> None:
+    def remember(request: gr.Request, text: str) -> Any:
+        if ctx.is_running(session(request)):  # the stream's own updates: saved at its end
+            return gr.update()
         ctx.user_data.update_settings(notebook=text)
+        return "Text saved."
 
     tab.generate.click(
         run,
@@ -96,4 +99,6 @@ def wire(ctx: AppContext, tab: NotebookTab, params: ParametersTab) -> None:
     )
     tab.stop.click(stop, None, None, queue=False)
     # Saved as typed (the last of a burst of keystrokes wins), so a reload loses nothing.
-    tab.text.input(remember, [tab.text], None, trigger_mode="always_last", show_progress="hidden")
+    tab.text.change(
+        remember, [tab.text], [tab.status], trigger_mode="always_last", show_progress="hidden"
+    )
