@@ -35,8 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     shared.settings.update(remembered.get("parameters") or {})
     ctx = AppContext(shared.manager, user_data, args)
 
-    startup.load_initial_model(args, shared.manager, remembered)
-    startup.apply_startup_loras(args, ctx)
+    if startup.prepare_while_serving(args, shared.manager):
+        # Minutes of work: the page is served meanwhile and shows the progress.
+        startup.start_preparing(args, shared.manager, remembered)
+    else:
+        startup.load_initial_model(args, shared.manager, remembered)
+        startup.apply_startup_loras(args, ctx)
     if args.extensions:
         extensions.load_extensions(args.extensions)
     if args.api:

@@ -18,6 +18,7 @@ from webui import (
     notebook_tab,
     parameters_tab,
     sampler_controls,
+    startup,
 )
 from webui.context import AppContext
 from webui.presets import BUILTIN
@@ -26,6 +27,16 @@ CSS = """
 .kestrel-error { color: #b91c1c; background: #fef2f2; border: 1px solid #fecaca;
                  border-radius: 6px; padding: 8px 12px; white-space: pre-wrap; }
 #chat-status, #notebook-status { font-size: 0.9em; opacity: 0.85; min-height: 1.5em; }
+#startup-status { background: #eff6ff; border: 1px solid #bfdbfe; border-radius: 6px;
+                  padding: 6px 12px; }
+/* Phones: the message box and Send/Stop share one line, the actions another, and the
+   chat keeps most of the screen (one-handed use at 390 px). */
+@media (max-width: 640px) {
+  .gradio-container { padding: 4px !important; }
+  #chatbot { height: 58vh !important; }
+  #chat-actions { flex-wrap: nowrap !important; gap: 6px; }
+  #chat-actions button { min-width: 0 !important; flex: 1 1 0; }
+}
 """
 
 # TGW's chat shortcuts: Ctrl+Enter regenerates, Alt+Enter continues. Caught before the
@@ -78,6 +89,10 @@ def build_app(ctx: AppContext) -> gr.Blocks:
     initial = _remembered_parameters(ctx, remembered)
     preset = _remembered_preset(ctx, remembered)
     with gr.Blocks(title="Kestrel", analytics_enabled=False) as demo:
+        preparing = startup.preparation_status()
+        banner = gr.Markdown(preparing or "", visible=bool(preparing), elem_id="startup-status")
+        # Polls only while the default model is prepared (served at once meanwhile).
+        ticker = gr.Timer(2.0, active=bool(preparing))
         with gr.Tabs(elem_id="tabs"):
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
                 chat = chat_tab.build(ctx, remembered)
@@ -141,6 +156,26 @@ def build_app(ctx: AppContext) -> gr.Blocks:
                 chat.text,
                 notebook.text,
             ],
+            show_progress="hidden",
+        )
+
+        def on_tick() -> list[Any]:
+            line = startup.preparation_status()
+            if line is not None:
+                return [gr.update(value=line, visible=True), *(gr.update() for _ in range(4))]
+            # Ready: show the model as a load from the Model tab would.
+            return [
+                gr.update(value="", visible=False),
+                gr.Timer(active=False),
+                gr.update(choices=model_tab.model_choices(ctx.manager), value=ctx.manager.name),
+                model_tab.describe_loaded(ctx.manager),
+                chat_tab.model_template(ctx),
+            ]
+
+        ticker.tick(
+            on_tick,
+            None,
+            [banner, ticker, model.model, model.status, chat.template],
             show_progress="hidden",
         )
         # The template shown follows the model: refresh it after every load/unload.

@@ -56,6 +56,7 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> ChatTab:
         with gr.Column(scale=4):
             chatbot = gr.Chatbot(
                 label="Chat",
+                show_label=False,  # the tab says it; the badge covered the first message
                 elem_id="chatbot",
                 height=480,
                 buttons=["copy"],

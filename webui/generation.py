@@ -20,7 +20,13 @@ from engine.samplers.parse import SamplingSettingsError, as_int
 from loader.base import LoadedModel
 from webui import shared
 from webui.sampler_controls import state_from_values
-from webui.text_generation import ReplyChunk, prepare_chat, stream_chat_reply, stream_reply
+from webui.text_generation import (
+    ReplyChunk,
+    prepare_chat,
+    settings_from_state,
+    stream_chat_reply,
+    stream_reply,
+)
 
 Message = dict[str, str]
 # A streamed page update costs a message and a re-render; more than ~20 a second only burns
@@ -112,7 +118,17 @@ def _status(chunk: ReplyChunk, started: float, first: float | None, prefix: str 
     return prefix + ", ".join(parts)
 
 
-def _follow(chunks: Iterator[ReplyChunk], base: str = "") -> Iterator[Progress]:
+def ignored_note(state: dict[str, Any]) -> str:
+    """A status prefix naming settings that are set but not implemented here (mirostat_mode
+    1, TGW-only keys), so that they never pass silently."""
+    try:
+        keys = settings_from_state(state).unsupported()
+    except Exception:  # a bad value fails, by name, where the settings are used
+        return ""
+    return f"ignored (not implemented): {', '.join(keys)}; " if keys else ""
+
+
+def _follow(chunks: Iterator[ReplyChunk], base: str = "", prefix: str = "") -> Iterator[Progress]:
     started = time.perf_counter()
     first: float | None = None
     last_update = 0.0
@@ -127,7 +143,7 @@ def _follow(chunks: Iterator[ReplyChunk], base: str = "") -> Iterator[Progress]:
             last_update = now
             yield Progress(
                 base + chunk.text,
-                _status(chunk, started, first),
+                _status(chunk, started, first, prefix),
                 done=chunk.finish_reason is not None,
                 finish_reason=chunk.finish_reason,
                 completion_tokens=chunk.completion_tokens,
@@ -139,8 +155,14 @@ def _follow(chunks: Iterator[ReplyChunk], base: str = "") -> Iterator[Progress]:
 
 def _model_or_error() -> LoadedModel | Progress:
     if not shared.manager.is_loaded():
+        from webui.startup import preparation_status
+
+        preparing = preparation_status()
         return Progress(
-            "", "no model is loaded", done=True, error="Load a model first (Model tab)."
+            "",
+            "no model is loaded",
+            done=True,
+            error=preparing or "Load a model first (Model tab).",
         )
     return shared.manager.current()
 
@@ -161,7 +183,8 @@ def chat_reply(
         yield Progress("", f"error: {e}", done=True, error=f"{type(e).__name__}: {e}")
         return
     state = {**state, "max_new_tokens": new}
-    yield from _follow(stream_chat_reply(fitted, state, stop_event=stop_event, model=model))
+    chunks = stream_chat_reply(fitted, state, stop_event=stop_event, model=model)
+    yield from _follow(chunks, prefix=ignored_note(state))
 
 
 def continue_reply(
@@ -186,7 +209,7 @@ def continue_reply(
     chunks = stream_reply(
         prompt + last, chat_state, is_chat=True, stop_event=stop_event, model=model
     )
-    yield from _follow(chunks, base=last)
+    yield from _follow(chunks, base=last, prefix=ignored_note(chat_state))
 
 
 def complete(prompt: str, state: dict[str, Any], stop_event: threading.Event) -> Iterator[Progress]:
@@ -206,4 +229,5 @@ def complete(prompt: str, state: dict[str, Any], stop_event: threading.Event) ->
         yield Progress("", f"error: {e}", done=True, error=f"{type(e).__name__}: {e}")
         return
     state = {**state, "max_new_tokens": new}
-    yield from _follow(stream_reply(prompt, state, stop_event=stop_event, model=model))
+    chunks = stream_reply(prompt, state, stop_event=stop_event, model=model)
+    yield from _follow(chunks, prefix=ignored_note(state))

@@ -34,9 +34,38 @@ class ModelTab:
     status: gr.Markdown
 
 
+def size_text(size_bytes: float) -> str:
+    """Sizes such as 540 MB, 3.2 GB or 87 KB: a small model is never "0.00 GB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if size_bytes >= scale:
+            value = size_bytes / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{int(size_bytes)} B"
+
+
 def model_choices(manager: ModelManager) -> list[tuple[str, str]]:
-    """(label, name) for the dropdown: "SmolLM2-135M-Instruct-fp16 (fp16, 0.54 GB)"."""
-    return [(f"{e.name} ({e.label})", e.name) for e in manager.list_models()]
+    """(label, name) for the dropdown: "SmolLM2-135M-Instruct-fp16 (fp16, 540 MB)"."""
+    out = []
+    for e in manager.list_models():
+        bits = f" {e.bits:g} bpw" if e.bits is not None else ""
+        out.append((f"{e.name} ({e.format}{bits}, {size_text(e.size_bytes)})", e.name))
+    return out
+
+
+def _system_memory_line(info: dict[str, Any]) -> str:
+    """RAM of this process and of the machine (a CPU model's weights and cache live there)."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    memory = psutil.virtual_memory()
+    line = (
+        f"system memory: this server uses {rss / 2**30:.2f} GiB; "
+        f"{memory.available / 2**30:.1f} of {memory.total / 2**30:.1f} GiB free"
+    )
+    tokens, per_token = info.get("cache_tokens"), info.get("cache_bytes_per_token")
+    if isinstance(tokens, int) and isinstance(per_token, (int, float)):
+        line += f" (KV cache {size_text(tokens * per_token)} for {tokens} tokens)"
+    return line
 
 
 def _vram_lines(info: dict[str, Any]) -> list[str]:
@@ -56,7 +85,7 @@ def _vram_lines(info: dict[str, Any]) -> list[str]:
                 used += f"; {free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
             lines.append(f"- `{device}`: {used}")
         else:
-            lines.append(f"- `{device}`: system memory (no VRAM)")
+            lines.append(f"- `{device}`: {_system_memory_line(info)}")
     return lines
 
 
