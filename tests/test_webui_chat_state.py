@@ -239,9 +239,9 @@ def test_clearing_during_a_reply_detaches_it(context, server, dirs, how):
         page.click("#chat-clear")
     else:
         page.locator("#chatbot button[aria-label='Clear']").click()
-    page.wait_for_function(
-        f"() => !document.querySelector('#chat-name textarea, #chat-name input').value.startsWith('{old}')"
-    )
+    # New chat takes effect (a new name) before the conversation is checked.
+    name_box = page.locator("#chat-name textarea, #chat-name input").first
+    expect(name_box).not_to_have_value(old)
     expect(user_messages(page)).to_have_count(0)
     expect(page.locator("#chat-send")).to_be_visible()
     new = chat_name(page)
@@ -257,3 +257,26 @@ def test_clearing_during_a_reply_detaches_it(context, server, dirs, how):
     # The old one was stopped and saved under its own name, with what was written.
     kept = saved_chat(dirs, old)["messages"]
     assert kept[0]["content"] == f"old conversation {how}" and kept[1]["role"] == "assistant"
+
+
+# -- 11. a phone ----------------------------------------------------------------------------
+def test_chat_is_usable_at_phone_width(browser, server):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
+    page = open_page(context, server)
+    box = page.locator("#chat-input").bounding_box()
+    send_button = page.locator("#chat-send").bounding_box()
+    # The message box and Send share one line; Send is a thumb-sized button, not a bar.
+    assert abs(send_button["y"] - box["y"]) < box["height"], (box, send_button)
+    assert send_button["width"] < 150, send_button
+    actions = [page.locator(f"#chat-{n}").bounding_box() for n in ("regenerate", "continue")]
+    actions.append(page.locator("#chat-clear").bounding_box())
+    assert len({round(a["y"]) for a in actions}) == 1, actions  # one row
+    assert all(a["width"] < 150 for a in actions), actions
+    # The whole chat fits on the screen: input and actions above the fold.
+    assert max(a["y"] + a["height"] for a in actions) <= 844
+    # No label badge drawn over the conversation.
+    assert page.locator("#chatbot label, #chatbot [data-testid='block-label']").count() == 0
+    tab(page, "Parameters")
+    height = page.evaluate("document.documentElement.scrollHeight")
+    assert height < 3000, height
+    context.close()

@@ -152,7 +152,7 @@ def test_notebook_text_survives_a_reload_and_is_read_only_while_written(page):
     tab(page, "Notebook")
     box = page.locator("#notebook-text textarea")
     box.fill("The lighthouse keeper wrote")
-    expect(page.locator("#notebook-status")).to_contain_text("Text saved")
+    expect(page.locator("#notebook-saved")).to_contain_text("Text saved")
     page.reload()
     page.wait_for_selector("#chat-input textarea:not([disabled])")
     tab(page, "Notebook")

@@ -32,6 +32,7 @@ class NotebookTab:
     generate: gr.Button
     stop: gr.Button
     status: gr.Markdown
+    saved: gr.Markdown  # "Text saved." once a typed change is remembered
 
 
 def build(ctx: AppContext, remembered: dict[str, Any]) -> NotebookTab:
@@ -47,7 +48,8 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> NotebookTab:
         generate = gr.Button("Generate", variant="primary", elem_id="notebook-generate")
         stop = gr.Button("Stop", variant="stop", visible=False, elem_id="notebook-stop")
     status = gr.Markdown(elem_id="notebook-status")
-    return NotebookTab(text, generate, stop, status)
+    saved = gr.Markdown(elem_id="notebook-saved")
+    return NotebookTab(text, generate, stop, status, saved)
 
 
 def wire(ctx: AppContext, tab: NotebookTab, params: ParametersTab) -> None:
@@ -100,5 +102,5 @@ def wire(ctx: AppContext, tab: NotebookTab, params: ParametersTab) -> None:
     tab.stop.click(stop, None, None, queue=False)
     # Saved as typed (the last of a burst of keystrokes wins), so a reload loses nothing.
     tab.text.change(
-        remember, [tab.text], [tab.status], trigger_mode="always_last", show_progress="hidden"
+        remember, [tab.text], [tab.saved], trigger_mode="always_last", show_progress="hidden"
     )

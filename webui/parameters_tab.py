@@ -25,6 +25,7 @@ from webui.sampler_controls import CONTROLS, GROUP_TITLES, Control
 from webui.storage import StorageError
 
 SHOWN_CHANGES = 4  # differing settings named in the preset line; more are counted
+FOLDED_GROUPS = ("repetition", "mirostat", "other")
 
 
 @dataclass
@@ -107,8 +108,13 @@ def build(ctx: AppContext, initial: dict[str, Any], preset: str | None) -> Param
         for column in columns:
             with gr.Column():
                 for group in column:
-                    with gr.Group():
-                        gr.Markdown(f"**{GROUP_TITLES[group]}**")
+                    # The rarely changed groups start folded: on a phone the columns stack,
+                    # and unfolded they made the page ~4,900 px tall.
+                    with gr.Accordion(
+                        GROUP_TITLES[group],
+                        open=group not in FOLDED_GROUPS,
+                        elem_id=f"params-{group}",
+                    ):
                         for control in groups[group]:
                             by_name[control.name] = _component(
                                 control, initial.get(control.name, control.default)
