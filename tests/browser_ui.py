@@ -80,7 +80,12 @@ def open_page(context, url: str):
 
 
 def tab(page, name: str) -> None:
-    page.get_by_role("tab", name=name).click()
+    """Open tab `name`; on a narrow screen Gradio lists some under "More tabs"."""
+    button = page.get_by_role("tab", name=name)
+    if button.count() == 0 or not button.is_visible():
+        page.get_by_role("button", name="More tabs").click()
+        button = page.get_by_role("button", name=name, exact=True).locator("visible=true")
+    button.click()
 
 
 def choose(page, elem_id: str, label_start: str) -> None:

@@ -276,7 +276,9 @@ def test_chat_is_usable_at_phone_width(browser, server):
     assert max(a["y"] + a["height"] for a in actions) <= 844
     # No label badge drawn over the conversation.
     assert page.locator("#chatbot label, #chatbot [data-testid='block-label']").count() == 0
+    # The rarely used parameter groups start folded (the page was ~4,900 px tall).
     tab(page, "Parameters")
+    expect(page.locator("#param-temperature")).to_be_visible()
     height = page.evaluate("document.documentElement.scrollHeight")
-    assert height < 3000, height
+    assert height < 3500, height
     context.close()

@@ -188,8 +188,11 @@ def test_shortcuts_names_and_no_lock_files(page, dirs):
     expect(bot_messages(page).last).not_to_have_text(first)
     expect(page.locator("#chat-send")).to_be_visible()
     expect(bot_messages(page)).to_have_count(1)
-    assert len(bot_messages(page).last.inner_text()) > len(first)
-    page.keyboard.press("Control+Enter")  # regenerate: one reply, 6 tokens
+    continued = bot_messages(page).last.inner_text()
+    assert len(continued) > len(first)
+    page.keyboard.press("Control+Enter")  # regenerate: a new reply of 6 tokens replaces it
+    expect(bot_messages(page).last).not_to_have_text(continued)
+    expect(page.locator("#chat-send")).to_be_visible()
     expect(page.locator("#chat-status")).to_contain_text(re.compile(r"\b6 tokens.*length"))
     expect(bot_messages(page)).to_have_count(1)
     expect(page.locator("#chat-input textarea")).to_have_value("")  # nothing sent

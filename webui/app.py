@@ -40,7 +40,8 @@ CSS = """
 """
 
 # TGW's chat shortcuts: Ctrl+Enter regenerates, Alt+Enter continues. Caught before the
-# message box sees the key, which would otherwise send the text on any Enter.
+# message box sees the key, which would otherwise send the text on any Enter. And the
+# chat's trash icon, caught before Gradio sees the click.
 SHORTCUTS_JS = """
 <script>
 window.addEventListener("keydown", (event) => {
@@ -52,6 +53,17 @@ window.addEventListener("keydown", (event) => {
   event.preventDefault();
   event.stopPropagation();
   button.click();
+}, true);
+// The chat's trash icon would empty the conversation in the browser only, while a reply
+// still streaming puts it back: it does what New chat does instead (which stops the reply
+// and starts a new saved chat).
+window.addEventListener("click", (event) => {
+  const trash = event.target.closest && event.target.closest('#chatbot button[aria-label="Clear"]');
+  const clear = document.getElementById("chat-clear");
+  if (!trash || !clear) return;
+  event.preventDefault();
+  event.stopPropagation();
+  clear.click();
 }, true);
 </script>
 """

@@ -362,9 +362,7 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
     tab.stop.click(stop, None, None, queue=False)
     cleared = [tab.chatbot, tab.history, tab.status, tab.chat_name, tab.revision, *buttons]
     tab.clear.click(clear, None, cleared)
-    # The trash icon empties the Chatbot in the browser only; the reply still streaming would
-    # put the old conversation back, so it does exactly what New chat does.
-    tab.chatbot.clear(None, None, None, js="() => document.getElementById('chat-clear').click()")
+    # The Chatbot's trash icon presses New chat (webui.app's page script).
     tab.load_past.click(
         open_chat,
         [tab.past],
