@@ -29,15 +29,16 @@ from webui.text_generation import (
 )
 
 Message = dict[str, str]
-# A streamed page update costs a message and a re-render; more than ~20 a second only burns
-# the CPU that generation needs.
-MIN_UPDATE_SECONDS = 0.05
-# The browser re-renders the whole reply on every update, so its work per update grows with
-# the reply. Sent at a fixed rate, a long reply outruns a busy browser: the page falls
-# seconds behind the server, and a Stop pressed on what the page shows reaches the server
-# after the reply ended (a 3000-token reply at load 8 did exactly that). Updates are spaced
-# so that the page re-renders at most this many characters a second.
-RENDERED_CHARS_PER_SECOND = 40_000
+# A streamed page update costs a message and a re-render in the browser. Sent 20 times a
+# second, a 3000-token reply of the test model (9.3 s) cost headless Chromium 4.7 s of main
+# thread, half a core; on a 2-core machine at load 8 the browser gets about a quarter of
+# one, so the page fell further and further behind the server, and a Stop pressed on what
+# the page showed reached a server that had already finished ("3000 tokens ... length").
+# At most 10 updates a second, and fewer as the reply grows (the browser re-renders the
+# whole reply each time: at most this many characters a second), cost 3.0 s for the same
+# reply. The text shown is never more than 0.1 s (short replies) behind.
+MIN_UPDATE_SECONDS = 0.1
+RENDERED_CHARS_PER_SECOND = 20_000
 
 
 def update_interval(text_length: int) -> float:
