@@ -51,8 +51,8 @@ def check_load(
     refused = sorted(set(options) - takes)
     if refused:
         raise LoadCheckError(
-            f"the {used} loader does not take {', '.join(refused)}; reset "
-            f"{'it' if len(refused) == 1 else 'them'} (or choose another loader)"
+            f"the {used} loader does not take {', '.join(refused)} (leave "
+            f"{'it' if len(refused) == 1 else 'them'} unset, or choose another loader)"
         )
     try:
         schema.check(options)

@@ -35,6 +35,7 @@ from loader.default_model import (
 from loader.manager import ModelManager
 from webui.cli import load_options
 from webui.context import AppContext
+from webui.load_check import check_load
 
 
 def _say(message: str) -> None:
@@ -158,6 +159,7 @@ def load_initial_model(
     )
     try:
         if name is not None:  # the manager's progress says "loading <name>"
+            check_load(manager, name, loader_name, options)  # names a bad flag plainly
             manager.load(name, loader_name, progress=progress, **options)
         else:
             assert path is not None
