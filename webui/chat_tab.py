@@ -361,13 +361,18 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
         ).then(idle, None, buttons, **fast)
     tab.stop.click(stop, None, None, queue=False)
     cleared = [tab.chatbot, tab.history, tab.status, tab.chat_name, tab.revision, *buttons]
-    tab.clear.click(clear, None, cleared)
+    # The detached reply's last update may still be on its way to the browser (each event
+    # streams on its own), and land after the cleared chat: once it has gone quiet, the
+    # empty chat is sent once more, after anything it sent before.
+    tab.clear.click(clear, None, cleared).then(
+        lambda: ([], ""), None, [tab.chatbot, tab.status], show_progress="hidden"
+    )
     # The Chatbot's trash icon presses New chat (webui.app's page script).
     tab.load_past.click(
         open_chat,
         [tab.past],
         [tab.chatbot, tab.history, tab.status, tab.chat_name, tab.revision, tab.system_prompt],
-    )
+    ).then(lambda history: history, [tab.history], [tab.chatbot], show_progress="hidden")
     tab.delete_past.click(
         delete_chat,
         [tab.past],
