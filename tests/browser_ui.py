@@ -25,6 +25,10 @@ LAUNCH_ARGS = [
 ]
 SLOW = 120_000  # ms: the CI machine may be busy; waits end as soon as the page is ready
 START_S = 180  # how long ui.py may take to listen, on a busy machine
+# Layers of the test model where a test stops a long reply. With 2 layers a 3000-token
+# reply took 9.5 s here, shorter than a browser starved at load 8 lagged behind the server,
+# so Stop came after the end; 24 layers write ~73 tok/s (3000 tokens: ~40 s idle).
+STOPPABLE_LAYERS = 24
 
 
 def free_port() -> int:

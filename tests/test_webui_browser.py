@@ -25,6 +25,7 @@ from browser_ui import (
     CHROMIUM,
     LAUNCH_ARGS,
     SLOW,
+    STOPPABLE_LAYERS,
     bot_messages,
     choose,
     open_page,
@@ -53,7 +54,9 @@ LORA_SUPPORTED = KestrelModel.load_lora is not LoadedModel.load_lora
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ui")
     models, loras = root / "models", root / "loras"
-    model = make_tiny_llama(models / "tiny-llama", max_position_embeddings=4096)
+    model = make_tiny_llama(
+        models / "tiny-llama", max_position_embeddings=4096, num_hidden_layers=STOPPABLE_LAYERS
+    )
     # A model whose weights file is garbage: listed (it has a config.json), fails to load.
     broken = models / "broken-model"
     broken.mkdir()

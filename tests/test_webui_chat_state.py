@@ -18,6 +18,7 @@ from browser_ui import (
     CHROMIUM,
     LAUNCH_ARGS,
     SLOW,
+    STOPPABLE_LAYERS,
     bot_messages,
     chat_name,
     choose,
@@ -44,7 +45,11 @@ LONG = 3000  # tokens: a reply that is still streaming when the test acts on it
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ui-state")
-    make_tiny_llama(root / "models" / "tiny-llama", max_position_embeddings=4096)
+    make_tiny_llama(
+        root / "models" / "tiny-llama",
+        max_position_embeddings=4096,
+        num_hidden_layers=STOPPABLE_LAYERS,
+    )
     return {"root": root, "models": root / "models", "user": root / "user_data"}
 
 

@@ -17,6 +17,7 @@ from browser_ui import (
     CHROMIUM,
     LAUNCH_ARGS,
     SLOW,
+    STOPPABLE_LAYERS,
     bot_messages,
     choose,
     open_page,
@@ -40,7 +41,9 @@ expect.set_options(timeout=SLOW)
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ui-settings")
     models = root / "models"
-    make_tiny_llama(models / "tiny-llama", max_position_embeddings=4096)
+    make_tiny_llama(
+        models / "tiny-llama", max_position_embeddings=4096, num_hidden_layers=STOPPABLE_LAYERS
+    )
     # The same model with its weights cut in half: listed, and bound to fail.
     truncated = models / "truncated-model"
     shutil.copytree(models / "tiny-llama", truncated)
