@@ -132,6 +132,7 @@ def build_app(ctx: AppContext) -> gr.Blocks:
             values = _remembered_parameters(ctx, saved)
             chosen = _remembered_preset(ctx, saved)
             messages, name, revision, chat_system = chat_tab.open_latest(ctx)
+            preparing_now = startup.preparation_status()  # not the build time's banner
             return [
                 *(values[n] for n in sampler_controls.CONTROL_NAMES),
                 gr.update(choices=ctx.presets.names(), value=chosen),
@@ -147,6 +148,7 @@ def build_app(ctx: AppContext) -> gr.Blocks:
                 revision,
                 gr.update(interactive=True),
                 notebook_tab.remembered_text(saved),
+                gr.update(value=preparing_now or "", visible=bool(preparing_now)),
             ]
 
         demo.load(
@@ -167,6 +169,7 @@ def build_app(ctx: AppContext) -> gr.Blocks:
                 chat.revision,
                 chat.text,
                 notebook.text,
+                banner,
             ],
             show_progress="hidden",
         )
