@@ -41,14 +41,22 @@ def main(argv: list[str] | None = None) -> int:
     from webui.sessions import UserData
 
     shared.args = args
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     shared.manager = ModelManager(args.models_dir, args.loras_dir)
     user_data = UserData(args.user_data_dir)
     remembered = user_data.load_settings()
     shared.settings.update(remembered.get("parameters") or {})
     ctx = AppContext(shared.manager, user_data, args)
 
-    startup.load_initial_model(args, shared.manager, remembered)
-    startup.apply_startup_loras(args, ctx)
+    if startup.prepare_while_serving(args, shared.manager):
+        # Minutes of work: the page is served meanwhile and shows the progress.
+        startup.start_preparing(args, shared.manager, remembered)
+    else:
+        startup.load_initial_model(args, shared.manager, remembered)
+        startup.apply_startup_loras(args, ctx)
     if args.extensions:
         extensions.load_extensions(args.extensions)
     if args.api:
@@ -64,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     # Handlers share one model; generation handlers set their own (unlimited) limit and
     # are batched by the scheduler, everything else runs a few at a time.
     demo.queue(default_concurrency_limit=4)
+    # quiet: Gradio's own banner suggests `share=True` in launch(); ui.py has --share.
     demo.launch(
         server_name=cli.host(args),
         server_port=args.port,
@@ -71,8 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         inbrowser=args.inbrowser,
         ssr_mode=False,
         show_error=True,
+        quiet=True,
+        prevent_thread_lock=True,
         **launch_kwargs(ctx),
     )
+    print(f"[kestrel ui] serving on {demo.local_url}", file=sys.stderr, flush=True)
+    if args.share:
+        print(f"[kestrel ui] public link: {demo.share_url}", file=sys.stderr, flush=True)
+    else:
+        print("[kestrel ui] (--share makes a public gradio.live link)", file=sys.stderr, flush=True)
+    demo.block_thread()
     return 0
 
 

@@ -150,7 +150,9 @@ def is_converted(model_dir: Path) -> bool:
     )
 
 
-def ensure_default_model(models_dir: Path | None = None, *, quiet: bool = False) -> Path:
+def ensure_default_model(
+    models_dir: Path | None = None, *, quiet: bool = False, threads: int | None = None
+) -> Path:
     """The default model's EXL2 directory; downloaded, imported and converted first if it
     is not there (a few minutes, once)."""
     target = default_model_path(models_dir)
@@ -161,7 +163,7 @@ def ensure_default_model(models_dir: Path | None = None, *, quiet: bool = False)
 
     spec = PACKAGED_MODELS[DEFAULT_MODEL]
     _say(spec, quiet, f"converting to EXL2 {DEFAULT_BITS} bpw once → {target}")
-    options = ConvertOptions(bits=DEFAULT_BITS, progress=not quiet)
+    options = ConvertOptions(bits=DEFAULT_BITS, progress=not quiet, threads=threads)
     try:
         if DEFAULT_MEASUREMENT.is_file():
             # The measurement pass is most of a CPU conversion; this one was made once on a

@@ -15,20 +15,28 @@ import json
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
 from loader.base import LoadedModel
 from loader.kestrel_loader import KestrelModel
 
+from browser_ui import (
+    CHROMIUM,
+    LAUNCH_ARGS,
+    SLOW,
+    STOPPABLE_LAYERS,
+    bot_messages,
+    choose,
+    open_page,
+    running_ui,
+    send,
+    set_value,
+    status_tokens,
+    tab,
+)
 from model_factory import make_tiny_llama
 
-CHROMIUM = "/usr/bin/chromium"
 if not os.path.exists(CHROMIUM):
     pytest.skip(
         f"browser tests need Chromium at {CHROMIUM} (Debian: apt-get install -y chromium)",
@@ -38,31 +46,17 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need
 expect = sync_api.expect
 
 pytestmark = pytest.mark.browser
-ROOT = Path(__file__).resolve().parent.parent
-LAUNCH_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-    "--disable-sync",
-]
-SLOW = 120_000  # ms: the CI machine may be busy; waits end as soon as the page is ready
 expect.set_options(timeout=SLOW)
 LORA_SUPPORTED = KestrelModel.load_lora is not LoadedModel.load_lora
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ui")
     models, loras = root / "models", root / "loras"
-    model = make_tiny_llama(models / "tiny-llama", max_position_embeddings=4096)
+    model = make_tiny_llama(
+        models / "tiny-llama", max_position_embeddings=4096, num_hidden_layers=STOPPABLE_LAYERS
+    )
     # A model whose weights file is garbage: listed (it has a config.json), fails to load.
     broken = models / "broken-model"
     broken.mkdir()
@@ -80,38 +74,12 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(dirs):
-    port = _free_port()
-    log = (dirs["root"] / "server.log").open("w")
-    command = [
-        sys.executable, "ui.py", "--models-dir", str(dirs["models"]),
-        "--loras-dir", str(dirs["loras"]), "--user-data-dir", str(dirs["user"]),
-        "--port", str(port), "--no-default-model",
+    args = [
+        "--models-dir", str(dirs["models"]), "--loras-dir", str(dirs["loras"]),
+        "--user-data-dir", str(dirs["user"]), "--no-default-model",
     ]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"ui.py exited with {proc.returncode}:\n{_tail(dirs)}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail(f"ui.py did not listen on {url} within 180 s:\n{_tail(dirs)}")
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-
-
-def _tail(dirs) -> str:
-    return (dirs["root"] / "server.log").read_text(errors="replace")[-3000:]
+    with running_ui(args, dirs["root"] / "server.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -125,46 +93,8 @@ def browser():
 @pytest.fixture(scope="module")
 def page(browser, server):
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    page.set_default_timeout(SLOW)
-    page.goto(server)
-    page.wait_for_selector("#chat-input textarea")
-    yield page
+    yield open_page(context, server)
     context.close()
-
-
-# -- helpers --------------------------------------------------------------------------------
-def tab(page, name: str) -> None:
-    page.get_by_role("tab", name=name).click()
-
-
-def choose(page, elem_id: str, label_start: str) -> None:
-    """Pick the option whose label starts with `label_start` in a Gradio dropdown."""
-    page.click(f"#{elem_id} input")
-    page.locator(f'[role=option][aria-label^="{label_start}"]').first.click()
-
-
-def set_value(page, elem_id: str, value) -> None:
-    """Type into a slider's number box or a number/text field, and commit it."""
-    box = page.locator(f"#{elem_id} input[type=number], #{elem_id} input, #{elem_id} textarea")
-    box.first.fill(str(value))
-    box.first.press("Enter")
-    box.first.blur()
-
-
-def status_tokens(text: str) -> int:
-    match = re.search(r"(\d+) tokens", text)
-    assert match, f"no token count in {text!r}"
-    return int(match.group(1))
-
-
-def bot_messages(page):
-    return page.locator("#chatbot .bot.message")
-
-
-def send(page, text: str) -> None:
-    page.fill("#chat-input textarea", text)
-    page.click("#chat-send")
 
 
 # -- the visit ------------------------------------------------------------------------------
@@ -181,14 +111,16 @@ def test_load_error_is_shown_in_the_page(page):
 def test_load_a_model_from_the_list(page):
     page.click("#model-select input")
     labels = page.locator("[role=option]").all_inner_texts()
-    assert any(re.search(r"tiny-llama \(fp32, 0\.\d\d GB\)", t) for t in labels), labels
+    # Sized in the unit that fits (a tiny model is not "0.00 GB").
+    assert any(re.search(r"tiny-llama \(fp32, \d+(\.\d)? [KM]B\)", t) for t in labels), labels
     page.locator('[role=option][aria-label^="tiny-llama"]').first.click()
     page.click("#model-load")
     status = page.locator("#model-status")
     expect(status).to_contain_text("Loaded tiny-llama")
     expect(status).to_contain_text("LlamaForCausalLM")
     expect(status).to_contain_text("context 4096 tokens")
-    expect(status).to_contain_text("cpu")  # memory per device
+    expect(status).to_contain_text("cpu")  # memory per device, with numbers
+    expect(status).to_contain_text(re.compile(r"this server uses \d+\.\d\d GiB"))
     tab(page, "Chat")
     page.get_by_text("Chat template (from the model)").click()
     expect(page.locator("#chat-template")).to_contain_text("im_start")
@@ -248,8 +180,7 @@ def test_preset_round_trip_and_settings_are_remembered(page, dirs, server):
     expect(page.locator("#param-temperature input[type=number]")).to_have_value("0.55")
     expect(page.locator("#param-top_k input[type=number]")).to_have_value("33")
     # A new page (a reload, or the next start) comes back with the same settings.
-    other = page.context.browser.new_page()
-    other.goto(server)
+    other = open_page(page.context.browser.new_context(), server)
     tab(other, "Parameters")
     expect(other.locator("#param-temperature input[type=number]")).to_have_value("0.55")
     expect(other.locator("#param-max_new_tokens input[type=number]")).to_have_value("7")
@@ -265,7 +196,7 @@ def test_chat_is_saved_and_reopened(page, dirs):
     page.click("#chat-clear")
     expect(bot_messages(page)).to_have_count(0)
     assert page.locator("#chat-name textarea, #chat-name input").first.input_value() != name
-    choose(page, "chat-past", name)
+    choose(page, "chat-past", "Tell me a long story")  # listed by its first message
     page.click("#chat-open")
     expect(page.locator("#chat-status")).to_contain_text(f"Opened {name}")
     expect(bot_messages(page).last).to_have_text(reply)
@@ -273,10 +204,7 @@ def test_chat_is_saved_and_reopened(page, dirs):
 
 
 def test_two_sessions_chat_at_once(page, browser, server):
-    second = browser.new_context().new_page()
-    second.set_default_timeout(SLOW)
-    second.goto(server)
-    second.wait_for_selector("#chat-input textarea")
+    second = open_page(browser.new_context(), server)
     for p in (page, second):
         tab(p, "Parameters")
         set_value(p, "param-max_new_tokens", 120)

@@ -86,3 +86,52 @@ def test_default_model_chats_in_the_browser(default_model_dir: Path, tmp_path: P
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_the_page_is_served_while_the_default_model_is_prepared(tmp_path: Path) -> None:
+    """A first start with only the default model's FP16 import: ui.py serves the page at
+    once and shows the conversion's progress there; the chat says so; once converted, the
+    model is loaded and the page says that too, without a reload."""
+    from loader.default_model import DEFAULT_MODEL, ensure_packaged_model
+
+    models = tmp_path / "models"
+    ensure_packaged_model(DEFAULT_MODEL, models, quiet=True)  # the FP16 import, no EXL2 yet
+    port = _free_port()
+    log = tmp_path / "server.log"
+    command = [
+        sys.executable, "ui.py", "--models-dir", str(models),
+        "--user-data-dir", str(tmp_path / "user_data"), "--port", str(port),
+    ]  # fmt: skip
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_listening(proc, port, log)
+        assert "loaded" not in log.read_text()  # served before the model was ready
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                      "--disable-component-update", "--no-first-run", "--disable-sync"],
+            )  # fmt: skip
+            page = browser.new_page()
+            page.set_default_timeout(SLOW)
+            expect = sync_api.expect
+            expect.set_options(timeout=SLOW)
+            page.goto(f"http://127.0.0.1:{port}")
+            banner = page.locator("#startup-status")
+            expect(banner).to_contain_text("Preparing the default model")
+            page.wait_for_selector("#chat-input textarea:not([disabled])")
+            page.fill("#chat-input textarea", "Hello?")
+            page.click("#chat-send")
+            expect(page.locator("#chat-error")).to_contain_text("Preparing the default model")
+            # The conversion takes minutes on a small CPU: wait for the page to say so.
+            expect(banner).to_be_hidden(timeout=15 * 60_000)
+            page.get_by_role("tab", name="Model").click()
+            expect(page.locator("#model-status")).to_contain_text("Loaded SmolLM2")
+            browser.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

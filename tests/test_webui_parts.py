@@ -232,3 +232,71 @@ def test_load_kwargs_send_only_what_was_set():
         "device": "cpu",
         "dtype": "float32",
     }
+
+
+# -- issue 24: names, revisions, no lock files, load checks ---------------------------------
+def test_chat_names_are_unique_and_saves_never_overwrite_another_page(tmp_path):
+    from webui.sessions import new_chat_name
+
+    names = {new_chat_name() for _ in range(200)}  # same second, every one different
+    assert len(names) == 200
+    user = UserData(tmp_path)
+    first = user.save_chat("c1", [{"role": "user", "content": "Tell me\n about  whales"}], "", None)
+    assert (first.name, first.revision, first.forked) == ("c1", 1, False)
+    two_turns = [{"role": "user", "content": "Tell me\n about  whales"}]
+    # Page A saw revision 1 and saves; page B, which also saw 1, then goes to a new chat.
+    a = user.save_chat("c1", [*two_turns, {"role": "assistant", "content": "A"}], "", 1)
+    b = user.save_chat("c1", [*two_turns, {"role": "assistant", "content": "B"}], "", 1)
+    assert (a.name, a.revision, a.forked) == ("c1", 2, False)
+    assert b.forked and b.name != "c1" and b.revision == 1
+    assert user.load_chat("c1")[0][-1]["content"] == "A"
+    assert user.load_chat(b.name)[0][-1]["content"] == "B"
+    labels = dict((name, label) for label, name in user.chat_choices())
+    assert labels["c1"].startswith("Tell me about whales · ")
+    assert user.latest_chat() in ("c1", b.name)
+
+
+def test_names_too_long_or_with_forbidden_characters_are_refused_and_no_lock_files(tmp_path):
+    user = UserData(tmp_path)
+    with pytest.raises(StorageError, match="at most 200 bytes"):
+        user.save_chat("€" * 100, [{"role": "user", "content": "x"}])  # 300 bytes
+    with pytest.raises(StorageError, match="invalid preset name 'my preset!'"):
+        Presets(tmp_path / "presets").save("my preset!", sampler_controls.defaults())
+    Presets(tmp_path / "presets").save("my preset (v2)", sampler_controls.defaults())
+    user.save_chat("kept", [{"role": "user", "content": "x"}])
+    user.update_settings(preset="min_p")
+    left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["kept.json", "my preset (v2).yaml", "settings.yaml"], left
+
+
+def test_cli_takes_threads_and_share():
+    args = cli.parse_args(["--threads", "3", "--share"])
+    assert args.threads == 3 and args.share is True
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--threads", "0"])
+
+
+def test_load_check_names_the_option_and_the_file(tmp_path):
+    from loader.manager import ModelManager
+    from webui.load_check import LoadCheckError, check_load
+
+    from model_factory import make_tiny_llama
+
+    make_tiny_llama(tmp_path / "tiny", max_position_embeddings=256)
+    manager = ModelManager(tmp_path)
+    assert check_load(manager, "tiny", None, {"max_seq_len": 256}) == "kestrel"
+    with pytest.raises(LoadCheckError, match="the kestrel loader does not take rope_scale"):
+        check_load(manager, "tiny", None, {"rope_scale": 2.0})
+    weights = tmp_path / "tiny" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    with pytest.raises(LoadCheckError, match="model.safetensors is not a readable"):
+        check_load(manager, "tiny", None, {})
+
+
+def test_page_updates_are_spaced_by_the_reply_length():
+    from webui.generation import MIN_UPDATE_SECONDS, update_interval
+    from webui.model_tab import size_text
+
+    assert update_interval(10) == MIN_UPDATE_SECONDS
+    assert update_interval(40_000) > update_interval(4_000) > MIN_UPDATE_SECONDS
+    assert size_text(3_100_000) == "3.1 MB" and size_text(540_000_000) == "540 MB"

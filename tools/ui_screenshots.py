@@ -4,7 +4,8 @@
 
 Starts `ui.py` on a free loopback port (by default with the default model and a scratch
 user-data folder), asks the chat one question, and saves chat.png, notebook.png,
-parameters.png and model.png. Needs Chromium at /usr/bin/chromium and playwright.
+parameters.png and model.png, and chat-phone.png (the same chat on a 390 px wide phone
+screen). Needs Chromium at /usr/bin/chromium and playwright.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def main() -> int:
                 page.set_default_timeout(300_000)
                 expect.set_options(timeout=300_000)
                 page.goto(f"http://127.0.0.1:{port}")
+                page.wait_for_selector("#chat-input textarea:not([disabled])")
                 page.get_by_role("tab", name="Parameters").click()
                 box = page.locator("#param-max_new_tokens input[type=number]")
                 box.fill("160")
@@ -76,6 +78,13 @@ def main() -> int:
                     page.get_by_role("tab", name=name).click()
                     time.sleep(1)
                     page.screenshot(path=args.out / f"{name.lower()}.png", full_page=True)
+                # A phone: the page reopens the latest chat, the one just had.
+                phone = browser.new_page(viewport={"width": 390, "height": 844}, is_mobile=True)
+                phone.set_default_timeout(300_000)
+                phone.goto(f"http://127.0.0.1:{port}")
+                phone.wait_for_selector("#chat-input textarea:not([disabled])")
+                expect(phone.locator("#chatbot .bot.message").last).not_to_be_empty()
+                phone.screenshot(path=args.out / "chat-phone.png")
                 browser.close()
         finally:
             server.terminate()

@@ -18,6 +18,7 @@ from webui import (
     notebook_tab,
     parameters_tab,
     sampler_controls,
+    startup,
 )
 from webui.context import AppContext
 from webui.presets import BUILTIN
@@ -26,8 +27,46 @@ CSS = """
 .kestrel-error { color: #b91c1c; background: #fef2f2; border: 1px solid #fecaca;
                  border-radius: 6px; padding: 8px 12px; white-space: pre-wrap; }
 #chat-status, #notebook-status { font-size: 0.9em; opacity: 0.85; min-height: 1.5em; }
+#startup-status { background: #eff6ff; border: 1px solid #bfdbfe; border-radius: 6px;
+                  padding: 6px 12px; }
+/* Phones: the message box and Send/Stop share one line, the actions another, and the
+   chat keeps most of the screen (one-handed use at 390 px). */
+@media (max-width: 640px) {
+  .gradio-container { padding: 4px !important; }
+  #chatbot { height: 58vh !important; }
+  #chat-actions { flex-wrap: nowrap !important; gap: 6px; }
+  #chat-actions button { min-width: 0 !important; flex: 1 1 0; }
+}
 """
 
+# TGW's chat shortcuts: Ctrl+Enter regenerates, Alt+Enter continues. Caught before the
+# message box sees the key, which would otherwise send the text on any Enter. And the
+# chat's trash icon, caught before Gradio sees the click.
+SHORTCUTS_JS = """
+<script>
+window.addEventListener("keydown", (event) => {
+  if (event.key !== "Enter" || event.shiftKey || !(event.ctrlKey || event.altKey)) return;
+  const chat = document.getElementById("tab-chat");
+  if (!chat || chat.offsetParent === null) return;  // only on the Chat tab
+  const button = document.getElementById(event.ctrlKey ? "chat-regenerate" : "chat-continue");
+  if (!button) return;
+  event.preventDefault();
+  event.stopPropagation();
+  button.click();
+}, true);
+// The chat's trash icon would empty the conversation in the browser only, while a reply
+// still streaming puts it back: it does what New chat does instead (which stops the reply
+// and starts a new saved chat).
+window.addEventListener("click", (event) => {
+  const trash = event.target.closest && event.target.closest('#chatbot button[aria-label="Clear"]');
+  const clear = document.getElementById("chat-clear");
+  if (!trash || !clear) return;
+  event.preventDefault();
+  event.stopPropagation();
+  clear.click();
+}, true);
+</script>
+"""
 
 # The preset of a first start: TGW's long-time default, which keeps small models on topic
 # (plain temperature-1 sampling makes a 135M model ramble).
@@ -47,20 +86,25 @@ def _remembered_parameters(ctx: AppContext, remembered: dict[str, Any]) -> dict[
     return values
 
 
-def _remembered_preset(ctx: AppContext, remembered: dict[str, Any]) -> str:
+def _remembered_preset(ctx: AppContext, remembered: dict[str, Any]) -> str | None:
+    """The preset to show as chosen: the remembered one; on a first start the first-run
+    preset (whose values the controls hold); None when custom values were remembered
+    without a preset (the line under the presets then says "custom")."""
     name = remembered.get("preset")
     if name in ctx.presets.names():
         return str(name)
-    return "Default" if remembered.get("parameters") else FIRST_RUN_PRESET
+    return None if remembered.get("parameters") else FIRST_RUN_PRESET
 
 
 def build_app(ctx: AppContext) -> gr.Blocks:
     remembered = ctx.user_data.load_settings()
     initial = _remembered_parameters(ctx, remembered)
-    preset = (
-        remembered.get("preset") if remembered.get("preset") in ctx.presets.names() else "Default"
-    )
+    preset = _remembered_preset(ctx, remembered)
     with gr.Blocks(title="Kestrel", analytics_enabled=False) as demo:
+        preparing = startup.preparation_status()
+        banner = gr.Markdown(preparing or "", visible=bool(preparing), elem_id="startup-status")
+        # Polls only while the default model is prepared (served at once meanwhile).
+        ticker = gr.Timer(2.0, active=bool(preparing))
         with gr.Tabs(elem_id="tabs"):
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
                 chat = chat_tab.build(ctx, remembered)
@@ -81,21 +125,30 @@ def build_app(ctx: AppContext) -> gr.Blocks:
         lora_panel.wire(ctx, loras)
 
         def on_page_load() -> list[Any]:
-            # A page opened later sees the latest remembered settings and the model loaded
-            # since the app was built, not the values of the moment it was built.
+            # A page opened later sees the latest remembered settings, the latest chat and
+            # the model loaded since the app was built, not the values of the moment it
+            # was built; only then can a message be typed (chat_tab.build).
             saved = ctx.user_data.load_settings()
             values = _remembered_parameters(ctx, saved)
-            chosen = (
-                saved.get("preset") if saved.get("preset") in ctx.presets.names() else "Default"
-            )
+            chosen = _remembered_preset(ctx, saved)
+            messages, name, revision, chat_system = chat_tab.open_latest(ctx)
+            preparing_now = startup.preparation_status()  # not the build time's banner
             return [
                 *(values[n] for n in sampler_controls.CONTROL_NAMES),
                 gr.update(choices=ctx.presets.names(), value=chosen),
-                saved.get("system_prompt", ""),
+                parameters_tab.describe_preset(ctx.presets, chosen, values),
+                chat_system if messages else saved.get("system_prompt", ""),
                 gr.update(choices=model_tab.model_choices(ctx.manager), value=ctx.manager.name),
                 model_tab.describe_loaded(ctx.manager),
                 chat_tab.model_template(ctx),
-                gr.update(choices=ctx.user_data.chat_names()),
+                gr.update(choices=ctx.user_data.chat_choices(), value=None),
+                messages,
+                messages,
+                name,
+                revision,
+                gr.update(interactive=True),
+                notebook_tab.remembered_text(saved),
+                gr.update(value=preparing_now or "", visible=bool(preparing_now)),
             ]
 
         demo.load(
@@ -104,12 +157,41 @@ def build_app(ctx: AppContext) -> gr.Blocks:
             [
                 *params.components,
                 params.preset,
+                params.in_effect,
                 chat.system_prompt,
                 model.model,
                 model.status,
                 chat.template,
                 chat.past,
+                chat.chatbot,
+                chat.history,
+                chat.chat_name,
+                chat.revision,
+                chat.text,
+                notebook.text,
+                banner,
             ],
+            show_progress="hidden",
+        )
+
+        def on_tick() -> list[Any]:
+            line = startup.preparation_status()
+            if line is not None:
+                return [gr.update(value=line, visible=True), *(gr.update() for _ in range(4))]
+            # Ready: show the model as a load from the Model tab would.
+            return [
+                gr.update(value="", visible=False),
+                gr.Timer(active=False),
+                gr.update(choices=model_tab.model_choices(ctx.manager), value=ctx.manager.name),
+                model_tab.describe_loaded(ctx.manager),
+                chat_tab.model_template(ctx),
+            ]
+
+        ticker.tick(
+            on_tick,
+            None,
+            [banner, ticker, model.model, model.status, chat.template],
+            show_progress="hidden",
         )
         # The template shown follows the model: refresh it after every load/unload.
         for event in (loaded, unloaded):
@@ -120,7 +202,7 @@ def build_app(ctx: AppContext) -> gr.Blocks:
 def launch_kwargs(ctx: AppContext) -> dict[str, Any]:
     css = CSS + extensions.custom_css()
     js = extensions.custom_js()
-    kwargs: dict[str, Any] = {"css": css, "theme": gr.themes.Soft()}
+    kwargs: dict[str, Any] = {"css": css, "theme": gr.themes.Soft(), "head": SHORTCUTS_JS}
     if js:
         kwargs["js"] = js
     return kwargs

@@ -5,6 +5,12 @@ chat saved after every reply (webui.sessions) and reloadable from "Past chats".
 The conversation lives in a per-browser-session `gr.State` as plain {role, content}
 messages (the Chatbot only displays it), so two users chatting at once never see each
 other's turns, and their generations are batched together by the engine's scheduler.
+
+One reply at a time per page (webui.context.Job): while it is written, Send becomes Stop and
+a message sent with Enter stays in the box with a note. New chat (or the chat's trash icon)
+stops the running reply and cuts it off from the page; it is still saved to its own chat.
+A page opens on the latest saved chat (as TGW does) and saves with the revision it saw, so
+two pages on one chat never overwrite each other (webui.sessions).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 import gradio as gr
 
 from webui import generation
-from webui.context import AppContext
+from webui.context import AppContext, Job
 from webui.generation import Message, Progress
 from webui.parameters_tab import ParametersTab
 from webui.sessions import new_chat_name
@@ -29,6 +35,8 @@ class ChatTab:
     chatbot: gr.Chatbot
     history: gr.State
     chat_name: gr.Textbox
+    revision: gr.State  # of the saved chat this page last saw (None: not saved yet)
+    job: gr.State  # id of this page's running reply (webui.context)
     text: gr.Textbox
     send: gr.Button
     stop: gr.Button
@@ -48,6 +56,7 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> ChatTab:
         with gr.Column(scale=4):
             chatbot = gr.Chatbot(
                 label="Chat",
+                show_label=False,  # the tab says it; the badge covered the first message
                 elem_id="chatbot",
                 height=480,
                 buttons=["copy"],
@@ -61,13 +70,27 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> ChatTab:
                     max_lines=12,
                     scale=6,
                     elem_id="chat-input",
+                    # Until the page has its remembered settings (webui.app's page load),
+                    # a message would be sent with the values the app was built with.
+                    interactive=False,
                 )
-                send = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
-            with gr.Row():
-                stop = gr.Button("Stop", variant="stop", elem_id="chat-stop")
-                regenerate = gr.Button("Regenerate", elem_id="chat-regenerate")
-                cont = gr.Button("Continue", elem_id="chat-continue")
-                clear = gr.Button("New chat", elem_id="chat-clear")
+                send = gr.Button(
+                    "Send", variant="primary", scale=1, min_width=72, elem_id="chat-send"
+                )
+                stop = gr.Button(
+                    "Stop",
+                    variant="stop",
+                    scale=1,
+                    min_width=72,
+                    visible=False,
+                    elem_id="chat-stop",
+                )
+            with gr.Row(elem_id="chat-actions"):
+                regenerate = gr.Button(
+                    "Regenerate", size="sm", min_width=60, elem_id="chat-regenerate"
+                )
+                cont = gr.Button("Continue", size="sm", min_width=60, elem_id="chat-continue")
+                clear = gr.Button("New chat", size="sm", min_width=60, elem_id="chat-clear")
             status = gr.Markdown(elem_id="chat-status")
         with gr.Column(scale=1, min_width=260):
             chat_name = gr.Textbox(
@@ -77,7 +100,7 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> ChatTab:
                 info="saved after every reply",
             )
             past = gr.Dropdown(
-                ctx.user_data.chat_names(),
+                ctx.user_data.chat_choices(),
                 label="Past chats",
                 elem_id="chat-past",
                 allow_custom_value=False,
@@ -103,6 +126,8 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> ChatTab:
         chatbot,
         history,
         chat_name,
+        gr.State(None),
+        gr.State(None),
         text,
         send,
         stop,
@@ -139,115 +164,222 @@ def _status_html(progress: Progress) -> str:
     return progress.status
 
 
+def open_latest(ctx: AppContext) -> tuple[list[Message], str, int | None, str]:
+    """What a page opens on: the latest saved chat (messages, name, revision, system
+    prompt), or an empty chat with a new name when there is none or it does not read."""
+    name = ctx.user_data.latest_chat()
+    if name is not None:
+        try:
+            messages, system_prompt = ctx.user_data.load_chat(name)
+            return messages, name, ctx.user_data.chat_revision(name), system_prompt
+        except StorageError:  # listed in Past chats, where opening it shows the error
+            pass
+    return [], new_chat_name(), None, ""
+
+
+def _busy(tab: ChatTab) -> list[Any]:
+    """Send hidden and Stop shown (in that order), while a reply is written."""
+    return [gr.update(visible=False), gr.update(visible=True)]
+
+
 def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
     def messages_for(history: list[Message], system_prompt: str) -> list[Message]:
         system = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
         return system + list(history)
 
+    def session(request: gr.Request) -> str:
+        return f"{request.session_hash or ''}/chat"  # the Notebook's job is its own
+
     def run(
         make: Callable[..., Iterator[Progress]],
-        history: list[Message],
-        base: list[Message],
+        job: Job,
+        prompt: list[Message],
+        keep: list[Message],
         system_prompt: str,
         name: str,
+        revision: int | None,
         raw: tuple[Any, ...],
-        request: gr.Request,
     ) -> Iterator[tuple[Any, ...]]:
-        """Stream `make(...)` into a new last assistant message after `base`."""
-        values = params.values(raw)
-        ctx.user_data.update_settings(parameters=values, system_prompt=system_prompt)
-        stop = ctx.new_stop(request.session_hash or "")
-        final = history
-        for progress in make(messages_for(base, system_prompt), values, stop):
-            reply = [{"role": "assistant", "content": progress.text}] if progress.text else []
-            final = base + reply
-            yield final, final, _status_html(progress), gr.update()
-        past = gr.update()
-        if final:
-            try:
-                ctx.user_data.save_chat(name, final, system_prompt)
-                past = gr.update(choices=ctx.user_data.chat_names(), value=name)
-            except StorageError as e:
-                yield final, final, f"**Error:** reply not saved: {html.escape(str(e))}", past
+        """Stream `make(prompt)` as the assistant message after `keep`, then save the chat.
+        Yields (chatbot, history, status, past, name, revision) while the page is this
+        job's; once New chat detached it, nothing more goes to the page."""
+        try:
+            values = params.values(raw)
+            ctx.user_data.update_settings(parameters=values, system_prompt=system_prompt)
+            final, status = keep, ""
+            for progress in make(messages_for(prompt, system_prompt), values, job.stop):
+                reply = [{"role": "assistant", "content": progress.text}] if progress.text else []
+                final, status = keep + reply, _status_html(progress)
+                if job.may_update_page():
+                    yield final, final, status, *_unchanged(3)
+            if not final:
                 return
-        yield final, final, gr.update(), past
+            try:
+                saved = ctx.user_data.save_chat(name, final, system_prompt, revision)
+            except StorageError as e:
+                if job.may_update_page():
+                    err = (
+                        "<div class='kestrel-error' id='chat-error'>Reply not saved: "
+                        f"{html.escape(str(e))}</div>"
+                    )
+                    yield final, final, err, *_unchanged(3)
+                return
+            if job.may_update_page():
+                past = gr.update(choices=ctx.user_data.chat_choices(), value=saved.name)
+                if saved.forked:
+                    status += (
+                        f"<br>Another page saved **{html.escape(name)}** meanwhile, so this "
+                        f"conversation was saved as **{saved.name}**."
+                    )
+                yield final, final, status, past, saved.name, saved.revision
+        finally:
+            ctx.end_job(job)
 
-    outputs = [tab.chatbot, tab.history, tab.status, tab.past]
-    inputs = [tab.history, tab.system_prompt, tab.chat_name, *params.components]
+    chat_outputs = [tab.chatbot, tab.history, tab.status, tab.past, tab.chat_name, tab.revision]
+    inputs = [
+        tab.job,
+        tab.history,
+        tab.system_prompt,
+        tab.chat_name,
+        tab.revision,
+        *params.components,
+    ]
 
-    def add_user(text: str, history: list[Message]) -> tuple[str, list[Message], list[Message]]:
+    def start(request: gr.Request) -> Job:
+        job = ctx.start_job(session(request))
+        if job is None:  # the buttons are hidden meanwhile: only Enter or a shortcut get here
+            raise gr.Error(
+                "A reply is still being written: press Stop first. Your message stays in the box.",
+                duration=8,
+            )
+        return job
+
+    def add_user(request: gr.Request, text: str, history: list[Message]) -> tuple[Any, ...]:
         if not text.strip():
-            return text, history, history
+            raise gr.Error("Type a message first.", duration=4)
+        job = start(request)
         updated = [*history, {"role": "user", "content": text}]
-        return "", updated, updated
+        return "", updated, updated, job.id, *_busy(tab)
 
-    def reply(request: gr.Request, history, system_prompt, name, *raw):
+    def begin(request: gr.Request) -> tuple[Any, ...]:
+        return start(request).id, *_busy(tab)
+
+    def job_of(request: gr.Request, job_id: int | None) -> Job | None:
+        return ctx.job(session(request), job_id)
+
+    def reply(request: gr.Request, job_id, history, system_prompt, name, revision, *raw):
+        job = job_of(request, job_id)
+        if job is None:  # detached before it began
+            return
         if not history or history[-1]["role"] != "user":
-            yield history, history, gr.update(), gr.update()
+            ctx.end_job(job)
             return
-        yield from run(generation.chat_reply, history, history, system_prompt, name, raw, request)
+        yield from run(
+            generation.chat_reply, job, history, history, system_prompt, name, revision, raw
+        )
 
-    def regenerate(request: gr.Request, history, system_prompt, name, *raw):
-        base = history[:-1] if history and history[-1]["role"] == "assistant" else history
-        if not base or base[-1]["role"] != "user":
-            yield history, history, "Nothing to regenerate.", gr.update()
+    def regenerate(request: gr.Request, job_id, history, system_prompt, name, revision, *raw):
+        job = job_of(request, job_id)
+        if job is None:
             return
-        yield from run(generation.chat_reply, history, base, system_prompt, name, raw, request)
+        keep = history[:-1] if history and history[-1]["role"] == "assistant" else history
+        if not keep or keep[-1]["role"] != "user":
+            ctx.end_job(job)
+            yield history, history, "Nothing to regenerate.", *_unchanged(3)
+            return
+        yield from run(generation.chat_reply, job, keep, keep, system_prompt, name, revision, raw)
 
-    def cont(request: gr.Request, history, system_prompt, name, *raw):
+    def cont(request: gr.Request, job_id, history, system_prompt, name, revision, *raw):
+        job = job_of(request, job_id)
+        if job is None:
+            return
         if not history or history[-1]["role"] != "assistant":
-            yield history, history, "Nothing to continue: send a message first.", gr.update()
+            ctx.end_job(job)
+            msg = "Nothing to continue: send a message first."
+            yield history, history, msg, *_unchanged(3)
             return
+        # The prompt holds the reply so far; its text grows in place (TGW's Continue).
+        yield from run(
+            generation.continue_reply,
+            job,
+            history,
+            history[:-1],
+            system_prompt,
+            name,
+            revision,
+            raw,
+        )
 
-        def more(messages, values, stop):
-            return generation.continue_reply(messages, values, stop)
-
-        yield from run(more, history, history[:-1], system_prompt, name, raw, request)
+    def idle(request: gr.Request) -> tuple[Any, Any]:
+        """Send back, unless this page started another reply meanwhile."""
+        running = ctx.is_running(session(request))
+        return gr.update(visible=not running), gr.update(visible=running)
 
     def stop(request: gr.Request) -> None:
-        ctx.stop(request.session_hash or "")
+        ctx.stop(session(request))
 
-    def clear() -> tuple[Any, ...]:
-        return [], [], "", new_chat_name()
+    def clear(request: gr.Request) -> tuple[Any, ...]:
+        ctx.detach(session(request))
+        return [], [], "", new_chat_name(), None, gr.update(visible=True), gr.update(visible=False)
 
-    def open_chat(name: str | None) -> tuple[Any, ...]:
+    def open_chat(request: gr.Request, name: str | None) -> tuple[Any, ...]:
         if not name:
-            return gr.update(), gr.update(), "Choose a past chat first.", gr.update(), gr.update()
+            return *_unchanged(2), "Choose a past chat first.", *_unchanged(3)
         try:
             messages, system_prompt = ctx.user_data.load_chat(name)
+            revision = ctx.user_data.chat_revision(name)
         except StorageError as e:
-            return (
-                gr.update(),
-                gr.update(),
-                f"**Error:** {html.escape(str(e))}",
-                gr.update(),
-                gr.update(),
-            )
-        return messages, messages, f"Opened **{name}**.", name, system_prompt
+            err = f"<div class='kestrel-error' id='chat-error'>{html.escape(str(e))}</div>"
+            return *_unchanged(2), err, *_unchanged(3)
+        ctx.detach(session(request))  # a reply still streaming belongs to the other chat
+        return messages, messages, f"Opened **{name}**.", name, revision, system_prompt
 
     def delete_chat(name: str | None) -> tuple[Any, str]:
-        if not name:
-            return gr.update(), "Choose a past chat first."
+        if not name:  # nothing chosen, or the confirmation was declined
+            return gr.update(), "Nothing deleted."
         try:
             ctx.user_data.delete_chat(name)
         except StorageError as e:
             return gr.update(), f"**Error:** {html.escape(str(e))}"
-        return gr.update(choices=ctx.user_data.chat_names(), value=None), f"Deleted **{name}**."
+        return gr.update(choices=ctx.user_data.chat_choices(), value=None), f"Deleted **{name}**."
 
     # Generation handlers may run side by side (one per browser session); the scheduler
     # batches them. Page updates are throttled in webui.generation.
     gen = dict(concurrency_limit=None, show_progress="hidden")
+    buttons = [tab.send, tab.stop]
+    fast = dict(queue=False, show_progress="hidden")
     for trigger in (tab.text.submit, tab.send.click):
-        trigger(add_user, [tab.text, tab.history], [tab.text, tab.history, tab.chatbot]).then(
-            reply, inputs, outputs, **gen
-        )
-    tab.regenerate.click(regenerate, inputs, outputs, **gen)
-    tab.cont.click(cont, inputs, outputs, **gen)
+        trigger(
+            add_user,
+            [tab.text, tab.history],
+            [tab.text, tab.history, tab.chatbot, tab.job, *buttons],
+            show_progress="hidden",  # queued: its refusal is a toast the user sees
+        ).success(reply, inputs, chat_outputs, **gen).then(idle, None, buttons, **fast)
+    for button, handler in ((tab.regenerate, regenerate), (tab.cont, cont)):
+        button.click(begin, None, [tab.job, *buttons], show_progress="hidden").success(
+            handler, inputs, chat_outputs, **gen
+        ).then(idle, None, buttons, **fast)
     tab.stop.click(stop, None, None, queue=False)
-    tab.clear.click(clear, None, [tab.chatbot, tab.history, tab.status, tab.chat_name])
+    cleared = [tab.chatbot, tab.history, tab.status, tab.chat_name, tab.revision, *buttons]
+    # The detached reply's last update may still be on its way to the browser (each event
+    # streams on its own), and land after the cleared chat: once it has gone quiet, the
+    # empty chat is sent once more, after anything it sent before.
+    tab.clear.click(clear, None, cleared).then(
+        lambda: ([], ""), None, [tab.chatbot, tab.status], show_progress="hidden"
+    )
+    # The Chatbot's trash icon presses New chat (webui.app's page script).
     tab.load_past.click(
         open_chat,
         [tab.past],
-        [tab.chatbot, tab.history, tab.status, tab.chat_name, tab.system_prompt],
+        [tab.chatbot, tab.history, tab.status, tab.chat_name, tab.revision, tab.system_prompt],
+    ).then(lambda history: history, [tab.history], [tab.chatbot], show_progress="hidden")
+    tab.delete_past.click(
+        delete_chat,
+        [tab.past],
+        [tab.past, tab.status],
+        js="(name) => (name && confirm(`Delete the saved chat ${name}?`)) ? name : null",
     )
-    tab.delete_past.click(delete_chat, [tab.past], [tab.past, tab.status])
+
+
+def _unchanged(n: int) -> list[Any]:
+    return [gr.update() for _ in range(n)]

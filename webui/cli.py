@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="linear RoPE scale (positions compressed by this factor)",
     )
     m.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for generation and for preparing the default model "
+        "(default: torch's choice for generation, the idle cores for the conversion)",
+    )
+    m.add_argument(
         "--no-default-model",
         action="store_true",
         help="start with no model instead of preparing the default one",
@@ -114,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     if args.nowebui:
         args.api = True
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be 1 or more, got {args.threads}")
     return args
 
 

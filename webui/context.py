@@ -1,11 +1,13 @@
-"""What every tab of one running UI shares: the model manager, the user-data folders, and
-one stop switch per browser session (so Stop in one tab never stops another user's reply),
-and the record of applied LoRAs.
+"""What every tab of one running UI shares: the model manager, the user-data folders, the
+generation running in each browser session (so Stop in one tab never stops another user's
+reply, and a page never starts a second reply over the first), and the record of applied
+LoRAs.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import threading
 from dataclasses import dataclass, field
 
@@ -30,30 +32,89 @@ class LoraRecord:
 
 
 @dataclass
+class Job:
+    """One generation of one browser session (a chat reply or a notebook completion).
+
+    `stop` ends it early. `detached` means the page has moved on (New chat, cleared chat):
+    the job still finishes and saves to its own chat, but sends the page nothing more.
+    `quiet` is set once it will send nothing more, so a New chat's empty page is never
+    followed by one last update of the old conversation."""
+
+    id: int
+    session: str
+    stop: threading.Event = field(default_factory=threading.Event)
+    detached: threading.Event = field(default_factory=threading.Event)
+    quiet: threading.Event = field(default_factory=threading.Event)
+
+    def may_update_page(self) -> bool:
+        """False once detached; afterwards `quiet` is set (checked right before a yield)."""
+        if self.detached.is_set():
+            self.quiet.set()
+            return False
+        return True
+
+
+# How long New chat waits for a detached reply to go quiet (it goes quiet at its next token;
+# this bound only keeps a wedged model from hanging the button).
+DETACH_WAIT_S = 30.0
+
+
+@dataclass
 class AppContext:
     manager: ModelManager
     user_data: UserData
     args: argparse.Namespace = field(default_factory=argparse.Namespace)
     loras: LoraRecord = field(default_factory=LoraRecord)
-    _stops: dict[str, threading.Event] = field(default_factory=dict)
-    _stops_lock: threading.Lock = field(default_factory=threading.Lock)
+    _running: dict[str, Job] = field(default_factory=dict)
+    _jobs_lock: threading.Lock = field(default_factory=threading.Lock)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     @property
     def presets(self) -> Presets:
         return Presets(self.user_data.presets_dir)
 
-    def new_stop(self, session: str) -> threading.Event:
-        """A fresh stop switch for the generation this session starts now."""
-        event = threading.Event()
-        with self._stops_lock:
-            self._stops[session] = event
-        return event
+    def start_job(self, session: str) -> Job | None:
+        """A new job for this session, or None while one is already running there."""
+        with self._jobs_lock:
+            if session in self._running:
+                return None
+            job = Job(next(self._ids), session)
+            self._running[session] = job
+            return job
+
+    def job(self, session: str, job_id: int | None) -> Job | None:
+        """The session's running job if its id is `job_id`."""
+        with self._jobs_lock:
+            job = self._running.get(session)
+        return job if job is not None and job.id == job_id else None
+
+    def end_job(self, job: Job) -> None:
+        job.quiet.set()
+        with self._jobs_lock:
+            if self._running.get(job.session) is job:
+                del self._running[job.session]
+
+    def is_running(self, session: str) -> bool:
+        with self._jobs_lock:
+            return session in self._running
 
     def stop(self, session: str) -> bool:
-        """Ask this session's generation to stop; False when none was started."""
-        with self._stops_lock:
-            event = self._stops.get(session)
-        if event is None:
+        """Ask this session's generation to stop; False when none is running."""
+        with self._jobs_lock:
+            job = self._running.get(session)
+        if job is None:
             return False
-        event.set()
+        job.stop.set()
         return True
+
+    def detach(self, session: str) -> None:
+        """Stop the session's job and cut it off from the page (it still saves its own
+        chat); returns once it sends the page nothing more. The session may start a new
+        job at once."""
+        with self._jobs_lock:
+            job = self._running.pop(session, None)
+        if job is None:
+            return
+        job.detached.set()
+        job.stop.set()
+        job.quiet.wait(DETACH_WAIT_S)

@@ -20,12 +20,30 @@ from engine.samplers.parse import SamplingSettingsError, as_int
 from loader.base import LoadedModel
 from webui import shared
 from webui.sampler_controls import state_from_values
-from webui.text_generation import ReplyChunk, prepare_chat, stream_chat_reply, stream_reply
+from webui.text_generation import (
+    ReplyChunk,
+    prepare_chat,
+    settings_from_state,
+    stream_chat_reply,
+    stream_reply,
+)
 
 Message = dict[str, str]
-# A streamed page update costs a websocket message and a re-render; more than ~20 a second
-# only burns the CPU that generation needs.
-MIN_UPDATE_SECONDS = 0.05
+# A streamed page update costs a message and a re-render in the browser. Sent 20 times a
+# second, a 3000-token reply of the test model (9.3 s) cost headless Chromium 4.7 s of main
+# thread, half a core; on a 2-core machine at load 8 the browser gets about a quarter of
+# one, so the page fell further and further behind the server, and a Stop pressed on what
+# the page showed reached a server that had already finished ("3000 tokens ... length").
+# At most 10 updates a second, and fewer as the reply grows (the browser re-renders the
+# whole reply each time: at most this many characters a second), cost 3.0 s for the same
+# reply. The text shown is never more than 0.1 s (short replies) behind.
+MIN_UPDATE_SECONDS = 0.1
+RENDERED_CHARS_PER_SECOND = 20_000
+
+
+def update_interval(text_length: int) -> float:
+    """Seconds between two page updates of a reply `text_length` characters long."""
+    return max(MIN_UPDATE_SECONDS, text_length / RENDERED_CHARS_PER_SECOND)
 
 
 @dataclass
@@ -101,7 +119,17 @@ def _status(chunk: ReplyChunk, started: float, first: float | None, prefix: str 
     return prefix + ", ".join(parts)
 
 
-def _follow(chunks: Iterator[ReplyChunk], base: str = "") -> Iterator[Progress]:
+def ignored_note(state: dict[str, Any]) -> str:
+    """A status prefix naming settings that are set but not implemented here (mirostat_mode
+    1, TGW-only keys), so that they never pass silently."""
+    try:
+        keys = settings_from_state(state).unsupported()
+    except Exception:  # a bad value fails, by name, where the settings are used
+        return ""
+    return f"ignored (not implemented): {', '.join(keys)}; " if keys else ""
+
+
+def _follow(chunks: Iterator[ReplyChunk], base: str = "", prefix: str = "") -> Iterator[Progress]:
     started = time.perf_counter()
     first: float | None = None
     last_update = 0.0
@@ -110,12 +138,13 @@ def _follow(chunks: Iterator[ReplyChunk], base: str = "") -> Iterator[Progress]:
             if first is None and chunk.completion_tokens:
                 first = time.perf_counter()
             now = time.perf_counter()
-            if chunk.finish_reason is None and now - last_update < MIN_UPDATE_SECONDS:
+            due = update_interval(len(base) + len(chunk.text))
+            if chunk.finish_reason is None and now - last_update < due:
                 continue
             last_update = now
             yield Progress(
                 base + chunk.text,
-                _status(chunk, started, first),
+                _status(chunk, started, first, prefix),
                 done=chunk.finish_reason is not None,
                 finish_reason=chunk.finish_reason,
                 completion_tokens=chunk.completion_tokens,
@@ -127,8 +156,14 @@ def _follow(chunks: Iterator[ReplyChunk], base: str = "") -> Iterator[Progress]:
 
 def _model_or_error() -> LoadedModel | Progress:
     if not shared.manager.is_loaded():
+        from webui.startup import preparation_status
+
+        preparing = preparation_status()
         return Progress(
-            "", "no model is loaded", done=True, error="Load a model first (Model tab)."
+            "",
+            "no model is loaded",
+            done=True,
+            error=preparing or "Load a model first (Model tab).",
         )
     return shared.manager.current()
 
@@ -149,7 +184,8 @@ def chat_reply(
         yield Progress("", f"error: {e}", done=True, error=f"{type(e).__name__}: {e}")
         return
     state = {**state, "max_new_tokens": new}
-    yield from _follow(stream_chat_reply(fitted, state, stop_event=stop_event, model=model))
+    chunks = stream_chat_reply(fitted, state, stop_event=stop_event, model=model)
+    yield from _follow(chunks, prefix=ignored_note(state))
 
 
 def continue_reply(
@@ -174,7 +210,7 @@ def continue_reply(
     chunks = stream_reply(
         prompt + last, chat_state, is_chat=True, stop_event=stop_event, model=model
     )
-    yield from _follow(chunks, base=last)
+    yield from _follow(chunks, base=last, prefix=ignored_note(chat_state))
 
 
 def complete(prompt: str, state: dict[str, Any], stop_event: threading.Event) -> Iterator[Progress]:
@@ -194,4 +230,5 @@ def complete(prompt: str, state: dict[str, Any], stop_event: threading.Event) ->
         yield Progress("", f"error: {e}", done=True, error=f"{type(e).__name__}: {e}")
         return
     state = {**state, "max_new_tokens": new}
-    yield from _follow(stream_reply(prompt, state, stop_event=stop_event, model=model))
+    chunks = stream_reply(prompt, state, stop_event=stop_event, model=model)
+    yield from _follow(chunks, prefix=ignored_note(state))

@@ -45,6 +45,12 @@ assert set(NEUTRAL) == set(OPTION_NAMES)
 assert NEUTRAL["cache_type"] in CACHE_TYPES
 
 
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def devices() -> list[str]:
     """The device choices of this machine: auto, cpu and each CUDA device."""
     import torch

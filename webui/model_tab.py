@@ -19,6 +19,7 @@ from loader.manager import ModelManager
 from webui import hub_panel, load_options
 from webui.cli import CACHE_TYPES
 from webui.context import AppContext
+from webui.load_check import LoadCheckError, check_load, loader_for
 from webui.load_options import AUTO, OPTION_NAMES
 
 
@@ -33,9 +34,38 @@ class ModelTab:
     status: gr.Markdown
 
 
+def size_text(size_bytes: float) -> str:
+    """Sizes such as 540 MB, 3.2 GB or 87 KB: a small model is never "0.00 GB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if size_bytes >= scale:
+            value = size_bytes / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{int(size_bytes)} B"
+
+
 def model_choices(manager: ModelManager) -> list[tuple[str, str]]:
-    """(label, name) for the dropdown: "SmolLM2-135M-Instruct-fp16 (fp16, 0.54 GB)"."""
-    return [(f"{e.name} ({e.label})", e.name) for e in manager.list_models()]
+    """(label, name) for the dropdown: "SmolLM2-135M-Instruct-fp16 (fp16, 540 MB)"."""
+    out = []
+    for e in manager.list_models():
+        bits = f" {e.bits:g} bpw" if e.bits is not None else ""
+        out.append((f"{e.name} ({e.format}{bits}, {size_text(e.size_bytes)})", e.name))
+    return out
+
+
+def _system_memory_line(info: dict[str, Any]) -> str:
+    """RAM of this process and of the machine (a CPU model's weights and cache live there)."""
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    memory = psutil.virtual_memory()
+    line = (
+        f"system memory: this server uses {rss / 2**30:.2f} GiB; "
+        f"{memory.available / 2**30:.1f} of {memory.total / 2**30:.1f} GiB free"
+    )
+    tokens, per_token = info.get("cache_tokens"), info.get("cache_bytes_per_token")
+    if isinstance(tokens, int) and isinstance(per_token, (int, float)):
+        line += f" (KV cache {size_text(tokens * per_token)} for {tokens} tokens)"
+    return line
 
 
 def _vram_lines(info: dict[str, Any]) -> list[str]:
@@ -55,7 +85,7 @@ def _vram_lines(info: dict[str, Any]) -> list[str]:
                 used += f"; {free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
             lines.append(f"- `{device}`: {used}")
         else:
-            lines.append(f"- `{device}`: system memory (no VRAM)")
+            lines.append(f"- `{device}`: {_system_memory_line(info)}")
     return lines
 
 
@@ -80,6 +110,55 @@ def describe_loaded(manager: ModelManager) -> str:
         facts.append(f"loaded in {info['load_seconds']:.1f} s")
     lines = [f"Loaded **{manager.name}**: " + ", ".join(facts), "", "Memory per device:"]
     return "\n".join(lines + _vram_lines(info))
+
+
+def shown_options(ctx: AppContext, name: str | None, loader_name: str | None) -> set[str]:
+    """The load options to show: those of the loader that will load `name` (under "auto",
+    the one picked from its files) that this machine can use (no GPU split without CUDA,
+    no tensor parallelism without two GPUs)."""
+    used = loader_name if loader_name not in (None, "", AUTO) else None
+    if used is None and name:
+        try:
+            used = loader_for(ctx.manager, name, None)
+        except Exception:  # an unknown name: the load says so
+            used = None
+    shown = load_options.visible_options(used or AUTO)
+    gpus = load_options.gpu_count()
+    if gpus == 0:
+        shown -= {"gpu_split", "autosplit", "tensor_parallel"}
+    elif gpus == 1:
+        shown -= {"tensor_parallel"}
+    return shown
+
+
+def _previous(manager: ModelManager) -> tuple[str, str | None, dict[str, Any]] | None:
+    """(name, loader, options) of the loaded model, to reload it if the next load fails;
+    None when nothing is loaded or it came from outside the models directory."""
+    if not manager.is_loaded() or manager.name is None:
+        return None
+    try:
+        manager.resolve_model(manager.name)
+    except Exception:
+        return None
+    return manager.name, manager.current().loader_name, manager.options
+
+
+def _still(ctx: AppContext) -> str:
+    if ctx.manager.is_loaded():
+        return f"\n\n{ctx.manager.name} is still loaded.\n\n" + describe_loaded(ctx.manager)
+    return "\n\nNo model is loaded."
+
+
+def _restore(ctx: AppContext, previous: Any, report: Any) -> str:
+    """After a failed load (the old model is unloaded by then): load the old one again."""
+    if previous is None:
+        return "\n\nNo model is loaded now."
+    name, loader_name, options = previous
+    try:
+        ctx.manager.load(name, loader_name, progress=report, **options)
+    except Exception as e:
+        return f"\n\nNo model is loaded now: reloading {name} failed too ({html.escape(str(e))})."
+    return f"\n\n{name} was loaded again.\n\n" + describe_loaded(ctx.manager)
 
 
 def _error(message: str) -> str:
@@ -182,6 +261,10 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> ModelTab:
         device=device,
         dtype=dtype,
     )
+    # Only what the loader of the selected model takes and this machine can use.
+    shown = shown_options(ctx, ctx.manager.name, loader_dd.value)
+    for option_name, component in by_name.items():
+        component.visible = option_name in shown
     with gr.Row():
         load = gr.Button("Load", variant="primary", elem_id="model-load")
         unload = gr.Button("Unload", elem_id="model-unload")
@@ -198,12 +281,15 @@ def wire(ctx: AppContext, tab: ModelTab) -> tuple[Any, Any]:
     def load(name: str | None, loader_name: str, progress=gr.Progress(), *raw: Any) -> str:  # noqa: B008
         if not name:
             return _error("choose a model first")
-        shown = load_options.visible_options(loader_name)
+        chosen = None if loader_name in (None, "", AUTO) else loader_name
+        shown = shown_options(ctx, name, loader_name)
         try:
             kwargs = load_options.load_kwargs(dict(zip(OPTION_NAMES, raw, strict=True)), shown)
-        except ValueError as e:
-            return _error(str(e))
-        chosen = None if loader_name in (None, "", AUTO) else loader_name
+            # Everything that can be known before the working model is unloaded.
+            check_load(ctx.manager, name, chosen, kwargs)
+        except (ValueError, LoadCheckError) as e:
+            return _error(f"could not load {name}: {e}") + _still(ctx)
+        previous = _previous(ctx.manager)
         progress(0.05, desc=f"Loading {name}")
         steps = [0.05]
 
@@ -214,7 +300,7 @@ def wire(ctx: AppContext, tab: ModelTab) -> tuple[Any, Any]:
         try:
             ctx.manager.load(name, chosen, progress=report, **kwargs)
         except Exception as e:  # any loader failure is shown, and the server goes on
-            return _error(f"could not load {name}: {e}")
+            return _error(f"could not load {name}: {e}") + _restore(ctx, previous, report)
         progress(1.0, desc="Loaded")
         ctx.user_data.update_settings(model=name, loader=chosen, load_options=kwargs)
         return describe_loaded(ctx.manager)
@@ -228,8 +314,8 @@ def wire(ctx: AppContext, tab: ModelTab) -> tuple[Any, Any]:
     def refresh() -> Any:
         return gr.update(choices=model_choices(ctx.manager))
 
-    def show_options(loader_name: str) -> list[Any]:
-        shown = load_options.visible_options(loader_name)
+    def show_options(name: str | None, loader_name: str) -> list[Any]:
+        shown = shown_options(ctx, name, loader_name)
         return [gr.update(visible=n in shown) for n in OPTION_NAMES]
 
     loaded = tab.load.click(
@@ -237,5 +323,6 @@ def wire(ctx: AppContext, tab: ModelTab) -> tuple[Any, Any]:
     )
     unloaded = tab.unload.click(unload, None, [tab.status], concurrency_id="model")
     tab.refresh.click(refresh, None, [tab.model])
-    tab.loader.change(show_options, [tab.loader], tab.options)
+    for control in (tab.loader, tab.model):
+        control.change(show_options, [tab.model, tab.loader], tab.options, show_progress="hidden")
     return loaded, unloaded

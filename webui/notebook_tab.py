@@ -1,5 +1,9 @@
 """The Notebook tab: raw completion. The model continues the text in the box, in place,
 with no chat template; Stop ends it and keeps what was written.
+
+The text is remembered as it is typed (settings.yaml) and restored when the page is opened
+again. While the model writes, the box is read-only and Generate becomes Stop, so nothing
+typed meanwhile is overwritten by the stream.
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ from webui import generation
 from webui.context import AppContext
 from webui.parameters_tab import ParametersTab
 
+DEFAULT_TEXT = "Once upon a time,"
+
+
+def remembered_text(remembered: dict[str, Any]) -> str:
+    text = remembered.get("notebook")
+    return text if isinstance(text, str) else DEFAULT_TEXT
+
 
 @dataclass
 class NotebookTab:
@@ -21,11 +32,12 @@ class NotebookTab:
     generate: gr.Button
     stop: gr.Button
     status: gr.Markdown
+    saved: gr.Markdown  # "Text saved." once a typed change is remembered
 
 
 def build(ctx: AppContext, remembered: dict[str, Any]) -> NotebookTab:
     text = gr.Textbox(
-        remembered.get("notebook", "Once upon a time,"),
+        remembered_text(remembered),
         lines=20,
         max_lines=40,
         label="Text",
@@ -34,31 +46,61 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> NotebookTab:
     )
     with gr.Row():
         generate = gr.Button("Generate", variant="primary", elem_id="notebook-generate")
-        stop = gr.Button("Stop", variant="stop", elem_id="notebook-stop")
+        stop = gr.Button("Stop", variant="stop", visible=False, elem_id="notebook-stop")
     status = gr.Markdown(elem_id="notebook-status")
-    return NotebookTab(text, generate, stop, status)
+    saved = gr.Markdown(elem_id="notebook-saved")
+    return NotebookTab(text, generate, stop, status, saved)
 
 
 def wire(ctx: AppContext, tab: NotebookTab, params: ParametersTab) -> None:
+    def session(request: gr.Request) -> str:
+        return f"{request.session_hash or ''}/notebook"
+
     def run(request: gr.Request, prompt: str, *raw: Any):
-        values = params.values(raw)
-        ctx.user_data.update_settings(parameters=values, notebook=prompt)
-        stop = ctx.new_stop(request.session_hash or "")
-        for progress in generation.complete(prompt, values, stop):
-            if progress.error:
-                err = html.escape(progress.error)
-                yield prompt + progress.text, f"<div class='kestrel-error'>Error: {err}</div>"
-            else:
-                yield prompt + progress.text, progress.status
+        job = ctx.start_job(session(request))
+        if job is None:
+            raise gr.Error("The model is still writing: press Stop first.", duration=6)
+        busy = [gr.update(visible=False), gr.update(visible=True)]
+        try:
+            values = params.values(raw)
+            ctx.user_data.update_settings(parameters=values, notebook=prompt)
+            text = prompt
+            yield gr.update(interactive=False), "", *busy
+            for progress in generation.complete(prompt, values, job.stop):
+                text = prompt + progress.text
+                if progress.error:
+                    err = html.escape(progress.error)
+                    yield text, f"<div class='kestrel-error'>Error: {err}</div>", *busy
+                else:
+                    yield text, progress.status, *busy
+            ctx.user_data.update_settings(notebook=text)
+        finally:
+            ctx.end_job(job)
+        yield (
+            gr.update(interactive=True),
+            gr.update(),
+            gr.update(visible=True),
+            gr.update(visible=False),
+        )
 
     def stop(request: gr.Request) -> None:
-        ctx.stop(request.session_hash or "")
+        ctx.stop(session(request))
+
+    def remember(request: gr.Request, text: str) -> Any:
+        if ctx.is_running(session(request)):  # the stream's own updates: saved at its end
+            return gr.update()
+        ctx.user_data.update_settings(notebook=text)
+        return "Text saved."
 
     tab.generate.click(
         run,
         [tab.text, *params.components],
-        [tab.text, tab.status],
+        [tab.text, tab.status, tab.generate, tab.stop],
         concurrency_limit=None,
         show_progress="hidden",
     )
     tab.stop.click(stop, None, None, queue=False)
+    # Saved as typed (the last of a burst of keystrokes wins), so a reload loses nothing.
+    tab.text.change(
+        remember, [tab.text], [tab.saved], trigger_mode="always_last", show_progress="hidden"
+    )

@@ -77,7 +77,7 @@ class Presets:
     def save(self, name: str, values: dict[str, Any]) -> Path:
         """Write the sampler values that differ from the defaults (other keys of `values`
         are ignored); returns the file written."""
-        clean = safe_name(name, "preset")
+        clean = safe_name(name, "preset", new=True)
         if clean in BUILTIN:
             raise StorageError(f"{clean!r} is a built-in preset; save under another name")
         base = sampler_controls.defaults()

@@ -143,7 +143,15 @@ CONTROLS: tuple[Control, ...] = (
     ),
     Control("dry_sequence_breakers", "text", "repetition"),
     # Mirostat
-    _s("mirostat_mode", 0, 2, 1, "mirostat", "2: mirostat 2 (1 is llama.cpp only)"),
+    _s(
+        "mirostat_mode",
+        0,
+        2,
+        1,
+        "mirostat",
+        "0: off, 2: mirostat 2. 1 (llama.cpp's mirostat 1) is not implemented: ignored, "
+        "and the reply's status says so",
+    ),
     _s("mirostat_tau", 0, 10, 0.01, "mirostat"),
     _s("mirostat_eta", 0, 1, 0.01, "mirostat"),
     # Tokens and order

@@ -8,12 +8,20 @@ small CPU) and loaded. With other models present and
 nothing remembered, nothing is loaded: the user picks one in the Model tab.
 
 A failure to load is reported and the UI starts anyway (the Model tab shows the list).
+
+Preparing the default model takes minutes on a small CPU, so when ui.py serves a page it
+runs in the background (`start_preparing`) and the page is served at once, showing
+`preparation_status()` until the model is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +35,7 @@ from loader.default_model import (
 from loader.manager import ModelManager
 from webui.cli import load_options
 from webui.context import AppContext
+from webui.load_check import check_load
 
 
 def _say(message: str) -> None:
@@ -54,15 +63,88 @@ def pick_model(
     if DEFAULT_MODEL_DIRNAME in names:
         return DEFAULT_MODEL_DIRNAME, None
     # Nothing there but (maybe) the default model's FP16 import: prepare its EXL2 form.
-    if not [n for n in names if n != packaged_model(DEFAULT_MODEL).dirname]:
+    if needs_default_model(manager):
         _say(f"no model in {manager.models_dir}: preparing the default model (once)")
-        ensure_default_model(manager.models_dir)
+        ensure_default_model(manager.models_dir, threads=args.threads)
         return DEFAULT_MODEL_DIRNAME, None
     return None, None
 
 
-def load_initial_model(
+def needs_default_model(manager: ModelManager) -> bool:
+    """True when the models directory holds no model but (maybe) the default model's FP16
+    import: the default model is then prepared at start."""
+    names = [e.name for e in manager.list_models()]
+    return not [n for n in names if n != packaged_model(DEFAULT_MODEL).dirname]
+
+
+def prepare_while_serving(args: argparse.Namespace, manager: ModelManager) -> bool:
+    """True when the default model is to be prepared and a page can show its progress."""
+    if args.model or args.no_default_model or args.nowebui:
+        return False
+    return needs_default_model(manager)
+
+
+@dataclass
+class Preparation:
+    """The default model's preparation running in the background (see start_preparing)."""
+
+    started: float = field(default_factory=time.monotonic)
+    stage: str = "preparing the default model"
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+_preparation: Preparation | None = None
+
+
+def preparation_status() -> str | None:
+    """A line for the page while the default model is prepared; None when there is none
+    (never started, or finished and loaded)."""
+    prep = _preparation
+    if prep is None or (prep.done.is_set() and prep.error is None):
+        return None
+    if prep.error is not None:
+        return f"Preparing the default model failed: {prep.error}"
+    minutes, seconds = divmod(int(time.monotonic() - prep.started), 60)
+    return (
+        f"Preparing the default model {DEFAULT_MODEL} (download and conversion, once; a few "
+        f"minutes on a small CPU): {prep.stage}. {minutes} min {seconds:02d} s so far; "
+        "the chat works as soon as it is loaded."
+    )
+
+
+def start_preparing(
     args: argparse.Namespace, manager: ModelManager, remembered: dict[str, Any]
+) -> Preparation:
+    """Prepare and load the default model in a thread; the page is served meanwhile."""
+    global _preparation
+    prep = Preparation()
+    _preparation = prep
+
+    def report(message: str) -> None:
+        prep.stage = message
+        _say(message)
+
+    def work() -> None:
+        try:
+            prep.stage = "downloading and converting"
+            load_initial_model(args, manager, remembered, progress=report)
+            if not manager.is_loaded():
+                prep.error = "the model did not load (the terminal says why)"
+        except Exception as e:  # shown in the page; the UI goes on without a model
+            prep.error = str(e) or type(e).__name__
+        finally:
+            prep.done.set()
+
+    threading.Thread(target=work, name="prepare-default-model", daemon=True).start()
+    return prep
+
+
+def load_initial_model(
+    args: argparse.Namespace,
+    manager: ModelManager,
+    remembered: dict[str, Any],
+    progress: Callable[[str], None] = _say,
 ) -> None:
     name, path = pick_model(args, manager, remembered)
     if name is None and path is None:
@@ -76,15 +158,17 @@ def load_initial_model(
         remembered.get("loader") if name == remembered.get("model") else None
     )
     try:
-        if name is not None:
-            _say(f"loading {name} ...")
-            manager.load(name, loader_name, progress=_say, **options)
+        if name is not None:  # the manager's progress says "loading <name>"
+            check_load(manager, name, loader_name, options)  # names a bad flag plainly
+            manager.load(name, loader_name, progress=progress, **options)
         else:
             assert path is not None
             _say(f"loading {path} ...")
             manager.adopt(loader.load(path, loader_name, **options), Path(path).name)
     except Exception as e:  # the UI still starts, and shows the list to choose from
         _say(f"could not load {name or path}: {e}")
+        if progress is not _say:  # a background preparation shows it in the page
+            raise
         return
     _say(f"loaded {manager.name}")
 

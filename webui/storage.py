@@ -3,9 +3,9 @@
 `atomic_write_text(path, text)` writes a temporary file in the same directory, flushes and
 fsyncs it, then `os.replace`s it over the target: a reader (or the next start after a
 crash) sees the old file or the new one, never a torn mix. Writers of the same file are
-serialised by a per-path lock held across processes (`fcntl.flock` on `<name>.lock`) and
-threads (a lock per path), so two concurrent saves cannot interleave and the last one wins
-whole; the lock file exists only while a write holds it.
+serialised by a lock held across processes (`fcntl.flock` on the file's directory, so no
+lock file is left beside the data) and threads (a lock per path), so two concurrent saves
+cannot interleave and the last one wins whole.
 """
 
 from __future__ import annotations
@@ -36,41 +36,42 @@ class StorageError(ValueError):
 
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
-    """Hold the write lock of `path` (threads of this process and other processes)."""
-    path = Path(path).absolute()
+    """Hold the write lock of `path`'s folder (threads of this process and other processes).
+
+    Across processes the lock is the folder's own flock: it leaves no `.lock` file beside
+    every chat and preset, and saves are short, so one lock per folder costs nothing. Not
+    re-entrant: inside it, write with `write_held`."""
+    directory = Path(path).absolute().parent
     with _locks_guard:
-        lock = _locks.setdefault(path, threading.Lock())
+        lock = _locks.setdefault(directory, threading.Lock())
     with lock:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock_file = path.with_name(path.name + ".lock")
-        while True:
-            handle = open(lock_file, "a+b")  # noqa: SIM115 - closed below, after the unlink
-            if fcntl is None:
-                break
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            # The holder before us deletes the file as it leaves: a lock taken on a deleted
-            # file guards nothing, so take the current one's instead.
-            try:
-                current = os.path.samestat(os.fstat(handle.fileno()), os.stat(lock_file))
-            except FileNotFoundError:
-                current = False
-            if current:
-                break
-            handle.close()
-        try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if fcntl is None:
             yield
+            return
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
-            # Removed while still held, so that no `.lock` file outlives its write.
-            with contextlib.suppress(OSError):
-                os.unlink(lock_file)
-            if fcntl is not None:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-            handle.close()
+            os.close(fd)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    path = Path(path)
+    """Write `text` to `path` atomically; a failure (disk full, permissions) is a
+    StorageError naming the file, and the previous file stays as it was."""
     with locked(path):
+        write_held(path, text)
+
+
+def write_held(path: Path, text: str) -> None:
+    """`atomic_write_text` for a caller already holding `locked(path)` (a read-compare-write
+    such as a chat's revision check)."""
+    path = Path(path)
+    try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -82,7 +83,9 @@ def atomic_write_text(path: Path, text: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        _fsync_dir(path.parent)
+    except OSError as e:
+        raise StorageError(f"could not write {path}: {e.strerror or e}") from e
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -121,18 +124,28 @@ def read_yaml(path: Path) -> Any:
         raise StorageError(f"{path} is not readable YAML: {e}") from e
 
 
-def safe_name(name: str, what: str) -> str:
-    """`name` if it can be a file name of its own (no path parts, not hidden), else an error
-    naming it: names come from the browser and must never reach outside their folder."""
+# File names are limited to 255 bytes; the temporary file of a save adds a dot, a random
+# part and ".tmp" to the name, and the extension comes on top.
+MAX_NAME_BYTES = 200
+NAME_PUNCTUATION = " -_.()"
+NAME_PUNCTUATION_TEXT = "- _ . ( and )"
+
+
+def safe_name(name: str, what: str, *, new: bool = False) -> str:
+    """`name` if it can be a file name of its own (no path parts, not hidden, short enough
+    in UTF-8 bytes), else an error naming it: names come from the browser and must never
+    reach outside their folder. A `new` name (one about to be written) must also keep to
+    the characters the error message promises; existing files with other names still open."""
     cleaned = name.strip() if isinstance(name, str) else ""
     if (
         not cleaned
         or cleaned.startswith(".")
         or any(c in cleaned for c in "/\\\x00")
-        or len(cleaned) > 120
+        or len(cleaned.encode("utf-8")) > MAX_NAME_BYTES
+        or (new and not all(c.isalnum() or c in NAME_PUNCTUATION for c in cleaned))
     ):
         raise StorageError(
-            f"invalid {what} name {name!r}: use letters, digits, spaces, - and _ "
-            "(no slashes, not starting with a dot, at most 120 characters)"
+            f"invalid {what} name {name!r}: use letters, digits, spaces, {NAME_PUNCTUATION_TEXT}"
+            f" (not starting with a dot, at most {MAX_NAME_BYTES} bytes in UTF-8)"
         )
     return cleaned
