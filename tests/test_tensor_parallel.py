@@ -250,7 +250,7 @@ def test_tp_refuses_what_it_cannot_shard(mixed_model: Path):
         loader.load(mixed_model, "kestrel", device="cpu", tp=3)
     with pytest.raises(ValueError, match="cannot be combined"):
         loader.load(mixed_model, "kestrel", device="cpu", tp=2, cpu_offload=True)
-    with pytest.raises(loader.LoaderError, match="tp must be a positive number"):
+    with pytest.raises(loader.LoaderError, match="tp=0: expected a whole number 1..1024"):
         loader.load(mixed_model, "kestrel", device="cpu", tp=0)
     with pytest.raises(loader.LoaderError, match="on the CPU needs tp=N"):
         loader.load(mixed_model, "kestrel", device="cpu", tensor_parallel=True)
