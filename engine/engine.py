@@ -67,6 +67,9 @@ class EngineOptions:
     cache_memory_fraction: float | None = None
     page_size: int = 256
     rope_alpha: float = 1.0
+    # Linear RoPE scale (TGW's compress_pos_emb): positions divided by it, for models
+    # fine-tuned to a longer context that way (SuperHOT-style). 1: off.
+    rope_scale: float = 1.0
     prefill_chunk: int = 2048
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (one per GPU of a split)
     # Graphs for a layer split over several GPUs (one segment per GPU). On 2xH100 a 70B
@@ -225,7 +228,9 @@ class Engine:
             fuse_projections(model)
         if not options.fuse_kernels:
             set_kernel_fusion(model, False)
-        model.setup_rotary(max_seq_len, rope_alpha=options.rope_alpha)
+        model.setup_rotary(
+            max_seq_len, rope_alpha=options.rope_alpha, rope_scale=options.rope_scale
+        )
         # Decode graphs: one per bucket on a single GPU, one per device segment of a layer
         # split (engine/cuda_graph.py). A placement with CPU-offloaded parts stays eager:
         # its CPU layers, not launches, bound the step.

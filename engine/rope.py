@@ -5,7 +5,9 @@
 The inverse frequencies follow transformers' `modeling_rope_utils` so logits match it.
 
 Scaling types: default, linear, dynamic (NTK), yarn, llama3, longrope (Phi-3); plus
-NTK-alpha (`rope_alpha`, exllamav2's `alpha_value`), which raises the base for every position.
+NTK-alpha (`rope_alpha`, exllamav2's `alpha_value`), which raises the base for every position,
+and a linear scale (`rope_scale`, text-generation-webui's `compress_pos_emb`), which divides
+every position by the factor on top of the config's own scaling.
 Every function takes an optional `rope` that replaces `config.rope`, for architectures
 whose layers use different settings (Gemma 3's local and global layers).
 
@@ -41,9 +43,21 @@ def inv_frequencies(
     *,
     max_seq_len: int | None = None,
     rope_alpha: float = 1.0,
+    rope_scale: float = 1.0,
     rope: RopeParameters | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [R/2] (float32) and the attention scaling for cos/sin."""
+    inv_freq, scaling = _config_frequencies(config, max_seq_len, rope_alpha, rope)
+    # Position p rotated as p / rope_scale: the same as frequencies divided by it.
+    return (inv_freq / rope_scale if rope_scale != 1.0 else inv_freq), scaling
+
+
+def _config_frequencies(
+    config: ModelConfig,
+    max_seq_len: int | None,
+    rope_alpha: float,
+    rope: RopeParameters | None,
+) -> tuple[torch.Tensor, float]:
     rope = rope or config.rope
     dim = rotary_dim(config, rope)
     base = rope.rope_theta
@@ -159,12 +173,13 @@ def rope_tables(
     max_seq_len: int,
     *,
     rope_alpha: float = 1.0,
+    rope_scale: float = 1.0,
     device: torch.device | str = "cpu",
     rope: RopeParameters | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_seq_len, R/2] in float32 with attention scaling applied."""
     inv_freq, scaling = inv_frequencies(
-        config, max_seq_len=max_seq_len, rope_alpha=rope_alpha, rope=rope
+        config, max_seq_len=max_seq_len, rope_alpha=rope_alpha, rope_scale=rope_scale, rope=rope
     )
     positions = torch.arange(max_seq_len, dtype=torch.float32)
     angles = positions[:, None] * inv_freq[None, :]  # [P, R/2]

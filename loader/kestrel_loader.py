@@ -45,6 +45,7 @@ _INT_RANGES = {
 _FLOAT_RANGES = {
     "cache_gib": (1e-6, 2**20),
     "rope_alpha": (1e-3, 1e3),
+    "rope_scale": (1e-3, 1e3),
     "gpu_reserve_gb": (0.0, 2**20),
     "cache_memory_fraction": (0.01, 1.0),
 }

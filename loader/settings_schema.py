@@ -166,6 +166,15 @@ KESTREL = SettingsSchema(
             minimum=1.0,
             maximum=32.0,
         ),
+        Control(
+            "rope_scale",
+            "float",
+            "RoPE scale",
+            _ENGINE.rope_scale,
+            "linear: positions divided by it (compress_pos_emb), for models trained that way",
+            minimum=1.0,
+            maximum=32.0,
+        ),
         Control("cuda_graphs", "bool", "CUDA graphs", _ENGINE.cuda_graphs, "replay decode steps"),
         Control(
             "lookahead",

@@ -285,8 +285,9 @@ def test_load_check_names_the_option_and_the_file(tmp_path):
     make_tiny_llama(tmp_path / "tiny", max_position_embeddings=256)
     manager = ModelManager(tmp_path)
     assert check_load(manager, "tiny", None, {"max_seq_len": 256}) == "kestrel"
-    with pytest.raises(LoadCheckError, match="the kestrel loader does not take rope_scale"):
-        check_load(manager, "tiny", None, {"rope_scale": 2.0})
+    assert check_load(manager, "tiny", None, {"rope_scale": 2.0}) == "kestrel"
+    with pytest.raises(LoadCheckError, match="the transformers loader does not take rope_scale"):
+        check_load(manager, "tiny", "transformers", {"rope_scale": 2.0})
     weights = tmp_path / "tiny" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
     with pytest.raises(LoadCheckError, match="model.safetensors is not a readable"):

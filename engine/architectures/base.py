@@ -88,7 +88,9 @@ class CausalLM(nn.Module):
         """RoPE settings of one layer; the config's for every layer unless overridden."""
         return self.config.rope
 
-    def setup_rotary(self, max_seq_len: int, *, rope_alpha: float = 1.0) -> None:
+    def setup_rotary(
+        self, max_seq_len: int, *, rope_alpha: float = 1.0, rope_scale: float = 1.0
+    ) -> None:
         distinct: list[RopeParameters] = []
         tables: list[tuple[torch.Tensor, torch.Tensor]] = []
         on_device: dict[tuple[int, torch.device], Rotary] = {}
@@ -98,7 +100,13 @@ class CausalLM(nn.Module):
             if rope not in distinct:
                 distinct.append(rope)
                 tables.append(
-                    rope_tables(self.config, max_seq_len, rope_alpha=rope_alpha, rope=rope)
+                    rope_tables(
+                        self.config,
+                        max_seq_len,
+                        rope_alpha=rope_alpha,
+                        rope_scale=rope_scale,
+                        rope=rope,
+                    )
                 )
             key = (distinct.index(rope), device)
             if key not in on_device:

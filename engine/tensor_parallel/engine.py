@@ -241,6 +241,7 @@ def _shard_spec(
         cache_pages=-(-cache_tokens // options.page_size),
         page_size=options.page_size,
         rope_alpha=options.rope_alpha,
+        rope_scale=options.rope_scale,
         cuda_graphs=options.cuda_graphs and device.type == "cuda",
         # torchrun's rendezvous (MASTER_ADDR/MASTER_PORT) or a port of this machine.
         init_method="env://" if launched is not None else f"tcp://127.0.0.1:{_free_port()}",

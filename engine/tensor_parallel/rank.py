@@ -53,6 +53,7 @@ class ShardSpec:
     init_method: str  # tcp://127.0.0.1:<port>
     timeout_s: float = 1800.0
     deterministic: bool = False  # EngineOptions.deterministic, for each rank's process
+    rope_scale: float = 1.0  # EngineOptions.rope_scale
     # Ranks per machine: rank r uses GPU r % local_world_size of its machine (torchrun over
     # several machines); None: every rank on this one, rank r on cuda:r.
     local_world_size: int | None = None
@@ -101,7 +102,7 @@ def build_rank(
         torch.cuda.empty_cache()  # the staged whole layers, now cut
     # After sharding: each rank's q/k/v (gate/up) shards concatenate like whole weights.
     fuse_projections(model)
-    model.setup_rotary(spec.max_seq_len, rope_alpha=spec.rope_alpha)
+    model.setup_rotary(spec.max_seq_len, rope_alpha=spec.rope_alpha, rope_scale=spec.rope_scale)
     cache = PagedKVCache(
         num_layers=config.num_hidden_layers,
         num_kv_heads=config.num_key_value_heads // spec.world_size,
