@@ -23,7 +23,7 @@ from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.fusion import fuse_projections, set_kernel_fusion
 from engine.hidden_states import hidden_states_many
-from engine.loading import load_causal_lm, resolve_device, resolve_dtype
+from engine.loading import LoadProgress, load_causal_lm, resolve_device, resolve_dtype
 from engine.lora import LoraManager
 from engine.moe import SparseMoE
 from engine.placement import Placement, PlacementOptions, plan_for_model
@@ -147,7 +147,15 @@ class Engine:
         )
 
     @classmethod
-    def load(cls, model_dir: str | Path, options: EngineOptions | None = None) -> Engine:
+    def load(
+        cls,
+        model_dir: str | Path,
+        options: EngineOptions | None = None,
+        *,
+        progress: LoadProgress | None = None,
+    ) -> Engine:
+        """`progress(fraction, what)`, if given, hears how far the load is (the weights are
+        most of it; the CUDA graphs' capture comes last)."""
         options = options or EngineOptions()
         started = time.perf_counter()
         model_dir = Path(model_dir)
@@ -221,8 +229,15 @@ class Engine:
             prefill_chunk=options.prefill_chunk,
             cache_token_bytes=layer_token_bytes,
         )
+        if progress:
+            progress(0.0, "reading the weights")
         model = load_causal_lm(
-            model_dir, device=device, dtype=dtype, config=config, placement=placement
+            model_dir,
+            device=device,
+            dtype=dtype,
+            config=config,
+            placement=placement,
+            progress=(lambda f, what: progress(0.9 * f, what)) if progress else None,
         )
         if options.fuse_projections:
             fuse_projections(model)
@@ -258,8 +273,12 @@ class Engine:
         )
         engine.placement = placement
         if use_graphs:
+            if progress:
+                progress(0.9, "capturing CUDA graphs")
             engine.enable_decode_graphs()
         engine.setup_speculation()
+        if progress:
+            progress(1.0, "loaded")
         return engine
 
     def enable_decode_graphs(

@@ -67,17 +67,25 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+# What a load reports as it goes: the fraction done (0..1) and what it is doing.
+LoadProgress = Callable[[float, str], None]
+# The share of a quantized model's weight loading that its quantized linears take.
+QUANTIZED_SHARE = 0.8
+
+
 def load_causal_lm(
     model_dir: str | Path,
     *,
     device: torch.device,
     dtype: torch.dtype,
     config: ModelConfig | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: LoadProgress | None = None,
     placement: Placement | None = None,
 ) -> CausalLM:
     """`placement` (engine/placement/) puts each layer on its own device; without it,
-    everything goes on `device`."""
+    everything goes on `device`. `progress(fraction, what)` hears how far the weights are:
+    quantized linears (read, checked, repacked: most of an EXL2/GPTQ load) take the first
+    QUANTIZED_SHARE of it, the other tensors the rest."""
     config = config or ModelConfig.from_dir(model_dir)
     cls = architecture_class(config.architecture, source=config.source)
     store = WeightStore(model_dir)
@@ -87,6 +95,7 @@ def load_causal_lm(
     placement = placement or Placement.single(device, config.num_hidden_layers)
     model.layer_devices = list(placement.layer_devices)
     quantized = _load_quantized_linears(model, store, config, placement.device_of, progress)
+    start = QUANTIZED_SHARE if quantized else 0.0
 
     params = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)]
     # A quantized head (EXL2 always writes one) wins over tying it to the embeddings.
@@ -106,7 +115,7 @@ def load_causal_lm(
         )
         _set_parameter(model, name, tensor)
         if progress:
-            progress(i + 1, len(params))
+            progress(start + (1 - start) * (i + 1) / len(params), f"weights {i + 1}/{len(params)}")
     if tied:
         embed = model.model.embed_tokens.weight
         head_device = placement.head_device
@@ -147,7 +156,7 @@ def _load_quantized_linears(
     store: WeightStore,
     config: ModelConfig,
     device_of: Callable[[str], torch.device],
-    progress: Callable[[int, int], None] | None,
+    progress: LoadProgress | None,
 ) -> set[str]:
     """Swap every Linear stored as EXL2/GPTQ for a QuantizedLinear; returns their names."""
     from engine.modules import Linear
@@ -155,9 +164,8 @@ def _load_quantized_linears(
 
     quantized: set[str] = set()
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
-    for name, module in linears:
-        if linear_format(store, name) == "dense":
-            continue
+    stored = [(n, m) for n, m in linears if linear_format(store, n) != "dense"]
+    for done, (name, module) in enumerate(stored, start=1):
         replacement = load_quantized_linear(
             store,
             name,
@@ -169,6 +177,9 @@ def _load_quantized_linears(
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, replacement)
         quantized.add(name)
+        if progress:
+            fraction = QUANTIZED_SHARE * done / len(stored)
+            progress(fraction, f"quantized linears {done}/{len(stored)}")
     if quantized and torch.cuda.is_available():
         # Repacking on the GPU left its temporaries in the allocator's cache: hand them back,
         # so that nvidia-smi and other processes see what the model holds, not the peak.

@@ -13,6 +13,7 @@ from engine.cache import CACHE_TYPES
 from engine.config import ModelConfig
 from engine.engine import Engine, EngineOptions
 from engine.generator import GenerationBackend
+from engine.loading import LoadProgress
 from engine.placement import PlacementError
 from engine.tensor_parallel.launched import launched_rank
 from engine.tensor_parallel.transform import TensorParallelError
@@ -103,8 +104,10 @@ def load(
     gpu_split: list[float] | None = None,
     autosplit: bool = False,
     tensor_parallel: bool = False,
+    progress: LoadProgress | None = None,
     **options: Any,
 ) -> KestrelModel:
+    """`progress(fraction, what)` hears how far the load is (one process; not under TP)."""
     # tensor_parallel=True: one rank per visible GPU; tp=N: N ranks (N > 1 implies TP).
     check_options({**options, "max_seq_len": max_seq_len})
     tp = _tp_world_size(tensor_parallel, options.pop("tp", None), device)
@@ -122,7 +125,7 @@ def load(
             from engine.tensor_parallel.engine import TensorParallelEngine
 
             return KestrelModel(path, TensorParallelEngine.launch(path, engine_options, tp))
-        return KestrelModel(path, Engine.load(path, engine_options))
+        return KestrelModel(path, Engine.load(path, engine_options, progress=progress))
     except (PlacementError, TensorParallelError) as e:
         raise LoaderError(str(e)) from e
 

@@ -192,9 +192,13 @@ class ModelManager:
         loader_name: str | None = None,
         *,
         progress: Callable[[str], None] | None = None,
+        weights_progress: Callable[[float, str], None] | None = None,
         **options: Any,
     ) -> LoadedModel:
         """Unload the current model (if any) and load `name` from the models directory.
+        `progress(message)` hears each stage (a GGUF import, the load);
+        `weights_progress(fraction, what)` how far the load itself is, where the loader
+        reports it (Kestrel's does, per weight).
 
         A bad name, or a bad value of a control in the loader's settings schema, fails
         before anything is unloaded. On a later failure the manager holds no model and the
@@ -220,7 +224,7 @@ class ModelManager:
                 load_options["draft_model"] = str(draft_dir)
             if progress:
                 progress(f"loading {name}")
-            model = loader.load(path, loader_name, **load_options)
+            model = loader.load(path, loader_name, progress=weights_progress, **load_options)
             self._model, self._name, self._options = model, name, dict(options)
             return model
 

@@ -5,7 +5,9 @@ lazily (see there why); import them from `loader`, not from here.
 
 from __future__ import annotations
 
+import inspect
 import json
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
@@ -142,6 +144,7 @@ def load(
     gpu_split: list[float] | None = None,
     autosplit: bool = False,
     tensor_parallel: bool = False,
+    progress: Callable[[float, str], None] | None = None,
     **loader_specific: Any,
 ) -> LoadedModel:
     model_path = Path(path).expanduser()
@@ -169,7 +172,11 @@ def load(
             _refuse_unknown_architecture(model_path)
     elif loader not in loaders:
         raise LoaderError(f"unknown loader '{loader}' (available: {', '.join(loaders)})")
-    return loaders[loader].load(
+    plugin = loaders[loader]
+    if progress is not None and _takes(plugin.load, "progress"):
+        # Only to loaders that report it (Kestrel's); others load without a bar.
+        loader_specific["progress"] = progress
+    return plugin.load(
         model_path,
         device=device,
         dtype=dtype,
@@ -180,3 +187,10 @@ def load(
         tensor_parallel=tensor_parallel,
         **loader_specific,
     )
+
+
+def _takes(function: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False

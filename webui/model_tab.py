@@ -297,8 +297,12 @@ def wire(ctx: AppContext, tab: ModelTab) -> tuple[Any, Any]:
             steps.append(min(0.9, steps[-1] + 0.2))
             progress(steps[-1], desc=message)
 
+        def weights(fraction: float, what: str) -> None:
+            # The load itself: most of the bar, as the loader reports it weight by weight.
+            progress(steps[-1] + (0.95 - steps[-1]) * fraction, desc=f"Loading {name}: {what}")
+
         try:
-            ctx.manager.load(name, chosen, progress=report, **kwargs)
+            ctx.manager.load(name, chosen, progress=report, weights_progress=weights, **kwargs)
         except Exception as e:  # any loader failure is shown, and the server goes on
             return _error(f"could not load {name}: {e}") + _restore(ctx, previous, report)
         progress(1.0, desc="Loaded")
