@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.errors import KestrelError
 from kernels.kv_quant import CACHE_TYPES, cache_formats, kv_cache_write
 
 __all__ = ["CACHE_TYPES", "CacheFullError", "ForwardBatch", "PagedKVCache", "Sequence"]
@@ -60,7 +61,7 @@ def cache_bytes_per_token(
     return num_layers * num_kv_heads * per_head
 
 
-class CacheFullError(RuntimeError):
+class CacheFullError(KestrelError, RuntimeError):
     """No free pages are left for a sequence's new tokens."""
 
 

@@ -32,12 +32,13 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 
+from engine.errors import KestrelError
 from engine.template_limits import BoundedSandbox, bounded_render
 
 ChatTemplate = str | dict[str, str]
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(KestrelError, ValueError):
     """The model has no usable chat template, or rendering it failed."""
 
 

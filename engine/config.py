@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.errors import KestrelError
+
 REQUIRED_KEYS = (
     "hidden_size",
     "intermediate_size",
@@ -28,7 +30,7 @@ REQUIRED_KEYS = (
 MAX_LAYERS = 4096
 
 
-class ConfigError(ValueError):
+class ConfigError(KestrelError, ValueError):
     """A model's config.json is missing, unreadable or lacks something Kestrel needs."""
 
 

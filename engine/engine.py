@@ -21,6 +21,7 @@ from engine.cache import CACHE_TYPES, ForwardBatch, PagedKVCache, Sequence, cach
 from engine.cache_sizing import describe, memory_sized_tokens
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
+from engine.errors import KestrelError
 from engine.fusion import fuse_projections, set_kernel_fusion
 from engine.hidden_states import hidden_states_many
 from engine.loading import LoadProgress, load_causal_lm, resolve_device, resolve_dtype
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_SEQ_LEN = 8192  # caps a 128k-context config so the cache fits a consumer GPU
 
 
-class ContextLengthError(ValueError):
+class ContextLengthError(KestrelError, ValueError):
     """A prompt (plus the tokens asked for) does not fit the model's context."""
 
 

@@ -104,7 +104,9 @@ def requested_logprobs(settings: SamplingSettings) -> int | None:
     if value is True:  # OpenAI chat style: logprobs=True, top_logprobs=k
         value = settings.extra.get("top_logprobs") or 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SamplingSettingsError(f"logprobs must be an integer >= 0, got {value!r}")
+        raise SamplingSettingsError(
+            f"logprobs must be an integer >= 0, got {value!r}", param="logprobs"
+        )
     return value
 
 

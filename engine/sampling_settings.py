@@ -213,7 +213,7 @@ class SamplingSettings:
             priority = parse_priority(self.sampler_priority)
         except TypeError as e:
             raise SamplingSettingsError(
-                f"sampler_priority {e}, got {self.sampler_priority!r}"
+                f"sampler_priority {e}, got {self.sampler_priority!r}", param="sampler_priority"
             ) from None
         self.sampler_priority = priority or list(TGW_PRIORITY)
         self.stop = check_strings("stop", as_str_list("stop", self.stop))
@@ -224,7 +224,7 @@ class SamplingSettings:
         self.stop_token_ids = as_token_ids("stop_token_ids", self.stop_token_ids)
         self.loras = parse_loras("loras", self.loras, MAX_FLOAT)
         if not isinstance(self.extra, dict):
-            raise SamplingSettingsError(f"extra must be a dict, got {self.extra!r}")
+            raise SamplingSettingsError(f"extra must be a dict, got {self.extra!r}", param="extra")
 
     @property
     def greedy(self) -> bool:

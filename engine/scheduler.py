@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.cache import CacheFullError, Sequence
+from engine.errors import KestrelError
 from engine.generator import (
     GenerationEvent,
     JobSampler,
@@ -116,7 +117,7 @@ if TYPE_CHECKING:
 WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
 
 
-class SchedulerError(RuntimeError):
+class SchedulerError(KestrelError, RuntimeError):
     """The scheduler cannot take or run a job (closed, or a job of another scheduler)."""
 
 
@@ -124,7 +125,7 @@ class QueueFullError(SchedulerError):
     """`max_waiting` jobs already wait."""
 
 
-class GenerationMemoryError(RuntimeError):
+class GenerationMemoryError(KestrelError, RuntimeError):
     """A job's step ran out of (GPU or host) memory; that job ended, the others go on."""
 
 

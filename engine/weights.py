@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from engine.errors import KestrelError
 from engine.paths import PathConfinementError, confined_path, hub_snapshot_repo
 
 _DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -38,7 +39,7 @@ _DTYPES: dict[str, tuple[torch.dtype, int]] = {
 }
 
 
-class WeightError(ValueError):
+class WeightError(KestrelError, ValueError):
     """A weight file or tensor is missing, corrupt or does not fit the model."""
 
 

@@ -16,8 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from engine.samplers.parse import SamplingSettingsError, as_int
 from loader.base import LoadedModel
+from loader.errors import SamplingSettingsError
+from loader.values import as_int
 from webui import shared
 from webui.sampler_controls import state_from_values
 from webui.text_generation import (

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from engine.sampling_settings import SamplingSettings
+from loader.values import SamplingSettings
 
 Kind = Literal["slider", "number", "checkbox", "text"]
 

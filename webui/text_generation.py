@@ -28,9 +28,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.generator import TokenLogprob
-from engine.sampling_settings import SamplingSettings
 from loader.base import LoadedModel
+from loader.values import SamplingSettings, TokenLogprob
 from webui import extensions, shared
 
 # State keys that are the UI's or the flow's, never sampling settings.

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from engine.errors import KestrelError
 from engine.lora.patterns import UnsafePatternError, check_pattern
 
 CONFIG_FILE = "adapter_config.json"
@@ -44,7 +45,7 @@ _SAVED_KEY = re.compile(
 )
 
 
-class LoraError(ValueError):
+class LoraError(KestrelError, ValueError):
     """An adapter cannot be loaded onto this model; the message says which file and key."""
 
 

@@ -14,6 +14,8 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+from engine.errors import KestrelError
+
 # OpenAI's documented range for logit_bias: beyond it a bias only bans or forces a token.
 MAX_BIAS = 100.0
 # A stop or banned string is matched against the text after every token.
@@ -21,7 +23,7 @@ MAX_STRINGS = 256
 MAX_STRING_CHARS = 1000
 
 
-class SamplingSettingsError(ValueError):
+class SamplingSettingsError(KestrelError, ValueError):
     """A sampling setting has a value of the wrong type or out of range."""
 
 
@@ -35,7 +37,7 @@ def as_int(name: str, value: Any) -> int:
         and float(value).is_integer()
     ):
         return int(value)
-    raise SamplingSettingsError(f"{name} must be an integer, got {value!r}")
+    raise SamplingSettingsError(f"{name} must be an integer, got {value!r}", param=name)
 
 
 def as_float(name: str, value: Any) -> float:
@@ -43,36 +45,37 @@ def as_float(name: str, value: Any) -> float:
         value = float(value)
         if math.isfinite(value):
             return value
-    raise SamplingSettingsError(f"{name} must be a finite number, got {value!r}")
+    raise SamplingSettingsError(f"{name} must be a finite number, got {value!r}", param=name)
 
 
 def check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise SamplingSettingsError(f"{name} must be True or False, got {value!r}")
+        raise SamplingSettingsError(f"{name} must be True or False, got {value!r}", param=name)
 
 
 def check_range(name: str, value: Any, ok: bool, expected: str) -> None:
     if not ok:
-        raise SamplingSettingsError(f"{name} must be {expected}, got {value!r}")
+        raise SamplingSettingsError(f"{name} must be {expected}, got {value!r}", param=name)
 
 
 def as_str_list(name: str, value: Any) -> list[str]:
     if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
         return list(value)
-    raise SamplingSettingsError(f"{name} must be a list of strings, got {value!r}")
+    raise SamplingSettingsError(f"{name} must be a list of strings, got {value!r}", param=name)
 
 
 def check_strings(name: str, strings: list[str]) -> list[str]:
     """`strings` if there are at most MAX_STRINGS of at most MAX_STRING_CHARS each."""
     if len(strings) > MAX_STRINGS:
         raise SamplingSettingsError(
-            f"{name} takes at most {MAX_STRINGS} strings, got {len(strings)}"
+            f"{name} takes at most {MAX_STRINGS} strings, got {len(strings)}", param=name
         )
     for i, text in enumerate(strings):
         if len(text) > MAX_STRING_CHARS:
             raise SamplingSettingsError(
                 f"{name} strings are at most {MAX_STRING_CHARS} characters, got "
-                f"{len(text)} in string {i} ({text[:40]!r}...)"
+                f"{len(text)} in string {i} ({text[:40]!r}...)",
+                param=name,
             )
     return strings
 
@@ -94,7 +97,9 @@ def as_token_ids(name: str, value: Any) -> list[int]:
             ids = None
         if ids is not None and all(i >= 0 for i in ids):
             return ids
-    raise SamplingSettingsError(f"{name} must be a list of token ids (ints >= 0), got {value!r}")
+    raise SamplingSettingsError(
+        f"{name} must be a list of token ids (ints >= 0), got {value!r}", param=name
+    )
 
 
 def parse_stop(key: str, value: Any) -> list[str]:
@@ -110,7 +115,7 @@ def parse_stop(key: str, value: Any) -> list[str]:
             parsed = ast.literal_eval(f"[{value}]")
         except (ValueError, SyntaxError, RecursionError, MemoryError) as e:
             raise SamplingSettingsError(
-                f'{key} must look like \'"\\n", "User:"\', got {value!r} ({e})'
+                f'{key} must look like \'"\\n", "User:"\', got {value!r} ({e})', param=key
             ) from None
         return as_str_list(key, parsed)
     return as_str_list(key, value)
@@ -127,14 +132,16 @@ def parse_sequence_breakers(name: str, value: Any) -> list[str]:
             parsed = json.loads(text if text.startswith("[") else f"[{text}]")
         except (json.JSONDecodeError, RecursionError) as e:  # nested past the stack's depth
             raise SamplingSettingsError(
-                f'{name} must be JSON strings like \'"\\n", ":"\', got {value!r} ({e})'
+                f'{name} must be JSON strings like \'"\\n", ":"\', got {value!r} ({e})', param=name
             ) from None
         value_list: Any = parsed
     else:
         value_list = value
     if isinstance(value_list, (list, tuple)) and all(isinstance(s, str) and s for s in value_list):
         return list(value_list)
-    raise SamplingSettingsError(f"{name} must be a list of non-empty strings, got {value!r}")
+    raise SamplingSettingsError(
+        f"{name} must be a list of non-empty strings, got {value!r}", param=name
+    )
 
 
 def parse_logit_bias(name: str, value: Any) -> dict[int, float]:
@@ -155,13 +162,15 @@ def parse_logit_bias(name: str, value: Any) -> dict[int, float]:
                 raise SamplingSettingsError(
                     f"{name} must map token ids (>= 0) to numbers in [-{MAX_BIAS:g}, "
                     f"{MAX_BIAS:g}] (ban a token with custom_token_bans): {key!r}: {bias!r} "
-                    f"is not, got {value!r}"
+                    f"is not, got {value!r}",
+                    param=name,
                 )
             out[token] = float(bias)
         return out
     raise SamplingSettingsError(
         f"{name} must map token ids (>= 0) to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], "
-        f"got {value!r}"
+        f"got {value!r}",
+        param=name,
     )
 
 
@@ -187,7 +196,7 @@ def parse_loras(name: str, value: Any, max_scale: float = math.inf) -> dict[str,
         else:
             return out
     raise SamplingSettingsError(
-        f"{name} must map adapter names to finite scales (or list names), got {value!r}"
+        f"{name} must map adapter names to finite scales (or list names), got {value!r}", param=name
     )
 
 

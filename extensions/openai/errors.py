@@ -15,13 +15,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.cache import CacheFullError
-from engine.chat_template import ChatTemplateError
-from engine.engine import ContextLengthError, EmptyPromptError
-from engine.lora import LoraError
-from engine.samplers.parse import SamplingSettingsError
-from engine.scheduler import GenerationMemoryError, QueueFullError, SchedulerError
 from loader.base import LoaderError, UnsupportedFeatureError
+from loader.errors import (
+    CacheFullError,
+    ChatTemplateError,
+    ContextLengthError,
+    EmptyPromptError,
+    GenerationMemoryError,
+    KestrelError,
+    LoraError,
+    QueueFullError,
+    SamplingSettingsError,
+    SchedulerError,
+)
 from loader.manager import ModelNotLoadedError, UnknownNameError
 
 log = logging.getLogger(__name__)
@@ -81,7 +87,7 @@ def error_for(error: BaseException, prompt_param: str = "messages") -> ApiError:
     if isinstance(error, ContextLengthError | CacheFullError):
         return ApiError(400, message, param=prompt_param, code="context_length_exceeded")
     if isinstance(error, SamplingSettingsError):
-        return ApiError(400, message, param=message.split(" ", 1)[0])
+        return ApiError(400, message, param=error.param)
     if isinstance(error, ChatTemplateError):
         return ApiError(400, message, param="messages", code="chat_template_error")
     if isinstance(error, GenerationMemoryError):
@@ -92,6 +98,8 @@ def error_for(error: BaseException, prompt_param: str = "messages") -> ApiError:
         return ApiError(429, message, type="server_error", code="queue_full")
     if isinstance(error, SchedulerError):  # the model was unloaded under the request
         return ApiError(503, message, type="server_error", code="model_unloaded")
+    if isinstance(error, KestrelError):  # any other error the request's input caused
+        return ApiError(400, message, param=error.param)
     if isinstance(error, LoaderError | ValueError):
         return ApiError(400, message)
     if isinstance(error, RecursionError):  # a value nested deeper than anything real

@@ -9,9 +9,8 @@ from typing import Any
 
 import torch
 
-from engine.generator import TokenLogprob
-from engine.tokenizer import Tokenizer
 from loader.base import LoadedModel
+from loader.values import Tokenizer, TokenLogprob
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling_settings import SamplingSettings, SamplingSettingsError
 from extensions.openai.errors import ApiError
 from extensions.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from loader.errors import SamplingSettingsError
+from loader.values import SamplingSettings
 from webui import shared
 
 DEFAULT_MAX_TOKENS = 512  # TGW's default max_new_tokens
