@@ -155,7 +155,8 @@ def test_notebook_text_survives_a_reload_and_is_read_only_while_written(page):
     tab(page, "Notebook")
     box = page.locator("#notebook-text textarea")
     box.fill("The lighthouse keeper wrote")
-    expect(page.locator("#notebook-saved")).to_contain_text("Text saved")
+    # The page load's restore also saves (the text it restored): wait for this text's save.
+    expect(page.locator("#notebook-saved")).to_contain_text("Text saved (27 characters)")
     page.reload()
     page.wait_for_selector("#chat-input textarea:not([disabled])")
     tab(page, "Notebook")

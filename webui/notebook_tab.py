@@ -32,7 +32,7 @@ class NotebookTab:
     generate: gr.Button
     stop: gr.Button
     status: gr.Markdown
-    saved: gr.Markdown  # "Text saved." once a typed change is remembered
+    saved: gr.Markdown  # "Text saved (N characters)." once a typed change is remembered
 
 
 def build(ctx: AppContext, remembered: dict[str, Any]) -> NotebookTab:
@@ -90,7 +90,9 @@ def wire(ctx: AppContext, tab: NotebookTab, params: ParametersTab) -> None:
         if ctx.is_running(session(request)):  # the stream's own updates: saved at its end
             return gr.update()
         ctx.user_data.update_settings(notebook=text)
-        return "Text saved."
+        # Which text was saved, not only that one was: a page load's own restore saves too,
+        # and a reader (or a test) can tell that the latest typing is what is kept.
+        return f"Text saved ({len(text)} characters)."
 
     tab.generate.click(
         run,
