@@ -137,7 +137,10 @@ def build_app(ctx: AppContext) -> gr.Blocks:
                 *(values[n] for n in sampler_controls.CONTROL_NAMES),
                 gr.update(choices=ctx.presets.names(), value=chosen),
                 parameters_tab.describe_preset(ctx.presets, chosen, values),
-                chat_system if messages else saved.get("system_prompt", ""),
+                gr.update(
+                    value=chat_system if messages else saved.get("system_prompt", ""),
+                    interactive=True,
+                ),
                 gr.update(choices=model_tab.model_choices(ctx.manager), value=ctx.manager.name),
                 model_tab.describe_loaded(ctx.manager),
                 chat_tab.model_template(ctx),
@@ -147,7 +150,7 @@ def build_app(ctx: AppContext) -> gr.Blocks:
                 name,
                 revision,
                 gr.update(interactive=True),
-                notebook_tab.remembered_text(saved),
+                gr.update(value=notebook_tab.remembered_text(saved), interactive=True),
                 gr.update(value=preparing_now or "", visible=bool(preparing_now)),
             ]
 

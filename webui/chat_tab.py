@@ -113,6 +113,9 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> ChatTab:
                 label="System prompt",
                 lines=4,
                 elem_id="system-prompt",
+                # Editable once the page load has restored it (app.on_page_load), as the
+                # notebook: what is typed before would be overwritten.
+                interactive=False,
             )
             with gr.Accordion("Chat template (from the model)", open=False):
                 template = gr.Code(
