@@ -22,23 +22,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from decoding import greedy_with_logits  # noqa: E402
+
 import kernels.backend as backend  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
 from tools.bench import SHAPES, build_model  # noqa: E402
-
-
-def greedy(engine: Engine, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    session = engine.open_session()
-    try:
-        logits = session.prefill(prompt)
-        rows, tokens = [logits], []
-        for _ in range(steps):
-            tokens.append(int(logits.argmax()))
-            logits = session.step(tokens[-1])
-            rows.append(logits)
-    finally:
-        session.close()
-    return tokens, torch.stack(rows).float().cpu()
 
 
 def check(
@@ -54,10 +42,10 @@ def check(
         gen = torch.Generator().manual_seed(3)
         vocab = engine.config.vocab_size
         prompt = torch.randint(2, vocab, (prompt_len,), generator=gen).tolist()
-        first_tokens, first_rows = greedy(engine, prompt, steps)
+        first_tokens, first_rows = greedy_with_logits(engine, prompt, steps)
         same, max_diff, token_flips = 1, 0.0, []
         for _ in range(runs - 1):
-            tokens, rows = greedy(engine, prompt, steps)
+            tokens, rows = greedy_with_logits(engine, prompt, steps)
             if torch.equal(rows, first_rows):
                 same += 1
             else:
