@@ -151,10 +151,6 @@ def test_a_message_right_after_a_page_load_uses_the_remembered_settings(page):
 
 
 # -- 7. the notebook ------------------------------------------------------------------------
-@pytest.mark.skip(
-    reason="quarantined: failed in 3 of 4 CI runs of 2026-11-26 on races between the page "
-    "load's restore, streamed updates and the notebook's save (issue 24 stays open for it)"
-)
 def test_notebook_text_survives_a_reload_and_is_read_only_while_written(page):
     tab(page, "Notebook")
     box = page.locator("#notebook-text textarea")

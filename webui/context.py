@@ -66,6 +66,7 @@ class AppContext:
     args: argparse.Namespace = field(default_factory=argparse.Namespace)
     loras: LoraRecord = field(default_factory=LoraRecord)
     _running: dict[str, Job] = field(default_factory=dict)
+    _ended: dict[str, int] = field(default_factory=dict)  # jobs ended, per session
     _jobs_lock: threading.Lock = field(default_factory=threading.Lock)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -93,6 +94,13 @@ class AppContext:
         with self._jobs_lock:
             if self._running.get(job.session) is job:
                 del self._running[job.session]
+            self._ended[job.session] = self._ended.get(job.session, 0) + 1
+
+    def ended_jobs(self, session: str) -> int:
+        """How many jobs of this session have ended: a page that has seen fewer sends
+        events that predate the latest job's end (a stream's late updates)."""
+        with self._jobs_lock:
+            return self._ended.get(session, 0)
 
     def is_running(self, session: str) -> bool:
         with self._jobs_lock:

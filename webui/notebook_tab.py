@@ -33,6 +33,11 @@ class NotebookTab:
     stop: gr.Button
     status: gr.Markdown
     saved: gr.Markdown  # "Text saved (N characters)." once a typed change is remembered
+    # How many runs this page has seen end (kept in the page, so each event carries the
+    # count as it was when the event fired): a stream's own updates fire `.change` events
+    # that can reach the server after the run ended and saved its final text; they carry
+    # an older count and are not saved over it.
+    runs_seen: gr.Number
 
 
 def build(ctx: AppContext, remembered: dict[str, Any]) -> NotebookTab:
@@ -52,7 +57,8 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> NotebookTab:
         stop = gr.Button("Stop", variant="stop", visible=False, elem_id="notebook-stop")
     status = gr.Markdown(elem_id="notebook-status")
     saved = gr.Markdown(elem_id="notebook-saved")
-    return NotebookTab(text, generate, stop, status, saved)
+    runs_seen = gr.Number(0, visible=False, precision=0, elem_id="notebook-runs-seen")
+    return NotebookTab(text, generate, stop, status, saved, runs_seen)
 
 
 def wire(ctx: AppContext, tab: NotebookTab, params: ParametersTab) -> None:
@@ -63,7 +69,7 @@ def wire(ctx: AppContext, tab: NotebookTab, params: ParametersTab) -> None:
         job = ctx.start_job(session(request))
         if job is None:
             raise gr.Error("The model is still writing: press Stop first.", duration=6)
-        busy = [gr.update(visible=False), gr.update(visible=True)]
+        busy = [gr.update(visible=False), gr.update(visible=True), gr.update()]
         try:
             values = params.values(raw)
             ctx.user_data.update_settings(parameters=values, notebook=prompt)
@@ -84,14 +90,18 @@ def wire(ctx: AppContext, tab: NotebookTab, params: ParametersTab) -> None:
             gr.update(),
             gr.update(visible=True),
             gr.update(visible=False),
+            ctx.ended_jobs(session(request)),
         )
 
     def stop(request: gr.Request) -> None:
         ctx.stop(session(request))
 
-    def remember(request: gr.Request, text: str) -> Any:
-        if ctx.is_running(session(request)):  # the stream's own updates: saved at its end
+    def remember(request: gr.Request, text: str, runs_seen: float | None) -> Any:
+        # The stream's own updates are not the user's: the run saves its final text itself.
+        if ctx.is_running(session(request)):
             return gr.update()
+        if int(runs_seen or 0) < ctx.ended_jobs(session(request)):
+            return gr.update()  # fired by a run's update before that run ended: stale
         ctx.user_data.update_settings(notebook=text)
         # Which text was saved, not only that one was: a page load's own restore saves too,
         # and a reader (or a test) can tell that the latest typing is what is kept.
@@ -100,12 +110,16 @@ def wire(ctx: AppContext, tab: NotebookTab, params: ParametersTab) -> None:
     tab.generate.click(
         run,
         [tab.text, *params.components],
-        [tab.text, tab.status, tab.generate, tab.stop],
+        [tab.text, tab.status, tab.generate, tab.stop, tab.runs_seen],
         concurrency_limit=None,
         show_progress="hidden",
     )
     tab.stop.click(stop, None, None, queue=False)
     # Saved as typed (the last of a burst of keystrokes wins), so a reload loses nothing.
     tab.text.change(
-        remember, [tab.text], [tab.saved], trigger_mode="always_last", show_progress="hidden"
+        remember,
+        [tab.text, tab.runs_seen],
+        [tab.saved],
+        trigger_mode="always_last",
+        show_progress="hidden",
     )
