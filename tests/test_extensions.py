@@ -1,4 +1,4 @@
-"""webui.extensions (TGW's script.py contract) and webui.text_generation (the shared flow).
+"""serving.extensions (TGW's script.py contract) and serving.text_generation (the shared flow).
 
 Extensions here are real script.py files written to a temporary directory; generation
 runs on a tiny random Llama through the kestrel loader. With KESTREL_TGW_PATH pointing at
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import loader
-from webui import extensions, shared
-from webui.text_generation import (
+from serving import extensions, shared
+from serving.text_generation import (
     generate_chat_reply,
     generate_reply,
     prepare_chat,
@@ -288,13 +288,15 @@ def test_tgw_extensions_run_unchanged(tmp_path: Path, tiny_model) -> None:
 
 def test_create_extension_ui_builds_blocks_and_tabs(ext_dir: Path) -> None:
     gr = pytest.importorskip("gradio")
+    from webui.extension_ui import create_extension_ui
+
     _write(ext_dir, "tabbed", 'params = {"is_tab": True, "display_name": "My tab"}\n'
            "import gradio as gr\ndef ui():\n    gr.Markdown('in a tab')\n")  # fmt: skip
     _write(ext_dir, "word_replace", (extensions.DEFAULT_EXTENSIONS_DIR / "word_replace" /
                                      "script.py").read_text())  # fmt: skip
     extensions.load_extensions(["tabbed", "alpha", "word_replace"], ext_dir, strict=True)
     with gr.Blocks() as demo:
-        drawn = extensions.create_extension_ui()
+        drawn = create_extension_ui()
     # alpha has no ui(); the column comes first, then the tabs
     assert drawn == ["word_replace", "tabbed"]
     config = demo.get_config_file()

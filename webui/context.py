@@ -12,8 +12,8 @@ import threading
 from dataclasses import dataclass, field
 
 from loader.manager import ModelManager
+from serving.sessions import UserData
 from webui.presets import Presets
-from webui.sessions import UserData
 
 
 @dataclass

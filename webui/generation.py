@@ -1,4 +1,4 @@
-"""What the Chat and Notebook tabs run: the shared generation flow (webui.text_generation,
+"""What the Chat and Notebook tabs run: the shared generation flow (serving.text_generation,
 where extensions apply) plus what only the UI does — fitting the prompt into the context,
 continuing a reply, and the speed line under the output.
 
@@ -19,15 +19,15 @@ from typing import Any
 from loader.base import LoadedModel
 from loader.errors import SamplingSettingsError
 from loader.values import as_int
-from webui import shared
-from webui.sampler_controls import state_from_values
-from webui.text_generation import (
+from serving import shared
+from serving.text_generation import (
     ReplyChunk,
     prepare_chat,
     settings_from_state,
     stream_chat_reply,
     stream_reply,
 )
+from webui.sampler_controls import state_from_values
 
 Message = dict[str, str]
 # A streamed page update costs a message and a re-render in the browser. Sent 20 times a

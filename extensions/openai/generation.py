@@ -58,7 +58,7 @@ from extensions.openai.tools import (
     tool_names,
 )
 from loader.base import LoadedModel
-from webui.text_generation import ReplyChunk, stream_chat_reply, stream_reply
+from serving.text_generation import ReplyChunk, stream_chat_reply, stream_reply
 
 Events = AsyncIterator[tuple[int, ReplyChunk]]
 

@@ -16,7 +16,7 @@ engine/sampling_settings.py). The order of hooks is TGW's:
   output_modifier(reply, is_chat=True).
 
 `stream_reply` / `stream_chat_reply` yield `ReplyChunk`s with token counts, ids and
-logprobs for the API. Generation stops at webui.shared.stop_event (the UI's Stop button)
+logprobs for the API. Generation stops at serving.shared.stop_event (the UI's Stop button)
 or at the per-call `stop_event`: the model's stream is closed, which cancels the job in the
 scheduler and frees its cache pages at once.
 """
@@ -30,7 +30,7 @@ from typing import Any
 
 from loader.base import LoadedModel
 from loader.values import SamplingSettings, TokenLogprob
-from webui import extensions, shared
+from serving import extensions, shared
 
 # State keys that are the UI's or the flow's, never sampling settings.
 _NOT_SAMPLING = ("history", "stop_event", "messages", "stream", "mode")
