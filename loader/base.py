@@ -21,6 +21,7 @@ import torch
 
 from engine.generator import GenerationBackend, TokenLogprob, generate
 from engine.sampling_settings import SamplingSettings
+from engine.tokenizer import Tokenizer
 from loader.embeddings import check_pooling, default_pooling, pool
 
 
@@ -89,11 +90,43 @@ class LoadedModel(ABC):
     def unload(self) -> None: ...
 
     # -- shared behaviour ---------------------------------------------------------------
+    # Front ends read the model's tokenizer and limits here, never through `backend` (an
+    # engine-side object whose shape is the engine's business).
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (token bytes for logprobs, special tokens, its template)."""
+        return self.backend.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are in [0, vocab_size): the tokenizer's ids, added tokens included."""
+        return int(self.backend.tokenizer.vocab_size)
+
+    @property
+    def context_length(self) -> int:
+        """Tokens one sequence may hold: prompt plus generated."""
+        return int(self.backend.max_seq_len)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The longest token's UTF-8 bytes (the first call walks the vocabulary once)."""
+        return int(self.backend.tokenizer.max_token_bytes)
+
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        """The model's chat template source (named ones as a dict), or None: it has none."""
+        return self.backend.tokenizer.chat_template
+
+    @property
+    def logits_device(self) -> torch.device:
+        """Where the model's logits come out (its last layer's device)."""
+        return torch.device(self.backend.logits_device)
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return self.backend.tokenizer.encode(text, add_bos=add_bos)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.backend.tokenizer.decode(ids)
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        return self.backend.tokenizer.decode(ids, skip_special=skip_special)
 
     def encode_for_embedding(self, text: str) -> list[int]:
         """Token ids of `text` as `embed` should see them (engine/tokenizer.py)."""

@@ -150,8 +150,7 @@ def model_template(ctx: AppContext) -> str:
     """The current model's chat template source, for display."""
     if not ctx.manager.is_loaded():
         return "(no model loaded)"
-    backend = ctx.manager.current().backend
-    template = getattr(getattr(backend, "tokenizer", None), "chat_template", None)
+    template = ctx.manager.current().chat_template
     if template is None:
         return "(this model has no chat template)"
     if isinstance(template, dict):

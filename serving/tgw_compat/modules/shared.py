@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
     if name == "model":
         return manager.current() if manager.is_loaded() else None
     if name == "tokenizer":
-        return manager.current().backend.tokenizer if manager.is_loaded() else None
+        return manager.current().tokenizer if manager.is_loaded() else None
     if name == "model_name":
         return manager.name or "None"
     raise AttributeError(f"module 'modules.shared' (Kestrel's TGW shim) has no attribute {name!r}")
