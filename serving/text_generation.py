@@ -16,9 +16,10 @@ engine/sampling_settings.py). The order of hooks is TGW's:
   output_modifier(reply, is_chat=True).
 
 `stream_reply` / `stream_chat_reply` yield `ReplyChunk`s with token counts, ids and
-logprobs for the API. Generation stops at serving.shared.stop_event (the UI's Stop button)
-or at the per-call `stop_event`: the model's stream is closed, which cancels the job in the
-scheduler and frees its cache pages at once.
+logprobs for the API. Generation stops at the request's own `stop_event` (a UI page's Stop,
+an API client going away), and only there: there is no process-wide stop, so the UI and the
+API never stop each other's requests. The model's stream is then closed, which cancels the
+job in the scheduler and frees its cache pages at once.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def settings_from_state(state: Mapping[str, Any]) -> SamplingSettings:
 
 
 def _stopped(stop_event: threading.Event | None) -> bool:
-    return shared.stop_event.is_set() or (stop_event is not None and stop_event.is_set())
+    return stop_event is not None and stop_event.is_set()
 
 
 def stream_reply(
