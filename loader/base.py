@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.generator import GenerationBackend, TokenLogprob, generate
+from engine.generator import GenerationBackend, GenerationEvent, generate
 from engine.sampling_settings import SamplingSettings
 from engine.tokenizer import Tokenizer
 from loader.embeddings import check_pooling, default_pooling, pool
@@ -33,28 +33,10 @@ class UnsupportedFeatureError(LoaderError):
     """The chosen loader does not offer a feature (yet)."""
 
 
-@dataclass
-class Chunk:
-    """One piece of a streamed completion."""
-
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error" on the last chunk
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prompt_seconds: float = 0.0
-    generate_seconds: float = 0.0
-    seed: int | None = None
-    job_id: int = 0  # which prompt of a stream_many() call (its index) or job this is
-    logprobs: list[TokenLogprob] | None = None  # settings["logprobs"] = k asks for them
-    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
-    queue_seconds: float = 0.0
-    draft_tokens: int = 0  # speculative decoding: drafts proposed / accepted so far
-    accepted_tokens: int = 0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.generate_seconds if self.generate_seconds else 0.0
+# The one event type from the engine to every client: a piece of a streamed completion (a text
+# delta, its token ids, logprobs, the finish reason on the last; token counts and timings).
+# The engine makes it, the loader passes it on as it is, and so does serving/'s request flow.
+Chunk = GenerationEvent
 
 
 class LoadedModel(ABC):
@@ -137,8 +119,7 @@ class LoadedModel(ABC):
     ) -> Iterator[Chunk]:
         settings = SamplingSettings.from_any(settings)
         ids = self._prompt_ids(prompt, settings)
-        for event in generate(self.backend, ids, settings):
-            yield Chunk(**event.__dict__)
+        yield from generate(self.backend, ids, settings)
 
     def stream_many(
         self,
@@ -157,7 +138,7 @@ class LoadedModel(ABC):
         if scheduler is None:
             for index, (prompt_ids, s) in enumerate(zip(ids, parsed, strict=True)):
                 for event in generate(self.backend, prompt_ids, s):
-                    yield Chunk(**{**event.__dict__, "job_id": index})
+                    yield replace(event, job_id=index)
             return
         jobs = []
         try:
@@ -169,7 +150,7 @@ class LoadedModel(ABC):
             raise
         index = {job.id: i for i, job in enumerate(jobs)}
         for event in scheduler.stream_many(jobs):
-            yield Chunk(**{**event.__dict__, "job_id": index[event.job_id]})
+            yield replace(event, job_id=index[event.job_id])
 
     def _prompt_ids(self, prompt: str | list[int], settings: SamplingSettings) -> list[int]:
         if isinstance(prompt, list):

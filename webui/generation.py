@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from loader.base import LoadedModel
+from loader.base import Chunk, LoadedModel
 from loader.errors import SamplingSettingsError
 from loader.values import as_int
 from serving import shared
@@ -49,13 +49,26 @@ def update_interval(text_length: int) -> float:
 
 @dataclass
 class Progress:
+    """What the page shows of a reply: its text, the status line, an error. The counts are
+    the model's last event's (`chunk`), read through, not copied."""
+
     text: str
     status: str
     done: bool = False
     error: str | None = None
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
+    chunk: Chunk | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.chunk.finish_reason if self.chunk is not None else None
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.chunk.generated_tokens if self.chunk is not None else 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.chunk.prompt_tokens if self.chunk is not None else 0
 
 
 def _context(model: LoadedModel) -> int:
@@ -147,9 +160,7 @@ def _follow(chunks: Iterator[ReplyChunk], base: str = "", prefix: str = "") -> I
                 base + chunk.text,
                 _status(chunk, started, first, prefix),
                 done=chunk.finish_reason is not None,
-                finish_reason=chunk.finish_reason,
-                completion_tokens=chunk.completion_tokens,
-                prompt_tokens=chunk.prompt_tokens,
+                chunk=chunk.chunk,
             )
     except Exception as e:  # shown in the page; the server and the other sessions go on
         yield Progress(base, f"error: {e}", done=True, error=f"{type(e).__name__}: {e}")
