@@ -5,6 +5,7 @@ ends or gradio:
 
     text_generation.py  prompt -> extension hooks -> the model's stream -> the reply; chat
                         prompts from the model's template; per-request stop
+    prompt_fit.py       a chat or text fitted into the context window (TGW's truncation)
     extensions.py       TGW's script.py contract: load, params, setup, hooks in order
     tgw_compat/         TGW's `modules.*` names, so TGW extensions run unchanged
     shared.py           process state: the current model (loader/manager.py), args, settings
