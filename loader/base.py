@@ -12,7 +12,7 @@ the GPU. `stream_many()` submits several prompts at once and interleaves their c
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -116,7 +116,9 @@ class LoadedModel(ABC):
 
     def stream(
         self, prompt: str | list[int], settings: SamplingSettings | Mapping[str, Any] | None = None
-    ) -> Iterator[Chunk]:
+    ) -> Generator[Chunk, None, None]:
+        """The completion of `prompt` as events, the last with a finish_reason. Closing the
+        generator early cancels the job (its cache pages are freed at once)."""
         settings = SamplingSettings.from_any(settings)
         ids = self._prompt_ids(prompt, settings)
         yield from generate(self.backend, ids, settings)
@@ -125,7 +127,7 @@ class LoadedModel(ABC):
         self,
         prompts: list[str | list[int]],
         settings: SamplingSettings | Mapping[str, Any] | None = None,
-    ) -> Iterator[Chunk]:
+    ) -> Generator[Chunk, None, None]:
         """Generate for several prompts at once; chunks interleave, and `chunk.job_id` is the
         index of the prompt it belongs to. `settings` is one for all, or a list (one each).
         Without a scheduler (the transformers loader) the prompts run one after another."""
@@ -148,9 +150,9 @@ class LoadedModel(ABC):
             for job in jobs:
                 scheduler.cancel(job)
             raise
-        index = {job.id: i for i, job in enumerate(jobs)}
+        order = {job.id: i for i, job in enumerate(jobs)}
         for event in scheduler.stream_many(jobs):
-            yield replace(event, job_id=index[event.job_id])
+            yield replace(event, job_id=order[event.job_id])
 
     def _prompt_ids(self, prompt: str | list[int], settings: SamplingSettings) -> list[int]:
         if isinstance(prompt, list):

@@ -236,7 +236,8 @@ def custom_generate_reply() -> Callable[..., Iterator[str]] | None:
     """The first active extension's `custom_generate_reply`, or None (TGW uses only one)."""
     for extension in active():
         if extension.has("custom_generate_reply"):
-            return extension.module.custom_generate_reply
+            generate: Callable[..., Iterator[str]] = extension.module.custom_generate_reply
+            return generate
     return None
 
 

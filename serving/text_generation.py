@@ -101,15 +101,17 @@ def stream_reply(
     """The reply to `prompt` (text, or token ids that bypass input_modifier) as chunks; the
     last one has a finish_reason."""
     state = dict(state)
-    if isinstance(prompt, list) and extensions.custom_generate_reply() is not None:
+    custom = extensions.custom_generate_reply()
+    if isinstance(prompt, list) and custom is not None:  # an extension's generator takes text
         prompt = (model or shared.manager.current()).decode(prompt)
     original = prompt
     if not is_chat:
         state = extensions.apply_state_modifier(state)
         if isinstance(prompt, str):
             prompt = extensions.apply_input_modifier(prompt, state)
-    custom = extensions.custom_generate_reply()
+    chunks: Iterator[ReplyChunk]
     if custom is not None:
+        assert isinstance(prompt, str) and isinstance(original, str)  # decoded above
         chunks = _custom_chunks(custom, prompt, original, state, is_chat, stop_event, model)
     else:
         model = model or shared.manager.current()
@@ -143,9 +145,7 @@ def _model_chunks(
                 return
     finally:
         # Closing the model's stream early cancels the job and frees its pages.
-        close = getattr(stream, "close", None)
-        if close is not None:
-            close()
+        stream.close()
 
 
 def _custom_chunks(
