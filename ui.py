@@ -36,9 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         args.model = path.name if path.parent == Path(args.models_dir) else str(path)
 
     from loader.manager import ModelManager
-    from webui import extensions, shared, startup
+    from serving import extensions, shared
+    from serving.sessions import UserData
+    from webui import startup
     from webui.context import AppContext
-    from webui.sessions import UserData
 
     shared.args = args
     if args.threads:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _port_problem(args: argparse.Namespace) -> str | None:
     """Why the web UI's or the API's port cannot be served on, naming the flag; else None."""
-    from webui.ports import port_problem
+    from serving.ports import port_problem
 
     host = cli.host(args)
     wanted = [] if args.nowebui else [(args.port, "--port")]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import loader
 from engine.sampling_settings import SamplingSettingsError
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model: {args.model} (the default)", file=sys.stderr)
         else:  # a name, a path or a Hugging Face id (downloaded first)
             args.model = str(resolve_model(args.model, args.models_dir))
-        if args.tp is not None and launched_rank() is not None and launched_rank().rank > 0:
+        rank = launched_rank()
+        if args.tp is not None and rank is not None and rank.rank > 0:
             # torchrun started this process as another rank: serve rank 0, print nothing.
             serve_tensor_parallel_rank(
                 Path(args.model),
@@ -207,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _placement_args(args: argparse.Namespace) -> dict:
+def _placement_args(args: argparse.Namespace) -> dict[str, Any]:
     """Layer split / offload / tensor-parallel options; only those given are passed."""
-    out: dict = {}
+    out: dict[str, Any] = {}
     if args.gpu_split:
         try:
             out["gpu_split"] = [float(v) for v in args.gpu_split.split(",")]

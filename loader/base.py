@@ -12,15 +12,16 @@ the GPU. `stream_many()` submits several prompts at once and interleaves their c
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Generator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.generator import GenerationBackend, TokenLogprob, generate
+from engine.generator import GenerationBackend, GenerationEvent, generate
 from engine.sampling_settings import SamplingSettings
+from engine.tokenizer import Tokenizer
 from loader.embeddings import check_pooling, default_pooling, pool
 
 
@@ -32,28 +33,10 @@ class UnsupportedFeatureError(LoaderError):
     """The chosen loader does not offer a feature (yet)."""
 
 
-@dataclass
-class Chunk:
-    """One piece of a streamed completion."""
-
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error" on the last chunk
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prompt_seconds: float = 0.0
-    generate_seconds: float = 0.0
-    seed: int | None = None
-    job_id: int = 0  # which prompt of a stream_many() call (its index) or job this is
-    logprobs: list[TokenLogprob] | None = None  # settings["logprobs"] = k asks for them
-    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
-    queue_seconds: float = 0.0
-    draft_tokens: int = 0  # speculative decoding: drafts proposed / accepted so far
-    accepted_tokens: int = 0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.generate_seconds if self.generate_seconds else 0.0
+# The one event type from the engine to every client: a piece of a streamed completion (a text
+# delta, its token ids, logprobs, the finish reason on the last; token counts and timings).
+# The engine makes it, the loader passes it on as it is, and so does serving/'s request flow.
+Chunk = GenerationEvent
 
 
 class LoadedModel(ABC):
@@ -89,11 +72,43 @@ class LoadedModel(ABC):
     def unload(self) -> None: ...
 
     # -- shared behaviour ---------------------------------------------------------------
+    # Front ends read the model's tokenizer and limits here, never through `backend` (an
+    # engine-side object whose shape is the engine's business).
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (token bytes for logprobs, special tokens, its template)."""
+        return self.backend.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are in [0, vocab_size): the tokenizer's ids, added tokens included."""
+        return int(self.backend.tokenizer.vocab_size)
+
+    @property
+    def context_length(self) -> int:
+        """Tokens one sequence may hold: prompt plus generated."""
+        return int(self.backend.max_seq_len)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The longest token's UTF-8 bytes (the first call walks the vocabulary once)."""
+        return int(self.backend.tokenizer.max_token_bytes)
+
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        """The model's chat template source (named ones as a dict), or None: it has none."""
+        return self.backend.tokenizer.chat_template
+
+    @property
+    def logits_device(self) -> torch.device:
+        """Where the model's logits come out (its last layer's device)."""
+        return torch.device(self.backend.logits_device)
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return self.backend.tokenizer.encode(text, add_bos=add_bos)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.backend.tokenizer.decode(ids)
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        return self.backend.tokenizer.decode(ids, skip_special=skip_special)
 
     def encode_for_embedding(self, text: str) -> list[int]:
         """Token ids of `text` as `embed` should see them (engine/tokenizer.py)."""
@@ -101,17 +116,18 @@ class LoadedModel(ABC):
 
     def stream(
         self, prompt: str | list[int], settings: SamplingSettings | Mapping[str, Any] | None = None
-    ) -> Iterator[Chunk]:
+    ) -> Generator[Chunk, None, None]:
+        """The completion of `prompt` as events, the last with a finish_reason. Closing the
+        generator early cancels the job (its cache pages are freed at once)."""
         settings = SamplingSettings.from_any(settings)
         ids = self._prompt_ids(prompt, settings)
-        for event in generate(self.backend, ids, settings):
-            yield Chunk(**event.__dict__)
+        yield from generate(self.backend, ids, settings)
 
     def stream_many(
         self,
         prompts: list[str | list[int]],
         settings: SamplingSettings | Mapping[str, Any] | None = None,
-    ) -> Iterator[Chunk]:
+    ) -> Generator[Chunk, None, None]:
         """Generate for several prompts at once; chunks interleave, and `chunk.job_id` is the
         index of the prompt it belongs to. `settings` is one for all, or a list (one each).
         Without a scheduler (the transformers loader) the prompts run one after another."""
@@ -124,7 +140,7 @@ class LoadedModel(ABC):
         if scheduler is None:
             for index, (prompt_ids, s) in enumerate(zip(ids, parsed, strict=True)):
                 for event in generate(self.backend, prompt_ids, s):
-                    yield Chunk(**{**event.__dict__, "job_id": index})
+                    yield replace(event, job_id=index)
             return
         jobs = []
         try:
@@ -134,9 +150,9 @@ class LoadedModel(ABC):
             for job in jobs:
                 scheduler.cancel(job)
             raise
-        index = {job.id: i for i, job in enumerate(jobs)}
+        order = {job.id: i for i, job in enumerate(jobs)}
         for event in scheduler.stream_many(jobs):
-            yield Chunk(**{**event.__dict__, "job_id": index[event.job_id]})
+            yield replace(event, job_id=order[event.job_id])
 
     def _prompt_ids(self, prompt: str | list[int], settings: SamplingSettings) -> list[int]:
         if isinstance(prompt, list):

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.engine import CACHE_TYPES, EngineOptions
+from engine.cache import CACHE_TYPES
+from engine.engine import EngineOptions
 from loader.base import LoaderError
 
 Kind = Literal["int", "float", "bool", "choice", "text", "float_list"]
@@ -125,7 +126,7 @@ KESTREL = SettingsSchema(
             "cache type",
             _ENGINE.cache_type,
             "KV cache storage",
-            choices=CACHE_TYPES,
+            choices=tuple(CACHE_TYPES),
         ),
         Control("gpu_split", "float_list", "GPU split", None, "GB of weights per GPU"),
         Control("autosplit", "bool", "autosplit", False, "fill the GPUs in order"),

@@ -8,7 +8,7 @@ so both loaders stream identically for the same logits.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +98,10 @@ def load(
         )
     except (OSError, ValueError, KeyError) as e:
         raise LoaderError(f"transformers could not load {path}: {e}") from e
-    model.to(resolved_device).eval()
-    context = max_seq_len or getattr(model.config, "max_position_embeddings", 2048)
+    module: torch.nn.Module = model  # (transformers' own `to` wrapper confuses type checkers)
+    module.to(resolved_device).eval()
+    configured = getattr(model.config, "max_position_embeddings", None)
+    context = max_seq_len or (int(configured) if configured else 2048)
     return TransformersModel(path, _Backend(model, tokenizer, context, resolved_device))
 
 
@@ -108,7 +110,7 @@ class _Session:
         from transformers import DynamicCache
 
         self.backend = backend
-        self.cache = DynamicCache()
+        self.cache: DynamicCache | None = DynamicCache()
         self.length = 0
 
     @torch.inference_mode()
@@ -116,7 +118,8 @@ class _Session:
         input_ids = torch.tensor([ids], device=self.backend.device)
         out = self.backend.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
         self.length += len(ids)
-        return out.logits[0, -1].float()
+        logits: torch.Tensor = out.logits[0, -1].float()
+        return logits
 
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
         return self._run(token_ids)
@@ -176,11 +179,14 @@ class TransformersModel(LoadedModel):
         return backend.model(input_ids=input_ids, **kwargs)
 
     def logits(self, ids: list[int]) -> torch.Tensor:
-        return self._forward(ids).logits[0].float().cpu()
+        logits: torch.Tensor = self._forward(ids).logits[0].float().cpu()
+        return logits
 
     def hidden_states(self, ids: list[int]) -> torch.Tensor:
         # transformers' last hidden state is the final norm's output.
-        return self._forward(ids, output_hidden_states=True).hidden_states[-1][0].float().cpu()
+        out = self._forward(ids, output_hidden_states=True)
+        states: torch.Tensor = out.hidden_states[-1][0].float().cpu()
+        return states
 
     def info(self) -> dict[str, Any]:
         backend = self._backend
@@ -218,12 +224,16 @@ class TransformersModel(LoadedModel):
 
     def stream(
         self, prompt: str | list[int], settings: SamplingSettings | Mapping[str, Any] | None = None
-    ) -> Iterator[Chunk]:
+    ) -> Generator[Chunk, None, None]:
         settings = SamplingSettings.from_any(settings)
         self._loras.check_request(settings.loras)
         return super().stream(prompt, settings)
 
-    def stream_many(self, prompts: list[str | list[int]], settings=None) -> Iterator[Chunk]:
+    def stream_many(
+        self,
+        prompts: list[str | list[int]],
+        settings: SamplingSettings | Mapping[str, Any] | None = None,
+    ) -> Generator[Chunk, None, None]:
         each = settings if isinstance(settings, list) else [settings]
         for s in each:
             self._loras.check_request(SamplingSettings.from_any(s).loras)

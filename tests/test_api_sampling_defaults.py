@@ -14,7 +14,7 @@ from extensions.openai import ApiServer, run_api_server
 from extensions.openai.params import build_state
 from extensions.openai.schemas import ChatCompletionRequest
 from loader.manager import ModelManager
-from webui import shared
+from serving import shared
 
 from model_factory import make_tiny_llama
 

@@ -17,7 +17,7 @@ import pytest
 from extensions.openai import ApiServer, run_api_server
 from extensions.openai.limits import DEFAULT_MAX_BODY_BYTES
 from loader.manager import ModelManager
-from webui import shared
+from serving import shared
 
 from model_factory import make_tiny_llama
 

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from loader.manager import ModelManager
-from webui import generation, load_options, sampler_controls, shared
+from serving import shared
+from webui import generation, load_options, sampler_controls
 
 from model_factory import make_tiny_llama
 

@@ -1,4 +1,4 @@
-"""webui.extensions (TGW's script.py contract) and webui.text_generation (the shared flow).
+"""serving.extensions (TGW's script.py contract) and serving.text_generation (the shared flow).
 
 Extensions here are real script.py files written to a temporary directory; generation
 runs on a tiny random Llama through the kestrel loader. With KESTREL_TGW_PATH pointing at
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import loader
-from webui import extensions, shared
-from webui.text_generation import (
+from serving import extensions, shared
+from serving.text_generation import (
     generate_chat_reply,
     generate_reply,
     prepare_chat,
@@ -225,12 +225,8 @@ def test_stop_event_cancels_and_frees_pages(tiny_model) -> None:
     stats = scheduler.stats()
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert stats["free_pages"] + stats["cached_pages"] >= free_before
-    # the process-wide Stop button too
-    shared.stop_event.set()
-    try:
-        assert list(generate_reply("The quick", GREEDY)) == [""]
-    finally:
-        shared.stop_event.clear()
+    # a stop set before the first token: nothing is generated
+    assert list(generate_reply("The quick", GREEDY, stop_event=stop)) == [""]
 
 
 def test_chat_flow_order(ext_dir: Path, tiny_model) -> None:
@@ -288,13 +284,15 @@ def test_tgw_extensions_run_unchanged(tmp_path: Path, tiny_model) -> None:
 
 def test_create_extension_ui_builds_blocks_and_tabs(ext_dir: Path) -> None:
     gr = pytest.importorskip("gradio")
+    from webui.extension_ui import create_extension_ui
+
     _write(ext_dir, "tabbed", 'params = {"is_tab": True, "display_name": "My tab"}\n'
            "import gradio as gr\ndef ui():\n    gr.Markdown('in a tab')\n")  # fmt: skip
     _write(ext_dir, "word_replace", (extensions.DEFAULT_EXTENSIONS_DIR / "word_replace" /
                                      "script.py").read_text())  # fmt: skip
     extensions.load_extensions(["tabbed", "alpha", "word_replace"], ext_dir, strict=True)
     with gr.Blocks() as demo:
-        drawn = extensions.create_extension_ui()
+        drawn = create_extension_ui()
     # alpha has no ui(); the column comes first, then the tabs
     assert drawn == ["word_replace", "tabbed"]
     config = demo.get_config_file()

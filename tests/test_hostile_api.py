@@ -30,7 +30,7 @@ from engine.engine import EngineOptions
 from extensions.openai import ApiServer, run_api_server
 from extensions.openai import runner as choice_runner
 from loader.manager import ModelManager
-from webui import shared
+from serving import shared
 
 from model_factory import make_tiny_llama
 

@@ -26,7 +26,7 @@ from engine.lora import LoraError
 from engine.lora.patterns import UnsafePatternError, check_pattern
 from engine.weights import WeightError
 from extensions.openai.load_defaults import with_cache_default
-from webui import storage
+from serving import storage
 
 from model_factory import make_tiny_llama
 

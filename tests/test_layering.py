@@ -1,7 +1,7 @@
-"""The layers of docs/ARCHITECTURE.md import one way: ui/extensions -> loader -> engine ->
-kernels. Every import counts, inside functions and under TYPE_CHECKING too: front ends
-(ui.py, webui/, extensions/) reach models only through loader/, and nothing below the web
-UI imports gradio."""
+"""The layers of docs/ARCHITECTURE.md import one way: ui/extensions -> serving -> loader ->
+engine -> kernels. Every import counts, inside functions and under TYPE_CHECKING too: front
+ends (ui.py, webui/, extensions/) reach models only through serving/ and loader/, the two
+front ends do not import each other, and nothing below the web UI imports gradio."""
 
 from __future__ import annotations
 
@@ -12,13 +12,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FRONT_ENDS = ("webui", "extensions", "ui")
+BELOW_SERVING = {"serving", "webui", "extensions", "ui", "gradio", "tools"}
 # What each layer must not import (top-level package names).
 FORBIDDEN: dict[str, set[str]] = {
-    "kernels": {"engine", "loader", "webui", "extensions", "ui", "gradio", "tools"},
-    "engine": {"loader", "webui", "extensions", "ui", "gradio", "tools"},
-    "loader": {"webui", "extensions", "ui", "gradio", "tools"},
-    "webui": {"engine", "kernels", "tools"},
-    "extensions": {"engine", "kernels", "tools"},
+    "kernels": {"engine", "loader"} | BELOW_SERVING,
+    "engine": {"loader"} | BELOW_SERVING,
+    "loader": BELOW_SERVING,
+    "serving": {"engine", "kernels", "webui", "extensions", "ui", "gradio", "tools"},
+    # The API (extensions/openai) runs beside the UI or alone: the two share serving/ only.
+    "webui": {"engine", "kernels", "extensions", "tools"},
+    "extensions": {"engine", "kernels", "webui", "ui", "tools"},
     "ui": {"engine", "kernels", "tools"},
 }
 
@@ -28,6 +31,9 @@ ALLOWED = {
     # The TGW adapter runs inside text-generation-webui's process, whose web UI is Gradio:
     # it raises gr.Error there so that TGW shows the message (only if gradio is loaded).
     ("loader/tgw/glue.py", "gradio"),
+    # ui.py --api starts the API extension beside the UI, in the same process (as TGW's --api
+    # loads extensions/openai); the API never imports the UI.
+    ("webui/api_server.py", "extensions"),
 }
 
 
@@ -48,7 +54,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 def _files() -> list[Path]:
     files = [ROOT / "ui.py"]
-    for layer in ("kernels", "engine", "loader", "webui", "extensions"):
+    for layer in ("kernels", "engine", "loader", "serving", "webui", "extensions"):
         files += sorted((ROOT / layer).rglob("*.py"))
     return files
 

@@ -22,7 +22,7 @@ import torch
 
 from extensions.openai import ApiServer, run_api_server
 from loader.manager import ModelManager
-from webui import extensions, shared
+from serving import extensions, shared
 
 from model_factory import make_tiny_llama
 

@@ -18,7 +18,7 @@ from engine.hidden_states import next_group
 from extensions.openai import ApiServer, run_api_server
 from loader.embeddings import EmbeddingError, default_pooling
 from loader.manager import ModelManager
-from webui import shared
+from serving import shared
 
 from model_factory import make_tiny_llama, randomize_weights, write_tokenizer
 

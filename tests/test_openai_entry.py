@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from loader.manager import ModelManager
-from webui import extensions, shared
+from serving import extensions, shared
 
 from model_factory import make_tiny_llama
 

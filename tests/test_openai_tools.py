@@ -24,7 +24,7 @@ from extensions.openai.tools import (
     template_messages,
 )
 from loader.manager import ModelManager
-from webui import shared
+from serving import shared
 
 from model_factory import make_scripted_llama
 

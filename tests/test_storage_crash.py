@@ -1,5 +1,5 @@
 """Saved chats survive a killed server: a subprocess saves chats through the UI's real storage
-(webui.sessions.UserData, as the Chat tab does after every reply) in a tight loop and is
+(serving.sessions.UserData, as the Chat tab does after every reply) in a tight loop and is
 killed with SIGKILL at random moments, mid-save; every chat on disk then loads whole, holding
 at least every turn the writer had reported saved, and the next writer carries on."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from webui.sessions import UserData
+from serving.sessions import UserData
 
 ROOT = Path(__file__).resolve().parent.parent
 CHATS = ("alpha", "beta", "gamma")
@@ -28,7 +28,7 @@ WRITER = textwrap.dedent(
     import sys
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
-    from webui.sessions import UserData
+    from serving.sessions import UserData
 
     data = UserData(Path(sys.argv[2]))
     start = int(sys.argv[3])

@@ -9,7 +9,8 @@ import threading
 import pytest
 
 from loader.manager import ModelManager
-from webui import generation, sampler_controls, shared
+from serving import shared
+from webui import generation, sampler_controls
 
 from model_factory import make_tiny_llama
 

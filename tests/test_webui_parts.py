@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from engine.sampling_settings import SamplingSettings, SamplingSettingsError
+from serving.sessions import UserData
+from serving.storage import StorageError, atomic_write_text, read_json, write_json
 from webui import cli, load_options, sampler_controls
 from webui.presets import BUILTIN, Presets
-from webui.sessions import UserData
-from webui.storage import StorageError, atomic_write_text, read_json, write_json
 
 
 # -- sampler controls ---------------------------------------------------------------------
@@ -236,7 +236,7 @@ def test_load_kwargs_send_only_what_was_set():
 
 # -- issue 24: names, revisions, no lock files, load checks ---------------------------------
 def test_chat_names_are_unique_and_saves_never_overwrite_another_page(tmp_path):
-    from webui.sessions import new_chat_name
+    from serving.sessions import new_chat_name
 
     names = {new_chat_name() for _ in range(200)}  # same second, every one different
     assert len(names) == 200

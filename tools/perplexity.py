@@ -79,7 +79,7 @@ def perplexity(
     chunks = text_windows(
         model, text, window=window, windows=windows, start_fraction=start_fraction
     )
-    bos = model.backend.tokenizer.bos_token_id if add_bos else None
+    bos = model.tokenizer.bos_token_id if add_bos else None
     if add_bos and bos is None:
         raise ValueError("the tokenizer has no BOS token; pass add_bos=False (--no-bos)")
     total_nll, predictions = 0.0, 0

@@ -280,7 +280,7 @@ def run_soak(model: LoadedModel, name: str, config: SoakConfig) -> dict[str, Any
     logging.getLogger().addHandler(errors)
     server = run_api_server("127.0.0.1", 0, manager=manager)
     url = f"{server.url}/v1/completions"
-    vocab = model.backend.tokenizer.vocab_size
+    vocab = model.vocab_size
     try:
         warm = _run_clients(url, config, vocab, warmup=True)
         idle_before = wait_idle(model, config.idle_timeout)

@@ -1,2 +1,2 @@
-"""The web front ends: the Gradio UI (ui.py and its tabs), the extension machinery, and the
-state they share. Nothing under engine/, kernels/ or loader/ imports this package."""
+"""The Gradio web UI (ui.py and its tabs). The request flow it shares with the API lives in
+serving/; nothing under serving/, loader/, engine/ or kernels/ imports this package."""

@@ -1,6 +1,6 @@
 """Starting the OpenAI-compatible API (extensions/openai) from ui.py's --api flags.
 
-The API serves the same current model as the UI (webui.shared.manager). It binds where the
+The API serves the same current model as the UI (serving.shared.manager). It binds where the
 UI does: 127.0.0.1 unless --listen.
 """
 

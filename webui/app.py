@@ -10,9 +10,10 @@ from typing import Any
 
 import gradio as gr
 
+from serving import extensions
 from webui import (
     chat_tab,
-    extensions,
+    extension_ui,
     lora_panel,
     model_tab,
     notebook_tab,
@@ -117,7 +118,7 @@ def build_app(ctx: AppContext) -> gr.Blocks:
                 loras = lora_panel.build(ctx)
             if any(e.has("ui") for e in extensions.active()):
                 with gr.Tab("Extensions", id="extensions", elem_id="tab-extensions"):
-                    extensions.create_extension_ui()
+                    extension_ui.create_extension_ui()
         parameters_tab.wire(ctx, params)
         chat_tab.wire(ctx, chat, params)
         notebook_tab.wire(ctx, notebook, params)

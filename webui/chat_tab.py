@@ -1,6 +1,6 @@
 """The Chat tab: a conversation rendered with the model's chat template, streamed, with
 regenerate / continue / stop / new chat, a system prompt, tokens/s under the reply, and the
-chat saved after every reply (webui.sessions) and reloadable from "Past chats".
+chat saved after every reply (serving.sessions) and reloadable from "Past chats".
 
 The conversation lives in a per-browser-session `gr.State` as plain {role, content}
 messages (the Chatbot only displays it), so two users chatting at once never see each
@@ -10,7 +10,7 @@ One reply at a time per page (webui.context.Job): while it is written, Send beco
 a message sent with Enter stays in the box with a note. New chat (or the chat's trash icon)
 stops the running reply and cuts it off from the page; it is still saved to its own chat.
 A page opens on the latest saved chat (as TGW does) and saves with the revision it saw, so
-two pages on one chat never overwrite each other (webui.sessions).
+two pages on one chat never overwrite each other (serving.sessions).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Any
 
 import gradio as gr
 
+from serving.sessions import new_chat_name
+from serving.storage import StorageError
 from webui import generation
 from webui.context import AppContext, Job
 from webui.generation import Message, Progress
 from webui.parameters_tab import ParametersTab
-from webui.sessions import new_chat_name
-from webui.storage import StorageError
 
 
 @dataclass
@@ -150,8 +150,7 @@ def model_template(ctx: AppContext) -> str:
     """The current model's chat template source, for display."""
     if not ctx.manager.is_loaded():
         return "(no model loaded)"
-    backend = ctx.manager.current().backend
-    template = getattr(getattr(backend, "tokenizer", None), "chat_template", None)
+    template = ctx.manager.current().chat_template
     if template is None:
         return "(this model has no chat template)"
     if isinstance(template, dict):

@@ -12,8 +12,8 @@ import threading
 from dataclasses import dataclass, field
 
 from loader.manager import ModelManager
+from serving.sessions import UserData
 from webui.presets import Presets
-from webui.sessions import UserData
 
 
 @dataclass
@@ -114,6 +114,14 @@ class AppContext:
             return False
         job.stop.set()
         return True
+
+    def stop_all(self) -> None:
+        """Stop every reply of this UI (TGW's stop_everything). The UI's replies only: the
+        API's requests share the model but each has a stop of its own."""
+        with self._jobs_lock:
+            jobs = list(self._running.values())
+        for job in jobs:
+            job.stop.set()
 
     def detach(self, session: str) -> None:
         """Stop the session's job and cut it off from the page (it still saves its own

@@ -1,6 +1,7 @@
-"""What the Chat and Notebook tabs run: the shared generation flow (webui.text_generation,
-where extensions apply) plus what only the UI does — fitting the prompt into the context,
-continuing a reply, and the speed line under the output.
+"""What the Chat and Notebook tabs run: the shared generation flow (serving.text_generation,
+where extensions apply; serving.prompt_fit fits the prompt into the context) plus what only
+the UI does — continuing a reply, the pace of page updates and the speed line under the
+output.
 
 `state` is the Parameters tab's values (webui.sampler_controls). Every function yields
 `Progress`: the cumulative reply text and a one-line status
@@ -16,20 +17,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from loader.base import LoadedModel
-from loader.errors import SamplingSettingsError
-from loader.values import as_int
-from webui import shared
-from webui.sampler_controls import state_from_values
-from webui.text_generation import (
+from loader.base import Chunk, LoadedModel
+from serving import shared
+from serving.prompt_fit import Message, budget, fit_messages
+from serving.text_generation import (
     ReplyChunk,
     prepare_chat,
     settings_from_state,
     stream_chat_reply,
     stream_reply,
 )
+from webui.sampler_controls import state_from_values
 
-Message = dict[str, str]
 # A streamed page update costs a message and a re-render in the browser. Sent 20 times a
 # second, a 3000-token reply of the test model (9.3 s) cost headless Chromium 4.7 s of main
 # thread, half a core; on a 2-core machine at load 8 the browser gets about a quarter of
@@ -49,60 +48,26 @@ def update_interval(text_length: int) -> float:
 
 @dataclass
 class Progress:
+    """What the page shows of a reply: its text, the status line, an error. The counts are
+    the model's last event's (`chunk`), read through, not copied."""
+
     text: str
     status: str
     done: bool = False
     error: str | None = None
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
+    chunk: Chunk | None = None
 
+    @property
+    def finish_reason(self) -> str | None:
+        return self.chunk.finish_reason if self.chunk is not None else None
 
-def _context(model: LoadedModel) -> int:
-    try:
-        context = int(model.info().get("context") or 0)
-    except Exception:  # info() is for display; a loader without it still generates
-        context = 0
-    return context or 2048
+    @property
+    def completion_tokens(self) -> int:
+        return self.chunk.generated_tokens if self.chunk is not None else 0
 
-
-def budget(model: LoadedModel, state: dict[str, Any]) -> tuple[int, int]:
-    """(prompt tokens allowed, max_new_tokens) for this model and state: TGW's
-    truncation_length (0: the model's context) minus max_new_tokens, with at least a
-    quarter of the window kept for the prompt."""
-    context = _context(model)
-    truncation = _count(state, "truncation_length", 0, "0 (the model's context) or more")
-    limit = min(truncation or context, context)
-    new = min(_count(state, "max_new_tokens", 1, "1 or more"), limit - limit // 4)
-    return limit - new, max(1, new)
-
-
-def _count(state: dict[str, Any], key: str, minimum: int, expected: str) -> int:
-    """A token count from the page: Gradio sends integral floats, an empty box None (the
-    default, `minimum`). Anything else fails naming the key, not with int()'s message."""
-    value = state.get(key)
-    if value is None or value == "":
-        return minimum
-    try:
-        count = as_int(key, value)
-    except SamplingSettingsError:
-        raise SamplingSettingsError(f"{key} must be a whole number, got {value!r}") from None
-    if count < minimum:
-        raise SamplingSettingsError(f"{key} must be {expected}, got {value!r}")
-    return count
-
-
-def fit_messages(model: LoadedModel, messages: list[Message], limit: int) -> list[Message]:
-    """Drop the oldest turns (keeping a system message and the last message) until the
-    templated prompt fits in `limit` tokens, as TGW's chat does."""
-    system = [m for m in messages[:1] if m["role"] == "system"]
-    rest = messages[len(system) :]
-    while len(rest) > 1:
-        prompt = model.apply_chat_template(system + rest, add_generation_prompt=True)
-        if len(model.encode(prompt, add_bos=False)) <= limit:
-            break
-        rest = rest[1:]
-    return system + rest
+    @property
+    def prompt_tokens(self) -> int:
+        return self.chunk.prompt_tokens if self.chunk is not None else 0
 
 
 def _status(chunk: ReplyChunk, started: float, first: float | None, prefix: str = "") -> str:
@@ -147,9 +112,7 @@ def _follow(chunks: Iterator[ReplyChunk], base: str = "", prefix: str = "") -> I
                 base + chunk.text,
                 _status(chunk, started, first, prefix),
                 done=chunk.finish_reason is not None,
-                finish_reason=chunk.finish_reason,
-                completion_tokens=chunk.completion_tokens,
-                prompt_tokens=chunk.prompt_tokens,
+                chunk=chunk.chunk,
             )
     except Exception as e:  # shown in the page; the server and the other sessions go on
         yield Progress(base, f"error: {e}", done=True, error=f"{type(e).__name__}: {e}")

@@ -18,11 +18,11 @@ from typing import Any
 
 import gradio as gr
 
+from serving.storage import StorageError
 from webui import sampler_controls
 from webui.context import AppContext
 from webui.presets import Presets
 from webui.sampler_controls import CONTROLS, GROUP_TITLES, Control
-from webui.storage import StorageError
 
 SHOWN_CHANGES = 4  # differing settings named in the preset line; more are counted
 FOLDED_GROUPS = ("repetition", "mirostat", "other")

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from serving.storage import StorageError, read_yaml, safe_name, write_yaml
 from webui import sampler_controls
-from webui.storage import StorageError, read_yaml, safe_name, write_yaml
 
 BUILTIN: dict[str, dict[str, Any]] = {
     # SamplingSettings' own defaults: plain sampling at temperature 1.

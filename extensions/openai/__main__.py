@@ -20,8 +20,8 @@ from extensions.openai.load_defaults import with_cache_default
 from extensions.openai.server import run_api_server
 from loader.hub import resolve_model
 from loader.manager import ModelManager, UnknownNameError
-from webui import extensions, shared
-from webui.ports import port_problem
+from serving import extensions, shared
+from serving.ports import port_problem
 
 
 def build_parser() -> argparse.ArgumentParser:

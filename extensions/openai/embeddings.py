@@ -70,7 +70,7 @@ async def embeddings(body: EmbeddingRequest, model: LoadedModel, name: str) -> d
         )
     if body.dimensions is not None and body.dimensions < 1:
         raise ApiError(400, f"dimensions must be >= 1, got {body.dimensions}", param="dimensions")
-    items = _inputs(body, model.backend.tokenizer.vocab_size)
+    items = _inputs(body, model.vocab_size)
     await check_prompt_size(model, [i for i in items if isinstance(i, str)], "input")
 
     def run() -> tuple[list[Any], int]:

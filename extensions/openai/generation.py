@@ -58,7 +58,7 @@ from extensions.openai.tools import (
     tool_names,
 )
 from loader.base import LoadedModel
-from webui.text_generation import ReplyChunk, stream_chat_reply, stream_reply
+from serving.text_generation import ReplyChunk, stream_chat_reply, stream_reply
 
 Events = AsyncIterator[tuple[int, ReplyChunk]]
 
@@ -204,7 +204,7 @@ async def completions(
     request: Request, body: CompletionRequest, model: LoadedModel, name: str
 ) -> Any:
     state = build_state(body)
-    vocab_size = model.backend.tokenizer.vocab_size
+    vocab_size = model.vocab_size
     check_logit_bias(state, vocab_size)
     prompts = _prompts(body)
     check_choice_count(len(prompts), body.n)
@@ -219,7 +219,7 @@ async def completions(
             )
     n = body.n
     req = _Request(request, model, name, body)
-    tokenizer = model.backend.tokenizer
+    tokenizer = model.tokenizer
     echo = [model.decode(p) if isinstance(p, list) else p for p in prompts] if body.echo else None
     choices = [Choice() for _ in range(len(prompts) * n)]
     logs: list[CompletionLogprobs | None] = [None] * len(choices)
@@ -318,7 +318,7 @@ async def chat_completions(
     request: Request, body: ChatCompletionRequest, model: LoadedModel, name: str
 ) -> Any:
     state = build_state(body)
-    check_logit_bias(state, model.backend.tokenizer.vocab_size)
+    check_logit_bias(state, model.vocab_size)
     messages = template_messages(message_dicts(body))
     await check_prompt_size(model, ["".join(m["content"] for m in messages)], "messages")
     tools = request_tools(body.tools, body.tool_choice)
@@ -327,7 +327,7 @@ async def chat_completions(
         await asyncio.to_thread(check_template_takes_tools, model, messages, tools)
     n = body.n
     req = _Request(request, model, name, body)
-    tokenizer = model.backend.tokenizer
+    tokenizer = model.tokenizer
     want_logprobs = bool(body.logprobs)
     choices = [Choice() for _ in range(n)]
     sources: list[ChunkSource] = [

@@ -1,4 +1,4 @@
-"""OpenAI request fields -> a TGW state dict for webui.text_generation, validated at once.
+"""OpenAI request fields -> a TGW state dict for serving.text_generation, validated at once.
 
 OpenAI names map to TGW's (max_tokens -> max_new_tokens, stop -> stop, logprobs ->
 logprobs); any other field of the body is passed through under its own name, so Kestrel's
@@ -15,7 +15,7 @@ from extensions.openai.errors import ApiError
 from extensions.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from loader.errors import SamplingSettingsError
 from loader.values import SamplingSettings
-from webui import shared
+from serving import shared
 
 DEFAULT_MAX_TOKENS = 512  # TGW's default max_new_tokens
 # Sampling for a request that chooses none (README, "OpenAI-compatible API"). OpenAI's own

@@ -22,10 +22,9 @@ async def check_prompt_size(model: LoadedModel, texts: Iterable[str], param: str
     texts = [t for t in texts if isinstance(t, str)]
     if not texts:
         return
-    tokenizer = model.backend.tokenizer
     # The first call walks the vocabulary once: off the event loop.
-    per_token = await asyncio.to_thread(lambda: tokenizer.max_token_bytes)
-    context = int(model.backend.max_seq_len)
+    per_token = await asyncio.to_thread(lambda: model.max_token_bytes)
+    context = model.context_length
     limit = context * per_token * SLACK
     for text in texts:
         # len(text) characters are at least len(text) bytes: no need to encode short ones.

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from fastapi import Request
 
 from extensions.openai.errors import ApiError
-from webui.text_generation import ReplyChunk
+from serving.text_generation import ReplyChunk
 
 ChunkSource = Callable[[], Iterator[ReplyChunk]]
 _DONE = object()

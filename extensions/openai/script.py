@@ -1,13 +1,13 @@
 """The openai extension's TGW entry: `--api` (or `--extensions openai`) loads it, and
 setup() starts the server in a background thread.
 
-Flags read from webui.shared.args (TGW's names): --listen, --listen-host, --api-port,
+Flags read from serving.shared.args (TGW's names): --listen, --listen-host, --api-port,
 --api-key, --admin-key, --api-cors-origins. Settings keys "openai-host"/"openai-port"
 override the params below.
 """
 
 from extensions.openai.server import ApiServer, run_api_server
-from webui import shared
+from serving import shared
 
 params = {
     "display_name": "OpenAI API",

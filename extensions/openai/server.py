@@ -6,7 +6,7 @@
 
 ui.py (`--api`, `--nowebui`), the openai extension's setup() and `python -m
 extensions.openai` all start the API through `run_api_server`. The model comes from
-webui.shared.manager unless a manager is given.
+serving.shared.manager unless a manager is given.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import uvicorn
 
 from extensions.openai.app import LOOPBACK_HOSTS, create_app
 from loader.manager import ModelManager
-from webui import shared
+from serving import shared
 
 log = logging.getLogger(__name__)
 

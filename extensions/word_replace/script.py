@@ -3,7 +3,7 @@
 Replaces whole words in the user's input before generation and in the model's output
 after it. Pairs are written "old=new", one per line or separated by ";", e.g.
 "colour=color; favourite=favorite". Settings keys "word_replace-input_pairs" and
-"word_replace-output_pairs" (settings.yaml in TGW, webui.shared.settings in Kestrel)
+"word_replace-output_pairs" (settings.yaml in TGW, serving.shared.settings in Kestrel)
 override the defaults below.
 """
 

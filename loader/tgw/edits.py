@@ -31,7 +31,7 @@ class Edit:
 
 
 def _list_literal(target: str, items: tuple[str, ...], brackets: str) -> tuple[str, ...]:
-    open_, close = brackets
+    open_, close = brackets[0], brackets[1]
     return (f"{target} = {open_}", *(f"    {item!r}," for item in items), close)
 
 

@@ -116,11 +116,11 @@ class KestrelTGWModel:
 
     @property
     def device(self) -> torch.device:
-        return torch.device(self.loaded.backend.logits_device)
+        return self.loaded.logits_device
 
     @property
     def max_seq_len(self) -> int:
-        return int(self.loaded.backend.max_seq_len)
+        return self.loaded.context_length
 
     @property
     def last_prompt_token_count(self) -> int:
@@ -146,7 +146,7 @@ class KestrelTGWModel:
         return torch.tensor([ids], dtype=torch.long)
 
     def decode(self, ids: Any, skip_special_tokens: bool = True, **_: Any) -> str:
-        return self.loaded.backend.tokenizer.decode(_id_list(ids), skip_special=skip_special_tokens)
+        return self.loaded.decode(_id_list(ids), skip_special=skip_special_tokens)
 
     def get_logits(self, token_ids: Any, **_: Any) -> torch.Tensor:
         logits = self.loaded.logits(_id_list(token_ids))
@@ -158,7 +158,7 @@ class KestrelTGWModel:
         """Next-token logits [vocab] after the samplers `state` sets up, for the context
         `token_ids`: their softmax is what a draw would use (TGW's "Use samplers")."""
         ids = _id_list(token_ids)
-        tokenizer = self.loaded.backend.tokenizer
+        tokenizer = self.loaded.tokenizer
         sampler = Sampler(
             sampling_settings(state, len(ids)),
             device=logits.device,

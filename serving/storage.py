@@ -17,14 +17,16 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import yaml
 
+_fcntl: ModuleType | None
 try:
-    import fcntl
+    import fcntl as _fcntl
 except ImportError:  # pragma: no cover - Windows: threads are still serialised
-    fcntl = None  # type: ignore[assignment]
+    _fcntl = None
 
 _locks: dict[Path, threading.Lock] = {}
 _locks_guard = threading.Lock()
@@ -46,16 +48,16 @@ def locked(path: Path) -> Iterator[None]:
         lock = _locks.setdefault(directory, threading.Lock())
     with lock:
         directory.mkdir(parents=True, exist_ok=True)
-        if fcntl is None:
+        if _fcntl is None:
             yield
             return
         fd = os.open(directory, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _fcntl.flock(fd, _fcntl.LOCK_EX)
             try:
                 yield
             finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                _fcntl.flock(fd, _fcntl.LOCK_UN)
         finally:
             os.close(fd)
 

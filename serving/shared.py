@@ -1,5 +1,8 @@
 """Process-wide state shared by ui.py, its tabs and the extensions (TGW's `modules.shared`).
 
+There is no process-wide stop here: each request (a UI page's reply, an API request) brings
+its own stop, so stopping one front end's work never ends another's.
+
 ui.py fills these in at start-up, before any extension's `setup()` runs. Extensions read
 the current model through `manager` (never by keeping their own reference: the user may
 load another model at any time) and the command-line flags through `args`.
@@ -8,7 +11,6 @@ load another model at any time) and the command-line flags through `args`.
 from __future__ import annotations
 
 import argparse
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,5 +22,3 @@ manager: ModelManager = ModelManager(Path("models"), Path("loras"))
 args: argparse.Namespace = argparse.Namespace()
 # UI settings: the generation parameters' current values (TGW state-key names), presets.
 settings: dict[str, Any] = {}
-# Set to ask every running generation to stop (the UI's Stop button, TGW's stop_everything).
-stop_event: threading.Event = threading.Event()

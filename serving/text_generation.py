@@ -15,22 +15,24 @@ engine/sampling_settings.py). The order of hooks is TGW's:
   is_chat=True) -> chat template + bot_prefix_modifier("") -> generation ->
   output_modifier(reply, is_chat=True).
 
-`stream_reply` / `stream_chat_reply` yield `ReplyChunk`s with token counts, ids and
-logprobs for the API. Generation stops at webui.shared.stop_event (the UI's Stop button)
-or at the per-call `stop_event`: the model's stream is closed, which cancels the job in the
-scheduler and frees its cache pages at once.
+`stream_reply` / `stream_chat_reply` yield `ReplyChunk`s: the model's own event (`Chunk`,
+the one event type from the engine to clients: delta, token ids, logprobs, counts) carried
+as it is, plus the reply so far. Generation stops at the request's own `stop_event` (a UI
+page's Stop, an API client going away), and only there: there is no process-wide stop, so
+the UI and the API never stop each other's requests. The model's stream is then closed,
+which cancels the job in the scheduler and frees its cache pages at once.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
-from loader.base import LoadedModel
+from loader.base import Chunk, LoadedModel
 from loader.values import SamplingSettings, TokenLogprob
-from webui import extensions, shared
+from serving import extensions, shared
 
 # State keys that are the UI's or the flow's, never sampling settings.
 _NOT_SAMPLING = ("history", "stop_event", "messages", "stream", "mode")
@@ -38,14 +40,45 @@ _NOT_SAMPLING = ("history", "stop_event", "messages", "stream", "mode")
 
 @dataclass
 class ReplyChunk:
+    """One step of a reply: the model's event as it came (`chunk`) and the reply so far."""
+
+    chunk: Chunk  # its .text is the delta this step added
     text: str  # the reply so far; on the final chunk after output_modifier (text mode)
-    delta: str  # raw text this chunk added
-    finish_reason: str | None = None  # on the final chunk: "stop", "length" or "cancelled"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    seed: int | None = None
+
+    @property
+    def delta(self) -> str:
+        return self.chunk.text
+
+    @property
+    def finish_reason(self) -> str | None:  # "stop", "length" or "cancelled" on the last
+        return self.chunk.finish_reason
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.chunk.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.chunk.generated_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.chunk.token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.chunk.logprobs
+
+    @property
+    def seed(self) -> int | None:
+        return self.chunk.seed
+
+
+def _ending(chunk: Chunk | None, reason: str) -> Chunk:
+    """A final event with no new text that keeps `chunk`'s counts (a stop between tokens)."""
+    if chunk is None:
+        return Chunk(text="", finish_reason=reason)
+    return replace(chunk, text="", token_ids=[], logprobs=None, finish_reason=reason)
 
 
 def settings_from_state(state: Mapping[str, Any]) -> SamplingSettings:
@@ -54,7 +87,7 @@ def settings_from_state(state: Mapping[str, Any]) -> SamplingSettings:
 
 
 def _stopped(stop_event: threading.Event | None) -> bool:
-    return shared.stop_event.is_set() or (stop_event is not None and stop_event.is_set())
+    return stop_event is not None and stop_event.is_set()
 
 
 def stream_reply(
@@ -68,15 +101,17 @@ def stream_reply(
     """The reply to `prompt` (text, or token ids that bypass input_modifier) as chunks; the
     last one has a finish_reason."""
     state = dict(state)
-    if isinstance(prompt, list) and extensions.custom_generate_reply() is not None:
+    custom = extensions.custom_generate_reply()
+    if isinstance(prompt, list) and custom is not None:  # an extension's generator takes text
         prompt = (model or shared.manager.current()).decode(prompt)
     original = prompt
     if not is_chat:
         state = extensions.apply_state_modifier(state)
         if isinstance(prompt, str):
             prompt = extensions.apply_input_modifier(prompt, state)
-    custom = extensions.custom_generate_reply()
+    chunks: Iterator[ReplyChunk]
     if custom is not None:
+        assert isinstance(prompt, str) and isinstance(original, str)  # decoded above
         chunks = _custom_chunks(custom, prompt, original, state, is_chat, stop_event, model)
     else:
         model = model or shared.manager.current()
@@ -94,35 +129,19 @@ def _model_chunks(
     stop_event: threading.Event | None,
 ) -> Iterator[ReplyChunk]:
     stream = model.stream(prompt, settings)
-    last = ReplyChunk(text="", delta="")
+    text, last = "", None
     try:
         while True:
             if _stopped(stop_event):  # checked before the next token is computed
-                yield ReplyChunk(
-                    text=last.text,
-                    delta="",
-                    finish_reason="cancelled",
-                    prompt_tokens=last.prompt_tokens,
-                    completion_tokens=last.completion_tokens,
-                    seed=last.seed,
-                )
+                yield ReplyChunk(_ending(last, "cancelled"), text)
                 return
             chunk = next(stream, None)
             if chunk is None:  # a stream always ends with a finish_reason; be safe anyway
-                yield ReplyChunk(text=last.text, delta="", finish_reason="stop")
+                yield ReplyChunk(_ending(last, "stop"), text)
                 return
-            last = ReplyChunk(
-                text=last.text + chunk.text,
-                delta=chunk.text,
-                finish_reason=chunk.finish_reason,
-                prompt_tokens=chunk.prompt_tokens,
-                completion_tokens=chunk.generated_tokens,
-                token_ids=list(chunk.token_ids),
-                logprobs=chunk.logprobs,
-                seed=chunk.seed,
-            )
-            yield last
-            if last.finish_reason is not None:
+            text, last = text + chunk.text, chunk
+            yield ReplyChunk(chunk, text)
+            if chunk.finish_reason is not None:
                 return
     finally:
         # Closing the model's stream early cancels the job and frees its pages.
@@ -150,7 +169,7 @@ def _custom_chunks(
             reply = str(reply)
             delta = reply[len(text) :] if reply.startswith(text) else reply
             text = reply
-            yield ReplyChunk(text=text, delta=delta, prompt_tokens=prompt_tokens)
+            yield ReplyChunk(Chunk(text=delta, prompt_tokens=prompt_tokens), text)
             if _stopped(stop_event):
                 reason = "cancelled"
                 break
@@ -159,13 +178,10 @@ def _custom_chunks(
         if close is not None:
             close()
     completion = len(model.encode(text, add_bos=False)) if model is not None else 0
-    yield ReplyChunk(
-        text=text,
-        delta="",
-        finish_reason=reason,
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion,
+    final = Chunk(
+        text="", finish_reason=reason, prompt_tokens=prompt_tokens, generated_tokens=completion
     )
+    yield ReplyChunk(final, text)
 
 
 def generate_reply(

@@ -7,7 +7,7 @@
       settings.yaml         the last parameter values, preset, system prompt, model and
                             load options: restored on the next start
 
-Every write is atomic (webui.storage): a crash or a concurrent save leaves either the
+Every write is atomic (serving.storage): a crash or a concurrent save leaves either the
 previous file or the new one. A chat is saved after every reply, so the conversation on
 disk is never more than the reply in flight behind the page.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from webui.storage import (
+from serving.storage import (
     StorageError,
     locked,
     read_json,

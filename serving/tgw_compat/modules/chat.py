@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from webui import extensions as _extensions
-from webui import shared as _shared
+from serving import extensions as _extensions
+from serving import shared as _shared
 
 
 def history_to_messages(history: dict[str, Any], user_input: str) -> list[dict[str, str]]:

@@ -3,7 +3,7 @@
 The contract is text-generation-webui's (modules/extensions.py there), so a simple TGW
 extension runs unchanged. A script may define any of:
 
-    params: dict                       # "name-param" keys of webui.shared.settings override it
+    params: dict                       # "name-param" keys of serving.shared.settings override it
     setup()                            # called once, after params are applied
     ui()                               # gradio components; called by the UI inside its Blocks
     input_modifier(text, state, is_chat=False) -> str     # or (text) / (text, state)
@@ -20,7 +20,7 @@ A missing or broken extension is reported with its name and skipped (or raised w
 `strict=True`); it never takes the process down.
 
 TGW's own example extensions import `modules.shared`, `modules.chat` and
-`modules.text_generation`; when no `modules` package is importable, webui/tgw_compat is put
+`modules.text_generation`; when no `modules` package is importable, serving/tgw_compat is put
 on sys.path to provide those names (see that package).
 """
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from webui import shared
+from serving import shared
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,8 @@ def custom_generate_reply() -> Callable[..., Iterator[str]] | None:
     """The first active extension's `custom_generate_reply`, or None (TGW uses only one)."""
     for extension in active():
         if extension.has("custom_generate_reply"):
-            return extension.module.custom_generate_reply
+            generate: Callable[..., Iterator[str]] = extension.module.custom_generate_reply
+            return generate
     return None
 
 
@@ -246,23 +247,3 @@ def custom_css() -> str:
 
 def custom_js() -> str:
     return "".join(e.module.custom_js() for e in active() if e.has("custom_js"))
-
-
-def create_extension_ui() -> list[str]:
-    """Call each active extension's `ui()`; returns the names drawn. Must run inside a
-    gradio Blocks: as in TGW, extensions whose params say `is_tab` get a Tab of their own
-    (titled params["display_name"]), the others share one Column (elem_id "extensions")."""
-    import gradio as gr  # only the UI calls this; nothing else needs gradio
-
-    with_ui = [e for e in active() if e.has("ui")]
-    blocks = [e for e in with_ui if not e.params.get("is_tab", False)]
-    tabs = [e for e in with_ui if e.params.get("is_tab", False)]
-    if blocks:
-        with gr.Column(elem_id="extensions"):
-            for extension in blocks:
-                extension.module.ui()
-    for extension in tabs:
-        title = extension.params.get("display_name", extension.name)
-        with gr.Tab(title, elem_classes="extension-tab"):
-            extension.module.ui()
-    return [e.name for e in blocks + tabs]

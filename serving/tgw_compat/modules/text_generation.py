@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from webui import shared as _shared
-from webui import text_generation as _generation
+from serving import shared as _shared
+from serving import text_generation as _generation
 
 
 def encode(
