@@ -13,6 +13,7 @@ import gradio as gr
 from webui import (
     chat_tab,
     extensions,
+    lora_lab,
     lora_panel,
     model_tab,
     notebook_tab,
@@ -115,6 +116,8 @@ def build_app(ctx: AppContext) -> gr.Blocks:
             with gr.Tab("Model", id="model", elem_id="tab-model"):
                 model = model_tab.build(ctx, remembered)
                 loras = lora_panel.build(ctx)
+            with gr.Tab("LoRA lab", id="lora-lab", elem_id="tab-lora-lab"):
+                lab = lora_lab.build(ctx)
             if any(e.has("ui") for e in extensions.active()):
                 with gr.Tab("Extensions", id="extensions", elem_id="tab-extensions"):
                     extensions.create_extension_ui()
@@ -123,6 +126,7 @@ def build_app(ctx: AppContext) -> gr.Blocks:
         notebook_tab.wire(ctx, notebook, params)
         loaded, unloaded = model_tab.wire(ctx, model)
         lora_panel.wire(ctx, loras)
+        lora_lab.wire(ctx, lab, params)
 
         def on_page_load() -> list[Any]:
             # A page opened later sees the latest remembered settings, the latest chat and
