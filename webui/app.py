@@ -116,8 +116,7 @@ def build_app(ctx: AppContext) -> gr.Blocks:
             with gr.Tab("Model", id="model", elem_id="tab-model"):
                 model = model_tab.build(ctx, remembered)
                 loras = lora_panel.build(ctx)
-            with gr.Tab("LoRA lab", id="lora-lab", elem_id="tab-lora-lab"):
-                lab = lora_lab.build(ctx)
+            lab = lora_lab.build(ctx)  # a tab of its own
             if any(e.has("ui") for e in extensions.active()):
                 with gr.Tab("Extensions", id="extensions", elem_id="tab-extensions"):
                     extensions.create_extension_ui()

@@ -64,6 +64,7 @@ class LoraLab:
     saved: gr.Dropdown
     open: gr.Button
     state: gr.State  # the grid shown, as LoraGrid.to_json()
+    tab: gr.Tab
 
 
 def _error(message: str) -> str:
@@ -80,6 +81,12 @@ def fill_variants(names: list[str] | None) -> str:
 
 
 def build(ctx: AppContext) -> LoraLab:
+    """The tab, inside the app's gr.Tabs."""
+    with gr.Tab("LoRA lab", id="lora-lab", elem_id="tab-lora-lab") as tab:
+        return _build(ctx, tab)
+
+
+def _build(ctx: AppContext, tab: gr.Tab) -> LoraLab:
     gr.Markdown(
         "Compare the base model with LoRA adapters and mixes: every prompt × variant is "
         "generated in **one batch** with the Parameters tab's settings and one seed (a "
@@ -129,7 +136,7 @@ def build(ctx: AppContext) -> LoraLab:
     state = gr.State(None)
     return LoraLab(
         prompts, chat, adapters, refresh, fill, variants, run, stop, status, grid,
-        ppl_file, ppl_window, ppl_windows, ppl_run, save_name, save, saved, open_, state,
+        ppl_file, ppl_window, ppl_windows, ppl_run, save_name, save, saved, open_, state, tab,
     )  # fmt: skip
 
 
@@ -294,7 +301,14 @@ def wire(ctx: AppContext, lab: LoraLab, params: ParametersTab) -> None:
         show_progress="hidden",
     )
     lab.stop.click(stop, None, None, queue=False)
-    lab.refresh.click(lambda: gr.update(choices=lora_choices(ctx)), None, [lab.adapters])
+
+    def lists() -> tuple[Any, Any]:
+        # Grids saved and adapters added since the page was built (the choices a page gets
+        # are the app's build-time ones).
+        return gr.update(choices=lora_choices(ctx)), gr.update(choices=store.names())
+
+    lab.refresh.click(lists, None, [lab.adapters, lab.saved])
+    lab.tab.select(lists, None, [lab.adapters, lab.saved], show_progress="hidden")
     lab.fill.click(fill_variants, [lab.adapters], [lab.variants])
     lab.save.click(save, [lab.save_name, lab.state], [lab.status, lab.saved, lab.state])
     lab.open.click(
