@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,16 @@ def test_benchmark_mode_on_a_tiny_shape(tmp_path):
     configs = [json.loads((tmp_path / f"tiny-lora-{n}" / "adapter_config.json").read_text())
                for n in labels[1:4]]  # fmt: skip
     assert [(c["r"], len(c["target_modules"])) for c in configs] == [(8, 7), (16, 4), (32, 3)]
+
+
+def test_the_lab_marks_only_what_differs_from_the_base():
+    from webui.lora_lab_view import diff_html
+
+    same = "The sea is calm."
+    assert diff_html(same, same) == "The sea is calm."
+    changed = diff_html("The sea is calm and blue.", "The sea is wild, dark and blue.")
+    assert changed == 'The sea is <mark class="lab-diff">wild, dark</mark> and blue.'
+    dropped = diff_html("a b c", "a c")  # a bar where "b" was; the text shown stays "a c"
+    assert re.sub(r"<[^>]+>", "", dropped) == "a c"
+    assert re.search(r'<span class="lab-del" title="removed: \s?b\s?"></span>', dropped)
+    assert diff_html("", "<b>") == '<mark class="lab-diff">&lt;b&gt;</mark>'

@@ -40,20 +40,37 @@ def words(text: str) -> list[str]:
 
 def diff_html(base: str, text: str) -> str:
     """`text` as HTML with what differs from `base` marked: changed or added words in
-    <mark>, a place where base words were dropped as an empty red bar (its title says
-    which), so the cell's visible text is exactly `text`."""
+    <mark> (one mark over a run of them, the spaces between included), a place where base
+    words were dropped as an empty red bar (its title says which), so the cell's visible
+    text is exactly `text`."""
     a, b = words(base), words(text)
-    out = []
+    pieces: list[tuple[str, str]] = []  # (kind, text): "same", "new", or "gone" (removed)
     matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
     for op, a0, a1, b0, b1 in matcher.get_opcodes():
-        segment = html.escape("".join(b[b0:b1]))
         if op == "equal":
-            out.append(segment)
+            pieces.append(("same", "".join(b[b0:b1])))
             continue
         if b1 > b0:
-            out.append(f'<mark class="lab-diff">{segment}</mark>')
+            pieces.append(("new", "".join(b[b0:b1])))
         if op == "delete":
-            removed = html.escape("".join(a[a0:a1]), quote=True)
+            pieces.append(("gone", "".join(a[a0:a1])))
+    # Whitespace alone between two changed runs joins them: one mark, not a mark per word.
+    for i in range(1, len(pieces) - 1):
+        kind, segment = pieces[i]
+        if kind == "same" and not segment.strip() and pieces[i - 1][0] == pieces[i + 1][0] == "new":
+            pieces[i] = ("new", segment)
+    out, run = [], []
+    for kind, segment in [*pieces, ("end", "")]:
+        if kind == "new":
+            run.append(segment)
+            continue
+        if run:
+            out.append(f'<mark class="lab-diff">{html.escape("".join(run))}</mark>')
+            run = []
+        if kind == "same":
+            out.append(html.escape(segment))
+        elif kind == "gone":
+            removed = html.escape(segment, quote=True)
             out.append(f'<span class="lab-del" title="removed: {removed}"></span>')
     return "".join(out)
 
