@@ -231,3 +231,53 @@ def test_the_lab_marks_only_what_differs_from_the_base():
     assert re.sub(r"<[^>]+>", "", dropped) == "a c"
     assert re.search(r'<span class="lab-del" title="removed: \s?b\s?"></span>', dropped)
     assert diff_html("", "<b>") == '<mark class="lab-diff">&lt;b&gt;</mark>'
+
+
+def test_a_grid_through_the_openai_client(files):
+    """The README's recipe: concurrent requests, one per cell, each naming its `loras`
+    ({} for the base), give what each variant writes alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from extensions.openai import run_api_server
+    from loader.manager import ModelManager
+    from webui import shared
+
+    manager = ModelManager(files["root"], files["root"])
+    model = manager.load("tiny", "kestrel", device="cpu", dtype="float32")
+    model.load_lora(files["A"])
+    model.load_lora(files["B"])
+    model.set_loras({"A": 1.0})  # the default of requests that name none: not the base
+    previous, shared.manager = shared.manager, manager
+    server = run_api_server("127.0.0.1", 0, manager=manager)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+        def cell(prompt: str, loras: dict[str, float]) -> str:
+            reply = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=8,
+                temperature=0, seed=3, extra_body={"loras": loras, "ban_eos_token": True},
+            )  # fmt: skip
+            return reply.choices[0].message.content
+
+        with ThreadPoolExecutor(len(PROMPTS) * len(SELECTIONS)) as pool:
+            futures = {
+                (p, label): pool.submit(cell, p, loras)
+                for p in PROMPTS
+                for label, loras in SELECTIONS.items()
+            }
+        got = {key: f.result() for key, f in futures.items()}
+        for (prompt, label), text in got.items():
+            messages = [{"role": "user", "content": prompt}]
+            ids = model.encode(model.apply_chat_template(messages, add_generation_prompt=True),
+                               add_bos=False)  # fmt: skip
+            want = model.generate(ids, {**GREEDY, "loras": SELECTIONS[label]})
+            assert text == want, (prompt, label)
+        assert len({got[(PROMPTS[0], label)] for label in SELECTIONS}) > 1
+        with pytest.raises(openai.BadRequestError, match="no LoRA adapter named 'missing'"):
+            cell(PROMPTS[0], {"missing": 1.0})
+    finally:
+        server.stop()
+        shared.manager = previous
+        manager.unload()

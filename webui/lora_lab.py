@@ -247,6 +247,8 @@ def wire(ctx: AppContext, lab: LoraLab, params: ParametersTab) -> None:
                 f"Perplexity on {p['file']}: {p['windows']} window(s) of {p['window']} tokens, "
                 "the same for every variant. "
                 + ", ".join(f"{k}: {v:.3f}" for k, v in p["values"].items())
+                + "\n\n"
+                + _summary(grid)
             )
             yield lora_lab_view.render(grid), line, grid.to_json(), *idle
         finally:
