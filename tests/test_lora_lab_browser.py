@@ -147,6 +147,10 @@ def test_grid_equals_each_variant_alone_and_reopens(context, server, dirs):
     set_value(page, "param-max_new_tokens", NEW_TOKENS)
     tab(page, "LoRA lab")
     page.fill("#lab-prompts textarea", "\n".join(PROMPTS))
+    # A variant naming an adapter that is not in the loras folder: a message, no grid.
+    page.fill("#lab-variants textarea", "base\nnot-there=0.5")
+    page.click("#lab-run")
+    expect(page.locator("#lab-error")).to_contain_text("no LoRA named 'not-there'")
     page.click("#lab-refresh")
     choose(page, "lab-adapters", "attn")
     choose(page, "lab-adapters", "mlp")

@@ -229,8 +229,9 @@ def wire(ctx: AppContext, lab: LoraLab, params: ParametersTab) -> None:
                 _ensure_adapters(ctx, model, adapter_names(grid.variants))
                 text = _read_text(Path(file))
                 steps = grid_perplexity(
-                    model, grid, text, source=Path(file).name, window=int(window or PPL_WINDOW),
-                    windows=int(windows) or None, stop=job.stop,
+                    model, grid, text, source=Path(file).name,
+                    window=_count(window, "tokens per window", PPL_WINDOW),
+                    windows=_count(windows, "windows", PPL_WINDOWS) or None, stop=job.stop,
                 )  # fmt: skip
                 yield gr.update(), "Measuring perplexity…", gr.update(), *busy
                 for scored, total in steps:
@@ -316,6 +317,17 @@ def wire(ctx: AppContext, lab: LoraLab, params: ParametersTab) -> None:
     lab.open.click(
         open_grid, [lab.saved], [lab.grid, lab.status, lab.state, lab.prompts, lab.variants]
     )
+
+
+def _count(value: Any, name: str, default: int) -> int:
+    """A whole number from a Number box (None when emptied: the default)."""
+    if value is None or value == "":
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a whole number of 0 or more, got {value!r}")
+    return value
 
 
 def _read_text(path: Path) -> str:
