@@ -200,11 +200,13 @@ def test_variant_specs_and_bad_grid_files():
         )  # fmt: skip
 
 
-def test_benchmark_mode_on_a_tiny_shape(tmp_path):
-    """The GPU command's path (random-weight model of a shape, random adapters of different
-    ranks and targets, random prompts, batch against one variant after another)."""
+@pytest.mark.parametrize("fmt", ["gptq", "exl2"])
+def test_benchmark_mode_on_a_tiny_shape(tmp_path, fmt):
+    """The GPU command's path (random-weight quantized model of a shape, random adapters of
+    different ranks and targets, random prompts, batch against one variant after another):
+    each cell of the batch equals its variant run on its own, on GPTQ and EXL2 bases."""
     result = main([
-        "--shape", "tiny", "--format", "gptq", "--device", "cpu", "--dtype", "float32",
+        "--shape", "tiny", "--format", fmt, "--device", "cpu", "--dtype", "float32",
         "--work", str(tmp_path), "--random-loras", "3", "--random-prompts", "2",
         "--prompt-tokens", "16", "--max-new-tokens", "6", "--sequential", "--quiet",
     ])  # fmt: skip
