@@ -60,8 +60,7 @@ def perplexity(
         if progress:
             rate = (i + 1) / (time.perf_counter() - started)
             print(
-                f"\rwindow {i + 1}/{len(chunks)}  ppl {total.perplexity:.4f}"
-                f"  {rate:.2f} windows/s",
+                f"\rwindow {i + 1}/{len(chunks)}  ppl {total.perplexity:.4f}  {rate:.2f} windows/s",
                 end="",
                 file=sys.stderr,
                 flush=True,
