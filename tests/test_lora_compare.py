@@ -22,7 +22,14 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 import loader
 from engine.lora import LoraError
-from loader.lora_grid import GridError, LoraGrid, parse_variant, parse_variants, run_grid
+from loader.lora_grid import (
+    Cell,
+    GridError,
+    LoraGrid,
+    parse_variant,
+    parse_variants,
+    run_grid,
+)
 from tools.lora_compare import main
 
 from model_factory import CORPUS, make_tiny_llama
@@ -283,3 +290,27 @@ def test_a_grid_through_the_openai_client(files):
         server.stop()
         shared.manager = previous
         manager.unload()
+
+
+def test_saved_grids_round_trip_and_bad_names_or_files(tmp_path):
+    from webui.lora_grids import GridStore
+    from webui.storage import StorageError
+
+    grid = LoraGrid(model="m", prompts=["p | q"], variants=parse_variants(["base", "a=0.5"]),
+                    settings={"temperature": 0.0}, seed=7)  # fmt: skip
+    grid.cells = [[Cell(text="x", tokens=2, finish_reason="stop"),
+                   Cell(text="y\nz", tokens=3, finish_reason="length")]]  # fmt: skip
+    store = GridStore(tmp_path)
+    json_path, md_path = store.save(grid, "first try")
+    assert store.names() == ["first try"]
+    again = store.open("first try")
+    assert again.to_json() == grid.to_json() and again.name == "first try"
+    assert "| a=0.5 | 3 |" in md_path.read_text() and "y<br>z" in md_path.read_text()
+    for bad in ("../escape", ".hidden", "a/b"):
+        with pytest.raises(StorageError, match="invalid grid name"):
+            store.save(grid, bad)
+    json_path.write_text('{"format": "kestrel-lora-grid", "prompts": "p"}')
+    with pytest.raises(StorageError, match=r"first try\.json: 'prompts' must be a list"):
+        store.open("first try")
+    with pytest.raises(StorageError, match="does not exist"):
+        store.open("never saved")
