@@ -232,9 +232,9 @@ class LoraGrid:
                 f"{source}: 'cells' must hold {len(prompts)} rows of {len(variants)} cells"
             )
         cells = [[_cell(c, source) for c in row] for row in cells_raw]
-        batch = data.get("batch") if isinstance(data.get("batch"), dict) else {}
-        settings = data.get("settings") if isinstance(data.get("settings"), dict) else {}
-        perplexity = data.get("perplexity") if isinstance(data.get("perplexity"), dict) else None
+        batch = _dict(data.get("batch")) or {}
+        settings = _dict(data.get("settings")) or {}
+        perplexity = _dict(data.get("perplexity"))
         return cls(
             model=str(data.get("model", "")),
             prompts=list(prompts),
@@ -297,12 +297,16 @@ def run_grid(
         prompt_ids = [_prompt_ids(model, p, settings, grid.chat_template) for p in grid.prompts]
     elif len(prompt_ids) != len(grid.prompts):
         raise GridError(f"{len(prompt_ids)} prompt id lists for {len(grid.prompts)} prompts")
-    jobs, places = [], []
+    jobs: list[str | list[int]] = []
+    places: list[tuple[int, int]] = []
     for i, ids in enumerate(prompt_ids):
         for j in range(len(grid.variants)):
             jobs.append(ids)
             places.append((i, j))
-    each = [dataclasses.replace(settings, loras=dict(grid.variants[j].loras)) for _, j in places]
+    # One settings per job (stream_many takes a list; its annotation names the single form).
+    each: Any = [
+        dataclasses.replace(settings, loras=dict(grid.variants[j].loras)) for _, j in places
+    ]
     grid.cells = [[Cell() for _ in grid.variants] for _ in grid.prompts]
     started = time.perf_counter()
     stream = model.stream_many(jobs, each)
@@ -388,6 +392,10 @@ def _changed_settings(settings: SamplingSettings) -> dict[str, Any]:
             is_dict = isinstance(value, dict)
             out[f.name] = {str(k): v for k, v in value.items()} if is_dict else value
     return out
+
+
+def _dict(value: Any) -> dict[str, Any] | None:
+    return {str(k): v for k, v in value.items()} if isinstance(value, dict) else None
 
 
 def _list(data: dict[str, Any], key: str, source: str) -> list[Any]:

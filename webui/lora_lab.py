@@ -33,7 +33,6 @@ from loader.lora_grid import (
 )
 from webui import lora_lab_view, sampler_controls
 from webui.context import AppContext, Job
-from webui.generation import update_interval
 from webui.lora_grids import GridStore, default_name
 from webui.lora_panel import lora_choices
 from webui.parameters_tab import ParametersTab
@@ -41,6 +40,11 @@ from webui.parameters_tab import ParametersTab
 DEFAULT_PROMPTS = "Describe a kestrel in one sentence.\nWhat is the capital of France?"
 PPL_WINDOW = 256
 PPL_WINDOWS = 4
+# Page updates while the grid streams: each re-renders the whole grid in the browser, so at
+# most 10 a second, and fewer as the grid grows (at most this many characters a second), as
+# the chat does for one reply.
+MIN_UPDATE_SECONDS = 0.1
+RENDERED_CHARS_PER_SECOND = 20_000
 
 
 @dataclass
@@ -202,7 +206,9 @@ def wire(ctx: AppContext, lab: LoraLab, params: ParametersTab) -> None:
             try:
                 for _ in run_grid(model, grid, stop=job.stop):
                     now = time.perf_counter()
-                    if now - last >= update_interval(grid.total_tokens * 4):
+                    chars = sum(len(c.text) for row in grid.cells for c in row)
+                    due = max(MIN_UPDATE_SECONDS, chars / RENDERED_CHARS_PER_SECOND)
+                    if now - last >= due:
                         last = now
                         yield lora_lab_view.render(grid), _summary(grid), None, *busy
             except Exception as e:
