@@ -52,8 +52,9 @@ class LoadedModel(ABC):
         """The generation backend (tokenizer, sessions) that stream() drives."""
 
     @abstractmethod
-    def logits(self, ids: list[int]) -> torch.Tensor:
-        """Logits [len(ids), vocab] as float32 on the CPU."""
+    def logits(self, ids: list[int], *, loras: Mapping[str, float] | None = None) -> torch.Tensor:
+        """Logits [len(ids), vocab] as float32 on the CPU, under the LoRA selection `loras`
+        ({name: scale}; {} none; None the model's own, set_loras)."""
 
     def hidden_states(self, ids: list[int]) -> torch.Tensor:
         """The final norm's output [len(ids), width] as float32 on the CPU."""

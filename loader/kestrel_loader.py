@@ -185,10 +185,10 @@ class KestrelModel(LoadedModel):
             raise LoaderError(f"the model {self.path} was unloaded")
         return self.engine
 
-    def logits(self, ids: list[int]) -> torch.Tensor:
+    def logits(self, ids: list[int], *, loras: Mapping[str, float] | None = None) -> torch.Tensor:
         engine = self.backend
         assert isinstance(engine, Engine)
-        return engine.logits(list(ids))
+        return engine.logits(list(ids), loras=loras)
 
     def hidden_states(self, ids: list[int]) -> torch.Tensor:
         return self.hidden_states_many([ids])[0]

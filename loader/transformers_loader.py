@@ -178,7 +178,8 @@ class TransformersModel(LoadedModel):
         input_ids = torch.tensor([list(ids)], device=backend.device)
         return backend.model(input_ids=input_ids, **kwargs)
 
-    def logits(self, ids: list[int]) -> torch.Tensor:
+    def logits(self, ids: list[int], *, loras: Mapping[str, float] | None = None) -> torch.Tensor:
+        self._loras.check_request(loras)  # peft applies one selection to every forward
         logits: torch.Tensor = self._forward(ids).logits[0].float().cpu()
         return logits
 

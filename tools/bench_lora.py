@@ -44,23 +44,34 @@ MODES = {"graph": True, "eager": False}  # LoRA decode steps: CUDA graphs or eag
 ROUNDS = 3
 
 
-def build_adapter(path: Path, shape_name: str, rank: int) -> Path:
-    """A PEFT adapter (safetensors) of `rank` on every decoder linear; skipped if present."""
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_adapter(
+    path: Path,
+    shape_name: str,
+    rank: int,
+    *,
+    seed: int = 1,
+    targets: list[str] | None = None,
+) -> Path:
+    """A random PEFT adapter (safetensors) of `rank` on the `targets` linears of every layer
+    (default: all seven); skipped if present."""
     from safetensors.torch import save_file
 
     if (path / "adapter_config.json").is_file():
         return path
+    targets = list(targets or ALL_TARGETS)
     path.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, k, n in _linears(SHAPES[shape_name]):
-        if name == "lm_head":
+        if name == "lm_head" or name.rsplit(".", 1)[-1] not in targets:
             continue
         key = f"base_model.model.{name}"
         tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, k, generator=gen) / k**0.5).half()
         tensors[f"{key}.lora_B.weight"] = (torch.randn(n, rank, generator=gen) * 0.01).half()
     save_file(tensors, path / "adapter_model.safetensors")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets}
     (path / "adapter_config.json").write_text(json.dumps(config, indent=1))
     return path

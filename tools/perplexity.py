@@ -5,13 +5,14 @@
     python tools/perplexity.py -m models/fp16 --loader transformers --text FILE
     python tools/perplexity.py -m models/fp16 --text FILE --cache-type q4 q6 q8 fp8 fp16
 
-Contract: the text from character `start_fraction·len` to the end is tokenized once
-(no BOS), cut into consecutive non-overlapping windows of `window` tokens (a short tail
-is dropped) and the first `windows` of them (all when not given) are scored. Each window
-goes through `LoadedModel.logits(ids)` (with a BOS token in front unless --no-bos), and
-every token of the window after its first (every token, with BOS) is predicted from the
-tokens before it in the window. Perplexity = exp(Σ NLL / number of predictions). The
-Kestrel and transformers loaders are measured by the same code, so their numbers compare.
+Contract (loader/perplexity.py, shared with tools/lora_compare.py and the LoRA lab): the
+text from character `start_fraction·len` to the end is tokenized once (no BOS), cut into
+consecutive non-overlapping windows of `window` tokens (a short tail is dropped) and the
+first `windows` of them (all when not given) are scored. Each window goes through
+`LoadedModel.logits(ids)` (with a BOS token in front unless --no-bos), and every token of
+the window after its first (every token, with BOS) is predicted from the tokens before it
+in the window. Perplexity = exp(Σ NLL / number of predictions). The Kestrel and
+transformers loaders are measured by the same code, so their numbers compare.
 
 KV cache types (--cache-type, several for a table; the Kestrel loader): each window's
 prefill writes K/V into the paged cache and attention reads every key back from there, the
@@ -25,13 +26,9 @@ per cache type.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -39,31 +36,7 @@ if str(ROOT) not in sys.path:
 
 import loader  # noqa: E402
 from loader.base import LoadedModel  # noqa: E402
-
-
-def text_windows(
-    model: LoadedModel,
-    text: str,
-    *,
-    window: int,
-    windows: int | None = None,
-    start_fraction: float = 0.0,
-) -> list[list[int]]:
-    if window < 2:
-        raise ValueError(f"window must be at least 2 tokens, got {window}")
-    if not 0.0 <= start_fraction < 1.0:
-        raise ValueError(f"start fraction must lie in [0, 1), got {start_fraction}")
-    ids = model.encode(text[int(len(text) * start_fraction) :], add_bos=False)
-    count = len(ids) // window
-    if windows is not None:
-        if windows <= 0:
-            raise ValueError(f"windows must be positive, got {windows}")
-        if windows > count:
-            raise ValueError(f"the text has {count} windows of {window} tokens, not {windows}")
-        count = windows
-    if count == 0:
-        raise ValueError(f"the text has fewer than {window} tokens")
-    return [ids[i * window : (i + 1) * window] for i in range(count)]
+from loader.perplexity import NllSum, bos_id, text_windows, window_nll  # noqa: E402
 
 
 def perplexity(
@@ -79,30 +52,22 @@ def perplexity(
     chunks = text_windows(
         model, text, window=window, windows=windows, start_fraction=start_fraction
     )
-    bos = model.tokenizer.bos_token_id if add_bos else None
-    if add_bos and bos is None:
-        raise ValueError("the tokenizer has no BOS token; pass add_bos=False (--no-bos)")
-    total_nll, predictions = 0.0, 0
+    bos = bos_id(model, add_bos)
+    total = NllSum()
     started = time.perf_counter()
     for i, chunk in enumerate(chunks):
-        ids = ([bos] if bos is not None else []) + chunk
-        logits = model.logits(ids).float()  # [len(ids), vocab]
-        targets = torch.tensor(ids[1:], dtype=torch.long)
-        nll = F.cross_entropy(logits[:-1], targets, reduction="sum")
-        total_nll += float(nll)
-        predictions += len(targets)
+        total.add(window_nll(model, chunk, bos=bos))
         if progress:
             rate = (i + 1) / (time.perf_counter() - started)
             print(
-                f"\rwindow {i + 1}/{len(chunks)}  ppl {math.exp(total_nll / predictions):.4f}"
-                f"  {rate:.2f} windows/s",
+                f"\rwindow {i + 1}/{len(chunks)}  ppl {total.perplexity:.4f}  {rate:.2f} windows/s",
                 end="",
                 file=sys.stderr,
                 flush=True,
             )
     if progress:
         print(file=sys.stderr)
-    return math.exp(total_nll / predictions)
+    return total.perplexity
 
 
 def main(argv: list[str] | None = None) -> float:

@@ -14,6 +14,7 @@ from serving import extensions
 from webui import (
     chat_tab,
     extension_ui,
+    lora_lab,
     lora_panel,
     model_tab,
     notebook_tab,
@@ -116,6 +117,7 @@ def build_app(ctx: AppContext) -> gr.Blocks:
             with gr.Tab("Model", id="model", elem_id="tab-model"):
                 model = model_tab.build(ctx, remembered)
                 loras = lora_panel.build(ctx)
+            lab = lora_lab.build(ctx)  # a tab of its own
             if any(e.has("ui") for e in extensions.active()):
                 with gr.Tab("Extensions", id="extensions", elem_id="tab-extensions"):
                     extension_ui.create_extension_ui()
@@ -124,6 +126,7 @@ def build_app(ctx: AppContext) -> gr.Blocks:
         notebook_tab.wire(ctx, notebook, params)
         loaded, unloaded = model_tab.wire(ctx, model)
         lora_panel.wire(ctx, loras)
+        lora_lab.wire(ctx, lab, params)
 
         def on_page_load() -> list[Any]:
             # A page opened later sees the latest remembered settings, the latest chat and

@@ -89,9 +89,11 @@ def wire(ctx: AppContext, panel: LoraPanel) -> None:
         with record.lock:
             try:
                 model, scales = current()
+                held = set(model.loras())  # the LoRA lab may have loaded some already
                 for name in names:
                     if name not in scales:
-                        model.load_lora(ctx.manager.resolve_lora(name), name)
+                        if name not in held:
+                            model.load_lora(ctx.manager.resolve_lora(name), name)
                         scales[name] = 1.0
                 model.set_loras(dict(scales))
             except Exception as e:
