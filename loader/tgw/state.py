@@ -121,7 +121,6 @@ def logprob_processor(state: Mapping[str, Any]) -> Any:
 # more than the key: CFG is two of them.
 _IGNORED_NAMES = {
     "guidance_scale": "guidance_scale and negative_prompt (CFG)",
-    "grammar_string": "grammar_string (grammars)",
     "adaptive_target": "adaptive_target (adaptive-p sampling)",
     "mirostat_mode": "mirostat_mode 1 (mode 2 works)",
 }
