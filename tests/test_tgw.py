@@ -190,7 +190,9 @@ def test_ignored_settings_are_warned_through_the_injected_logger(tmp_path):
         assert warnings == []  # TGW's defaults set nothing Kestrel ignores
         cfg = dict(state, guidance_scale=1.5, negative_prompt="no")
         list(model.generate_with_streaming("Hi", cfg))
-        assert warnings == ["Kestrel ignores these settings: guidance_scale and negative_prompt (CFG)"]
+        assert warnings == [
+            "Kestrel ignores these settings: guidance_scale and negative_prompt (CFG)"
+        ]
     finally:
         model.unload()
 
