@@ -45,13 +45,24 @@ class _Vocabulary:
         self.tokens = [tokenizer.token_bytes(i) for i in range(size)] + [b""] * max(0, vocab - size)
         self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
         self.bos_token_id = tokenizer.bos_token_id
-        self.special_token_ids = sorted(tokenizer.special_ids)
+        # BOS/EOS are special even where tokenizer.json does not say so (a word-level
+        # vocabulary): their text must never count as output text.
+        named = [tokenizer.bos_token_id, *tokenizer.eos_token_ids]
+        self.special_token_ids = sorted(
+            set(tokenizer.special_ids) | {i for i in named if i is not None}
+        )
         self._tokenizer = tokenizer
 
     def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return self._tokenizer.encode(text, add_bos=False, special=False)
+        data = text if isinstance(text, bytes) else text.encode()
+        ids = self._tokenizer.encode(
+            data.decode("utf-8", errors="replace"), add_bos=False, special=False
+        )
+        # llguidance forces the tokens of text the grammar dictates: an encoding that does
+        # not spell the text (an unknown word's unk token) must not be forced.
+        if b"".join(self.tokens[i] for i in ids if 0 <= i < len(self.tokens)) != data:
+            return []
+        return ids
 
 
 def ll_tokenizer(tokenizer: Any, vocab: int) -> llguidance.LLTokenizer:
@@ -86,15 +97,33 @@ def compile_constraint(
     return JobConstraint(prototype.deep_copy(), spec, ll_tok, stop_ids)
 
 
-def _compile(spec: ConstraintSpec, ll_tok: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+def check_constraint(spec: ConstraintSpec) -> None:
+    """ConstraintError (naming spec.param and where the text is wrong) for a schema or
+    grammar that cannot compile; needs no model, so front ends check before they submit."""
+    _grammar(spec, None)
+
+
+def _grammar(spec: ConstraintSpec, ll_tok: llguidance.LLTokenizer | None) -> str:
     what = {"gbnf": "grammar", "lark": "Lark grammar", "regex": "regex"}.get(spec.kind, "schema")
     try:
-        grammar = llguidance.grammar_from(_LLG_FORMAT[spec.kind], spec.text)
+        if spec.kind in ("json_schema", "json_object"):
+            # Compact JSON ({"a": 1, "b": 2}): free whitespace lets a model spend its tokens
+            # on newlines (a schema's own x-guidance options still win).
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                spec.text, defaults={"whitespace_flexible": False}
+            )
+        else:
+            grammar = llguidance.grammar_from(_LLG_FORMAT[spec.kind], spec.text)
     except ValueError as error:
         raise ConstraintError(f"{spec.param}: invalid {what}: {error}", param=spec.param) from None
     message = llguidance.LLMatcher.validate_grammar(grammar, ll_tok)
     if message:
         raise ConstraintError(f"{spec.param}: invalid {what}: {message.strip()}", param=spec.param)
+    return grammar
+
+
+def _compile(spec: ConstraintSpec, ll_tok: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+    grammar = _grammar(spec, ll_tok)
     matcher = llguidance.LLMatcher(ll_tok, grammar, log_level=0)
     if matcher.is_error():
         raise ConstraintError(f"{spec.param}: {matcher.get_error()}", param=spec.param)

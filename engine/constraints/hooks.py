@@ -102,7 +102,8 @@ def _mask(wanted: list[tuple[Any, int, Sequence[int]]], logits: torch.Tensor) ->
     for constraint, _, drafts in wanted:
         first_mask = host[at]
         if constraint.matcher.is_error() or not bool(first_mask.any()):
-            constraint.fail(constraint.matcher.get_error() or "the grammar allows no token here")
+            detail = constraint.matcher.get_error().split("\n", 1)[0][:200]
+            constraint.fail(f"the grammar allows no token here ({detail or 'empty mask'})")
             host[at : at + 1 + len(drafts)] = -1
         at += 1 + len(drafts)
     if logits.shape[1] > words * 32:
