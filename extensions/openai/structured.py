@@ -102,7 +102,8 @@ def _calls_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _escape(text: str) -> str:
-    return "".join(f"\\{c}" if c in "[]|()<>/\\.*+?{}^$" else c for c in text)
+    # (not "<" or ">": escaped they are word boundaries to llguidance's regexes)
+    return "".join(f"\\{c}" if c in "[]|().*+?{}^$\\" else c for c in text)
 
 
 def check_constraint_settings(state: dict[str, Any]) -> None:
