@@ -67,9 +67,8 @@ def tool_settings(tools: list[dict[str, Any]] | None, tool_choice: Any) -> dict[
         name = (tool_choice.get("function") or {}).get("name")
         chosen = [t for t in tools if t["function"]["name"] == name]
         if not chosen:
-            raise ApiError(
-                400, f"tool_choice names {str(name)[:64]!r}, not a declared tool", "tool_choice"
-            )
+            message = f"tool_choice names {str(name)[:64]!r}, not a declared tool"
+            raise ApiError(400, message, param="tool_choice")
         return {"json_schema": _calls_schema(chosen), "_constraint_param": "tools"}
     if tool_choice == "required":
         return {"json_schema": _calls_schema(tools), "_constraint_param": "tools"}
