@@ -18,7 +18,9 @@ Contract:
   set to a value that would change sampling, so the caller can warn. Not implemented:
   encoder_repetition_penalty (needs the prompt apart from the generated tokens, which the
   sampler is not given), mirostat_mode 1 (llama.cpp only in TGW too), adaptive_p,
-  guidance_scale/negative_prompt, contrastive search, beams, min_length and grammars.
+  guidance_scale/negative_prompt, contrastive search, beams and min_length. TGW's
+  `grammar_string` (and Kestrel's json_schema, json_object, regex, lark) stay in `extra`
+  and constrain the job's output (engine/constraints).
   Banned strings are the generator's job (it must rewind the text), not the sampler's.
 - Sizes are bounded so that no accepted value can overflow inside a step (where it would
   fail the whole batch): counts up to 2**31 - 1, floats up to 1e6 in size, logit_bias in
@@ -61,7 +63,6 @@ _NEUTRAL_VALUES: dict[str, Any] = {
     "penalty_alpha": 0.0,
     "num_beams": 1,
     "min_length": 0,
-    "grammar_string": "",
 }
 _STOP_KEYS = ("stop", "stopping_strings", "custom_stopping_strings")
 

@@ -85,6 +85,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.cache import CacheFullError, Sequence
+from engine.constraints import (
+    CONSTRAINT_ERROR,
+    JobConstraint,
+    compile_constraint,
+    constraint_spec,
+    mask_logits,
+    sync_constraint,
+    trim_drafts,
+)
 from engine.errors import KestrelError
 from engine.generator import (
     GenerationEvent,
@@ -176,6 +185,8 @@ class Job:
         self.draft_sequence = Sequence()  # the job's place in a draft model's cache
         self.draft_tokens = 0  # drafts proposed / accepted for this job
         self.accepted_tokens = 0
+        # Constrained decoding (engine/constraints): the job's grammar matcher, if any.
+        self.constraint: JobConstraint | None = None
 
     @property
     def done(self) -> bool:
@@ -356,6 +367,7 @@ class Scheduler(LookaheadSteps):
                 f"the prompt has {len(prompt)} tokens; the KV cache holds {usable_tokens} "
                 f"({self.usable_pages} pages of {page_size}): raise cache_tokens"
             )
+        constraint = self._constraint(settings)
         with self.lock:
             if self._closed:
                 raise SchedulerError("the scheduler is closed (the model was unloaded)")
@@ -372,6 +384,7 @@ class Scheduler(LookaheadSteps):
             job = Job(
                 self._next_id, prompt, settings, engine, max(0, max_new), self.speculative, loras
             )
+            job.constraint = constraint
             engine.loras.acquire(loras)
             job.lora_held = True
             self._next_id += 1
@@ -380,6 +393,20 @@ class Scheduler(LookaheadSteps):
             else:
                 self._waiting.append(job)
             return job
+
+    def _constraint(self, settings: SamplingSettings) -> JobConstraint | None:
+        """The job's grammar matcher (compiled before the lock: a large grammar takes a while);
+        ConstraintError for a schema or grammar that is wrong."""
+        spec = constraint_spec(settings)
+        if spec is None:
+            return None
+        tokenizer = self.engine.tokenizer
+        stop_ids = set(settings.stop_token_ids)
+        if not settings.ban_eos_token:
+            stop_ids |= set(tokenizer.eos_token_ids)
+        return compile_constraint(
+            spec, tokenizer, self.engine.config.vocab_size, frozenset(stop_ids)
+        )
 
     def step(self) -> list[GenerationEvent]:
         """One forward over everything runnable; returns the events it made.
@@ -561,6 +588,7 @@ class Scheduler(LookaheadSteps):
         """One token per job (logits [len(jobs), vocab]) on the device, no host sync; their
         copy to the host starts now, ahead of whatever is queued next."""
         bans = [job.bans.at(len(job.generated_ids)) for job in jobs]
+        logits = mask_logits([(job, n, ()) for n, job in enumerate(jobs)], logits)
         tokens = draw_jobs([job.sampling for job in jobs], logits, bans if any(bans) else None)
         return Drawn(jobs, tokens, TokenReadback(tokens))
 
@@ -687,7 +715,7 @@ class Scheduler(LookaheadSteps):
             drafts = [row.job.drafter.propose(row.job.tokens, k) for row, k in wanted]
         used = 0
         for (row, _), proposed in zip(wanted, drafts, strict=True):
-            row.drafts = list(proposed)
+            row.drafts = trim_drafts(row.job, list(proposed))
             used += len(row.drafts)
         return used
 
@@ -768,6 +796,13 @@ class Scheduler(LookaheadSteps):
             if not row.drafts and row.job.sequence.length == len(row.job.tokens)
         ]
         results: list[tuple[list[int], list[TokenLogprob | None]]] = [([], []) for _ in rows]
+        # Grammar masks of constrained rows (computed while the forward runs, see
+        # engine/constraints/hooks.py), on every row that draws a token.
+        logits = mask_logits(
+            [(rows[n].job, starts[n + 1] - 1, ()) for n in plain]
+            + [(row.job, starts[n], row.drafts) for n, row in enumerate(rows) if row.drafts],
+            logits,
+        )
         if plain:
             rows_at = torch.tensor([starts[n + 1] - 1 for n in plain])
             index = host_to_device(rows_at, logits.device)
@@ -828,6 +863,10 @@ class Scheduler(LookaheadSteps):
         if not tokens:
             self._publish(job, job.tokens)
             return None
+        if sync_constraint(job, job.generated_ids) is not None:
+            # Its grammar allowed no token at this position: the token drawn is not used.
+            self._finish(job, CONSTRAINT_ERROR)
+            return job.events.pop()
         if job.state == PREFILL:
             job.state = DECODE
             if job.first_token is None:
@@ -856,6 +895,9 @@ class Scheduler(LookaheadSteps):
                 reason = fed.finish_reason
                 self._finish(job, reason, emit=False)
                 break
+        if not job.done and sync_constraint(job, job.generated_ids) is not None:
+            reason = CONSTRAINT_ERROR
+            self._finish(job, reason, emit=False)
         if not (text or ids or reason):
             return None
         wanted = job.sampling.logprobs_k is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from engine.cache import CacheFullError
 from engine.chat_template import ChatTemplateError
 from engine.config import ConfigError
+from engine.constraints import ConstraintError
 from engine.engine import ContextLengthError, EmptyPromptError
 from engine.errors import KestrelError
 from engine.lora import LoraError
@@ -22,6 +23,7 @@ __all__ = [
     "CacheFullError",
     "ChatTemplateError",
     "ConfigError",
+    "ConstraintError",
     "ContextLengthError",
     "EmptyPromptError",
     "GenerationMemoryError",

@@ -162,7 +162,12 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "fox " * 2000}]}, "messages", "the context"),
     ({"max_completion_tokens": -3}, "max_tokens", "-3"),
     ({"top_logprobs": 50, "logprobs": True}, "top_logprobs", "50"),
-    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     "must be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}},
+     "response_format.json_schema.schema", "strin"),
+    ({"grammar_string": 'root ::= "a" missing'}, "grammar_string", "missing"),
     ({"tools": [{"type": "function"}]}, "tools.0.function", "must be an object"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "does not take tools"),  # the tiny model's chat template has no place for them

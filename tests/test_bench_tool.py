@@ -227,3 +227,20 @@ def test_random_weights_have_mean_zero(fmt: str) -> None:
     w = dequantize_reference(qw)
     # The mean is a few standard errors of zero (it was -scale/2, ~9 errors, before).
     assert abs(float(w.mean())) < 3 * float(w.std()) / w.numel() ** 0.5
+
+
+def test_constrained_bench_runs_on_a_tiny_model(tmp_path, monkeypatch):
+    """tools/bench.py --constrained's measurement, on the CPU with a tiny random model and
+    SmolLM2's tokenizer: every number is there and the constrained jobs produced tokens."""
+    from loader.default_model import DEFAULT_MODEL, ensure_packaged_model
+    from tools.bench_constrained import bench_constrained
+
+    # The tiny shape with SmolLM2's vocabulary size, so that its tokenizer fits the head.
+    monkeypatch.setitem(bench.SHAPES, "tiny-49k", {**bench.SHAPES["tiny"], "vocab_size": 49152})
+    model = bench.build_model(tmp_path / "tiny", "tiny-49k", "gptq", device="cpu")
+    tokenizer = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
+    out = bench_constrained(model, tokenizer, 16, new_tokens=4, jobs=2, device="cpu")
+    for key in ("batch1_free_tok_s", "batch1_constrained_tok_s", "jobs64_free_tok_s",
+                "jobs64_half_constrained_tok_s", "batch1_ratio", "jobs64_ratio"):  # fmt: skip
+        assert out[key] > 0, (key, out)
+    assert out["vocab"] == 49152

@@ -147,7 +147,9 @@ def test_an_earlier_call_and_its_result_go_back_into_the_prompt(client: openai.O
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name",
          "1-64 letters"),
         ({"tools": [WEATHER, WEATHER]}, "tools.1.function.name", "declared twice"),
-        ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice", "not supported"),
+        ({"tools": [WEATHER], "tool_choice": "any"}, "tool_choice", "not supported"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice", "not a declared tool"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ],
 )  # fmt: skip

@@ -188,11 +188,10 @@ def test_ignored_settings_are_warned_through_the_injected_logger(tmp_path):
         state = {"max_new_tokens": 2, "do_sample": False, "auto_max_new_tokens": False}
         list(model.generate_with_streaming("Hi", state))
         assert warnings == []  # TGW's defaults set nothing Kestrel ignores
-        cfg = dict(state, guidance_scale=1.5, negative_prompt="no", grammar_string="root ::= x")
+        cfg = dict(state, guidance_scale=1.5, negative_prompt="no")
         list(model.generate_with_streaming("Hi", cfg))
         assert warnings == [
-            "Kestrel ignores these settings: guidance_scale and negative_prompt (CFG), "
-            "grammar_string (grammars)"
+            "Kestrel ignores these settings: guidance_scale and negative_prompt (CFG)"
         ]
     finally:
         model.unload()
@@ -391,7 +390,7 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     assert out["q8_0_cache"] == "q8"  # TGW's llama.cpp name for the same storage
     # Ignored settings are named in TGW's console (its logger), once per generation.
     (warning,) = out["warnings"]
-    for key in ("guidance_scale", "negative_prompt", "grammar_string", "adaptive_target"):
+    for key in ("guidance_scale", "negative_prompt", "adaptive_target"):
         assert key in warning
     if "api_unavailable" not in out:
         _check_api_logprobs(out, expected, reference_logits)

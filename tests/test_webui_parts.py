@@ -28,8 +28,19 @@ def test_every_sampling_setting_has_a_control_with_its_default():
     shown = set(sampler_controls.CONTROL_NAMES)
     assert fields - sampler_controls.NOT_SHOWN <= shown, fields - shown
     assert sampler_controls.validate(sampler_controls.defaults()) == SamplingSettings(
-        extra={"truncation_length": 0}
+        extra={"truncation_length": 0, "grammar_string": ""}
     )
+
+
+def test_the_grammar_box_is_checked_with_the_settings():
+    grammar = 'root ::= "yes" | "no"'
+    settings = sampler_controls.validate({**sampler_controls.defaults(), "grammar_string": grammar})
+    assert settings.extra["grammar_string"] == grammar
+    with pytest.raises(ValueError, match="grammar_string.*undefined-rule"):
+        sampler_controls.validate(
+            {**sampler_controls.defaults(), "grammar_string": 'root ::= "a" undefined-rule'}
+        )
+    assert "grammar_string" not in sampler_controls.PRESET_NAMES
 
 
 @pytest.mark.parametrize("control", [c for c in sampler_controls.CONTROLS if c.kind == "slider"])

@@ -103,7 +103,7 @@ def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: s
 
     handler = Collect(level=logging.WARNING)
     logger.addHandler(handler)
-    ignored = dict(state, guidance_scale=1.5, negative_prompt="no", grammar_string="root ::= x")
+    ignored = dict(state, guidance_scale=1.5, negative_prompt="no")
     reply(dict(ignored, adaptive_target=0.5))
     logger.removeHandler(handler)
     out["warnings"] = warnings

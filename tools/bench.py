@@ -829,6 +829,13 @@ def main() -> int:
         help="Kestrel aggregate tok/s at these numbers of concurrent jobs; DESIGN.md asks "
         f"for {' '.join(map(str, DESIGN_CONCURRENCY))} (without values: not measured)",
     )
+    parser.add_argument(
+        "--constrained",
+        default=None,
+        metavar="TOKENIZER_DIR",
+        help="also measure constrained decoding (tools/bench_constrained.py) with this "
+        "tokenizer (e.g. Llama-3's, written by tools/rank_tokenizer.py): batch 1 and 64 jobs",
+    )
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--plot", default=None, help="PNG plot path (default: the --json path with .png)"
@@ -894,6 +901,15 @@ def main() -> int:
         except Exception as e:  # keep the per-engine numbers (and write them)
             info["concurrency_error"] = f"{type(e).__name__}: {e}"
             print(f"concurrency: {info['concurrency_error']}", flush=True)
+    if args.constrained:
+        from tools.bench_constrained import bench_constrained
+
+        try:
+            info["constrained"] = bench_constrained(path, Path(args.constrained))
+            print(json.dumps(info["constrained"]), flush=True)
+        except Exception as e:  # keep the other numbers (and write them)
+            info["constrained_error"] = f"{type(e).__name__}: {e}"
+            print(f"constrained: {info['constrained_error']}", flush=True)
     info["ratios"] = ratios_vs_exllamav2(info["results"])
     print("\n".join(summary_lines(info)))
     if args.json:

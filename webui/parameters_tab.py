@@ -52,7 +52,7 @@ def _component(control: Control, value: Any) -> gr.components.Component:
         return gr.Number(value=value, precision=0, minimum=control.minimum, **common)
     if control.kind == "checkbox":
         return gr.Checkbox(value=bool(value), **common)
-    lines = 4 if control.name == "sampler_priority" else 1
+    lines = {"sampler_priority": 4, "grammar_string": 6}.get(control.name, 1)
     return gr.Textbox(value=value, lines=lines, max_lines=24, **common)
 
 
@@ -102,7 +102,7 @@ def build(ctx: AppContext, initial: dict[str, Any], preset: str | None) -> Param
     groups: dict[str, list[Control]] = {}
     for control in CONTROLS:
         groups.setdefault(control.group, []).append(control)
-    columns = (("length", "curve"), ("truncation", "mirostat"), ("repetition", "other"))
+    columns = (("length", "curve"), ("truncation", "mirostat"), ("repetition", "other", "grammar"))
     assert sorted(sum(columns, ())) == sorted(GROUP_TITLES)
     with gr.Row():
         for column in columns:

@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from loader.values import SamplingSettings
+from loader.values import SamplingSettings, check_settings_constraint
 
 Kind = Literal["slider", "number", "checkbox", "text"]
 
@@ -158,12 +158,22 @@ CONTROLS: tuple[Control, ...] = (
     Control("custom_token_bans", "text", "other", info="token ids never sampled: 1, 2"),
     Control("logit_bias", "text", "other", info='JSON: {"token id": bias}'),
     Control("sampler_priority", "text", "other", info="one sampler name a line"),
+    # Structured output (engine/constraints): TGW's grammar box.
+    Control(
+        "grammar_string",
+        "text",
+        "grammar",
+        info="GBNF (as llama.cpp and TGW write it) or Lark: the reply follows it; empty: free",
+        default_override="",
+    ),
 )
 
 CONTROL_NAMES: tuple[str, ...] = tuple(c.name for c in CONTROLS)
 # What a preset holds: the samplers, not the length/seed/stop settings (as in TGW, choosing
 # a preset keeps your max_new_tokens, seed, stop strings and truncation length).
-PRESET_NAMES: tuple[str, ...] = tuple(c.name for c in CONTROLS if c.group != "length")
+PRESET_NAMES: tuple[str, ...] = tuple(
+    c.name for c in CONTROLS if c.group not in ("length", "grammar")
+)
 GROUP_TITLES: dict[str, str] = {
     "length": "Length, seed and stops",
     "curve": "Temperature",
@@ -171,6 +181,7 @@ GROUP_TITLES: dict[str, str] = {
     "repetition": "Repetition penalties and DRY",
     "mirostat": "Mirostat",
     "other": "Tokens and sampler order",
+    "grammar": "Grammar (structured output)",
 }
 # SamplingSettings fields with no control: `stop` is fed by custom_stopping_strings (TGW's
 # box), stop_token_ids by the model's own EOS tokens, extra holds foreign keys, and the
@@ -202,5 +213,8 @@ def state_from_values(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate(values: dict[str, Any]) -> SamplingSettings:
-    """The settings these values make; SamplingSettingsError/ValueError names a bad key."""
-    return SamplingSettings.from_any(state_from_values(values))
+    """The settings these values make; SamplingSettingsError/ValueError names a bad key (a
+    grammar that does not compile is a ConstraintError saying where)."""
+    settings = SamplingSettings.from_any(state_from_values(values))
+    check_settings_constraint(settings)
+    return settings

@@ -49,6 +49,7 @@ from extensions.openai.runner import (
     watch_disconnect,
 )
 from extensions.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from extensions.openai.structured import check_constraint_settings, tool_settings
 from extensions.openai.tools import (
     ToolCallStream,
     check_template_takes_tools,
@@ -58,6 +59,7 @@ from extensions.openai.tools import (
     tool_names,
 )
 from loader.base import LoadedModel
+from loader.values import CONSTRAINT_ERROR
 from serving.text_generation import ReplyChunk, stream_chat_reply, stream_reply
 
 Events = AsyncIterator[tuple[int, ReplyChunk]]
@@ -83,7 +85,8 @@ class Choice:
         if chunk.finish_reason is not None:
             self.text = chunk.text
             # cancelled (Stop, a disconnect) reads as an ordinary stop to OpenAI clients
-            self.finish_reason = "length" if chunk.finish_reason == "length" else "stop"
+            reason = chunk.finish_reason
+            self.finish_reason = reason if reason in ("length", CONSTRAINT_ERROR) else "stop"
             if chunk.text.startswith(self.raw):
                 out += chunk.text[len(self.raw) :]
         return out
@@ -323,6 +326,9 @@ async def chat_completions(
     await check_prompt_size(model, ["".join(m["content"] for m in messages)], "messages")
     tools = request_tools(body.tools, body.tool_choice)
     names = tool_names(tools) if tools else set()
+    if tools:  # strict tools, "required" or a named tool: the reply is constrained to a call
+        state.update(tool_settings(tools, body.tool_choice))
+        check_constraint_settings(state)
     if tools:  # renders the template (time-bounded, engine/chat_template.py): off the loop
         await asyncio.to_thread(check_template_takes_tools, model, messages, tools)
     n = body.n

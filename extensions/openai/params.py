@@ -13,6 +13,7 @@ from typing import Any
 
 from extensions.openai.errors import ApiError
 from extensions.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from extensions.openai.structured import check_constraint_settings, response_format_settings
 from loader.errors import SamplingSettingsError
 from loader.values import SamplingSettings
 from serving import shared
@@ -89,7 +90,7 @@ def build_state(body: SamplingFields) -> dict[str, Any]:
         if body.logprobs is not None:
             state["logprobs"] = body.logprobs
     if isinstance(body, ChatCompletionRequest):
-        _check_chat(body)
+        state.update(response_format_settings(body.response_format))
         if body.logprobs:
             state["logprobs"] = body.top_logprobs or 0
     try:
@@ -97,6 +98,7 @@ def build_state(body: SamplingFields) -> dict[str, Any]:
     except SamplingSettingsError as error:
         message = str(error)
         raise ApiError(400, message, param=message.split(" ", 1)[0]) from None
+    check_constraint_settings(state)
     return state
 
 
@@ -135,14 +137,6 @@ def _check_completion(body: CompletionRequest) -> None:
     for text in texts:
         if isinstance(text, str):
             check_text(text, "prompt")
-
-
-def _check_chat(body: ChatCompletionRequest) -> None:
-    kind = (body.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise ApiError(
-            400, f"response_format {kind!r} is not supported (only 'text')", param="response_format"
-        )
 
 
 def message_dicts(body: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -9,9 +9,10 @@ templates:
 - `<|python_tag|>{"name": ..., "parameters": {...}}`, several joined by ";" (Llama 3.1);
 - a reply that is nothing but such a JSON object or list of them, possibly in a ```json
   fence (Llama 3.2 and others).
-Only calls to tools the request declared count; anything else stays text. Kestrel does not
-constrain generation, so tool_choice takes "auto" and "none" ("required" and a named
-function are refused rather than silently not enforced).
+Only calls to tools the request declared count; anything else stays text. tool_choice
+"required", a named function and tools with `"strict": true` constrain the reply
+(extensions/openai/structured.py) so that a call's arguments validate against its tool's
+parameters.
 
 Streaming holds back text from the point where a call may start (a marker, or a reply that
 opens with JSON) and sends the calls, and any text around them, when the reply ends.
@@ -45,11 +46,17 @@ def request_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[
         return None
     if tool_choice == "none":
         return None
-    if tool_choice not in (None, "auto"):
+    named = (
+        isinstance(tool_choice, dict)
+        and tool_choice.get("type") == "function"
+        and isinstance(tool_choice.get("function"), dict)
+        and isinstance(tool_choice["function"].get("name"), str)
+    )
+    if tool_choice not in (None, "auto", "required") and not named:
         raise ApiError(
             400,
-            f"tool_choice {json.dumps(tool_choice)[:100]} is not supported: Kestrel does not "
-            "constrain generation to a call; use 'auto' (the model decides) or 'none'",
+            f"tool_choice {json.dumps(tool_choice)[:100]} is not supported: use 'auto', "
+            '\'none\', \'required\' or {"type": "function", "function": {"name": ...}}',
             param="tool_choice",
         )
     names = set()
@@ -71,6 +78,12 @@ def request_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> list[
         if name in names:
             raise ApiError(400, f"tool {name!r} is declared twice", param=f"{where}.function.name")
         names.add(name)
+        if "strict" in function and not isinstance(function["strict"], bool):
+            raise ApiError(
+                400,
+                f"{where}.function.strict must be true or false",
+                param=f"{where}.function.strict",
+            )
         parameters = function.get("parameters", {})
         if not isinstance(parameters, dict):
             raise ApiError(

@@ -15,6 +15,8 @@ TGW_PARAMS: tuple[str, ...] = ("ctx_size", "cache_type", "gpu_split", "enable_tp
 # Parameters-tab controls TGW shows for Kestrel (its loaders_samplers entry): the TGW
 # sampling keys SamplingSettings implements, plus the ones this adapter handles itself.
 ADAPTER_KEYS: frozenset[str] = frozenset({"auto_max_new_tokens"})
+# Keys the engine reads from the settings' `extra` (engine/constraints): TGW's grammar box.
+EXTRA_KEYS: frozenset[str] = frozenset({"grammar_string"})
 TGW_SAMPLERS: tuple[str, ...] = (
     "temperature",
     "dynatemp_low",
@@ -55,6 +57,7 @@ TGW_SAMPLERS: tuple[str, ...] = (
     "sampler_priority",
     "custom_token_bans",
     "dry_sequence_breakers",
+    "grammar_string",
 )
 
 # Kestrel's KV-cache storage types (kernels/kv_quant.py CACHE_TYPES; a test keeps the two

@@ -26,6 +26,7 @@ from engine.sampling_settings import SamplingSettings
 from loader.base import LoaderError
 from loader.tgw.names import (  # noqa: F401  (LOADER_NAME, TGW_PARAMS: re-exported)
     ADAPTER_KEYS,
+    EXTRA_KEYS,
     LOADER_NAME,
     TGW_PARAMS,
     TGW_SAMPLERS,
@@ -121,7 +122,6 @@ def logprob_processor(state: Mapping[str, Any]) -> Any:
 # more than the key: CFG is two of them.
 _IGNORED_NAMES = {
     "guidance_scale": "guidance_scale and negative_prompt (CFG)",
-    "grammar_string": "grammar_string (grammars)",
     "adaptive_target": "adaptive_target (adaptive-p sampling)",
     "mirostat_mode": "mirostat_mode 1 (mode 2 works)",
 }
@@ -134,4 +134,5 @@ def ignored_text(keys: list[str]) -> str:
 
 def implemented_keys() -> frozenset[str]:
     """Every key TGW_SAMPLERS may name: a SamplingSettings field or an adapter key."""
-    return frozenset(f.name for f in dataclasses.fields(SamplingSettings)) | ADAPTER_KEYS
+    fields = frozenset(f.name for f in dataclasses.fields(SamplingSettings))
+    return fields | ADAPTER_KEYS | EXTRA_KEYS

@@ -1,0 +1,182 @@
+"""Constrained decoding in the engine (engine/constraints), on the real SmolLM2-135M model.
+
+Jobs with a JSON schema or a grammar run in one continuous batch with unconstrained ones;
+the unconstrained job's greedy tokens are those it gets alone; speculative decoding and
+banned-string rewinds keep the matcher in step; a grammar the tokenizer cannot write ends
+with finish_reason "constraint_error"; the mask kernel matches its reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import llguidance
+import pytest
+import torch
+
+import loader
+from engine.constraints import ConstraintError, compile_constraint, constraint_spec
+from engine.sampling_settings import SamplingSettings
+from kernels.token_bitmask import apply_token_bitmask
+from loader.default_model import DEFAULT_MODEL, ensure_packaged_model
+
+DATA = Path(__file__).parent / "data" / "constrained"
+SCHEMAS = json.loads((DATA / "tool_schemas.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model():
+    path = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
+    m = loader.load(path, "kestrel", device="cpu", dtype="float32", max_seq_len=1024)
+    yield m
+    m.unload()
+
+
+def _prompt(model, text: str) -> list[int]:
+    return model.encode(
+        model.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True),
+        add_bos=False,
+    )
+
+
+def _run(model, jobs: list[tuple[list[int], dict]]) -> list[tuple[list[int], str, str]]:
+    """Submit every job at once, stream them together: (tokens, text, finish reason)."""
+    scheduler = model.backend.scheduler
+    submitted = [scheduler.submit(p, s) for p, s in jobs]
+    out = {job.id: ([], [], None) for job in submitted}
+    for event in scheduler.stream_many(submitted):
+        ids, text, _ = out[event.job_id]
+        ids += event.token_ids
+        text.append(event.text)
+        if event.finish_reason:
+            out[event.job_id] = (ids, text, event.finish_reason)
+    return [(out[j.id][0], "".join(out[j.id][1]), out[j.id][2]) for j in submitted]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bitmask_kernel_matches_its_reference(backend: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for vocab, dtype in [(1000, torch.float32), (49152, torch.float16), (37, torch.bfloat16)]:
+        logits = torch.randn(5, vocab, generator=gen).to(dtype)
+        words = (vocab + 31) // 32
+        mask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=gen, dtype=torch.int64)
+        mask = mask.to(torch.int32)
+        rows = torch.tensor([4, 0, 2])
+        expected = logits.clone()
+        for r, row in enumerate(rows.tolist()):
+            for t in range(vocab):
+                if not (int(mask[r, t // 32]) >> (t % 32)) & 1:
+                    expected[row, t] = float("-inf")
+        got = apply_token_bitmask(logits.clone(), mask, rows, backend=backend)
+        assert torch.equal(got, expected)
+
+
+def test_mixed_batch_keeps_the_unconstrained_jobs_greedy_tokens(model) -> None:
+    free = (_prompt(model, "Name three colours."), {"max_new_tokens": 24, "do_sample": False})
+    alone = _run(model, [free])[0]
+    jobs = [
+        (_prompt(model, f"Call {name} with sensible arguments."),
+         {"max_new_tokens": 80, "do_sample": i % 2 == 1, "seed": i, "json_schema": SCHEMAS[name]})
+        for i, name in enumerate(["book_flight", "create_order", "set_thermostat"])
+    ]  # fmt: skip
+    grammar = (DATA / "chess.gbnf").read_text()
+    chess = (_prompt(model, "Play chess."), {"max_new_tokens": 20, "grammar_string": grammar})
+    results = _run(model, [jobs[0], free, jobs[1], chess, jobs[2]])
+    assert results[1][0] == alone[0] and results[1][2] == alone[2]
+    for (_, settings), (_, text, reason) in zip(jobs, results[0::2], strict=False):
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), settings["json_schema"])
+    assert results[3][1].startswith("1. ")
+
+
+def test_speculative_drafts_keep_the_constrained_output(model) -> None:
+    prompt = _prompt(model, "Book a flight from SFO to JFK for two in economy.")
+    settings = {"max_new_tokens": 80, "do_sample": False, "json_schema": SCHEMAS["book_flight"]}
+    plain = _run(model, [(prompt, settings)])[0]
+    scheduler = model.backend.scheduler
+    scheduler.set_speculation("ngram", num_draft_tokens=4)
+    try:
+        drafted = _run(model, [(prompt, settings)])[0]
+        stats = scheduler.stats()
+    finally:
+        scheduler.set_speculation(None)
+    assert stats["draft_tokens"] > 0
+    assert drafted[0] == plain[0] and drafted[2] == "stop"
+    jsonschema.validate(json.loads(drafted[1]), SCHEMAS["book_flight"])
+
+
+def test_banned_string_rewinds_roll_the_matcher_back(model) -> None:
+    prompt = _prompt(model, "Answer yes or no: is the sky blue?")
+    regex = "(yes|no|maybe)( indeed)?"
+    first = _run(model, [(prompt, {"max_new_tokens": 8, "do_sample": False, "regex": regex})])[0]
+    assert first[2] == "stop" and first[1] in ("yes", "no", "maybe", "yes indeed", "no indeed")
+    word = first[1].split()[0]
+    banned = {"max_new_tokens": 8, "do_sample": False, "regex": regex, "banned_strings": [word]}
+    second = _run(model, [(prompt, banned)])[0]
+    assert second[2] == "stop"
+    assert second[1].split()[0] in {"yes", "no", "maybe"} - {word}
+    assert model.backend.scheduler.stats()["rewinds"] >= 1
+
+
+def test_a_grammar_the_tokenizer_cannot_write_ends_with_a_reason(tmp_path: Path) -> None:
+    from tools.bench import build_model
+
+    path = build_model(tmp_path / "words", "tiny", "gptq", device="cpu")
+    words = loader.load(path, "kestrel", device="cpu", dtype="float32")
+    try:
+        # Its vocabulary is the words t0 .. tN: no token starts a JSON object.
+        chunks = list(words.stream([5, 6, 7], {"max_new_tokens": 5, "json_object": True}))
+        assert chunks[-1].finish_reason == "constraint_error"
+        assert "".join(c.text for c in chunks) == ""
+    finally:
+        words.unload()
+
+
+def test_invalid_schemas_and_grammars_name_the_key(model) -> None:
+    tokenizer, vocab = model.backend.tokenizer, model.backend.config.vocab_size
+    cases = [
+        ({"json_schema": {"type": "object", "properties": {"a": {"type": "strin"}}}},
+         "json_schema", "strin"),
+        ({"json_schema": "{not json"}, "json_schema", "not valid JSON"),
+        ({"regex": "a(b"}, "regex", "unclosed group"),
+        ({"grammar_string": 'root ::= "a" undefined-rule'}, "grammar_string", "undefined-rule"),
+        ({"lark": "start: x\nx: y"}, "lark", "y"),
+        ({"regex": "a", "lark": "start: 'a'"}, "lark", "only one constraint"),
+    ]  # fmt: skip
+    for settings, param, words in cases:
+        with pytest.raises(ConstraintError) as caught:
+            spec = constraint_spec(SamplingSettings.from_any(settings))
+            compile_constraint(spec, tokenizer, vocab)
+        assert caught.value.param == param and words in str(caught.value), caught.value
+
+
+def test_gbnf_grammars_are_followed(model) -> None:
+    prompts = {
+        "arithmetic": "Write an equation.",
+        "json": "Describe a cat as JSON.",
+        "list": "List three fruits.",
+        "chess": "Write the first moves of a chess game.",
+    }
+    jobs = [
+        (_prompt(model, prompts[name]),
+         {"max_new_tokens": 40, "do_sample": True, "seed": 1, "temperature": 0.7,
+          "grammar_string": (DATA / f"{name}.gbnf").read_text()})
+        for name in prompts
+    ]  # fmt: skip
+    results = _run(model, jobs)
+    ll_tok = llguidance.LLTokenizer(_tokenizer_json())  # straight from tokenizer.json
+    for (_, settings), (_, text, reason) in zip(jobs, results, strict=True):
+        assert reason in ("stop", "length"), reason
+        matcher = llguidance.LLMatcher(
+            ll_tok, llguidance.grammar_from("gbnf", settings["grammar_string"]), log_level=0
+        )
+        assert matcher.consume_tokens(ll_tok.tokenize_str(text)), (text, matcher.get_error())
+        if reason == "stop":
+            assert matcher.is_accepting(), text
+
+
+def _tokenizer_json() -> str:
+    path = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
+    return (path / "tokenizer.json").read_text()
