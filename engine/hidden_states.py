@@ -3,19 +3,17 @@
 Inputs are packed in order into forwards of at most `prefill_chunk` tokens, so many short
 texts (a document's passages) share one forward instead of one each; an input longer than
 a chunk runs alone, chunk by chunk over its cache pages. Nothing stays cached. The model's
-default LoRA selection applies, as for `Engine.logits`.
+default LoRA selection applies, as for `Engine.logits`. Each forward is a `StepPlan` with
+`hidden_states` set, run by the scheduler between its steps (`Scheduler.execute_now`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from engine.cache import ForwardBatch, Sequence
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
+from engine.pages import PagePool, Sequence
+from engine.scheduler import Scheduler
+from engine.step import StepPlan
 
 
 def next_group(
@@ -36,45 +34,42 @@ def next_group(
     return group
 
 
-def _forward(engine: Engine, sequences: list[Sequence], tokens: list[list[int]]) -> torch.Tensor:
+def _forward(
+    scheduler: Scheduler, sequences: list[Sequence], tokens: list[list[int]]
+) -> torch.Tensor:
     """Hidden states [sum of lengths, width] (float32, CPU) of one forward."""
-    lengths = [len(t) for t in tokens]
-    scales = engine.loras.scales([engine.loras.default] * len(sequences))
-    lora_batch = None if scales is None else engine.loras.batch(scales, lengths, lengths)
-    batch = ForwardBatch.build(engine.cache, sequences, tokens, all_logits=True)
-    with engine.loras.active(lora_batch):
-        return engine.model.hidden_states(batch, engine.cache).float().cpu()
+    plan = StepPlan(sequences, tokens, loras=[{} for _ in tokens], hidden_states=True)
+    return scheduler.execute_now(plan).values
 
 
-def hidden_states_many(engine: Engine, inputs: list[list[int]]) -> list[torch.Tensor]:
-    """[len(ids), width] per input, in order (see the module docstring). The engine lock is
-    taken per forward group, so that generation steps interleave with a long batch."""
-    for ids in inputs:
-        engine.check_length(len(ids))
-    chunk = engine.options.prefill_chunk
+def hidden_states_many(
+    scheduler: Scheduler, pages: PagePool, inputs: list[list[int]], chunk: int
+) -> list[torch.Tensor]:
+    """[len(ids), width] per input, in order (see the module docstring); `chunk` tokens
+    per forward at most. The scheduler's lock is taken per forward group, so that
+    generation steps interleave with a long batch."""
     lengths = [len(ids) for ids in inputs]
     out: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
     start = 0
     while start < len(inputs):
-        with engine.lock:
-            cache = engine.cache
-            group = next_group(lengths, start, chunk, cache.page_size, cache.free_pages)
+        with scheduler.lock:
+            group = next_group(lengths, start, chunk, pages.page_size, pages.free_pages)
             sequences = [Sequence() for _ in group]
             try:
                 if len(group) == 1:
                     ids = inputs[start]
                     parts = [
-                        _forward(engine, sequences, [ids[at : at + chunk]])
+                        _forward(scheduler, sequences, [ids[at : at + chunk]])
                         for at in range(0, len(ids), chunk)
                     ]
                     out[start] = torch.cat(parts)
                 else:
                     tokens = [inputs[i] for i in group]
-                    rows = _forward(engine, sequences, tokens)
+                    rows = _forward(scheduler, sequences, tokens)
                     for i, part in zip(group, rows.split([len(t) for t in tokens]), strict=True):
                         out[i] = part
             finally:
                 for seq in sequences:
-                    seq.release(cache)
+                    seq.release(pages)
         start = group[-1] + 1
     return out

@@ -90,7 +90,7 @@ def test_padded_rows_give_the_unpadded_logits_and_cache(model_dir: Path):
     for name, engine in (("eager", eager), ("padded", padded)):
         seqs = [Sequence() for _ in prompts]
         for seq, prompt in zip(seqs, prompts, strict=True):
-            engine.prefill(seq, prompt)
+            engine.runner.prefill(seq, prompt)
         states[name] = seqs
     new = [[40, 41, 42], [43], [44, 45]]
     counts = [3, 1, 2]
@@ -141,7 +141,7 @@ def test_multi_token_graphs_equal_eager_forwards(model_dir: Path):
     seqs = {e: [Sequence() for _ in prompts] for e in ("g", "e")}
     for key, engine in (("g", graphed), ("e", eager)):
         for seq, prompt in zip(seqs[key], prompts, strict=True):
-            engine.prefill(seq, prompt)
+            engine.runner.prefill(seq, prompt)
     steps = [
         ([[40], [41], [42]], None),
         ([[43, 44, 45, 46, 47], [48], [49, 50]], [5, 1, 2]),  # T = 8, padded
@@ -171,7 +171,7 @@ def test_static_buffer_path_equals_eager_and_capture_all(model_dir: Path):
     seqs = {name: [Sequence() for _ in prompts] for name in ("e", "g")}
     for name, engine in (("e", eager), ("g", graphed)):
         for seq, prompt in zip(seqs[name], prompts, strict=True):
-            engine.prefill(seq, prompt)
+            engine.runner.prefill(seq, prompt)
     for new, counts in (([[40, 41, 42], [43]], [3, 1]), ([[44], [45]], None)):
         got = graphed.forward(seqs["g"], new, logits_counts=counts)
         want = eager.forward(seqs["e"], new, logits_counts=counts)

@@ -137,16 +137,17 @@ def test_a_lookahead_out_of_memory_is_undone_and_no_job_ends(model_dir: Path) ->
     plain = _engine(model_dir, lookahead=False)
     ahead = _engine(model_dir, lookahead=True)
     spec = [(_prompt(6 + i, seed=i), {**GREEDY, "max_new_tokens": 10}) for i in range(3)]
-    forward = ahead.forward_decode_tokens
+    execute = ahead.runner.execute
     calls = []
 
-    def fail_once(sequences, tokens):
-        calls.append(len(sequences))
-        if len(calls) == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory (test)")
-        return forward(sequences, tokens)
+    def fail_once(plan):
+        if plan.device_tokens is not None:  # a lookahead forward
+            calls.append(len(plan))
+            if len(calls) == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return execute(plan)
 
-    ahead.forward_decode_tokens = fail_once
+    ahead.runner.execute = fail_once
     assert _run(ahead, spec) == _run(plain, spec)
     stats = ahead.scheduler.stats()
     assert stats["lookahead_out_of_memory"] == 1 and len(calls) > 3

@@ -17,7 +17,7 @@ import loader
 from engine.cache import CacheFullError
 from engine.engine import ContextLengthError, Engine, EngineOptions
 from engine.generator import GenerationEvent, generate, generate_single
-from engine.scheduler import DECODE, PREFILL, QueueFullError, Scheduler, SchedulerError
+from engine.scheduler import DECODE, PREFILL, QueueFullError, SchedulerError
 
 from model_factory import make_tiny_llama
 
@@ -196,12 +196,12 @@ def test_submit_errors_and_context_clamp(model_dir: Path):
     job = sched.submit(_prompt(256, seed=0), GREEDY)
     events = list(sched.stream(job))
     assert [e.finish_reason for e in events] == ["length"] and not events[0].token_ids
-    queued = Scheduler(engine, max_batch=2, max_tokens_per_step=8, max_waiting=1)
+    queued = engine.new_scheduler(max_batch=2, max_tokens_per_step=8, max_waiting=1)
     queued.submit(PROMPTS[0], GREEDY)
     with pytest.raises(QueueFullError, match="1 jobs are waiting"):
         queued.submit(PROMPTS[0], GREEDY)
     with pytest.raises(ValueError, match="max_tokens_per_step"):
-        Scheduler(engine, max_batch=8, max_tokens_per_step=4)
+        engine.new_scheduler(max_batch=8, max_tokens_per_step=4)
     assert engine.cache.free_pages == engine.cache.num_pages
     engine.unload()
     with pytest.raises(SchedulerError, match="closed"):
@@ -254,7 +254,7 @@ def test_failed_forward_ends_its_jobs_and_scheduler_recovers(model_dir: Path, mo
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine, "forward", broken)
+    monkeypatch.setattr(engine.runner, "execute", broken)
     with pytest.raises(RuntimeError, match="device lost"):
         list(sched.stream(jobs[0]))
     assert [j.finish_reason for j in jobs] == ["error", "error"]
@@ -297,13 +297,13 @@ def test_streaming_steps_run_on_one_thread(model_dir: Path, monkeypatch):
     engine = _engine(model_dir)
     sched = engine.scheduler
     threads_seen: set[str] = set()
-    forward = engine.forward
+    execute = engine.runner.execute
 
     def recording(*args, **kwargs):
         threads_seen.add(threading.current_thread().name)
-        return forward(*args, **kwargs)
+        return execute(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "forward", recording)
+    monkeypatch.setattr(engine.runner, "execute", recording)
     settings = {**GREEDY, "max_new_tokens": 5}
     want = [_single(engine, p, settings)[0] for p in PROMPTS[:4]]
     threads_seen.clear()

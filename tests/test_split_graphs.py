@@ -105,7 +105,7 @@ def test_segmented_graphs_equal_eager_forwards(
     seqs = {e: [Sequence() for _ in prompts] for e in ("g", "e")}
     for key, engine in (("g", graphed), ("e", eager)):
         for seq, prompt in zip(seqs[key], prompts, strict=True):
-            engine.prefill(seq, prompt)
+            engine.runner.prefill(seq, prompt)
     steps = [
         ([[40], [41], [42]], None),
         ([[43, 44, 45, 46, 47], [48], [49, 50]], [5, 1, 2]),  # T = 8, padded
