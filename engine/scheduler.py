@@ -1,8 +1,19 @@
 """Continuous batching over the paged KV cache: a job queue and the scheduler that runs it.
 
+One step is `plan = schedule()` -> `output = runner.execute(plan)` -> `update(plan,
+output)`: this module keeps the books (jobs, pages, prefix cache, preemption, stops,
+events) and imports no model code; the runner (engine/runner.py, any `engine.step.Runner`)
+runs the forward. tests/test_layering.py checks that no import reaches the model.
+
 Contract:
-- `Scheduler(engine, max_batch=, max_tokens_per_step=, max_waiting=None, prefix_caching=True)`;
-  the engine makes one (`engine.scheduler`) from its options.
+- `Scheduler(runner, pages, *, tokenizer, vocab_size, max_seq_len, logits_device, loras,
+  lock, max_batch=, max_tokens_per_step=, max_waiting=None, prefix_caching=True,
+  lookahead=True)`; the engine makes one (`engine.scheduler`, `Engine.new_scheduler`)
+  from its options, over its runner, cache pages and LoRA manager.
+- `submit_logits(prompt_ids, loras=None) -> Job` / `logits(...)`: a logits job, every
+  position's logits of the prompt (job.logits), batched with generation; it neither
+  adopts nor publishes prefix-cache pages. `execute_now(plan)` runs a plan between steps
+  under the scheduler's lock, outside the queue (embeddings, the single-job session).
 - `submit(prompt_ids, settings) -> Job` checks everything at once and raises:
   `ContextLengthError` for an empty prompt or one longer than the context (max_seq_len);
   `CacheFullError` for a prompt that needs more pages than the whole cache has (it could
@@ -52,19 +63,24 @@ Contract:
   model's default) and holds its adapters until the job ends (`LoraError` for an unknown
   or unloading name); each step passes every row's selection to the forward, so one batch
   mixes adapters. The prefix cache keeps each selection's pages apart.
-- Lookahead (`lookahead=True`, the default): a step whose rows all draw one token (no
-  prompt chunk still short of its end, drafts or logprobs) draws it on the device and does
-  not read it back at once. The next `step()` first launches the following decode forward
-  with those tokens as its input (device to device into the decode graph's rows), and only
-  then reads them and runs stops, detokenization and events, so that host work overlaps
-  the GPU's forward. Stops are thus seen one forward late: a job that stopped (or rewound
-  for a banned string) has its looked-ahead row dropped, and its cache slot with it. A
-  step looks ahead only when every running job is in it and nothing else is due: no job
-  waits for admission with room in the batch, no job needs a preemption for its next
-  page, no LoRA, no speculation. Otherwise that `step()` reads and delivers the drawn
-  tokens and then runs a normal step. A lookahead forward that runs out of memory is
-  undone and a normal step follows (no job ends for it). Tokens and events are the same
-  as without lookahead; `stats()` counts the forwards run ahead and those dropped.
+- Lookahead (`lookahead=True`, the default), one execute in flight: a step whose rows
+  all draw one token (no prompt chunk still short of its end, drafts, logprobs or logits
+  jobs) draws it on the device and does not read it back at once (`Drawn`: their copy to
+  pinned host memory is queued right behind the sampler). The next `step()` first
+  launches the following decode forward with those tokens as its input (device to device
+  into the decode graph's rows, `ModelRunner.forward_decode_tokens`), and only then
+  waits for that copy alone and runs stops, detokenization and events, so that host work
+  overlaps the GPU's forward. (A decode step of one job is ~2.5 ms of GPU work on an 8B
+  model; reading its tokens back, detokenizing, checking stops and building events took
+  another ~0.7 ms on the host, during which the GPU waited.) Stops are thus seen one
+  forward late: a job that stopped (or rewound for a banned string) has its looked-ahead
+  row dropped, and its cache slot with it. A step looks ahead only when every running
+  job is in it and nothing else is due: no job waits for admission with room in the
+  batch, no job needs a preemption for its next page, no LoRA, no speculation. Otherwise
+  that `step()` reads and delivers the drawn tokens and then runs a normal step. A
+  lookahead forward that runs out of memory is undone and a normal step follows (no job
+  ends for it). Tokens and events are the same as without lookahead; `stats()` counts
+  the forwards run ahead and those dropped.
 - Prefix caching (engine/prefix_cache.py): at admission a job adopts the cached full pages
   its prompt starts with, at most those before its last prompt token (one token is always
   computed, for the logits, and the job's partially filled page is always its own: shared

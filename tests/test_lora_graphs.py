@@ -1,7 +1,7 @@
 """Decode steps with LoRA adapters through the decode graphs (engine/cuda_graph.py).
 
 Three ways to run a LoRA decode step, which must give the same greedy tokens:
-- eager: `Engine.forward` builds a fresh batch and LoRA segments every step;
+- eager: `ModelRunner.forward` builds a fresh batch and LoRA segments every step;
 - static: the decode graphs' static buffers (bucket-padded batch, static LoRA scales and
   segment starts) staged as for a replay, the forward run on them without capture
   (`enable_decode_graphs(capture=False)`), which runs on the CPU;

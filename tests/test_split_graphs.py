@@ -116,8 +116,8 @@ def test_segmented_graphs_equal_eager_forwards(
     ]
     tol = 1e-5 if device == "cpu" else 2e-2
     for new, counts in steps:
-        got = graphed.forward(seqs["g"], new, logits_counts=counts)
-        want = eager.forward(seqs["e"], new, logits_counts=counts)
+        got = graphed.runner.forward(seqs["g"], new, logits_counts=counts)
+        want = eager.runner.forward(seqs["e"], new, logits_counts=counts)
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     decode = graphs._graphs[(4, 1)]
