@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import loader
-from engine.cache import CacheFullError
+from engine.cache import CacheFullError, Sequence
 from engine.engine import ContextLengthError, Engine, EngineOptions
 from engine.generator import GenerationEvent, generate, generate_single
 from engine.scheduler import DECODE, PREFILL, QueueFullError, SchedulerError
@@ -324,3 +324,42 @@ def test_streaming_steps_run_on_one_thread(model_dir: Path, monkeypatch):
     assert threads_seen == {threading.current_thread().name}
     sched.close()
     assert sched._stepper is None
+
+
+def test_logits_jobs_run_in_the_steps_of_generation(model_dir: Path):
+    """Engine.logits is a logits job of the scheduler: it shares steps with generation
+    (chunked by the step's budget: these prompts take 3 and 4 chunks), gets every
+    position's logits of the whole prompt, changes no generated token and holds no page
+    once done."""
+    engine = _engine(model_dir)
+    settings = {**GREEDY, "max_new_tokens": 6}
+    want_tokens = [_single(engine, p, settings)[0] for p in PROMPTS[:3]]
+    texts = [PROMPTS[4], PROMPTS[7]]
+    want_logits = []
+    for ids in texts:  # one forward over the whole prompt, outside the scheduler
+        seq = Sequence()
+        want_logits.append(engine.runner.forward([seq], [ids], all_logits=True))
+        seq.release(engine.cache)
+    execute = engine.runner.execute
+    mixed = []
+
+    def spy(plan):
+        if plan.device_tokens is None:  # not a lookahead's decode step
+            mixed.append({row.job.kind for row in plan.rows} == {"generate", "logits"})
+        return execute(plan)
+
+    engine.runner.execute = spy
+    sched = engine.scheduler
+    jobs = [sched.submit(p, settings) for p in PROMPTS[:3]]
+    events = sched.step()  # generation is under way when the logits jobs come
+    logits_jobs = [sched.submit_logits(ids) for ids in texts]
+    events += list(sched.stream_many(jobs + logits_jobs))
+    by_job = _collect(events)
+    assert [_ids(by_job[job.id]) for job in jobs] == want_tokens
+    assert any(mixed)
+    for job, want in zip(logits_jobs, want_logits, strict=True):
+        assert job.finish_reason == "length"
+        torch.testing.assert_close(torch.cat(job.logits), want, rtol=1e-4, atol=1e-4)
+    assert engine.cache.free_pages == engine.cache.num_pages
+    torch.testing.assert_close(engine.logits(texts[0]), want_logits[0], rtol=1e-4, atol=1e-4)
+    assert engine.cache.free_pages == engine.cache.num_pages
