@@ -599,7 +599,7 @@ class Scheduler:
     def _draw(self, jobs: list[Job], logits: torch.Tensor) -> Drawn:
         """One token per job (logits [len(jobs), vocab]) on the device, no host sync; their
         copy to the host starts now, ahead of whatever is queued next."""
-        bans = [job.bans.at(len(job.generated_ids)) for job in jobs]
+        bans = [self._constraints(job)[0] for job in jobs]
         tokens = draw_jobs([job.sampling for job in jobs], logits, bans if any(bans) else None)
         return Drawn(jobs, tokens, TokenReadback(tokens))
 
@@ -923,6 +923,17 @@ class Scheduler:
             "outside the scheduler"
         )
 
+    def _constraints(self, job: Job, positions: int = 1) -> list[list[int]]:
+        """The tokens `job` must not draw at its next `positions` generated positions (one,
+        or a draft row's k + 1): the one place where per-job constraints on sampling are
+        gathered. `draw_jobs` / `sample_jobs` / `verify` mask them out of the logits
+        (`generator.apply_position_bans`) before any sampler step sees them. Today they
+        are banned strings' rewinds; a per-job logits processor (e.g. a grammar's token
+        mask, computed on the host while the lookahead's forward runs, see `_continue`)
+        belongs here too."""
+        start = len(job.generated_ids)
+        return [job.bans.at(start + j) for j in range(positions)]
+
     def _sample(
         self, rows: list[Row], logits: torch.Tensor
     ) -> list[tuple[list[int], list[TokenLogprob | None]]]:
@@ -930,10 +941,8 @@ class Scheduler:
         the end or a logits job, one for a plain row, the accepted drafts and one more for
         a draft row.
 
-        Per-job constraints on the next token reach the logits here and in `_draw` (the
-        lookahead's draw), and nowhere else: each row's `job.bans.at(position)` goes into
-        `sample_jobs` / `draw_jobs` / `verify`, which mask the logits
-        (`generator.apply_position_bans`) before any sampler step sees them."""
+        Per-job constraints on the next token come from `_constraints`, here and in `_draw`
+        (the lookahead's draw)."""
         starts = [0]
         for row in rows:
             starts.append(starts[-1] + min(row.logits_wanted, len(row.feed) + len(row.drafts)))
@@ -949,7 +958,7 @@ class Scheduler:
             rows_at = torch.tensor([starts[n + 1] - 1 for n in plain])
             index = host_to_device(rows_at, logits.device)
             jobs = [rows[n].job for n in plain]
-            bans = [job.bans.at(len(job.generated_ids)) for job in jobs]
+            bans = [self._constraints(job)[0] for job in jobs]
             tokens, logprobs = sample_jobs(
                 [job.sampling for job in jobs], logits[index], bans if any(bans) else None
             )
@@ -961,8 +970,7 @@ class Scheduler:
         for n, row in enumerate(rows):
             if row.drafts:
                 job = row.job
-                gen = len(job.generated_ids)
-                bans = [job.bans.at(gen + j) for j in range(len(row.drafts) + 1)]
+                bans = self._constraints(job, len(row.drafts) + 1)
                 block = logits[starts[n] : starts[n + 1]]
                 verified.append((n, block, verify(job.sampling, block, row.drafts, bans)))
         if verified:
