@@ -26,7 +26,6 @@ from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.draft_model import DraftModel
 from engine.fusion import fuse_projections, set_kernel_fusion
-from engine.hidden_states import hidden_states_many
 from engine.limits import ContextLengthError, EmptyPromptError, check_length
 from engine.loading import LoadProgress, load_causal_lm, resolve_device, resolve_dtype
 from engine.lora import LoraManager
@@ -402,11 +401,9 @@ class Engine:
 
     def hidden_states_many(self, inputs: list[list[int]]) -> list[torch.Tensor]:
         """Final hidden states [len, hidden] (float32, CPU) of whole sequences, after the
-        final norm, without keeping their cache; short ones share forwards
-        (engine/hidden_states.py), run by the scheduler between its steps."""
-        for ids in inputs:
-            self.check_length(len(ids))
-        return hidden_states_many(self.scheduler, self.cache, inputs, self.options.prefill_chunk)
+        final norm, without keeping their cache: hidden jobs of the scheduler, short ones
+        sharing forwards."""
+        return self.scheduler.hidden_states(inputs)
 
     @property
     def logits_device(self) -> torch.device:

@@ -5,8 +5,11 @@ errors a job can end with. Plain bookkeeping: nothing here reaches the model.
 Kinds of job:
 - "generate": a prompt, then sampled tokens until a stop (events stream out);
 - "logits": a prompt whose every position's logits are wanted (`Engine.logits`,
-  perplexity, TGW's logits); it computes its whole prompt, adopts and publishes no
-  prefix-cache pages (nothing stays cached), and ends with finish_reason "length".
+  perplexity, TGW's logits);
+- "hidden": a text whose every position's final hidden state is wanted (embeddings).
+Logits and hidden jobs compute their whole prompt, adopt and publish no prefix-cache
+pages (nothing stays cached), gather their output in `Job.outputs` and end with
+finish_reason "length".
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from engine.speculative import NgramDrafter, can_speculate
 from engine.tokenizer import Tokenizer
 
 WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
-GENERATE, LOGITS = "generate", "logits"
+GENERATE, LOGITS, HIDDEN = "generate", "logits", "hidden"
 
 
 class SchedulerError(KestrelError, RuntimeError):
@@ -109,7 +112,8 @@ class Job:
         self.draft_sequence = Sequence()  # the job's place in a draft model's cache
         self.draft_tokens = 0  # drafts proposed / accepted for this job
         self.accepted_tokens = 0
-        self.logits: list[torch.Tensor] = []  # a logits job's [n, vocab] pieces (CPU)
+        # A logits job's [n, vocab] pieces, a hidden job's [n, hidden] (float32, CPU).
+        self.outputs: list[torch.Tensor] = []
 
     @property
     def done(self) -> bool:
@@ -155,9 +159,9 @@ class Row:
 
     @property
     def logits_wanted(self) -> int:
-        """Rows of logits this row gets: all its tokens for a logits job, else its last
-        token and its drafts."""
-        if self.job.kind == LOGITS:
+        """Rows of output this row gets: all its tokens for a logits or hidden job, else
+        its last token and its drafts."""
+        if self.job.kind != GENERATE:
             return len(self.feed)
         return 1 + len(self.drafts)
 

@@ -63,7 +63,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run `plan`'s forward (see engine/step.py for what each field asks)."""
         if plan.hidden_states:
-            return StepOutput(self.hidden_states(plan.sequences, plan.new_tokens))
+            return StepOutput(self.hidden_states(plan.sequences, plan.new_tokens, plan.loras))
         if plan.device_tokens is not None:
             return StepOutput(self.forward_decode_tokens(plan.sequences, plan.device_tokens))
         new_tokens, counts = plan.new_tokens, plan.logits_counts
@@ -170,11 +170,18 @@ class ModelRunner:
             return graphs.decode(sequences, tokens)
         return self.forward(sequences, [[t] for t in tokens.tolist()], loras=[{}] * n)
 
-    def hidden_states(self, sequences: list[Sequence], new_tokens: list[list[int]]) -> torch.Tensor:
+    def hidden_states(
+        self,
+        sequences: list[Sequence],
+        new_tokens: list[list[int]],
+        loras: list[dict[str, float]] | None = None,
+    ) -> torch.Tensor:
         """Final hidden states [sum of lengths, width] (float32, CPU) of one forward, after
-        the final norm, under the model's default LoRA selection (as `logits`)."""
+        the final norm, under each row's LoRA selection (None: the model's default)."""
+        if loras is None:
+            loras = [self.loras.default] * len(sequences)
         lengths = [len(t) for t in new_tokens]
-        scales = self.loras.scales([self.loras.default] * len(sequences))
+        scales = self.loras.scales(loras)
         lora_batch = None if scales is None else self.loras.batch(scales, lengths, lengths)
         batch = ForwardBatch.build(self.cache, sequences, new_tokens, all_logits=True)
         with self.loras.active(lora_batch):

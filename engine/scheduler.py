@@ -11,9 +11,12 @@ Contract:
   lookahead=True)`; the engine makes one (`engine.scheduler`, `Engine.new_scheduler`)
   from its options, over its runner, cache pages and LoRA manager.
 - `submit_logits(prompt_ids, loras=None) -> Job` / `logits(...)`: a logits job, every
-  position's logits of the prompt (job.logits), batched with generation; it neither
-  adopts nor publishes prefix-cache pages. `execute_now(plan)` runs a plan between steps
-  under the scheduler's lock, outside the queue (embeddings, the single-job session).
+  position's logits of the prompt (job.outputs), batched with generation; it neither
+  adopts nor publishes prefix-cache pages. `hidden_states(inputs)`: a hidden job per
+  input (embeddings), every position's final hidden state; their chunks share steps of
+  their own (a forward yields logits or hidden states, not both), which alternate with
+  the other jobs' steps. `execute_now(plan)` runs a plan between steps under the
+  scheduler's lock, outside the queue (the single-job session).
 - `submit(prompt_ids, settings) -> Job` checks everything at once and raises:
   `ContextLengthError` for an empty prompt or one longer than the context (max_seq_len);
   `CacheFullError` for a prompt that needs more pages than the whole cache has (it could
@@ -112,6 +115,7 @@ from engine.jobs import (
     DECODE,
     FINISHED,
     GENERATE,
+    HIDDEN,
     LOGITS,
     PREFILL,
     WAITING,
@@ -196,6 +200,7 @@ class Scheduler:
         self._next_id = 1
         self._closed = False
         self._reserved = 0  # pages the step being planned has claimed
+        self._last_hidden = False  # the last step was one of hidden jobs
         self.speculative: str | None = None
         self.num_draft_tokens = 0
         self.speculative_max_batch = 0
@@ -287,7 +292,7 @@ class Scheduler:
         self, prompt_ids: Iterable[int], *, loras: Mapping[str, float] | None = None
     ) -> Job:
         """Queue a logits job: every position's logits of `prompt_ids` under the LoRA
-        selection `loras` (None: the model's default), gathered in `job.logits`."""
+        selection `loras` (None: the model's default), gathered in `job.outputs`."""
         return self._submit(prompt_ids, SamplingSettings(loras=loras), LOGITS)
 
     def logits(
@@ -297,9 +302,35 @@ class Scheduler:
         job = self.submit_logits(prompt_ids, loras=loras)
         for _ in self.stream(job):
             pass
-        return torch.cat(job.logits)
+        return torch.cat(job.outputs)
 
-    def _submit(self, prompt_ids: Iterable[int], settings: SamplingSettings, kind: str) -> Job:
+    def hidden_states(self, inputs: list[list[int]]) -> list[torch.Tensor]:
+        """Final hidden states [len, hidden] (float32, CPU) of each input, after the final
+        norm, under the model's default LoRA selection: a hidden job per input, packed into
+        shared forwards by the step's token budget (a long one over several). They count
+        as one request against `max_waiting`."""
+        jobs: list[Job] = []
+        try:
+            for ids in inputs:
+                jobs.append(self._submit(ids, SamplingSettings(), HIDDEN, one_request=bool(jobs)))
+        except BaseException:
+            for job in jobs:  # a bad input refuses the whole request
+                self.cancel(job)
+            raise
+        for _ in self.stream_many(jobs):
+            pass
+        return [torch.cat(job.outputs) for job in jobs]
+
+    def _submit(
+        self,
+        prompt_ids: Iterable[int],
+        settings: SamplingSettings,
+        kind: str,
+        *,
+        one_request: bool = False,
+    ) -> Job:
+        """`one_request`: a further part of a request already admitted to the queue (not
+        refused for `max_waiting`)."""
         if self._closed:
             raise SchedulerError("the scheduler is closed (the model was unloaded)")
         prompt = [int(t) for t in prompt_ids]
@@ -318,7 +349,11 @@ class Scheduler:
         with self.lock:
             if self._closed:
                 raise SchedulerError("the scheduler is closed (the model was unloaded)")
-            if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+            if (
+                not one_request
+                and self.max_waiting is not None
+                and len(self._waiting) >= self.max_waiting
+            ):
                 raise QueueFullError(
                     f"{len(self._waiting)} jobs are waiting (max_waiting={self.max_waiting})"
                 )
@@ -502,9 +537,22 @@ class Scheduler:
         """The next step's plan (decode rows first, preempting the youngest jobs when the
         cache runs short; their drafts; then prefill chunks; then newly admitted jobs), or
         None when nothing can run. Pages for every row's tokens are within the free ones."""
-        rows = self._plan()
+        hidden = self._hidden_turn()
+        rows = self._plan(hidden=hidden)
+        if not rows:  # nothing of that kind can run now: the other kind may
+            hidden = not hidden
+            rows = self._plan(hidden=hidden)
         if not rows:
             return None
+        self._last_hidden = hidden
+        if hidden:
+            return StepPlan(
+                sequences=[row.job.sequence for row in rows],
+                new_tokens=[row.feed for row in rows],
+                loras=[row.job.loras for row in rows],
+                hidden_states=True,
+                rows=rows,
+            )
         counts: list[int] | None = None
         if any(row.drafts or row.draft_k or row.job.kind == LOGITS for row in rows):
             counts = [row.logits_wanted for row in rows]
@@ -535,6 +583,8 @@ class Scheduler:
         draw one token (`_drawable`) instead draws them on the device and leaves them in
         flight, unread: the next `_continue` reads them after launching the next execute."""
         rows: list[Row] = plan.rows
+        if plan.hidden_states:
+            return self._update_outputs(rows, output.values, queue=queue)
         logits = output.values
         batch = [row.job for row in rows]
         try:
@@ -569,6 +619,35 @@ class Scheduler:
                     row.job.events.append(event)
         return events
 
+    def _update_outputs(
+        self, rows: list[Row], values: torch.Tensor, *, queue: bool
+    ) -> list[GenerationEvent]:
+        """A hidden-states step: each row's states [its tokens, hidden] go to its job;
+        a job whose whole text is in ends."""
+        events = []
+        for row, part in zip(rows, values.split([len(r.feed) for r in rows]), strict=True):
+            job = row.job
+            job.outputs.append(part)
+            if job.sequence.length == len(job.tokens):
+                event = job.event("", [], "length", None)
+                self._finish(job, "length", emit=False)
+                events.append(event)
+                if queue:
+                    job.events.append(event)
+        return events
+
+    def _hidden_turn(self) -> bool:
+        """Whether the next step is one of hidden jobs: when one is running or first in
+        the queue, and nothing else is due or the last step was not one."""
+        head = self._waiting[0].kind if self._waiting else None
+        hidden_due = head == HIDDEN or any(job.kind == HIDDEN for job in self._running)
+        if not hidden_due:
+            return False
+        other_due = (head is not None and head != HIDDEN) or any(
+            job.kind != HIDDEN for job in self._running
+        )
+        return not (other_due and self._last_hidden)
+
     def _take_logits(self, rows: list[Row], logits: torch.Tensor) -> None:
         """A logits job's rows of this step, copied to the host."""
         if not any(row.job.kind == LOGITS for row in rows):
@@ -577,7 +656,7 @@ class Scheduler:
         for row in rows:
             count = min(row.logits_wanted, len(row.feed) + len(row.drafts))
             if row.job.kind == LOGITS:
-                row.job.logits.append(logits[start : start + count].float().cpu())
+                row.job.outputs.append(logits[start : start + count].float().cpu())
             start += count
 
     # -- lookahead: one execute in flight (see the module docstring) --------------------
@@ -733,12 +812,15 @@ class Scheduler:
             self._decode_tokens += 1
 
     # -- planning ------------------------------------------------------------------------
-    def _plan(self) -> list[Row]:
+    def _plan(self, *, hidden: bool = False) -> list[Row]:
         """The rows of this step: decode tokens first (preempting the youngest jobs when the
-        cache runs short), their drafts, then prefill chunks, then newly admitted jobs."""
+        cache runs short), their drafts, then prefill chunks, then newly admitted jobs.
+        `hidden`: a step of hidden jobs' chunks only (and of no other job's)."""
         self._reserved = 0
         rows: list[Row] = []
         for job in list(self._running):
+            if hidden:
+                break
             if job not in self._running or job.state != DECODE or self._to_feed(job) != 1:
                 continue
             need = self._pages_for(job, 1)
@@ -750,16 +832,18 @@ class Scheduler:
             self._reserved += need
             rows.append(Row(job, [job.tokens[-1]]))
         budget = self.max_tokens_per_step - len(rows)
-        if self.speculative is not None and len(rows) <= self.speculative_max_batch:
+        if self.speculative is not None and rows and len(rows) <= self.speculative_max_batch:
             budget -= self._draft(rows, budget)
         planned = {row.job for row in rows}
         for job in self._running:
             if budget <= 0:
                 break
-            if job not in planned:
+            if job not in planned and (job.kind == HIDDEN) == hidden:
                 budget -= self._add_chunk(job, budget, rows)
         while self._waiting and budget > 0 and len(self._running) < self.max_batch:
             job = self._waiting[0]
+            if (job.kind == HIDDEN) != hidden:
+                break  # its turn comes with the next step of its kind
             if not self._admit(job):
                 break  # first come, first served: later jobs do not overtake it
             self._waiting.popleft()
@@ -891,7 +975,7 @@ class Scheduler:
         job.sequence.release(self.pages)
         if self.draft_pages is not None:
             job.draft_sequence.release(self.draft_pages)
-        job.logits.clear()  # a logits job computes its prompt again from the start
+        job.outputs.clear()  # a logits or hidden job computes its prompt again
         job.state = WAITING
         job.published = 0
         job.preemptions += 1

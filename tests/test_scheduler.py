@@ -359,7 +359,43 @@ def test_logits_jobs_run_in_the_steps_of_generation(model_dir: Path):
     assert any(mixed)
     for job, want in zip(logits_jobs, want_logits, strict=True):
         assert job.finish_reason == "length"
-        torch.testing.assert_close(torch.cat(job.logits), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.cat(job.outputs), want, rtol=1e-4, atol=1e-4)
     assert engine.cache.free_pages == engine.cache.num_pages
     torch.testing.assert_close(engine.logits(texts[0]), want_logits[0], rtol=1e-4, atol=1e-4)
+    assert engine.cache.free_pages == engine.cache.num_pages
+
+
+def test_embeddings_take_turns_with_generation(model_dir: Path):
+    """Hidden jobs (embeddings) get steps of their own, which alternate with generation's
+    while both have work: decoding goes on during a long batch of embeddings, its tokens
+    unchanged, and the states are those of each input alone."""
+    engine = _engine(model_dir)
+    settings = {**GREEDY, "max_new_tokens": 8}
+    want_tokens = [_single(engine, p, settings)[0] for p in PROMPTS[:2]]
+    inputs = [PROMPTS[n] for n in (2, 5, 7, 3, 6)]
+    want_states = [engine.hidden_states_many([ids])[0] for ids in inputs]
+    execute = engine.runner.execute
+    kinds: list[str] = []
+
+    def spy(plan):
+        if plan.device_tokens is None:
+            step = {row.job.kind for row in plan.rows}
+            assert len(step) == 1 or "hidden" not in step  # never mixed with others
+            kinds.append("hidden" if plan.hidden_states else "model")
+        else:
+            kinds.append("model")
+        return execute(plan)
+
+    engine.runner.execute = spy
+    sched = engine.scheduler
+    jobs = [sched.submit(p, settings) for p in PROMPTS[:2]]
+    events = sched.step()
+    states = sched.hidden_states(inputs)  # steps generation too, in turns
+    events += list(sched.stream_many(jobs))
+    by_job = _collect(events)
+    assert [_ids(by_job[job.id]) for job in jobs] == want_tokens
+    for got, want in zip(states, want_states, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    first, last = kinds.index("hidden"), len(kinds) - 1 - kinds[::-1].index("hidden")
+    assert "model" in kinds[first:last]  # decoding went on between embeddings' steps
     assert engine.cache.free_pages == engine.cache.num_pages
