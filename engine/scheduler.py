@@ -553,8 +553,10 @@ class Scheduler:
                 hidden_states=True,
                 rows=rows,
             )
+        # Logits of each row's last token, unless a row wants more (the runner adds the
+        # draft model's drafts to the counts when it proposes any).
         counts: list[int] | None = None
-        if any(row.drafts or row.draft_k or row.job.kind == LOGITS for row in rows):
+        if any(row.drafts or row.job.kind == LOGITS for row in rows):
             counts = [row.logits_wanted for row in rows]
         requests = None
         if any(row.draft_k for row in rows):
