@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.generator import GenerationBackend, TokenLogprob, generate
+from engine.generate import GenerationBackend, generate
+from engine.generator import TokenLogprob
 from engine.sampling_settings import SamplingSettings
 from loader.embeddings import check_pooling, default_pooling, pool
 

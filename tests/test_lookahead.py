@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineOptions
-from engine.generator import GenerationEvent, generate_single
+from engine.generate import generate_single
+from engine.generator import GenerationEvent
 
 from model_factory import make_tiny_llama
 

@@ -16,7 +16,8 @@ import torch
 import loader
 from engine.cache import CacheFullError, Sequence
 from engine.engine import ContextLengthError, Engine, EngineOptions
-from engine.generator import GenerationEvent, generate, generate_single
+from engine.generate import generate, generate_single
+from engine.generator import GenerationEvent
 from engine.scheduler import DECODE, PREFILL, QueueFullError, SchedulerError
 
 from model_factory import make_tiny_llama
