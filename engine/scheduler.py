@@ -293,7 +293,8 @@ class Scheduler:
     ) -> Job:
         """Queue a logits job: every position's logits of `prompt_ids` under the LoRA
         selection `loras` (None: the model's default), gathered in `job.outputs`."""
-        return self._submit(prompt_ids, SamplingSettings(loras=loras), LOGITS)
+        selection = self.loras.resolve(loras)  # LoraError names a bad adapter or scale
+        return self._submit(prompt_ids, SamplingSettings(loras=selection), LOGITS)
 
     def logits(
         self, prompt_ids: Iterable[int], *, loras: Mapping[str, float] | None = None
