@@ -54,9 +54,7 @@ class PrefixChain:
         return self.hashes[page]
 
 
-def find_prefix(
-    cache: PagePool, chain: PrefixChain, tokens: Seq[int], max_pages: int
-) -> list[int]:
+def find_prefix(cache: PagePool, chain: PrefixChain, tokens: Seq[int], max_pages: int) -> list[int]:
     """Cached pages that hold `tokens`' first full pages, at most `max_pages`, in order.
 
     Nothing is acquired: the caller decides whether to adopt them (`adopt`)."""
@@ -80,9 +78,7 @@ def adopt(cache: PagePool, seq: Sequence, pages: list[int]) -> int:
     return seq.length
 
 
-def publish(
-    cache: PagePool, seq: Sequence, chain: PrefixChain, tokens: Seq[int], done: int
-) -> int:
+def publish(cache: PagePool, seq: Sequence, chain: PrefixChain, tokens: Seq[int], done: int) -> int:
     """Register the sequence's full pages from index `done` on; returns the new count.
 
     `tokens` must start with the tokens the sequence's cache holds."""
