@@ -62,6 +62,23 @@ class LoraBooks(Protocol):
     def salt(self, selection: Mapping[str, float]) -> str: ...
 
 
+class NoLoras:
+    """The LoRA books of a closed scheduler: it no longer holds the manager (which holds
+    the model), and whatever still asks for a selection is told the model is gone."""
+
+    def resolve(self, selection: Mapping[str, float] | None) -> dict[str, float]:
+        raise SchedulerError("the scheduler is closed (the model was unloaded)")
+
+    def acquire(self, selection: Mapping[str, float]) -> None:
+        raise SchedulerError("the scheduler is closed (the model was unloaded)")
+
+    def release(self, selection: Mapping[str, float]) -> None:
+        pass  # the adapters went with the model
+
+    def salt(self, selection: Mapping[str, float]) -> str:
+        return ""
+
+
 class Job:
     """One request: prompt, settings, state, cache place and queued events."""
 

@@ -224,11 +224,15 @@ class ModelRunner:
         return self.graphs
 
     def release(self) -> None:
-        """Drop the graphs (their memory pools) and the draft model (its engine is
-        unloaded by its owner)."""
+        """Let go of the model, its K/V storage, the graphs (their memory pools) and the
+        draft model (its engine is unloaded by its owner), so that unloading frees them
+        even while something still holds the runner."""
         self.draft = None
         if self.graphs is not None:
             if self.graphs.drop_lora_graphs in self.loras.listeners:
                 self.loras.listeners.remove(self.graphs.drop_lora_graphs)
             self.graphs.release()
             self.graphs = None
+        self.model = None  # type: ignore[assignment]
+        self.cache = None  # type: ignore[assignment]
+        self.loras = None  # type: ignore[assignment]

@@ -123,6 +123,7 @@ from engine.jobs import (
     GenerationMemoryError,
     Job,
     LoraBooks,
+    NoLoras,
     QueueFullError,
     Row,
     SchedulerError,
@@ -418,6 +419,11 @@ class Scheduler:
             self._drawn = None
             for job in [*self._running, *self._waiting]:
                 self._finish(job, "cancelled")
+            # Every page is free now: hold the cache (its K/V storage) and the LoRA
+            # manager (the model) no longer.
+            self.pages = PagePool(num_pages=0, page_size=self.pages.page_size)
+            self.draft_pages = None
+            self.loras = NoLoras()
             if self._stepper is not None:
                 self._stepper.shutdown(wait=False)
                 self._stepper = None

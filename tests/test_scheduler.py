@@ -6,8 +6,10 @@ chunked prefill and admission order must not change a single token (greedy, or s
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -400,3 +402,17 @@ def test_embeddings_take_turns_with_generation(model_dir: Path):
     first, last = kinds.index("hidden"), len(kinds) - 1 - kinds[::-1].index("hidden")
     assert "model" in kinds[first:last]  # decoding went on between embeddings' steps
     assert engine.cache.free_pages == engine.cache.num_pages
+
+
+def test_unload_frees_the_model_even_while_its_parts_are_held(model_dir: Path):
+    """A server may still hold the scheduler or the runner (a stream, a stats call) when
+    the model is unloaded: the weights and the K/V storage must go anyway."""
+    engine = _engine(model_dir)
+    job = engine.scheduler.submit(PROMPTS[1], {**GREEDY, "max_new_tokens": 3})
+    engine.scheduler.step()
+    model, cache = weakref.ref(engine.model), weakref.ref(engine.cache)
+    held = (engine.scheduler, engine.runner, job)
+    engine.unload()
+    gc.collect()
+    assert model() is None and cache() is None
+    assert job.finish_reason == "cancelled" and held[0].num_running == 0

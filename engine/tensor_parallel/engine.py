@@ -151,7 +151,8 @@ class TensorParallelEngine(Engine):
         _stop_workers(self._workers)
         self.model = None  # type: ignore[assignment]
         self.cache = None  # type: ignore[assignment]
-        self.runner.graphs = None
+        self.runner.graphs = None  # their replays would wait on the stopped ranks
+        self.runner.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 
