@@ -105,11 +105,6 @@ import torch
 from engine.generator import (
     GenerationEvent,
     TokenLogprob,
-    TokenReadback,
-    draw_jobs,
-    logprob_entries,
-    sample_jobs,
-    token_logprobs,
 )
 from engine.jobs import (
     DECODE,
@@ -133,9 +128,10 @@ from engine.limits import check_length
 from engine.pages import CacheFullError, PagePool
 from engine.prefix_cache import adopt, find_prefix, publish
 from engine.rewind import trim_sequence
+from engine.row_sampling import RowTokens, draw_rows, sample_rows
 from engine.samplers.batched import host_to_device
 from engine.sampling_settings import SamplingSettings
-from engine.speculative import SPECULATIVE_MODES, verify
+from engine.speculative import SPECULATIVE_MODES
 from engine.step import DraftRequest, Runner, StepOutput, StepPlan
 from engine.tokenizer import Tokenizer
 
@@ -602,7 +598,7 @@ class Scheduler:
                     row.drafts = drafts
             self._take_logits(rows, logits)
             if self._drawable(rows):
-                self._drawn = self._draw(batch, logits)
+                self._drawn = draw_rows(batch, logits)
                 return []
             results = self._sample(rows, logits)
         except BaseException as error:
@@ -683,13 +679,6 @@ class Scheduler:
                 for row in rows
             )
         )
-
-    def _draw(self, jobs: list[Job], logits: torch.Tensor) -> Drawn:
-        """One token per job (logits [len(jobs), vocab]) on the device, no host sync; their
-        copy to the host starts now, ahead of whatever is queued next."""
-        bans = [self._constraints(job)[0] for job in jobs]
-        tokens = draw_jobs([job.sampling for job in jobs], logits, bans if any(bans) else None)
-        return Drawn(jobs, tokens, TokenReadback(tokens))
 
     def _ahead(self, drawn: Drawn) -> list[int]:
         """Indices of the drawn jobs whose next decode forward can start before their
@@ -804,7 +793,7 @@ class Scheduler:
                 if len(keep) < len(ahead):
                     logits = logits[host_to_device(torch.tensor(keep), logits.device)]
                 try:
-                    self._drawn = self._draw(going, logits)
+                    self._drawn = draw_rows(going, logits)
                 except BaseException as error:
                     if not queue:  # the events made above must not be lost with the step
                         requeue(events, jobs)
@@ -1016,78 +1005,13 @@ class Scheduler:
             "outside the scheduler"
         )
 
-    def _constraints(self, job: Job, positions: int = 1) -> list[list[int]]:
-        """The tokens `job` must not draw at its next `positions` generated positions (one,
-        or a draft row's k + 1): the one place where per-job constraints on sampling are
-        gathered. `draw_jobs` / `sample_jobs` / `verify` mask them out of the logits
-        (`generator.apply_position_bans`) before any sampler step sees them. Today they
-        are banned strings' rewinds; a per-job logits processor (e.g. a grammar's token
-        mask, computed on the host while the lookahead's forward runs, see `_continue`)
-        belongs here too."""
-        start = len(job.generated_ids)
-        return [job.bans.at(start + j) for j in range(positions)]
-
-    def _sample(
-        self, rows: list[Row], logits: torch.Tensor
-    ) -> list[tuple[list[int], list[TokenLogprob | None]]]:
-        """New tokens (and logprobs) per row: none for a prefill chunk that does not reach
-        the end or a logits job, one for a plain row, the accepted drafts and one more for
-        a draft row.
-
-        Per-job constraints on the next token come from `_constraints`, here and in `_draw`
-        (the lookahead's draw)."""
-        starts = [0]
-        for row in rows:
-            starts.append(starts[-1] + min(row.logits_wanted, len(row.feed) + len(row.drafts)))
-        plain = [
-            n
-            for n, row in enumerate(rows)
-            if row.job.kind == GENERATE
-            and not row.drafts
-            and row.job.sequence.length == len(row.job.tokens)
-        ]
-        results: list[tuple[list[int], list[TokenLogprob | None]]] = [([], []) for _ in rows]
-        if plain:
-            rows_at = torch.tensor([starts[n + 1] - 1 for n in plain])
-            index = host_to_device(rows_at, logits.device)
-            jobs = [rows[n].job for n in plain]
-            bans = [self._constraints(job)[0] for job in jobs]
-            tokens, logprobs = sample_jobs(
-                [job.sampling for job in jobs], logits[index], bans if any(bans) else None
-            )
-            for n, token, lp in zip(plain, tokens, logprobs, strict=True):
-                results[n] = ([token], [lp[0] if lp else None])
-            self._decode_rows += sum(rows[n].job.state == DECODE for n in plain)
-            self._decode_tokens += sum(rows[n].job.state == DECODE for n in plain)
-        verified = []
-        for n, row in enumerate(rows):
-            if row.drafts:
-                job = row.job
-                bans = self._constraints(job, len(row.drafts) + 1)
-                block = logits[starts[n] : starts[n + 1]]
-                verified.append((n, block, verify(job.sampling, block, row.drafts, bans)))
-        if verified:
-            flat = torch.stack([torch.stack(pair) for _, _, pair in verified]).tolist()
-            for (n, block, _), (accepted, token) in zip(verified, flat, strict=True):
-                row, job = rows[n], rows[n].job
-                tokens = row.drafts[:accepted] + [token]
-                job.sampling.sampler.generated += len(tokens)
-                job.sampling.append(host_to_device(torch.tensor(tokens), logits.device))
-                lps: list[TokenLogprob | None] = [None] * len(tokens)
-                if job.sampling.logprobs_k is not None:
-                    k = job.sampling.logprobs_k
-                    ids = torch.tensor(tokens, device=logits.device)
-                    chosen, values, top = token_logprobs(block[: len(tokens)], ids, k)
-                    lps = list(
-                        logprob_entries(tokens, chosen.tolist(), values.tolist(), top.tolist())
-                    )
-                results[n] = (tokens, lps)
-                job.draft_tokens += len(row.drafts)
-                job.accepted_tokens += accepted
-                self._drafted += len(row.drafts)
-                self._accepted += accepted
-                self._decode_rows += 1
-                self._decode_tokens += len(tokens)
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[RowTokens]:
+        """Each row's new tokens (engine/row_sampling.py), counted in `stats()`."""
+        results, counts = sample_rows(rows, logits)
+        self._decode_rows += counts.decode_rows
+        self._decode_tokens += counts.decode_tokens
+        self._drafted += counts.drafted
+        self._accepted += counts.accepted
         return results
 
     def _advance(
