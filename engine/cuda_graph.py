@@ -568,7 +568,7 @@ class DecodeGraphs:
     ) -> torch.Tensor:
         """A step of a few tokens per sequence (`multi_token_shape` gave `shape`): the
         logits of each sequence's last `logits_counts[b]` new tokens (default 1), in order,
-        as Engine.forward returns them."""
+        as ModelRunner.forward returns them."""
         B, T = shape
         self._advance(sequences, [len(t) for t in new_tokens])
         graph = self.graph(B, tokens_per_row=T)

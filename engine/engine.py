@@ -1,9 +1,12 @@
-"""The engine object: a loaded model, its KV cache and its tokenizer.
+"""The engine object: a loaded model, its KV cache, its tokenizer, and the two halves of
+a step that it wires together.
 
-`Engine.load(model_dir, options)` runs the load flow; `forward(...)` runs one batched
-forward over sequences that hold pages of the cache. `engine.scheduler` (continuous
-batching, engine/scheduler.py) drives it for generation; `engine.lock` serialises every
-use of the cache (scheduler steps, `logits`) across threads.
+`Engine.load(model_dir, options)` runs the load flow. `engine.runner` (engine/runner.py)
+owns the model, the K/V storage, the CUDA graphs, LoRA batches and the draft model, and
+runs a `StepPlan`; `engine.scheduler` (engine/scheduler.py) keeps the books (jobs, pages,
+prefix cache, preemption) and drives the runner: every use of the model, generation,
+`logits`, embeddings and the single-job session alike, goes through the scheduler under
+its one lock (`engine.lock`).
 """
 
 from __future__ import annotations
@@ -17,28 +20,28 @@ from pathlib import Path
 
 import torch
 
-from engine.cache import CACHE_TYPES, ForwardBatch, PagedKVCache, Sequence, cache_bytes_per_token
+from engine.cache import CACHE_TYPES, PagedKVCache, Sequence, cache_bytes_per_token
 from engine.cache_sizing import describe, memory_sized_tokens
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
-from engine.errors import KestrelError
+from engine.draft_model import DraftModel
 from engine.fusion import fuse_projections, set_kernel_fusion
-from engine.hidden_states import hidden_states_many
+from engine.limits import ContextLengthError, EmptyPromptError, check_length
 from engine.loading import LoadProgress, load_causal_lm, resolve_device, resolve_dtype
 from engine.lora import LoraManager
 from engine.moe import SparseMoE
 from engine.placement import Placement, PlacementOptions, plan_for_model
+from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
-from engine.speculative import SPECULATIVE_MODES, DraftModel
+from engine.speculative import SPECULATIVE_MODES
+from engine.step import StepPlan
 from engine.tokenizer import Tokenizer
 from kernels.backend import set_deterministic_sums
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_SEQ_LEN = 8192  # caps a 128k-context config so the cache fits a consumer GPU
 
-
-class ContextLengthError(KestrelError, ValueError):
-    """A prompt (plus the tokens asked for) does not fit the model's context."""
+__all__ = ["CACHE_TYPES", "ContextLengthError", "EmptyPromptError", "Engine", "EngineOptions"]
 
 
 # Default of EngineOptions.lora_cuda_graphs: decode steps that apply LoRA adapters replay
@@ -47,10 +50,6 @@ class ContextLengthError(KestrelError, ValueError):
 # buffer was owned by nothing after capture, so its memory went to the next small tensor
 # and the replays read that as input (engine/cuda_graph.py now keeps it with the graph).
 LORA_GRAPHS = True
-
-
-class EmptyPromptError(ContextLengthError):
-    """A prompt without a single token."""
 
 
 @dataclass
@@ -109,6 +108,8 @@ class EngineOptions:
 
 
 class Engine:
+    runner_class: type[ModelRunner] = ModelRunner  # tensor parallel: its own runner
+
     def __init__(
         self,
         config: ModelConfig,
@@ -127,25 +128,67 @@ class Engine:
         self.model_dir = model_dir
         self.max_seq_len = options.max_seq_len or DEFAULT_MAX_SEQ_LEN
         self.load_seconds = load_seconds
-        self.graphs: DecodeGraphs | None = None
-        # LoRA decode steps replay graphs (when `graphs` exist); tools/bench_lora.py flips it
-        # between measurements to compare with eager LoRA steps on one engine.
-        self.lora_graphs = options.lora_cuda_graphs
         self.placement: Placement | None = None  # set by load
         self.tp_world_size = 1  # set by engine/tensor_parallel for a sharded model
         self.draft_engine: Engine | None = None  # speculative="draft": the draft model
         self.lock = threading.RLock()
         # LoRA adapters (engine/lora): nothing is wrapped until one is loaded.
         self.loras = LoraManager(model, self.lock)
+        self.runner = self.runner_class(
+            model,
+            cache,
+            self.loras,
+            max_seq_len=self.max_seq_len,
+            prefill_chunk=options.prefill_chunk,
+            lora_graphs=options.lora_cuda_graphs,
+        )
         # prefill_chunk is the step's token budget: decode tokens plus prefill chunks.
-        self.scheduler = Scheduler(
-            self,
+        self.scheduler = self.new_scheduler(
             max_batch=options.max_batch,
             max_tokens_per_step=max(options.prefill_chunk, options.max_batch),
             max_waiting=options.max_waiting,
             prefix_caching=options.prefix_caching,
             lookahead=options.lookahead,
         )
+
+    def new_scheduler(
+        self,
+        *,
+        max_batch: int,
+        max_tokens_per_step: int,
+        max_waiting: int | None = None,
+        prefix_caching: bool = True,
+        lookahead: bool = True,
+    ) -> Scheduler:
+        """A scheduler over this engine's runner, pages, tokenizer and LoRA selections."""
+        return Scheduler(
+            self.runner,
+            self.cache,
+            tokenizer=self.tokenizer,
+            vocab_size=self.config.vocab_size,
+            max_seq_len=self.max_seq_len,
+            logits_device=self.runner.logits_device,
+            loras=self.loras,
+            lock=self.lock,
+            max_batch=max_batch,
+            max_tokens_per_step=max_tokens_per_step,
+            max_waiting=max_waiting,
+            prefix_caching=prefix_caching,
+            lookahead=lookahead,
+        )
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.runner.graphs
+
+    @property
+    def lora_graphs(self) -> bool:
+        """Whether LoRA decode steps replay graphs (tools/bench_lora.py flips it)."""
+        return self.runner.lora_graphs
+
+    @lora_graphs.setter
+    def lora_graphs(self, value: bool) -> None:
+        self.runner.lora_graphs = value
 
     @classmethod
     def load(
@@ -290,19 +333,7 @@ class Engine:
         for tests (Engine.load enables captured graphs when every part is on a GPU).
         `split_at`: layers that start a graph segment of their own even on the device of
         the layer before (tests run a one-device model as a layer split that way)."""
-        if self.graphs is not None:
-            raise RuntimeError("decode graphs are already enabled on this engine")
-        self.graphs = DecodeGraphs(
-            self.model,
-            self.cache,
-            self.max_seq_len,
-            capture=capture,
-            split_at=split_at,
-            max_prompt_tokens=self.options.prefill_chunk,
-        )
-        # Loading or unloading an adapter re-allocates the stacks the LoRA graphs read.
-        self.loras.listeners.append(self.graphs.drop_lora_graphs)
-        return self.graphs
+        return self.runner.enable_decode_graphs(capture=capture, split_at=split_at)
 
     def setup_speculation(self) -> None:
         """Turn on the speculative decoding the options ask for (loads the draft model)."""
@@ -314,7 +345,6 @@ class Engine:
             raise ValueError(
                 f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}"
             )
-        draft = None
         if mode == "draft":
             if not options.draft_model:
                 raise ValueError('speculative="draft" needs draft_model=<model directory>')
@@ -332,9 +362,20 @@ class Engine:
                 fuse_kernels=options.fuse_kernels,
             )
             self.draft_engine = Engine.load(options.draft_model, draft_options)
-            draft = DraftModel(self.draft_engine, self.config.vocab_size)
+            self.runner.draft = DraftModel(
+                self.draft_engine.runner.forward,
+                self.draft_engine.cache,
+                max_seq_len=self.draft_engine.max_seq_len,
+                prefill_chunk=draft_options.prefill_chunk,
+                vocab_size=self.draft_engine.config.vocab_size,
+                target_vocab=self.config.vocab_size,
+                name=str(self.draft_engine.model_dir),
+            )
         self.scheduler.set_speculation(
-            mode, options.num_draft_tokens, draft, options.speculative_max_batch
+            mode,
+            options.num_draft_tokens,
+            self.draft_engine.cache if self.draft_engine is not None else None,
+            options.speculative_max_batch,
         )
 
     @property
@@ -348,145 +389,35 @@ class Engine:
         return list(dict.fromkeys(self.model.layer_devices))
 
     def check_length(self, prompt_tokens: int, new_tokens: int = 0) -> None:
-        if prompt_tokens == 0:
-            raise EmptyPromptError("the prompt is empty: at least one token is needed")
-        if prompt_tokens + new_tokens > self.max_seq_len:
-            raise ContextLengthError(
-                f"the prompt has {prompt_tokens} tokens"
-                + (f" and {new_tokens} new tokens were asked for" if new_tokens else "")
-                + f"; the context holds {self.max_seq_len} (max_seq_len)"
-            )
-
-    def forward(
-        self,
-        sequences: list[Sequence],
-        new_tokens: list[list[int]],
-        *,
-        all_logits: bool = False,
-        logits_counts: list[int] | None = None,
-        loras: list[dict[str, float]] | None = None,
-    ) -> torch.Tensor:
-        """Logits of each sequence's last new token (its last `logits_counts[b]`, or all).
-
-        `loras`: each sequence's resolved LoRA selection (LoraManager.resolve); None gives
-        every sequence the model's default selection (set_loras)."""
-        if loras is None:
-            loras = [self.loras.default] * len(sequences)
-        lengths = [len(t) for t in new_tokens]
-        lora_scales = self.loras.scales(loras)
-        if self.graphs is not None and not all_logits:
-            if lora_scales is None:
-                # Decode steps, speculative verification and short chunks: a graph of
-                # B rows x T tokens (engine/cuda_graph.py).
-                shape = self.graphs.multi_token_shape(sequences, new_tokens)
-                if shape is not None:
-                    return self.graphs.forward_many(sequences, new_tokens, shape, logits_counts)
-                # A fresh prompt of up to 2048 tokens: one padded row, last logits only.
-                if logits_counts is None:
-                    bucket = self.graphs.prompt_bucket(sequences, new_tokens)
-                    if bucket is not None:
-                        return self.graphs.forward_prompt(sequences[0], new_tokens[0], bucket)
-            elif (
-                self.lora_graphs
-                and logits_counts is None
-                and all(n == 1 for n in lengths)
-                and self.graphs.bucket(len(sequences)) is not None
-                and self.loras.graphable(loras)
-            ):
-                tokens = [t[0] for t in new_tokens]
-                return self.graphs.decode(
-                    sequences, tokens, lora=self.loras, lora_scales=lora_scales
-                )
-        lora_batch = None
-        if lora_scales is not None:
-            if all_logits:
-                logits_lengths = lengths
-            elif logits_counts is not None:
-                logits_lengths = list(logits_counts)
-            else:
-                logits_lengths = [min(n, 1) for n in lengths]
-            lora_batch = self.loras.batch(lora_scales, lengths, logits_lengths)
-        batch = ForwardBatch.build(
-            self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
-        )
-        with self.loras.active(lora_batch):
-            return self.model(batch, self.cache)
-
-    def forward_decode_tokens(
-        self, sequences: list[Sequence], tokens: torch.Tensor
-    ) -> torch.Tensor:
-        """Logits [len(sequences), vocab] of one decode step whose input tokens (int64
-        [len(sequences)]) are on the device, drawn by the last step's sampler and not read
-        back: a decode graph takes them device to device, so the host does not wait for
-        them. Without a graph for the step (CPU, cuda_graphs=False, tensor parallel) they
-        are read back and the step runs as `forward` (no LoRA: the default selection is
-        not applied)."""
-        n = len(sequences)
-        graphs = self.graphs
-        if (
-            graphs is not None
-            and self.tp_world_size == 1
-            and graphs.multi_token_shape(sequences, [[0]] * n) == (graphs.bucket(n), 1)
-        ):
-            return graphs.decode(sequences, tokens)
-        return self.forward(sequences, [[t] for t in tokens.tolist()], loras=[{}] * n)
-
-    def prefill(
-        self,
-        seq: Sequence,
-        token_ids: list[int],
-        *,
-        all_logits: bool = False,
-        loras: dict[str, float] | None = None,
-    ):
-        """Feed a prompt in chunks; returns the last token's logits (or every token's)."""
-        chunk = self.options.prefill_chunk
-        outputs = []
-        selection = None if loras is None else [loras]
-        for start in range(0, len(token_ids), chunk):
-            logits = self.forward(
-                [seq], [token_ids[start : start + chunk]], all_logits=all_logits, loras=selection
-            )
-            outputs.append(logits)
-        return torch.cat(outputs) if all_logits else outputs[-1]
+        check_length(prompt_tokens, new_tokens, self.max_seq_len)
 
     def logits(
         self, token_ids: list[int], *, loras: Mapping[str, float] | None = None
     ) -> torch.Tensor:
         """Logits [len, vocab] (float32, CPU) of a whole sequence, without keeping its cache;
-        under the LoRA selection `loras` (default: the model's, set_loras)."""
-        self.check_length(len(token_ids))
-        seq = Sequence()
-        with self.lock:
-            selection = self.loras.resolve(loras)
-            try:
-                return self.prefill(seq, token_ids, all_logits=True, loras=selection).cpu()
-            finally:
-                seq.release(self.cache)
+        under the LoRA selection `loras` (default: the model's, set_loras). A logits job of
+        the scheduler: it runs batched with whatever else is running."""
+        return self.scheduler.logits(token_ids, loras=loras)
 
     def hidden_states_many(self, inputs: list[list[int]]) -> list[torch.Tensor]:
         """Final hidden states [len, hidden] (float32, CPU) of whole sequences, after the
-        final norm, without keeping their cache; short ones share forwards
-        (engine/hidden_states.py)."""
-        return hidden_states_many(self, inputs)
+        final norm, without keeping their cache: hidden jobs of the scheduler, short ones
+        sharing forwards."""
+        return self.scheduler.hidden_states(inputs)
 
     @property
     def logits_device(self) -> torch.device:
-        return self.model.lm_head_device
+        return self.runner.logits_device
 
     def open_session(self) -> EngineSession:
         return EngineSession(self)
 
     def unload(self) -> None:
         self.scheduler.close()
+        self.runner.release()
         if self.draft_engine is not None:
             self.draft_engine.unload()
             self.draft_engine = None
-        if self.graphs is not None:
-            if self.graphs.drop_lora_graphs in self.loras.listeners:
-                self.loras.listeners.remove(self.graphs.drop_lora_graphs)
-            self.graphs.release()
-            self.graphs = None
         self.model = None  # type: ignore[assignment]
         self.loras = None  # type: ignore[assignment]
         self.cache = None  # type: ignore[assignment]
@@ -495,22 +426,30 @@ class Engine:
 
 
 class EngineSession:
-    """One sequence of the engine's cache, for the single-job loop (generate_single); it
-    bypasses the scheduler's admission control and prefix cache."""
+    """One sequence of the engine's cache, for the single-job loop (generate_single): its
+    forwards run between the scheduler's steps (`Scheduler.execute_now`), outside its
+    admission control and prefix cache."""
 
     def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.pages = engine.cache
+        self.prefill_chunk = engine.options.prefill_chunk
         self.sequence = Sequence()
 
+    def _logits(self, tokens: list[int]) -> torch.Tensor:
+        plan = StepPlan([self.sequence], [tokens], loras=[self.scheduler.loras.resolve(None)])
+        return self.scheduler.execute_now(plan).values
+
     def prefill(self, token_ids: list[int]) -> torch.Tensor:
-        with self.engine.lock:
-            return self.engine.prefill(self.sequence, token_ids)[-1]
+        logits = None
+        for start in range(0, len(token_ids), self.prefill_chunk):
+            logits = self._logits(token_ids[start : start + self.prefill_chunk])
+        assert logits is not None, "an empty prompt"
+        return logits[-1]
 
     def step(self, token_id: int) -> torch.Tensor:
-        with self.engine.lock:
-            return self.engine.forward([self.sequence], [[token_id]])[-1]
+        return self._logits([token_id])[-1]
 
     def close(self) -> None:
-        with self.engine.lock:
-            if self.engine.cache is not None:
-                self.sequence.release(self.engine.cache)
+        with self.scheduler.lock:
+            self.sequence.release(self.pages)

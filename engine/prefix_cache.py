@@ -22,7 +22,7 @@ from array import array
 from collections.abc import Sequence as Seq
 from hashlib import blake2b
 
-from engine.cache import PagedKVCache, Sequence
+from engine.pages import PagePool, Sequence
 
 ROOT = b"kestrel-prefix-v1"
 _DIGEST = 16
@@ -54,9 +54,7 @@ class PrefixChain:
         return self.hashes[page]
 
 
-def find_prefix(
-    cache: PagedKVCache, chain: PrefixChain, tokens: Seq[int], max_pages: int
-) -> list[int]:
+def find_prefix(cache: PagePool, chain: PrefixChain, tokens: Seq[int], max_pages: int) -> list[int]:
     """Cached pages that hold `tokens`' first full pages, at most `max_pages`, in order.
 
     Nothing is acquired: the caller decides whether to adopt them (`adopt`)."""
@@ -69,7 +67,7 @@ def find_prefix(
     return pages
 
 
-def adopt(cache: PagedKVCache, seq: Sequence, pages: list[int]) -> int:
+def adopt(cache: PagePool, seq: Sequence, pages: list[int]) -> int:
     """Give an empty sequence the cached `pages` (one more holder each); returns the
     number of tokens it now holds."""
     if seq.pages or seq.length:
@@ -80,9 +78,7 @@ def adopt(cache: PagedKVCache, seq: Sequence, pages: list[int]) -> int:
     return seq.length
 
 
-def publish(
-    cache: PagedKVCache, seq: Sequence, chain: PrefixChain, tokens: Seq[int], done: int
-) -> int:
+def publish(cache: PagePool, seq: Sequence, chain: PrefixChain, tokens: Seq[int], done: int) -> int:
     """Register the sequence's full pages from index `done` on; returns the new count.
 
     `tokens` must start with the tokens the sequence's cache holds."""

@@ -11,10 +11,10 @@ the tokens from there again (a few tokens of recompute instead of a copy-on-writ
 
 from __future__ import annotations
 
-from engine.cache import PagedKVCache, Sequence
+from engine.pages import PagePool, Sequence
 
 
-def trim_sequence(cache: PagedKVCache, seq: Sequence, length: int) -> int:
+def trim_sequence(cache: PagePool, seq: Sequence, length: int) -> int:
     """Rewind `seq` to hold at most `length` positions; returns the length it holds."""
     if length < 0:
         raise ValueError(f"cannot rewind to a negative length ({length})")

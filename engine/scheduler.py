@@ -1,8 +1,22 @@
 """Continuous batching over the paged KV cache: a job queue and the scheduler that runs it.
 
+One step is `plan = schedule()` -> `output = runner.execute(plan)` -> `update(plan,
+output)`: this module keeps the books (jobs, pages, prefix cache, preemption, stops,
+events) and imports no model code; the runner (engine/runner.py, any `engine.step.Runner`)
+runs the forward. tests/test_layering.py checks that no import reaches the model.
+
 Contract:
-- `Scheduler(engine, max_batch=, max_tokens_per_step=, max_waiting=None, prefix_caching=True)`;
-  the engine makes one (`engine.scheduler`) from its options.
+- `Scheduler(runner, pages, *, tokenizer, vocab_size, max_seq_len, logits_device, loras,
+  lock, max_batch=, max_tokens_per_step=, max_waiting=None, prefix_caching=True,
+  lookahead=True)`; the engine makes one (`engine.scheduler`, `Engine.new_scheduler`)
+  from its options, over its runner, cache pages and LoRA manager.
+- `submit_logits(prompt_ids, loras=None) -> Job` / `logits(...)`: a logits job, every
+  position's logits of the prompt (job.outputs), batched with generation; it neither
+  adopts nor publishes prefix-cache pages. `hidden_states(inputs)`: a hidden job per
+  input (embeddings), every position's final hidden state; their chunks share steps of
+  their own (a forward yields logits or hidden states, not both), which alternate with
+  the other jobs' steps. `execute_now(plan)` runs a plan between steps under the
+  scheduler's lock, outside the queue (the single-job session).
 - `submit(prompt_ids, settings) -> Job` checks everything at once and raises:
   `ContextLengthError` for an empty prompt or one longer than the context (max_seq_len);
   `CacheFullError` for a prompt that needs more pages than the whole cache has (it could
@@ -52,19 +66,24 @@ Contract:
   model's default) and holds its adapters until the job ends (`LoraError` for an unknown
   or unloading name); each step passes every row's selection to the forward, so one batch
   mixes adapters. The prefix cache keeps each selection's pages apart.
-- Lookahead (`lookahead=True`, the default): a step whose rows all draw one token (no
-  prompt chunk still short of its end, drafts or logprobs) draws it on the device and does
-  not read it back at once. The next `step()` first launches the following decode forward
-  with those tokens as its input (device to device into the decode graph's rows), and only
-  then reads them and runs stops, detokenization and events, so that host work overlaps
-  the GPU's forward. Stops are thus seen one forward late: a job that stopped (or rewound
-  for a banned string) has its looked-ahead row dropped, and its cache slot with it. A
-  step looks ahead only when every running job is in it and nothing else is due: no job
-  waits for admission with room in the batch, no job needs a preemption for its next
-  page, no LoRA, no speculation. Otherwise that `step()` reads and delivers the drawn
-  tokens and then runs a normal step. A lookahead forward that runs out of memory is
-  undone and a normal step follows (no job ends for it). Tokens and events are the same
-  as without lookahead; `stats()` counts the forwards run ahead and those dropped.
+- Lookahead (`lookahead=True`, the default), one execute in flight: a step whose rows
+  all draw one token (no prompt chunk still short of its end, drafts, logprobs or logits
+  jobs) draws it on the device and does not read it back at once (`Drawn`: their copy to
+  pinned host memory is queued right behind the sampler). The next `step()` first
+  launches the following decode forward with those tokens as its input (device to device
+  into the decode graph's rows, `ModelRunner.forward_decode_tokens`), and only then
+  waits for that copy alone and runs stops, detokenization and events, so that host work
+  overlaps the GPU's forward. (A decode step of one job is ~2.5 ms of GPU work on an 8B
+  model; reading its tokens back, detokenizing, checking stops and building events took
+  another ~0.7 ms on the host, during which the GPU waited.) Stops are thus seen one
+  forward late: a job that stopped (or rewound for a banned string) has its looked-ahead
+  row dropped, and its cache slot with it. A step looks ahead only when every running
+  job is in it and nothing else is due: no job waits for admission with room in the
+  batch, no job needs a preemption for its next page, no LoRA, no speculation. Otherwise
+  that `step()` reads and delivers the drawn tokens and then runs a normal step. A
+  lookahead forward that runs out of memory is undone and a normal step follows (no job
+  ends for it). Tokens and events are the same as without lookahead; `stats()` counts
+  the forwards run ahead and those dropped.
 - Prefix caching (engine/prefix_cache.py): at admission a job adopts the cached full pages
   its prompt starts with, at most those before its last prompt token (one token is always
   computed, for the logits, and the job's partially filled page is always its own: shared
@@ -79,162 +98,76 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from engine.cache import CacheFullError, Sequence
 from engine.constraints import (
     CONSTRAINT_ERROR,
     JobConstraint,
     compile_constraint,
     constraint_spec,
-    mask_logits,
     sync_constraint,
     trim_drafts,
 )
-from engine.errors import KestrelError
 from engine.generator import (
     GenerationEvent,
-    JobSampler,
-    OutputProcessor,
-    PositionBans,
     TokenLogprob,
-    TokenReadback,
-    draw_jobs,
-    logprob_entries,
-    sample_jobs,
-    token_logprobs,
 )
-from engine.lookahead import Drawn, LookaheadSteps, requeue
-from engine.prefix_cache import PrefixChain, adopt, find_prefix, publish, root_hash
+from engine.jobs import (
+    DECODE,
+    FINISHED,
+    GENERATE,
+    HIDDEN,
+    LOGITS,
+    PREFILL,
+    WAITING,
+    Drawn,
+    GenerationMemoryError,
+    Job,
+    LoraBooks,
+    NoLoras,
+    QueueFullError,
+    Row,
+    SchedulerError,
+    requeue,
+)
+from engine.limits import check_length
+from engine.pages import CacheFullError, PagePool
+from engine.prefix_cache import adopt, find_prefix, publish
 from engine.rewind import trim_sequence
+from engine.row_sampling import RowTokens, draw_rows, sample_rows
 from engine.samplers.batched import host_to_device
 from engine.sampling_settings import SamplingSettings
-from engine.speculative import (
-    SPECULATIVE_MODES,
-    DraftModel,
-    NgramDrafter,
-    can_speculate,
-    verify,
-)
+from engine.speculative import SPECULATIVE_MODES
+from engine.step import DraftRequest, Runner, StepOutput, StepPlan
+from engine.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from engine.engine import Engine
-
-WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
-
-
-class SchedulerError(KestrelError, RuntimeError):
-    """The scheduler cannot take or run a job (closed, or a job of another scheduler)."""
-
-
-class QueueFullError(SchedulerError):
-    """`max_waiting` jobs already wait."""
+__all__ = [
+    "DECODE",
+    "FINISHED",
+    "PREFILL",
+    "WAITING",
+    "GenerationMemoryError",
+    "Job",
+    "QueueFullError",
+    "Scheduler",
+    "SchedulerError",
+]
 
 
-class GenerationMemoryError(KestrelError, RuntimeError):
-    """A job's step ran out of (GPU or host) memory; that job ended, the others go on."""
-
-
-class Job:
-    """One request: prompt, settings, state, cache place and queued events."""
-
+class Scheduler:
     def __init__(
         self,
-        job_id: int,
-        prompt_ids: list[int],
-        settings: SamplingSettings,
-        engine: Engine,
-        max_new_tokens: int,
-        speculative: str | None = None,
-        loras: dict[str, float] | None = None,
-    ) -> None:
-        self.id = job_id
-        self.prompt_ids = prompt_ids
-        self.settings = settings
-        self.max_new_tokens = max_new_tokens
-        self.state = WAITING
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.cached_tokens = 0  # prompt tokens adopted from the prefix cache
-        self.prefill_tokens = 0  # prompt tokens computed
-        self.sequence = Sequence()
-        self.tokens = list(prompt_ids)  # prompt + generated; the cache holds a prefix of it
-        page_size = engine.cache.page_size
-        # Resolved LoRA selection; K/V computed under it is cached apart from other selections.
-        self.loras = loras or {}
-        self.lora_held = False
-        self.chain = PrefixChain(page_size, root_hash(engine.loras.salt(self.loras)))
-        self.published = 0  # full pages registered in the prefix cache
-        self.events: deque[GenerationEvent] = deque()
-        self.submitted = time.perf_counter()
-        self.admitted: float | None = None
-        self.first_token: float | None = None
-        self.sampling = JobSampler(
-            settings, engine.tokenizer, engine.logits_device, prompt_ids, max_new_tokens
-        )
-        self.output = OutputProcessor(engine.tokenizer, prompt_ids, settings, max_new_tokens)
-        self.bans = PositionBans()  # banned strings' rewinds: tokens banned per position
-        self.held_logprobs: list[TokenLogprob | None] = []  # per generated token
-        self.preemptions = 0
-        scheduler = engine.scheduler
-        self.speculate = scheduler.speculative is not None and can_speculate(self.sampling.sampler)
-        self.drafter = NgramDrafter() if scheduler.speculative == "ngram" else None
-        self.draft_sequence = Sequence()  # the job's place in a draft model's cache
-        self.draft_tokens = 0  # drafts proposed / accepted for this job
-        self.accepted_tokens = 0
-        # Constrained decoding (engine/constraints): the job's grammar matcher, if any.
-        self.constraint: JobConstraint | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.state == FINISHED
-
-    @property
-    def generated_ids(self) -> list[int]:
-        return self.tokens[len(self.prompt_ids) :]
-
-    def event(
-        self, text: str, ids: list[int], reason: str | None, lp: list[TokenLogprob] | None
-    ) -> GenerationEvent:
-        now = time.perf_counter()
-        admitted = self.admitted or now
-        first = self.first_token or now
-        return GenerationEvent(
-            text=text,
-            token_ids=ids,
-            finish_reason=reason,
-            prompt_tokens=len(self.prompt_ids),
-            generated_tokens=len(self.tokens) - len(self.prompt_ids),
-            prompt_seconds=first - admitted,
-            generate_seconds=now - first,
-            seed=self.sampling.seed,
-            job_id=self.id,
-            logprobs=lp,
-            cached_tokens=self.cached_tokens,
-            queue_seconds=admitted - self.submitted,
-            draft_tokens=self.draft_tokens,
-            accepted_tokens=self.accepted_tokens,
-        )
-
-
-@dataclass(eq=False)
-class _Row:
-    """One job's part of a step: the tokens it feeds and the drafts after them."""
-
-    job: Job
-    feed: list[int]
-    drafts: list[int] = field(default_factory=list)
-    chunk: bool = False  # a prefill chunk (counted in job.prefill_tokens)
-
-
-class Scheduler(LookaheadSteps):
-    def __init__(
-        self,
-        engine: Engine,
+        runner: Runner,
+        pages: PagePool,
         *,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_seq_len: int,
+        logits_device: torch.device,
+        loras: LoraBooks,
+        lock: threading.RLock,
         max_batch: int = 64,
         max_tokens_per_step: int = 2048,
         max_waiting: int | None = None,
@@ -250,26 +183,33 @@ class Scheduler(LookaheadSteps):
             )
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
-        self.engine = engine
+        self.runner = runner
+        self.pages = pages
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_seq_len = max_seq_len
+        self.logits_device = logits_device
+        self.loras = loras
+        self.lock = lock
         self.max_batch = max_batch
         self.max_tokens_per_step = max_tokens_per_step
         self.max_waiting = max_waiting
         self.prefix_caching = prefix_caching
         self.lookahead = lookahead
-        self._drawn: Drawn | None = None  # a step's tokens not read back yet
+        self._drawn: Drawn | None = None  # the execute in flight: a step's unread tokens
         self.lookahead_forwards = 0  # decode forwards launched before the last step's read
         self.lookahead_dropped = 0  # their rows dropped: the job stopped or rewound
         self.lookahead_failed = 0  # lookahead forwards undone for lack of memory
-        self.lock = engine.lock
         self._waiting: deque[Job] = deque()
         self._running: list[Job] = []  # admitted (prefilling or decoding), in admission order
         self._next_id = 1
         self._closed = False
         self._reserved = 0  # pages the step being planned has claimed
+        self._last_hidden = False  # the last step was one of hidden jobs
         self.speculative: str | None = None
         self.num_draft_tokens = 0
         self.speculative_max_batch = 0
-        self.draft: DraftModel | None = None
+        self.draft_pages: PagePool | None = None  # the draft model's cache (speculative="draft")
         self.preemptions = 0
         self.rewinds = 0
         self._drafted = 0
@@ -283,18 +223,19 @@ class Scheduler(LookaheadSteps):
         self,
         mode: str | None,
         num_draft_tokens: int = 4,
-        draft: DraftModel | None = None,
+        draft_pages: PagePool | None = None,
         max_batch: int = 16,
     ) -> None:
         """Speculative decoding for jobs submitted from now on: "ngram" (prompt lookup),
-        "draft" (a draft model), or None (off). Steps with more than `max_batch` decoding
-        jobs run without drafts: a large batch already keeps the GPU busy, and k + 1
-        tokens per job would turn a memory-bound step into a compute-bound one."""
+        "draft" (the runner's draft model, whose cache's pages are `draft_pages`), or None
+        (off). Steps with more than `max_batch` decoding jobs run without drafts: a large
+        batch already keeps the GPU busy, and k + 1 tokens per job would turn a
+        memory-bound step into a compute-bound one."""
         if mode is not None and mode not in SPECULATIVE_MODES:
             raise ValueError(
                 f"speculative must be one of {', '.join(SPECULATIVE_MODES)} or None, got {mode!r}"
             )
-        if mode == "draft" and draft is None:
+        if mode == "draft" and draft_pages is None:
             raise ValueError('speculative="draft" needs a draft model (draft_model=path)')
         if mode is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
@@ -303,7 +244,7 @@ class Scheduler(LookaheadSteps):
         self.speculative = mode
         self.speculative_max_batch = max_batch
         self.num_draft_tokens = num_draft_tokens
-        self.draft = draft if mode == "draft" else None
+        self.draft_pages = draft_pages if mode == "draft" else None
 
     # -- public API ----------------------------------------------------------------------
     @property
@@ -316,18 +257,18 @@ class Scheduler(LookaheadSteps):
 
     @property
     def usable_pages(self) -> int:
-        return self.engine.cache.num_pages
+        return self.pages.num_pages
 
     def stats(self) -> dict[str, Any]:
-        cache = self.engine.cache
+        pages = self.pages
         return {
             "waiting": len(self._waiting),
             "running": len(self._running),
-            "num_pages": cache.num_pages,
+            "num_pages": pages.num_pages,
             "usable_pages": self.usable_pages,
-            "free_pages": cache.free_pages,
-            "cached_pages": cache.cached_pages,
-            "page_size": cache.page_size,
+            "free_pages": pages.free_pages,
+            "cached_pages": pages.cached_pages,
+            "page_size": pages.page_size,
             "preemptions": self.preemptions,
             "rewinds": self.rewinds,
             "speculative": self.speculative,
@@ -349,18 +290,62 @@ class Scheduler(LookaheadSteps):
         prompt_ids: Iterable[int],
         settings: SamplingSettings | Mapping[str, Any] | None = None,
     ) -> Job:
-        """Queue a job; see the module docstring for what is refused and why."""
+        """Queue a generation job; see the module docstring for what is refused and why."""
+        return self._submit(prompt_ids, SamplingSettings.from_any(settings), GENERATE)
+
+    def submit_logits(
+        self, prompt_ids: Iterable[int], *, loras: Mapping[str, float] | None = None
+    ) -> Job:
+        """Queue a logits job: every position's logits of `prompt_ids` under the LoRA
+        selection `loras` (None: the model's default), gathered in `job.outputs`."""
+        selection = self.loras.resolve(loras)  # LoraError names a bad adapter or scale
+        return self._submit(prompt_ids, SamplingSettings(loras=selection), LOGITS)
+
+    def logits(
+        self, prompt_ids: Iterable[int], *, loras: Mapping[str, float] | None = None
+    ) -> torch.Tensor:
+        """[len, vocab] (float32, CPU): a logits job, streamed to its end."""
+        job = self.submit_logits(prompt_ids, loras=loras)
+        for _ in self.stream(job):
+            pass
+        return torch.cat(job.outputs)
+
+    def hidden_states(self, inputs: list[list[int]]) -> list[torch.Tensor]:
+        """Final hidden states [len, hidden] (float32, CPU) of each input, after the final
+        norm, under the model's default LoRA selection: a hidden job per input, packed into
+        shared forwards by the step's token budget (a long one over several). They count
+        as one request against `max_waiting`."""
+        jobs: list[Job] = []
+        try:
+            for ids in inputs:
+                jobs.append(self._submit(ids, SamplingSettings(), HIDDEN, one_request=bool(jobs)))
+        except BaseException:
+            for job in jobs:  # a bad input refuses the whole request
+                self.cancel(job)
+            raise
+        for _ in self.stream_many(jobs):
+            pass
+        return [torch.cat(job.outputs) for job in jobs]
+
+    def _submit(
+        self,
+        prompt_ids: Iterable[int],
+        settings: SamplingSettings,
+        kind: str,
+        *,
+        one_request: bool = False,
+    ) -> Job:
+        """`one_request`: a further part of a request already admitted to the queue (not
+        refused for `max_waiting`)."""
         if self._closed:
             raise SchedulerError("the scheduler is closed (the model was unloaded)")
-        settings = SamplingSettings.from_any(settings)
         prompt = [int(t) for t in prompt_ids]
-        engine = self.engine
-        engine.check_length(len(prompt))
-        vocab = engine.config.vocab_size
+        check_length(len(prompt), 0, self.max_seq_len)
+        vocab = self.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        page_size = engine.cache.page_size
+        page_size = self.pages.page_size
         usable_tokens = self.usable_pages * page_size
         if len(prompt) > usable_tokens:
             raise CacheFullError(
@@ -371,24 +356,39 @@ class Scheduler(LookaheadSteps):
         with self.lock:
             if self._closed:
                 raise SchedulerError("the scheduler is closed (the model was unloaded)")
-            if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+            if (
+                not one_request
+                and self.max_waiting is not None
+                and len(self._waiting) >= self.max_waiting
+            ):
                 raise QueueFullError(
                     f"{len(self._waiting)} jobs are waiting (max_waiting={self.max_waiting})"
                 )
             max_new = min(
                 settings.max_new_tokens,
-                engine.max_seq_len - len(prompt),
+                self.max_seq_len - len(prompt),
                 usable_tokens - len(prompt) + 1,
             )
-            loras = engine.loras.resolve(settings.loras)
+            loras = self.loras.resolve(settings.loras)
             job = Job(
-                self._next_id, prompt, settings, engine, max(0, max_new), self.speculative, loras
+                self._next_id,
+                prompt,
+                settings,
+                max_new_tokens=max(0, max_new) if kind == GENERATE else 0,
+                tokenizer=self.tokenizer,
+                logits_device=self.logits_device,
+                page_size=page_size,
+                loras=loras,
+                lora_salt=self.loras.salt(loras),
+                speculate=self.speculative is not None,
+                ngram=self.speculative == "ngram",
+                kind=kind,
             )
             job.constraint = constraint
-            engine.loras.acquire(loras)
+            self.loras.acquire(loras)
             job.lora_held = True
             self._next_id += 1
-            if job.max_new_tokens == 0:
+            if kind == GENERATE and job.max_new_tokens == 0:
                 self._finish(job, "length")
             else:
                 self._waiting.append(job)
@@ -400,13 +400,11 @@ class Scheduler(LookaheadSteps):
         spec = constraint_spec(settings)
         if spec is None:
             return None
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.tokenizer
         stop_ids = set(settings.stop_token_ids)
         if not settings.ban_eos_token:
             stop_ids |= set(tokenizer.eos_token_ids)
-        return compile_constraint(
-            spec, tokenizer, self.engine.config.vocab_size, frozenset(stop_ids)
-        )
+        return compile_constraint(spec, tokenizer, self.vocab_size, frozenset(stop_ids))
 
     def step(self) -> list[GenerationEvent]:
         """One forward over everything runnable; returns the events it made.
@@ -416,6 +414,15 @@ class Scheduler(LookaheadSteps):
         failed forward are always queued; a failed forward also raises here)."""
         with self.lock:
             return self._step(queue=False)
+
+    def execute_now(self, plan: StepPlan) -> StepOutput:
+        """Run `plan` on the runner between two steps, outside the job queue: the
+        single-job session and embeddings (whose sequences hold pages the scheduler does
+        not account for) go through here, under the scheduler's one lock."""
+        with self.lock:
+            if self._closed:
+                raise SchedulerError("the scheduler is closed (the model was unloaded)")
+            return self.runner.execute(plan)
 
     def cancel(self, job: Job) -> None:
         """End `job` now and free its pages; a finished job is left as it is."""
@@ -430,6 +437,11 @@ class Scheduler(LookaheadSteps):
             self._drawn = None
             for job in [*self._running, *self._waiting]:
                 self._finish(job, "cancelled")
+            # Every page is free now: hold the cache (its K/V storage) and the LoRA
+            # manager (the model) no longer.
+            self.pages = PagePool(num_pages=0, page_size=self.pages.page_size)
+            self.draft_pages = None
+            self.loras = NoLoras()
             if self._stepper is not None:
                 self._stepper.shutdown(wait=False)
                 self._stepper = None
@@ -503,59 +515,130 @@ class Scheduler(LookaheadSteps):
     def _remember_step_thread(self) -> None:
         self._step_thread = threading.current_thread()
 
-    # -- one step ------------------------------------------------------------------------
+    # -- one step: plan = schedule(); output = runner.execute(plan); update(plan, output) --
     def _step(self, *, queue: bool) -> list[GenerationEvent]:
-        """One forward: the lookahead of the drawn step if it can run, else a normal step
-        (after reading the drawn step's tokens, if any)."""
+        """One step. With an execute in flight (a step's tokens drawn on the device and
+        not read), its follow-up comes first: the next decode execute is launched from
+        those tokens when nothing else is due, and only then are they read and taken into
+        their jobs (`_continue`). Otherwise, or when that follow-up could not launch,
+        a normal step runs."""
         if self._drawn is not None and all(job.done for job in self._drawn.jobs):
             self._drawn = None  # every job of it was cancelled: nothing to read
         events: list[GenerationEvent] = []
         read: list[Job] = []
         if self._drawn is not None:
             read = self._drawn.jobs
-            events = self._read_drawn(queue=queue)
+            events = self._continue(queue=queue)
             if self._drawn is not None:
-                return events  # the lookahead forward ran and drew its tokens
+                return events  # the next execute is in flight
         try:
-            return events + self._normal_step(queue=queue)
+            plan = self.schedule()
+            if plan is None:
+                if self._running:
+                    self._unblock()
+                return events
+            rows: list[Row] = plan.rows
+            lengths = [row.job.sequence.length for row in rows]
+            try:
+                output = self.runner.execute(plan)
+            except (torch.OutOfMemoryError, MemoryError) as error:
+                # One job ends (its final event is also queued); the others run again.
+                return events + [self._out_of_memory(rows, lengths, error)]
+            except BaseException as error:
+                for row in rows:
+                    row.job.error = error
+                    self._finish(row.job, "error")
+                raise
+            events += self.update(plan, output, queue=queue)
+            if self._drawn is not None:
+                events += self._continue(queue=queue)
+            return events
         except BaseException:
             if not queue:  # the read step's events must not go down with this one
                 requeue(events, read)
             raise
 
-    def _normal_step(self, *, queue: bool) -> list[GenerationEvent]:
-        rows = self._plan()
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan (decode rows first, preempting the youngest jobs when the
+        cache runs short; their drafts; then prefill chunks; then newly admitted jobs), or
+        None when nothing can run. Pages for every row's tokens are within the free ones."""
+        hidden = self._hidden_turn()
+        rows = self._plan(hidden=hidden)
+        if not rows:  # nothing of that kind can run now: the other kind may
+            hidden = not hidden
+            rows = self._plan(hidden=hidden)
         if not rows:
-            if self._running:
-                self._unblock()
-            return []
+            return None
+        self._last_hidden = hidden
+        if hidden:
+            return StepPlan(
+                sequences=[row.job.sequence for row in rows],
+                new_tokens=[row.feed for row in rows],
+                loras=[row.job.loras for row in rows],
+                hidden_states=True,
+                rows=rows,
+            )
+        # Logits of each row's last token, unless a row wants more (the runner adds the
+        # draft model's drafts to the counts when it proposes any).
+        counts: list[int] | None = None
+        if any(row.drafts or row.job.kind == LOGITS for row in rows):
+            counts = [row.logits_wanted for row in rows]
+        requests = None
+        if any(row.draft_k for row in rows):
+            requests = [
+                DraftRequest(row.job.draft_sequence, row.job.tokens, row.draft_k)
+                if row.draft_k
+                else None
+                for row in rows
+            ]
+        return StepPlan(
+            sequences=[row.job.sequence for row in rows],
+            new_tokens=[row.feed + row.drafts for row in rows],
+            loras=[row.job.loras for row in rows],
+            logits_counts=counts,
+            drafts=requests,
+            rows=rows,
+        )
+
+    def update(
+        self, plan: StepPlan, output: StepOutput, *, queue: bool = False
+    ) -> list[GenerationEvent]:
+        """Take a step's output into its jobs: sample each row's tokens (per job: its
+        sampler, its position's bans; speculative rows verify their drafts), advance the
+        jobs (stops, detokenizing, banned-string rewinds, prefix pages) and return their
+        events (`queue`: also queued on the jobs for their streams). A step whose rows all
+        draw one token (`_drawable`) instead draws them on the device and leaves them in
+        flight, unread: the next `_continue` reads them after launching the next execute."""
+        rows: list[Row] = plan.rows
+        if plan.hidden_states:
+            return self._update_outputs(rows, output.values, queue=queue)
+        logits = output.values
         batch = [row.job for row in rows]
-        lengths = [job.sequence.length for job in batch]
         try:
-            counts = [1 + len(row.drafts) for row in rows]
-            try:
-                logits = self.engine.forward(
-                    [job.sequence for job in batch],
-                    [row.feed + row.drafts for row in rows],
-                    logits_counts=counts if any(r.drafts for r in rows) else None,
-                    loras=[job.loras for job in batch],
-                )
-            except (torch.OutOfMemoryError, MemoryError) as error:
-                # One job ends (its final event is also queued); the others run again.
-                return [self._out_of_memory(rows, lengths, error)]
+            if output.drafts is not None:
+                for row, drafts in zip(rows, output.drafts, strict=True):
+                    row.drafts = drafts
+            self._take_logits(rows, logits)
             if self._drawable(rows):
-                self._drawn = self._draw(batch, logits)
-            else:
-                results = self._sample(rows, logits, counts)
+                self._drawn = draw_rows(batch, logits, self.runner.apply_token_bitmask)
+                return []
+            results = self._sample(rows, logits)
         except BaseException as error:
             for job in batch:
                 job.error = error
                 self._finish(job, "error")
             raise
-        if self._drawn is not None:
-            return self._read_drawn(queue=queue)
         events = []
         for row, (tokens, logprobs) in zip(rows, results, strict=True):
+            job = row.job
+            if job.kind == LOGITS:
+                if job.sequence.length == len(job.tokens):  # every position's logits taken
+                    event = job.event("", [], "length", None)
+                    self._finish(job, "length", emit=False)
+                    events.append(event)
+                    if queue:
+                        job.events.append(event)
+                continue
             event = self._advance(row.job, tokens, logprobs)
             if event is not None:
                 events.append(event)
@@ -563,20 +646,184 @@ class Scheduler(LookaheadSteps):
                     row.job.events.append(event)
         return events
 
-    # -- lookahead (see the module docstring) ---------------------------------------------
-    def _drawable(self, rows: list[_Row]) -> bool:
+    def _update_outputs(
+        self, rows: list[Row], values: torch.Tensor, *, queue: bool
+    ) -> list[GenerationEvent]:
+        """A hidden-states step: each row's states [its tokens, hidden] go to its job;
+        a job whose whole text is in ends."""
+        events = []
+        for row, part in zip(rows, values.split([len(r.feed) for r in rows]), strict=True):
+            job = row.job
+            job.outputs.append(part)
+            if job.sequence.length == len(job.tokens):
+                event = job.event("", [], "length", None)
+                self._finish(job, "length", emit=False)
+                events.append(event)
+                if queue:
+                    job.events.append(event)
+        return events
+
+    def _hidden_turn(self) -> bool:
+        """Whether the next step is one of hidden jobs: when one is running or first in
+        the queue, and nothing else is due or the last step was not one."""
+        head = self._waiting[0].kind if self._waiting else None
+        hidden_due = head == HIDDEN or any(job.kind == HIDDEN for job in self._running)
+        if not hidden_due:
+            return False
+        other_due = (head is not None and head != HIDDEN) or any(
+            job.kind != HIDDEN for job in self._running
+        )
+        return not (other_due and self._last_hidden)
+
+    def _take_logits(self, rows: list[Row], logits: torch.Tensor) -> None:
+        """A logits job's rows of this step, copied to the host."""
+        if not any(row.job.kind == LOGITS for row in rows):
+            return
+        start = 0
+        for row in rows:
+            count = min(row.logits_wanted, len(row.feed) + len(row.drafts))
+            if row.job.kind == LOGITS:
+                row.job.outputs.append(logits[start : start + count].float().cpu())
+            start += count
+
+    # -- lookahead: one execute in flight (see the module docstring) --------------------
+    def _drawable(self, rows: list[Row]) -> bool:
         """Whether the step's tokens may stay on the device: every row draws one token and
         nothing needs it on the host before the next forward."""
         return (
             self.lookahead
             and self.speculative is None
             and all(
-                not row.drafts
+                row.job.kind == GENERATE
+                and not row.drafts
                 and row.job.sequence.length == len(row.job.tokens)
                 and row.job.sampling.logprobs_k is None
                 for row in rows
             )
         )
+
+    def _ahead(self, drawn: Drawn) -> list[int]:
+        """Indices of the drawn jobs whose next decode forward can start before their
+        tokens are read; [] when a normal step must come first (see the module docstring)."""
+        if not self.lookahead or self.speculative is not None:
+            return []
+        if self._waiting and len(self._running) < self.max_batch:
+            return []  # admit first
+        live = [n for n, job in enumerate(drawn.jobs) if not job.done]
+        if {drawn.jobs[n] for n in live} != set(self._running):
+            return []  # another job needs a prompt chunk
+        self._reserved = 0
+        ahead = []
+        for n in live:
+            job = drawn.jobs[n]
+            if job.loras:
+                return []
+            if len(job.generated_ids) + 1 >= job.max_new_tokens:
+                continue  # the drawn token is its last
+            need = self._pages_for(job, 1)
+            if need > self._spare():
+                return []  # a preemption is due: a normal step decides it
+            self._reserved += need
+            ahead.append(n)
+        return ahead
+
+    def _schedule_ahead(self, drawn: Drawn) -> StepPlan | None:
+        """The plan of the decode step that follows `drawn`, fed its tokens on the device,
+        or None when a normal step must come first."""
+        ahead = self._ahead(drawn)
+        if not ahead:
+            return None
+        jobs = [drawn.jobs[n] for n in ahead]
+        tokens = drawn.tokens
+        if len(ahead) < len(drawn.jobs):
+            tokens = tokens[host_to_device(torch.tensor(ahead), tokens.device)]
+        return StepPlan(
+            sequences=[job.sequence for job in jobs],
+            new_tokens=[[0] for _ in jobs],
+            loras=[{} for _ in jobs],
+            device_tokens=tokens,
+            rows=ahead,
+        )
+
+    def _execute_ahead(self, plan: StepPlan) -> torch.Tensor | None:
+        """Launch the lookahead plan's forward: its logits (still being computed), or None
+        when it ran out of memory (a decode graph captured for a new batch size, or an
+        eager step, allocates): then it is undone, the sequences back where they were, and
+        a normal step follows, whose own handling ends at most one job."""
+        lengths = [seq.length for seq in plan.sequences]
+        try:
+            logits = self.runner.execute(plan).values
+        except (torch.OutOfMemoryError, MemoryError):
+            for seq, length in zip(plan.sequences, lengths, strict=True):
+                trim_sequence(self.pages, seq, length)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.lookahead_failed += 1
+            return None
+        self.lookahead_forwards += 1
+        return logits
+
+    def _continue(self, *, queue: bool) -> list[GenerationEvent]:
+        """The in-flight step's follow-up: launch the next decode execute of the drawn jobs
+        that can go on, then read the drawn tokens and take them into their jobs while the
+        GPU computes; the jobs still valid after that draw their next tokens on the device
+        from the new execute's logits (the next `step()` reads them).
+
+        The host work between the launch and the draw (reading the tokens, stops,
+        detokenizing, events: `_advance`) is where per-job work for the next sampling can
+        overlap the in-flight forward."""
+        drawn, self._drawn = self._drawn, None
+        assert drawn is not None
+        jobs = drawn.jobs
+        ahead: list[int] = []
+        try:
+            logits = None
+            plan = self._schedule_ahead(drawn)
+            if plan is not None:
+                logits = self._execute_ahead(plan)
+                if logits is not None:
+                    ahead = plan.rows
+            sampled = drawn.readback.tolist()
+        except BaseException as error:
+            for job in jobs:
+                if not job.done:
+                    job.error = error
+                    self._finish(job, "error")
+            raise
+        in_flight = {jobs[n] for n in ahead}
+        events = []
+        for job, token in zip(jobs, sampled, strict=True):
+            if job.done:
+                continue  # cancelled while its forward ran
+            self._count_decode_row(job)
+            event = self._advance(job, [token], [None], in_flight=int(job in in_flight))
+            if event is not None:
+                events.append(event)
+                if queue:
+                    job.events.append(event)
+        if logits is not None:
+            # A job that stopped or rewound drops its looked-ahead row (its cache slot went
+            # with the finish or the rewind).
+            keep = [
+                i
+                for i, n in enumerate(ahead)
+                if not jobs[n].done and jobs[n].sequence.length == len(jobs[n].tokens)
+            ]
+            self.lookahead_dropped += len(ahead) - len(keep)
+            if keep:
+                going = [jobs[ahead[i]] for i in keep]
+                if len(keep) < len(ahead):
+                    logits = logits[host_to_device(torch.tensor(keep), logits.device)]
+                try:
+                    self._drawn = draw_rows(going, logits, self.runner.apply_token_bitmask)
+                except BaseException as error:
+                    if not queue:  # the events made above must not be lost with the step
+                        requeue(events, jobs)
+                    for job in going:
+                        job.error = error
+                        self._finish(job, "error")
+                    raise
+        return events
 
     def _count_decode_row(self, job: Job) -> None:
         """stats()' tokens per decode step: one row of a decoding job, one token."""
@@ -584,20 +831,16 @@ class Scheduler(LookaheadSteps):
             self._decode_rows += 1
             self._decode_tokens += 1
 
-    def _draw(self, jobs: list[Job], logits: torch.Tensor) -> Drawn:
-        """One token per job (logits [len(jobs), vocab]) on the device, no host sync; their
-        copy to the host starts now, ahead of whatever is queued next."""
-        bans = [job.bans.at(len(job.generated_ids)) for job in jobs]
-        logits = mask_logits([(job, n, ()) for n, job in enumerate(jobs)], logits)
-        tokens = draw_jobs([job.sampling for job in jobs], logits, bans if any(bans) else None)
-        return Drawn(jobs, tokens, TokenReadback(tokens))
-
-    def _plan(self) -> list[_Row]:
+    # -- planning ------------------------------------------------------------------------
+    def _plan(self, *, hidden: bool = False) -> list[Row]:
         """The rows of this step: decode tokens first (preempting the youngest jobs when the
-        cache runs short), their drafts, then prefill chunks, then newly admitted jobs."""
+        cache runs short), their drafts, then prefill chunks, then newly admitted jobs.
+        `hidden`: a step of hidden jobs' chunks only (and of no other job's)."""
         self._reserved = 0
-        rows: list[_Row] = []
+        rows: list[Row] = []
         for job in list(self._running):
+            if hidden:
+                break
             if job not in self._running or job.state != DECODE or self._to_feed(job) != 1:
                 continue
             need = self._pages_for(job, 1)
@@ -607,18 +850,20 @@ class Scheduler(LookaheadSteps):
                 self._preempt(job)
                 continue
             self._reserved += need
-            rows.append(_Row(job, [job.tokens[-1]]))
+            rows.append(Row(job, [job.tokens[-1]]))
         budget = self.max_tokens_per_step - len(rows)
-        if self.speculative is not None and len(rows) <= self.speculative_max_batch:
+        if self.speculative is not None and rows and len(rows) <= self.speculative_max_batch:
             budget -= self._draft(rows, budget)
         planned = {row.job for row in rows}
         for job in self._running:
             if budget <= 0:
                 break
-            if job not in planned:
+            if job not in planned and (job.kind == HIDDEN) == hidden:
                 budget -= self._add_chunk(job, budget, rows)
         while self._waiting and budget > 0 and len(self._running) < self.max_batch:
             job = self._waiting[0]
+            if (job.kind == HIDDEN) != hidden:
+                break  # its turn comes with the next step of its kind
             if not self._admit(job):
                 break  # first come, first served: later jobs do not overtake it
             self._waiting.popleft()
@@ -627,7 +872,7 @@ class Scheduler(LookaheadSteps):
         return rows
 
     def _out_of_memory(
-        self, rows: list[_Row], lengths: list[int], error: BaseException
+        self, rows: list[Row], lengths: list[int], error: BaseException
     ) -> GenerationEvent:
         """A forward ran out of memory: end one job of the step with "error" (the one that
         fed the most tokens, its prefill chunk being the likely cause; the youngest among
@@ -637,15 +882,17 @@ class Scheduler(LookaheadSteps):
         order = {job: n for n, job in enumerate(self._running)}
         culprit = max(
             range(len(rows)),
-            key=lambda n: (len(rows[n].feed) + len(rows[n].drafts), order.get(rows[n].job, -1)),
+            key=lambda n: (
+                len(rows[n].feed) + len(rows[n].drafts) + rows[n].draft_k,
+                order.get(rows[n].job, -1),
+            ),
         )
-        cache = self.engine.cache
         tokens = sum(len(row.feed) + len(row.drafts) for row in rows)
         for n, (row, length) in enumerate(zip(rows, lengths, strict=True)):
             if row.chunk:
                 row.job.prefill_tokens -= len(row.feed)
             if n != culprit:
-                trim_sequence(cache, row.job.sequence, length)
+                trim_sequence(self.pages, row.job.sequence, length)
         job = rows[culprit].job
         first_line = (str(error) or type(error).__name__).splitlines()[0]
         job.error = GenerationMemoryError(
@@ -664,31 +911,33 @@ class Scheduler(LookaheadSteps):
 
     def _pages_for(self, job: Job, count: int) -> int:
         """Pages `job` must add to hold `count` more tokens."""
-        page_size = self.engine.cache.page_size
+        page_size = self.pages.page_size
         return max(0, -(-(job.sequence.length + count) // page_size) - len(job.sequence.pages))
 
     def _spare(self) -> int:
-        return self.engine.cache.free_pages - self._reserved
+        return self.pages.free_pages - self._reserved
 
-    def _add_chunk(self, job: Job, budget: int, rows: list[_Row]) -> int:
+    def _add_chunk(self, job: Job, budget: int, rows: list[Row]) -> int:
         """A prefill chunk of `job` (its prompt, or tokens to compute again after a
         preemption or a rewind), as long as budget and free pages allow."""
         seq = job.sequence
-        page_size = self.engine.cache.page_size
+        page_size = self.pages.page_size
         fits = (len(seq.pages) + self._spare()) * page_size - seq.length
         count = min(budget, self._to_feed(job), fits)
         if count <= 0:
             return 0
         self._reserved += self._pages_for(job, count)
-        rows.append(_Row(job, job.tokens[seq.length : seq.length + count], chunk=True))
+        rows.append(Row(job, job.tokens[seq.length : seq.length + count], chunk=True))
         job.prefill_tokens += count
         return count
 
-    def _draft(self, rows: list[_Row], budget: int) -> int:
+    def _draft(self, rows: list[Row], budget: int) -> int:
         """Drafts for decode rows whose sampler allows them, within the token budget and
-        the free pages; returns the tokens they add to the step."""
-        wanted: list[tuple[_Row, int]] = []
-        page_size = self.engine.cache.page_size
+        the free pages; returns the tokens they may add to the step. N-gram drafts are
+        proposed here (host only); the draft model's are asked of the runner (`draft_k`),
+        which proposes them inside `execute`, before the target's forward."""
+        wanted: list[tuple[Row, int]] = []
+        page_size = self.pages.page_size
         for row in rows:
             job = row.job
             if not job.speculate:
@@ -703,20 +952,15 @@ class Scheduler(LookaheadSteps):
             self._reserved += self._pages_for(job, 1 + k) - self._pages_for(job, 1)
             budget -= k
             wanted.append((row, k))
-        if not wanted:
-            return 0
-        if self.draft is not None:
-            drafts = self.draft.propose(
-                [row.job.draft_sequence for row, _ in wanted],
-                [row.job.tokens for row, _ in wanted],
-                [k for _, k in wanted],
-            )
-        else:
-            drafts = [row.job.drafter.propose(row.job.tokens, k) for row, k in wanted]
         used = 0
-        for (row, _), proposed in zip(wanted, drafts, strict=True):
-            row.drafts = trim_drafts(row.job, list(proposed))
-            used += len(row.drafts)
+        for row, k in wanted:
+            if self.draft_pages is not None:
+                row.draft_k = k
+                used += k
+            else:
+                assert row.job.drafter is not None
+                row.drafts = trim_drafts(row.job, list(row.job.drafter.propose(row.job.tokens, k)))
+                used += len(row.drafts)
         return used
 
     def _admit(self, job: Job) -> bool:
@@ -724,10 +968,10 @@ class Scheduler(LookaheadSteps):
         each running job's next page (so an admission does not cause a preemption at once).
         Jobs are not reserved their whole output: when decode runs out of pages, the
         youngest job is preempted (`_plan`)."""
-        cache = self.engine.cache
+        cache = self.pages
         page_size = cache.page_size
         pages: list[int] = []
-        if self.prefix_caching:
+        if self.prefix_caching and job.kind == GENERATE:
             max_pages = (len(job.tokens) - 1) // page_size
             pages = find_prefix(cache, job.chain, job.tokens, max_pages)
         # Adopting a page that only the LRU holds uses up a free page; one that another job
@@ -748,9 +992,10 @@ class Scheduler(LookaheadSteps):
         tokens again when admitted (its prefix-cached pages may still be there). Sampling
         state, output and events are kept, so its output is as if it had never stopped."""
         self._running.remove(job)
-        job.sequence.release(self.engine.cache)
-        if self.draft is not None:
-            self.draft.release(job.draft_sequence)
+        job.sequence.release(self.pages)
+        if self.draft_pages is not None:
+            job.draft_sequence.release(self.draft_pages)
+        job.outputs.clear()  # a logits or hidden job computes its prompt again
         job.state = WAITING
         job.published = 0
         job.preemptions += 1
@@ -767,7 +1012,7 @@ class Scheduler(LookaheadSteps):
         job = self._running[0]
         raise SchedulerError(
             f"job {job.id} needs more pages and nothing else runs, but only "
-            f"{self.engine.cache.free_pages} of {self.usable_pages} are free: pages are held "
+            f"{self.pages.free_pages} of {self.usable_pages} are free: pages are held "
             "outside the scheduler"
         )
 
@@ -775,76 +1020,20 @@ class Scheduler(LookaheadSteps):
         # Only pages held outside the scheduler (an EngineSession) can cause this: a job
         # that fits the empty cache is admitted when nothing else runs.
         job = self._waiting[0]
-        need = -(-len(job.tokens) // self.engine.cache.page_size)
+        need = -(-len(job.tokens) // self.pages.page_size)
         raise SchedulerError(
             f"job {job.id} needs {need} pages and nothing runs, but only "
-            f"{self.engine.cache.free_pages} of {self.usable_pages} are free: pages are held "
+            f"{self.pages.free_pages} of {self.usable_pages} are free: pages are held "
             "outside the scheduler"
         )
 
-    def _sample(
-        self, rows: list[_Row], logits: torch.Tensor, counts: list[int]
-    ) -> list[tuple[list[int], list[TokenLogprob | None]]]:
-        """New tokens (and logprobs) per row: none for a prefill chunk that does not reach
-        the end, one for a plain row, the accepted drafts and one more for a draft row."""
-        starts = [0]
-        for count in counts:
-            starts.append(starts[-1] + count)
-        plain = [
-            n
-            for n, row in enumerate(rows)
-            if not row.drafts and row.job.sequence.length == len(row.job.tokens)
-        ]
-        results: list[tuple[list[int], list[TokenLogprob | None]]] = [([], []) for _ in rows]
-        # Grammar masks of constrained rows (computed while the forward runs, see
-        # engine/constraints/hooks.py), on every row that draws a token.
-        logits = mask_logits(
-            [(rows[n].job, starts[n + 1] - 1, ()) for n in plain]
-            + [(row.job, starts[n], row.drafts) for n, row in enumerate(rows) if row.drafts],
-            logits,
-        )
-        if plain:
-            rows_at = torch.tensor([starts[n + 1] - 1 for n in plain])
-            index = host_to_device(rows_at, logits.device)
-            jobs = [rows[n].job for n in plain]
-            bans = [job.bans.at(len(job.generated_ids)) for job in jobs]
-            tokens, logprobs = sample_jobs(
-                [job.sampling for job in jobs], logits[index], bans if any(bans) else None
-            )
-            for n, token, lp in zip(plain, tokens, logprobs, strict=True):
-                results[n] = ([token], [lp[0] if lp else None])
-            self._decode_rows += sum(rows[n].job.state == DECODE for n in plain)
-            self._decode_tokens += sum(rows[n].job.state == DECODE for n in plain)
-        verified = []
-        for n, row in enumerate(rows):
-            if row.drafts:
-                job = row.job
-                gen = len(job.generated_ids)
-                bans = [job.bans.at(gen + j) for j in range(len(row.drafts) + 1)]
-                block = logits[starts[n] : starts[n + 1]]
-                verified.append((n, block, verify(job.sampling, block, row.drafts, bans)))
-        if verified:
-            flat = torch.stack([torch.stack(pair) for _, _, pair in verified]).tolist()
-            for (n, block, _), (accepted, token) in zip(verified, flat, strict=True):
-                row, job = rows[n], rows[n].job
-                tokens = row.drafts[:accepted] + [token]
-                job.sampling.sampler.generated += len(tokens)
-                job.sampling.append(host_to_device(torch.tensor(tokens), logits.device))
-                lps: list[TokenLogprob | None] = [None] * len(tokens)
-                if job.sampling.logprobs_k is not None:
-                    k = job.sampling.logprobs_k
-                    ids = torch.tensor(tokens, device=logits.device)
-                    chosen, values, top = token_logprobs(block[: len(tokens)], ids, k)
-                    lps = list(
-                        logprob_entries(tokens, chosen.tolist(), values.tolist(), top.tolist())
-                    )
-                results[n] = (tokens, lps)
-                job.draft_tokens += len(row.drafts)
-                job.accepted_tokens += accepted
-                self._drafted += len(row.drafts)
-                self._accepted += accepted
-                self._decode_rows += 1
-                self._decode_tokens += len(tokens)
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[RowTokens]:
+        """Each row's new tokens (engine/row_sampling.py), counted in `stats()`."""
+        results, counts = sample_rows(rows, logits, self.runner.apply_token_bitmask)
+        self._decode_rows += counts.decode_rows
+        self._decode_tokens += counts.decode_tokens
+        self._drafted += counts.drafted
+        self._accepted += counts.accepted
         return results
 
     def _advance(
@@ -859,7 +1048,7 @@ class Scheduler(LookaheadSteps):
         publish full pages, then feed the output one token at a time (a stop ends the job
         there; a banned string rewinds it). `in_flight`: a lookahead forward already
         feeds the last of `tokens` (its cache slot is taken)."""
-        cache = self.engine.cache
+        cache = self.pages
         if not tokens:
             self._publish(job, job.tokens)
             return None
@@ -876,8 +1065,8 @@ class Scheduler(LookaheadSteps):
         keep = len(job.tokens) + len(tokens) - 1 + in_flight
         if job.sequence.length > keep:
             trim_sequence(cache, job.sequence, keep)
-        if self.draft is not None and job.draft_sequence.length > keep:
-            self.draft.rewind(job.draft_sequence, keep)
+        if self.draft_pages is not None and job.draft_sequence.length > keep:
+            trim_sequence(self.draft_pages, job.draft_sequence, keep)
         self._publish(job, job.tokens + tokens)
         text, ids, lps, reason = "", [], [], None
         for token, lp in zip(tokens, logprobs, strict=True):
@@ -904,10 +1093,8 @@ class Scheduler(LookaheadSteps):
         return job.event(text, ids, reason, [x for x in lps if x is not None] if wanted else None)
 
     def _publish(self, job: Job, tokens: list[int]) -> None:
-        if self.prefix_caching:
-            job.published = publish(
-                self.engine.cache, job.sequence, job.chain, tokens, job.published
-            )
+        if self.prefix_caching and job.kind == GENERATE:
+            job.published = publish(self.pages, job.sequence, job.chain, tokens, job.published)
 
     def _rewind(self, job: Job, index: int, banned: int | None) -> None:
         """A banned string began in generated token `index`: go back to before it, ban it
@@ -917,7 +1104,7 @@ class Scheduler(LookaheadSteps):
         del job.held_logprobs[index:]
         job.bans.rewind(index, banned)
         job.sampling.truncate(keep)
-        cache = self.engine.cache
+        cache = self.pages
         trim_sequence(cache, job.sequence, keep - 1)
         page_size = cache.page_size
         job.published = min(job.published, job.sequence.length // page_size)
@@ -925,8 +1112,8 @@ class Scheduler(LookaheadSteps):
         del job.chain.hashes[keep // page_size :]
         if job.drafter is not None:
             job.drafter.rewind(keep)
-        if self.draft is not None:
-            self.draft.rewind(job.draft_sequence, keep - 1)
+        if self.draft_pages is not None:
+            trim_sequence(self.draft_pages, job.draft_sequence, keep - 1)
         self.rewinds += 1
 
     # -- finishing -----------------------------------------------------------------------
@@ -935,13 +1122,12 @@ class Scheduler(LookaheadSteps):
             self._running.remove(job)
         elif job in self._waiting:
             self._waiting.remove(job)
-        if self.engine.cache is not None:
-            job.sequence.release(self.engine.cache)
-        if self.draft is not None:
-            self.draft.release(job.draft_sequence)
-        if job.lora_held and self.engine.loras is not None:
+        job.sequence.release(self.pages)
+        if self.draft_pages is not None:
+            job.draft_sequence.release(self.draft_pages)
+        if job.lora_held:
             job.lora_held = False
-            self.engine.loras.release(job.loras)  # may free an adapter waiting to unload
+            self.loras.release(job.loras)  # may free an adapter waiting to unload
         job.state = FINISHED
         job.finish_reason = reason
         if emit:

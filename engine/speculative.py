@@ -4,8 +4,9 @@ one forward of k + 1 query tokens, with the exact acceptance rule.
 Drafters (one per job, made by `make_drafter`):
 - `NgramDrafter` (prompt lookup): finds the most recent earlier occurrence of the last n
   tokens of the context (n from `max_n` down to `min_n`) and proposes what followed it.
-- `DraftModel` (shared by the jobs): a second, smaller `Engine` with the same vocabulary
-  and its own KV cache; each job has a `Sequence` in it. Drafts are its greedy tokens.
+- `DraftModel` (engine/draft_model.py, shared by the jobs, run by the model runner): a
+  second, smaller model with the same vocabulary and its own KV cache; each job has a
+  `Sequence` in it. Drafts are its greedy tokens.
 Both propose deterministic tokens: the draft distribution q is a point mass.
 
 Verification (`accept`): the target's distribution p_j at each of the k + 1 positions is
@@ -27,13 +28,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from engine.cache import CacheFullError, Sequence
 from engine.generator import JobSampler, apply_position_bans
-from engine.rewind import trim_sequence
 from engine.samplers.batched import host_to_device
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
     from engine.sampling import Sampler
 
 SPECULATIVE_MODES = ("ngram", "draft")
@@ -88,77 +86,6 @@ class NgramDrafter:
                 if end + 1 >= n:
                     self._index[tuple(tokens[end + 1 - n : end + 1])] = end
         self._upto = len(tokens) - 1
-
-
-class DraftModel:
-    """A smaller engine proposing greedy drafts for several jobs at once (its own cache)."""
-
-    def __init__(self, engine: Engine, target_vocab: int) -> None:
-        vocab = engine.config.vocab_size
-        if vocab != target_vocab:
-            raise ValueError(
-                f"the draft model {engine.model_dir} has a vocabulary of {vocab} tokens, the "
-                f"target {target_vocab}: speculative decoding needs the same tokenizer"
-            )
-        self.engine = engine
-
-    def propose(self, sequences: list[Sequence], contexts: list[list[int]], ks: list[int]):
-        """Drafts (greedy) for each job: `sequences[i]` is its place in the draft cache,
-        `contexts[i]` its tokens so far, `ks[i]` how many to draft. A job whose draft
-        cache cannot grow gets no drafts (and its draft sequence starts over later)."""
-        engine = self.engine
-        cache = engine.cache
-        drafts: list[list[int]] = [[] for _ in contexts]
-        live = []
-        for i, (seq, ctx, k) in enumerate(zip(sequences, contexts, ks, strict=True)):
-            if k <= 0:
-                continue
-            if seq.length >= len(ctx):  # never ahead of the context (kept by `rewind`)
-                trim_sequence(cache, seq, len(ctx) - 1)
-            need = -(-(len(ctx) + k - 1) // cache.page_size) - len(seq.pages)
-            if need > cache.free_pages or len(ctx) + k - 1 > engine.max_seq_len:
-                seq.release(cache)
-                continue
-            live.append(i)
-        if not live:
-            return drafts
-        feed = [contexts[i][sequences[i].length :] for i in live]
-        chunk = engine.options.prefill_chunk
-        try:
-            with engine.lock:
-                # Catch up on what the job added since (prefill-sized pieces), then draft.
-                while any(len(f) > 1 for f in feed):
-                    rows = [n for n, f in enumerate(feed) if len(f) > 1]
-                    pieces = [feed[n][: min(chunk, len(feed[n]) - 1)] for n in rows]
-                    engine.forward([sequences[live[n]] for n in rows], pieces)
-                    for n, piece in zip(rows, pieces, strict=True):
-                        feed[n] = feed[n][len(piece) :]
-                last = [f[0] for f in feed]
-                active = list(range(len(live)))
-                for _ in range(max(ks[i] for i in live)):
-                    logits = engine.forward(
-                        [sequences[live[n]] for n in active], [[last[n]] for n in active]
-                    )
-                    tokens = logits.argmax(dim=-1).tolist()
-                    for n, token in zip(active, tokens, strict=True):
-                        drafts[live[n]].append(token)
-                        last[n] = token
-                    active = [n for n in active if len(drafts[live[n]]) < ks[live[n]]]
-                    if not active:
-                        break
-        except CacheFullError:
-            for i in live:
-                sequences[i].release(cache)
-            return [[] for _ in contexts]
-        return drafts
-
-    def rewind(self, seq: Sequence, length: int) -> None:
-        """Keep at most `length` positions of a job's draft sequence (its accepted tokens)."""
-        trim_sequence(self.engine.cache, seq, length)
-
-    def release(self, seq: Sequence) -> None:
-        if self.engine.cache is not None:
-            seq.release(self.engine.cache)
 
 
 def accept(

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from engine.generator import GenerationBackend, GenerationEvent, generate
+from engine.generate import GenerationBackend, generate
+from engine.generator import GenerationEvent
 from engine.sampling_settings import SamplingSettings
 from engine.tokenizer import Tokenizer
 from loader.embeddings import check_pooling, default_pooling, pool

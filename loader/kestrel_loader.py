@@ -12,7 +12,7 @@ from engine.architectures import ARCHITECTURES
 from engine.cache import CACHE_TYPES
 from engine.config import ModelConfig
 from engine.engine import Engine, EngineOptions
-from engine.generator import GenerationBackend
+from engine.generate import GenerationBackend
 from engine.loading import LoadProgress
 from engine.placement import PlacementError
 from engine.tensor_parallel.launched import launched_rank

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.engine import ContextLengthError
-from engine.generator import GenerationBackend
+from engine.generate import GenerationBackend
 from engine.loading import resolve_device, resolve_dtype
 from engine.sampling_settings import SamplingSettings
 from engine.tokenizer import Tokenizer

@@ -10,7 +10,7 @@ import pytest
 
 from engine.banned_strings import BannedStrings
 from engine.engine import Engine, EngineOptions
-from engine.generator import generate_single
+from engine.generate import generate_single
 
 from model_factory import make_tiny_llama
 

@@ -90,11 +90,11 @@ def test_padded_rows_give_the_unpadded_logits_and_cache(model_dir: Path):
     for name, engine in (("eager", eager), ("padded", padded)):
         seqs = [Sequence() for _ in prompts]
         for seq, prompt in zip(seqs, prompts, strict=True):
-            engine.prefill(seq, prompt)
+            engine.runner.prefill(seq, prompt)
         states[name] = seqs
     new = [[40, 41, 42], [43], [44, 45]]
     counts = [3, 1, 2]
-    want = eager.forward(states["eager"], new, logits_counts=counts)
+    want = eager.runner.forward(states["eager"], new, logits_counts=counts)
 
     seqs = states["padded"]
     for seq, tokens in zip(seqs, new, strict=True):
@@ -125,7 +125,7 @@ def test_padded_rows_give_the_unpadded_logits_and_cache(model_dir: Path):
     # The next plain step sees the same cache in both engines.
     nxt = [[50], [51], [52]]
     torch.testing.assert_close(
-        padded.forward(seqs, copy.deepcopy(nxt)), eager.forward(states["eager"], nxt),
+        padded.runner.forward(seqs, copy.deepcopy(nxt)), eager.runner.forward(states["eager"], nxt),
         rtol=1e-5, atol=1e-5,
     )  # fmt: skip
 
@@ -141,7 +141,7 @@ def test_multi_token_graphs_equal_eager_forwards(model_dir: Path):
     seqs = {e: [Sequence() for _ in prompts] for e in ("g", "e")}
     for key, engine in (("g", graphed), ("e", eager)):
         for seq, prompt in zip(seqs[key], prompts, strict=True):
-            engine.prefill(seq, prompt)
+            engine.runner.prefill(seq, prompt)
     steps = [
         ([[40], [41], [42]], None),
         ([[43, 44, 45, 46, 47], [48], [49, 50]], [5, 1, 2]),  # T = 8, padded
@@ -150,8 +150,8 @@ def test_multi_token_graphs_equal_eager_forwards(model_dir: Path):
         ([[62], [63], [64]], None),
     ]
     for new, counts in steps:
-        got = graphed.forward(seqs["g"], new, logits_counts=counts)
-        want = eager.forward(seqs["e"], new, logits_counts=counts)
+        got = graphed.runner.forward(seqs["g"], new, logits_counts=counts)
+        want = eager.runner.forward(seqs["e"], new, logits_counts=counts)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert {(4, 1), (4, 2), (4, 4), (4, 8)} <= set(graphed.graphs._graphs)
@@ -171,10 +171,10 @@ def test_static_buffer_path_equals_eager_and_capture_all(model_dir: Path):
     seqs = {name: [Sequence() for _ in prompts] for name in ("e", "g")}
     for name, engine in (("e", eager), ("g", graphed)):
         for seq, prompt in zip(seqs[name], prompts, strict=True):
-            engine.prefill(seq, prompt)
+            engine.runner.prefill(seq, prompt)
     for new, counts in (([[40, 41, 42], [43]], [3, 1]), ([[44], [45]], None)):
-        got = graphed.forward(seqs["g"], new, logits_counts=counts)
-        want = eager.forward(seqs["e"], new, logits_counts=counts)
+        got = graphed.runner.forward(seqs["g"], new, logits_counts=counts)
+        want = eager.runner.forward(seqs["e"], new, logits_counts=counts)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -183,12 +183,12 @@ def _prompt_graph_run(graphed: Engine, eager: Engine, prompts: list[list[int]], 
     then one decode step: same last logits, and the same cache behind them."""
     for prompt in prompts:
         seqs = (Sequence(), Sequence())
-        got = graphed.prefill(seqs[0], prompt)
-        want = eager.prefill(seqs[1], prompt)
+        got = graphed.runner.prefill(seqs[0], prompt)
+        want = eager.runner.prefill(seqs[1], prompt)
         assert got.shape == want.shape == (1, graphed.config.vocab_size)
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
-        nxt = graphed.forward([seqs[0]], [[77]]), eager.forward([seqs[1]], [[77]])
+        nxt = graphed.runner.forward([seqs[0]], [[77]]), eager.runner.forward([seqs[1]], [[77]])
         torch.testing.assert_close(*nxt, rtol=tol, atol=tol)
         for engine, seq in zip((graphed, eager), seqs, strict=True):
             seq.release(engine.cache)
@@ -225,7 +225,7 @@ def test_captured_prompt_graphs_equal_eager_prefill(model_dir: Path):
     _prompt_graph_run(graphed, eager, prompts, 2e-2)
     graphs = graphed.graphs
     assert graphs.prompt_steps == 5 and set(graphs._prompt_graphs) == {768, 16, 256, 1024, 192}
-    first = graphed.prefill(Sequence(), prompts[0])
+    first = graphed.runner.prefill(Sequence(), prompts[0])
     kept = first.clone()
-    graphed.prefill(Sequence(), prompts[3])  # another bucket of the same pool
+    graphed.runner.prefill(Sequence(), prompts[3])  # another bucket of the same pool
     assert torch.equal(first, kept)

@@ -144,11 +144,11 @@ def test_batched_decode_steps_and_graph_buffers(model_dirs: dict[str, Path]) -> 
             if graphs:
                 engine.enable_decode_graphs(capture=False)
             seqs = [Sequence() for _ in prompts]
-            last = [engine.prefill(s, p) for s, p in zip(seqs, prompts, strict=True)]
+            last = [engine.runner.prefill(s, p) for s, p in zip(seqs, prompts, strict=True)]
             steps = []
             for _ in range(4):
                 tokens = [[int(row.argmax())] for row in last]
-                last = list(engine.forward(seqs, tokens))
+                last = list(engine.runner.forward(seqs, tokens))
                 steps.append(torch.stack(last))
             results[fuse, graphs] = torch.stack(steps)
     for graphs in (True, False):

@@ -16,7 +16,7 @@ import torch
 
 from engine.cache import CACHE_TYPES, PagedKVCache, cache_bytes_per_token
 from engine.engine import Engine, EngineOptions
-from engine.generator import generate_single
+from engine.generate import generate_single
 from kernels.kv_quant import (
     FP8_MAX,
     KVFormat,

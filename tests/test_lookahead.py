@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from engine.engine import Engine, EngineOptions
-from engine.generator import GenerationEvent, generate_single
+from engine.generate import generate_single
+from engine.generator import GenerationEvent
 
 from model_factory import make_tiny_llama
 
@@ -114,6 +115,29 @@ def test_steady_decode_runs_ahead_every_step(model_dir: Path) -> None:
     assert stats["lookahead_forwards"] >= 10
 
 
+def test_device_tokens_go_through_the_decode_graph_rows(model_dir: Path) -> None:
+    # The runner's lookahead path as a GPU takes it, on the decode graphs' static buffers
+    # (capture=False runs them eagerly on the CPU): the drawn tokens are copied into the
+    # graph's token column, never read back first; the events equal those without
+    # lookahead or graphs.
+    plain = _engine(model_dir, lookahead=False)
+    ahead = _engine(model_dir, lookahead=True)
+    graphs = ahead.enable_decode_graphs(capture=False)
+    spec = [(_prompt(5 + 4 * i, seed=i), {**GREEDY, "max_new_tokens": 16}) for i in range(3)]
+    device_steps = []
+    original = graphs.decode
+
+    def spy(sequences, tokens, **options):
+        device_steps.append(isinstance(tokens, torch.Tensor))
+        return original(sequences, tokens, **options)
+
+    graphs.decode = spy
+    assert _run(ahead, spec) == _run(plain, spec)
+    assert sum(device_steps) >= 10
+    assert ahead.scheduler.stats()["lookahead_forwards"] == sum(device_steps)
+    assert ahead.cache.free_pages == ahead.cache.num_pages
+
+
 def test_a_waiting_job_is_admitted_without_delay(model_dir: Path) -> None:
     # Lookahead stops for a job that waits with room in the batch: the step that reads
     # the drawn tokens runs a normal step, which admits it.
@@ -137,16 +161,17 @@ def test_a_lookahead_out_of_memory_is_undone_and_no_job_ends(model_dir: Path) ->
     plain = _engine(model_dir, lookahead=False)
     ahead = _engine(model_dir, lookahead=True)
     spec = [(_prompt(6 + i, seed=i), {**GREEDY, "max_new_tokens": 10}) for i in range(3)]
-    forward = ahead.forward_decode_tokens
+    execute = ahead.runner.execute
     calls = []
 
-    def fail_once(sequences, tokens):
-        calls.append(len(sequences))
-        if len(calls) == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory (test)")
-        return forward(sequences, tokens)
+    def fail_once(plan):
+        if plan.device_tokens is not None:  # a lookahead forward
+            calls.append(len(plan))
+            if len(calls) == 3:
+                raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return execute(plan)
 
-    ahead.forward_decode_tokens = fail_once
+    ahead.runner.execute = fail_once
     assert _run(ahead, spec) == _run(plain, spec)
     stats = ahead.scheduler.stats()
     assert stats["lookahead_out_of_memory"] == 1 and len(calls) > 3

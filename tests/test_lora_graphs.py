@@ -1,7 +1,7 @@
 """Decode steps with LoRA adapters through the decode graphs (engine/cuda_graph.py).
 
 Three ways to run a LoRA decode step, which must give the same greedy tokens:
-- eager: `Engine.forward` builds a fresh batch and LoRA segments every step;
+- eager: `ModelRunner.forward` builds a fresh batch and LoRA segments every step;
 - static: the decode graphs' static buffers (bucket-padded batch, static LoRA scales and
   segment starts) staged as for a replay, the forward run on them without capture
   (`enable_decode_graphs(capture=False)`), which runs on the CPU;
@@ -216,7 +216,7 @@ def _prefilled(engine: Engine, count: int) -> list[Sequence]:
     sequences = [Sequence() for _ in range(count)]
     with engine.lock:
         for i, seq in enumerate(sequences):
-            engine.prefill(seq, IDS[: 8 + i])
+            engine.runner.prefill(seq, IDS[: 8 + i])
     return sequences
 
 
@@ -249,7 +249,7 @@ def test_graph_reads_its_own_static_buffers_refreshed_each_step(
     with engine.lock:
         for selections in steps:
             n = len(selections)
-            engine.forward(sequences[:n], [[7 + i] for i in range(n)], loras=selections)
+            engine.runner.forward(sequences[:n], [[7 + i] for i in range(n)], loras=selections)
     graph = engine.graphs._lora_graphs[(4, 1)]
     assert engine.graphs.lora_steps == len(steps) and graph.replays == len(steps)
     assert len(seen) == len(steps)
@@ -319,12 +319,12 @@ def test_replacement_steps_run_eagerly(tiny: Path, adapters: dict[str, Path]):
     engine.loras.load(adapters["B"], "B")
     sequences = _prefilled(engine, 2)
     with engine.lock:
-        engine.forward(sequences, [[7], [8]], loras=[{"A": 1.0}, {}])
+        engine.runner.forward(sequences, [[7], [8]], loras=[{"A": 1.0}, {}])
         assert engine.graphs.lora_steps == 1
-        engine.forward(sequences, [[7], [8]], loras=[{"A": 1.0}, {"B": 1.0}])
+        engine.runner.forward(sequences, [[7], [8]], loras=[{"A": 1.0}, {"B": 1.0}])
         assert engine.graphs.lora_steps == 1
         engine.lora_graphs = False
-        engine.forward(sequences, [[7], [8]], loras=[{"A": 1.0}, {}])
+        engine.runner.forward(sequences, [[7], [8]], loras=[{"A": 1.0}, {}])
         assert engine.graphs.lora_steps == 1
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import loader
-from engine.hidden_states import next_group
 from extensions.openai import ApiServer, run_api_server
 from loader.embeddings import EmbeddingError, default_pooling
 from loader.manager import ModelManager
@@ -238,22 +237,6 @@ def test_embeddings_on_the_gpu_match_the_cpu(tiny):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=5e-3)
 
 
-def _groups(lengths: list[int], budget: int, page_size: int, free: int) -> list[list[int]]:
-    groups, start = [], 0
-    while start < len(lengths):
-        groups.append(next_group(lengths, start, budget, page_size, free))
-        start = groups[-1][-1] + 1
-    return groups
-
-
-def test_inputs_group_in_order_within_the_token_and_page_budgets():
-    # Tokens: at most 8 per group; pages of 4 tokens: plenty.
-    assert _groups([3, 4, 2, 9, 1, 1], 8, 4, 100) == [[0, 1], [2], [3], [4, 5]]
-    assert _groups([20], 8, 4, 100) == [[0]]  # past a chunk: alone, chunked by the caller
-    # Pages: two free pages hold two short sequences at a time.
-    assert _groups([1, 1, 1, 1, 1], 8, 4, 2) == [[0, 1], [2, 3], [4]]
-
-
 def test_short_inputs_share_forwards_and_give_the_same_states(tiny, monkeypatch):
     root, _ = tiny
     m = loader.load(
@@ -263,10 +246,11 @@ def test_short_inputs_share_forwards_and_give_the_same_states(tiny, monkeypatch)
         dtype="float32",
         page_size=16,
         cache_tokens=512,
+        prefill_chunk=32,  # the step's token budget (with max_batch <= 32)
+        max_batch=8,
     )
     try:
         engine = m.engine
-        engine.options.prefill_chunk = 32
         inputs = [m.encode_for_embedding(t) for t in [*TEXTS, " ".join(TEXTS * 3), "Hi"]]
         assert sum(map(len, inputs[:3])) <= 32 < len(inputs[3])
         alone = [m.hidden_states(ids) for ids in inputs]
@@ -278,8 +262,30 @@ def test_short_inputs_share_forwards_and_give_the_same_states(tiny, monkeypatch)
         together = m.hidden_states_many(inputs)
         for got, want in zip(together, alone, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        # The first three share one forward, the long one takes its chunks, "Hi" one more.
-        assert len(calls) == 1 + -(-len(inputs[3]) // 32) + 1
+        # Packed in order into full forwards of 32 tokens (the long one split over them),
+        # the last one holding what is left.
+        tokens = [len(batch.token_ids) for batch in calls]
+        assert tokens[:-1] == [32] * (len(tokens) - 1) and sum(tokens) == sum(map(len, inputs))
         assert engine.cache.free_pages == engine.cache.num_pages  # nothing stays cached
+    finally:
+        m.unload()
+
+
+def test_embeddings_wait_for_pages_and_give_them_back(tiny):
+    # A cache of 4 pages of 8 tokens: 10 inputs of 9..18 tokens (2-3 pages each) cannot
+    # all be in it at once; they wait their turn and every page comes back.
+    root, _ = tiny
+    m = loader.load(
+        root / "models" / "tiny", "kestrel", device="cpu", dtype="float32", page_size=8,
+        cache_tokens=32, prefill_chunk=64, max_batch=8,
+    )  # fmt: skip
+    try:
+        inputs = [list(range(5, 14 + n)) for n in range(10)]
+        alone = [m.hidden_states(ids) for ids in inputs]
+        together = m.hidden_states_many(inputs)
+        for got, want in zip(together, alone, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        cache = m.engine.cache
+        assert cache.free_pages == cache.num_pages
     finally:
         m.unload()

@@ -11,7 +11,7 @@ import torch
 
 from engine.cache import PagedKVCache, Sequence
 from engine.engine import Engine, EngineOptions
-from engine.generator import generate_single
+from engine.generate import generate_single
 from engine.prefix_cache import PrefixChain, adopt, find_prefix, publish, root_hash
 from engine.scheduler import DECODE
 

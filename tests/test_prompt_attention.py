@@ -110,11 +110,11 @@ def test_engine_prefill_equals_the_paged_path(model_dir: Path, monkeypatch) -> N
         modules, "prompt_attention", lambda *a, **k: used.append(1) or real(*a, **k)
     )
     seq = Sequence()
-    fast = engine.prefill(seq, prompt)
+    fast = engine.runner.prefill(seq, prompt)
     seq.release(engine.cache)
     assert used, "a fresh prompt takes prompt_attention"
     monkeypatch.setattr(modules, "prompt_attention_applies", lambda *a, **k: False)
     seq = Sequence()
-    paged = engine.prefill(seq, prompt)
+    paged = engine.runner.prefill(seq, prompt)
     seq.release(engine.cache)
     torch.testing.assert_close(fast, paged, rtol=1e-5, atol=1e-5)

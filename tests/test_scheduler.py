@@ -6,18 +6,21 @@ chunked prefill and admission order must not change a single token (greedy, or s
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
 import loader
-from engine.cache import CacheFullError
+from engine.cache import CacheFullError, Sequence
 from engine.engine import ContextLengthError, Engine, EngineOptions
-from engine.generator import GenerationEvent, generate, generate_single
-from engine.scheduler import DECODE, PREFILL, QueueFullError, Scheduler, SchedulerError
+from engine.generate import generate, generate_single
+from engine.generator import GenerationEvent
+from engine.scheduler import DECODE, PREFILL, QueueFullError, SchedulerError
 
 from model_factory import make_tiny_llama
 
@@ -196,12 +199,12 @@ def test_submit_errors_and_context_clamp(model_dir: Path):
     job = sched.submit(_prompt(256, seed=0), GREEDY)
     events = list(sched.stream(job))
     assert [e.finish_reason for e in events] == ["length"] and not events[0].token_ids
-    queued = Scheduler(engine, max_batch=2, max_tokens_per_step=8, max_waiting=1)
+    queued = engine.new_scheduler(max_batch=2, max_tokens_per_step=8, max_waiting=1)
     queued.submit(PROMPTS[0], GREEDY)
     with pytest.raises(QueueFullError, match="1 jobs are waiting"):
         queued.submit(PROMPTS[0], GREEDY)
     with pytest.raises(ValueError, match="max_tokens_per_step"):
-        Scheduler(engine, max_batch=8, max_tokens_per_step=4)
+        engine.new_scheduler(max_batch=8, max_tokens_per_step=4)
     assert engine.cache.free_pages == engine.cache.num_pages
     engine.unload()
     with pytest.raises(SchedulerError, match="closed"):
@@ -254,7 +257,7 @@ def test_failed_forward_ends_its_jobs_and_scheduler_recovers(model_dir: Path, mo
     def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine, "forward", broken)
+    monkeypatch.setattr(engine.runner, "execute", broken)
     with pytest.raises(RuntimeError, match="device lost"):
         list(sched.stream(jobs[0]))
     assert [j.finish_reason for j in jobs] == ["error", "error"]
@@ -297,13 +300,13 @@ def test_streaming_steps_run_on_one_thread(model_dir: Path, monkeypatch):
     engine = _engine(model_dir)
     sched = engine.scheduler
     threads_seen: set[str] = set()
-    forward = engine.forward
+    execute = engine.runner.execute
 
     def recording(*args, **kwargs):
         threads_seen.add(threading.current_thread().name)
-        return forward(*args, **kwargs)
+        return execute(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "forward", recording)
+    monkeypatch.setattr(engine.runner, "execute", recording)
     settings = {**GREEDY, "max_new_tokens": 5}
     want = [_single(engine, p, settings)[0] for p in PROMPTS[:4]]
     threads_seen.clear()
@@ -324,3 +327,92 @@ def test_streaming_steps_run_on_one_thread(model_dir: Path, monkeypatch):
     assert threads_seen == {threading.current_thread().name}
     sched.close()
     assert sched._stepper is None
+
+
+def test_logits_jobs_run_in_the_steps_of_generation(model_dir: Path):
+    """Engine.logits is a logits job of the scheduler: it shares steps with generation
+    (chunked by the step's budget: these prompts take 3 and 4 chunks), gets every
+    position's logits of the whole prompt, changes no generated token and holds no page
+    once done."""
+    engine = _engine(model_dir)
+    settings = {**GREEDY, "max_new_tokens": 6}
+    want_tokens = [_single(engine, p, settings)[0] for p in PROMPTS[:3]]
+    texts = [PROMPTS[4], PROMPTS[7]]
+    want_logits = []
+    for ids in texts:  # one forward over the whole prompt, outside the scheduler
+        seq = Sequence()
+        want_logits.append(engine.runner.forward([seq], [ids], all_logits=True))
+        seq.release(engine.cache)
+    execute = engine.runner.execute
+    mixed = []
+
+    def spy(plan):
+        if plan.device_tokens is None:  # not a lookahead's decode step
+            mixed.append({row.job.kind for row in plan.rows} == {"generate", "logits"})
+        return execute(plan)
+
+    engine.runner.execute = spy
+    sched = engine.scheduler
+    jobs = [sched.submit(p, settings) for p in PROMPTS[:3]]
+    events = sched.step()  # generation is under way when the logits jobs come
+    logits_jobs = [sched.submit_logits(ids) for ids in texts]
+    events += list(sched.stream_many(jobs + logits_jobs))
+    by_job = _collect(events)
+    assert [_ids(by_job[job.id]) for job in jobs] == want_tokens
+    assert any(mixed)
+    for job, want in zip(logits_jobs, want_logits, strict=True):
+        assert job.finish_reason == "length"
+        torch.testing.assert_close(torch.cat(job.outputs), want, rtol=1e-4, atol=1e-4)
+    assert engine.cache.free_pages == engine.cache.num_pages
+    torch.testing.assert_close(engine.logits(texts[0]), want_logits[0], rtol=1e-4, atol=1e-4)
+    assert engine.cache.free_pages == engine.cache.num_pages
+
+
+def test_embeddings_take_turns_with_generation(model_dir: Path):
+    """Hidden jobs (embeddings) get steps of their own, which alternate with generation's
+    while both have work: decoding goes on during a long batch of embeddings, its tokens
+    unchanged, and the states are those of each input alone."""
+    engine = _engine(model_dir)
+    settings = {**GREEDY, "max_new_tokens": 8}
+    want_tokens = [_single(engine, p, settings)[0] for p in PROMPTS[:2]]
+    inputs = [PROMPTS[n] for n in (2, 5, 7, 3, 6)]
+    want_states = [engine.hidden_states_many([ids])[0] for ids in inputs]
+    execute = engine.runner.execute
+    kinds: list[str] = []
+
+    def spy(plan):
+        if plan.device_tokens is None:
+            step = {row.job.kind for row in plan.rows}
+            assert len(step) == 1 or "hidden" not in step  # never mixed with others
+            kinds.append("hidden" if plan.hidden_states else "model")
+        else:
+            kinds.append("model")
+        return execute(plan)
+
+    engine.runner.execute = spy
+    sched = engine.scheduler
+    jobs = [sched.submit(p, settings) for p in PROMPTS[:2]]
+    events = sched.step()
+    states = sched.hidden_states(inputs)  # steps generation too, in turns
+    events += list(sched.stream_many(jobs))
+    by_job = _collect(events)
+    assert [_ids(by_job[job.id]) for job in jobs] == want_tokens
+    for got, want in zip(states, want_states, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    first, last = kinds.index("hidden"), len(kinds) - 1 - kinds[::-1].index("hidden")
+    assert "model" in kinds[first:last]  # decoding went on between embeddings' steps
+    assert engine.cache.free_pages == engine.cache.num_pages
+
+
+def test_unload_frees_the_model_even_while_its_parts_are_held(model_dir: Path):
+    """A server may still hold the scheduler or the runner (a stream, a stats call) when
+    the model is unloaded: the weights and the K/V storage must go anyway."""
+    engine = _engine(model_dir)
+    job = engine.scheduler.submit(PROMPTS[1], {**GREEDY, "max_new_tokens": 3})
+    engine.scheduler.step()
+    model, cache = weakref.ref(engine.model), weakref.ref(engine.cache)
+    held = (engine.scheduler, engine.runner, job)
+    engine.unload()
+    gc.collect()
+    assert model() is None and cache() is None
+    assert job.finish_reason == "cancelled" and held[0].num_running == 0

@@ -19,7 +19,7 @@ import torch
 
 from engine.cache import CacheFullError
 from engine.engine import Engine, EngineOptions
-from engine.generator import generate_single
+from engine.generate import generate_single
 from engine.scheduler import GenerationMemoryError
 
 from model_factory import make_tiny_llama

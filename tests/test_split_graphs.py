@@ -105,7 +105,7 @@ def test_segmented_graphs_equal_eager_forwards(
     seqs = {e: [Sequence() for _ in prompts] for e in ("g", "e")}
     for key, engine in (("g", graphed), ("e", eager)):
         for seq, prompt in zip(seqs[key], prompts, strict=True):
-            engine.prefill(seq, prompt)
+            engine.runner.prefill(seq, prompt)
     steps = [
         ([[40], [41], [42]], None),
         ([[43, 44, 45, 46, 47], [48], [49, 50]], [5, 1, 2]),  # T = 8, padded
@@ -116,8 +116,8 @@ def test_segmented_graphs_equal_eager_forwards(
     ]
     tol = 1e-5 if device == "cpu" else 2e-2
     for new, counts in steps:
-        got = graphed.forward(seqs["g"], new, logits_counts=counts)
-        want = eager.forward(seqs["e"], new, logits_counts=counts)
+        got = graphed.runner.forward(seqs["g"], new, logits_counts=counts)
+        want = eager.runner.forward(seqs["e"], new, logits_counts=counts)
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     decode = graphs._graphs[(4, 1)]

@@ -361,11 +361,11 @@ def decode_tok_s(engine: Engine, prompt: list[int]) -> float:
 
     def run() -> float:
         seq = Sequence()
-        token = int(engine.prefill(seq, prompt)[-1].argmax())
+        token = int(engine.runner.prefill(seq, prompt)[-1].argmax())
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(NEW_TOKENS):
-            token = int(engine.forward([seq], [[token]])[-1].argmax())
+            token = int(engine.runner.forward([seq], [[token]])[-1].argmax())
         elapsed = time.perf_counter() - t
         seq.release(engine.cache)
         return NEW_TOKENS / elapsed
@@ -401,7 +401,7 @@ def prefill_tok_s(engine: Engine, prompt: list[int]) -> float:
         seq = Sequence()
         torch.cuda.synchronize()
         t = time.perf_counter()
-        engine.prefill(seq, prompt)
+        engine.runner.prefill(seq, prompt)
         torch.cuda.synchronize()
         seq.release(engine.cache)
         return len(prompt) / (time.perf_counter() - t)

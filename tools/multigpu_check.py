@@ -101,18 +101,18 @@ def measure(engine: Engine, prompt: list[int], greedy_prompt: list[int], greedy:
         seq = Sequence()
         _sync()
         t = time.perf_counter()
-        engine.prefill(seq, prompt)
+        engine.runner.prefill(seq, prompt)
         _sync()
         seq.release(engine.cache)
         return len(prompt) / (time.perf_counter() - t)
 
     def decode() -> float:
         seq = Sequence()
-        token = int(engine.prefill(seq, prompt)[-1].argmax())
+        token = int(engine.runner.prefill(seq, prompt)[-1].argmax())
         _sync()
         t = time.perf_counter()
         for _ in range(NEW_TOKENS):
-            token = int(engine.forward([seq], [[token]])[-1].argmax())
+            token = int(engine.runner.forward([seq], [[token]])[-1].argmax())
         elapsed = time.perf_counter() - t
         seq.release(engine.cache)
         return NEW_TOKENS / elapsed
@@ -123,11 +123,11 @@ def measure(engine: Engine, prompt: list[int], greedy_prompt: list[int], greedy:
         return statistics.median(run() for _ in range(5))
 
     seq = Sequence()
-    logits = engine.prefill(seq, greedy_prompt)[-1]
+    logits = engine.runner.prefill(seq, greedy_prompt)[-1]
     finite = bool(torch.isfinite(logits).all())
     tokens = [int(logits.argmax())]
     for _ in range(greedy - 1):
-        tokens.append(int(engine.forward([seq], [[tokens[-1]]])[-1].argmax()))
+        tokens.append(int(engine.runner.forward([seq], [[tokens[-1]]])[-1].argmax()))
     seq.release(engine.cache)
     return {
         "greedy_tokens": tokens,

@@ -4,7 +4,7 @@
     python tools/profile_decode.py --batch 64 --prompt 128 --out DIR
 
 Builds (or reuses) tools/bench.py's random-weight model and reports, for one decode step:
-  - the step as the scheduler sees it (engine.forward + argmax + host sync), ms;
+  - the step as the scheduler sees it (engine.runner.forward + argmax + host sync), ms;
   - the captured CUDA graph replayed back to back (GPU time per step, no host work), ms;
   - the kernels of one eager forward (torch.profiler): time, count and share per kernel
     name, so the GEMV share and the small-kernel tail can be compared with the roofline;
@@ -123,13 +123,14 @@ def main() -> int:
     )
     vocab = engine.config.vocab_size
     seqs = [Sequence() for _ in range(B)]
+    prompts = [torch.randint(2, vocab, (args.prompt,)).tolist() for _ in seqs]
     tokens = [
-        int(engine.prefill(seq, torch.randint(2, vocab, (args.prompt,)).tolist())[-1].argmax())
-        for seq in seqs
+        int(engine.runner.prefill(seq, prompt)[-1].argmax())
+        for seq, prompt in zip(seqs, prompts, strict=True)
     ]
 
     def step() -> list[int]:
-        return engine.forward(seqs, [[t] for t in tokens]).argmax(-1).tolist()
+        return engine.runner.forward(seqs, [[t] for t in tokens]).argmax(-1).tolist()
 
     # 1. The step as the engine loop runs it (forward, argmax, host sync).
     for _ in range(5):

@@ -3,7 +3,7 @@
     python tools/profile_prefill.py --shape llama3-8b --format gptq --prompts 512 2048 --out DIR
 
 Builds (or reuses) tools/bench.py's random-weight model and reports, per prompt length:
-  - prefill tokens/s (engine.prefill, median of 5, as tools/bench.py measures it);
+  - prefill tokens/s (engine.runner.prefill, median of 5, as tools/bench.py measures it);
   - the kernels of one prefill (torch.profiler): time, count and share per kernel name;
   - the quantized linears' two parts on their own, summed over the model: dequantizing
     every weight to fp16 (`dequantize_triton`) and the fp16 matmuls at M = prompt rows,
@@ -78,7 +78,7 @@ def main() -> int:
 
         def run(prompt: list[int] = prompt) -> None:
             seq = Sequence()
-            engine.prefill(seq, prompt)
+            engine.runner.prefill(seq, prompt)
             seq.release(engine.cache)
 
         run()  # compiles this chunk size's kernels

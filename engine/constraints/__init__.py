@@ -13,15 +13,16 @@ Contract:
   The scheduler calls three hooks (engine/constraints/hooks.py) and nothing else:
   `mask_logits` before its samplers (the masks of a step are computed on the host, after the
   forward was launched, so that they overlap the GPU's work, and applied on the device by
-  `kernels.apply_token_bitmask`), `trim_drafts` when it drafts (a draft the grammar refuses
-  is cut with everything after it), and `sync_constraint` after a job's tokens changed
-  (accepted tokens are consumed; rejected drafts and banned-string rewinds roll back).
+  the runner's `apply_token_bitmask`, kernels/token_bitmask.py), `trim_drafts` when it
+  drafts (a draft the grammar refuses is cut with everything after it), and
+  `sync_constraint` after a job's tokens changed (accepted tokens are consumed; rejected
+  drafts and banned-string rewinds roll back).
 - A job whose grammar leaves no token to continue with (a schema the tokenizer cannot
   satisfy) ends with finish_reason "constraint_error"; a finished grammar allows only EOS.
 """
 
 from engine.constraints.compiler import check_constraint, compile_constraint
-from engine.constraints.hooks import mask_logits, sync_constraint, trim_drafts
+from engine.constraints.hooks import ApplyMask, mask_logits, sync_constraint, trim_drafts
 from engine.constraints.spec import (
     CONSTRAINT_KEYS,
     ConstraintError,
@@ -31,6 +32,7 @@ from engine.constraints.spec import (
 from engine.constraints.state import CONSTRAINT_ERROR, JobConstraint
 
 __all__ = [
+    "ApplyMask",
     "CONSTRAINT_ERROR",
     "CONSTRAINT_KEYS",
     "ConstraintError",

@@ -5,14 +5,15 @@ already consumed the tokens before it (`sync_constraint` runs as each job takes 
 tokens), so the host works on the masks while the GPU computes the logits. They are
 written into one pinned bitmask (llguidance's executor fills many rows in parallel
 threads, without the GIL), copied to the device without a host sync and applied there by
-`kernels.apply_token_bitmask`. A job without a constraint costs nothing; a step without
-one costs one attribute look-up per row.
+the runner's `apply_token_bitmask` (kernels/token_bitmask.py: the scheduler reaches no
+kernel code itself, so the device half is passed in). A job without a constraint costs
+nothing; a step without one costs one attribute look-up per row.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
@@ -20,11 +21,12 @@ import llguidance.torch
 import torch
 
 from engine.constraints.state import CONSTRAINT_ERROR
-from kernels.token_bitmask import apply_token_bitmask
 
 # (job, first logits row, drafts): the job's rows are first_row .. first_row + len(drafts),
 # row j drawn after the job's tokens and drafts[:j].
 MaskRow = tuple[Any, int, Sequence[int]]
+# (logits [N, V], bitmask [R, ceil(V / 32)] int32, rows [R] int64) -> logits, in place.
+ApplyMask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _executor: llguidance.LLExecutor | None = None
 _buffers: dict[tuple[str, int], _Buffer] = {}
@@ -57,7 +59,7 @@ def _buffer(device: torch.device, rows: int, words: int) -> _Buffer:
     return buf
 
 
-def mask_logits(rows: Sequence[MaskRow], logits: torch.Tensor) -> torch.Tensor:
+def mask_logits(rows: Sequence[MaskRow], logits: torch.Tensor, apply: ApplyMask) -> torch.Tensor:
     """Apply the constrained jobs' masks to their rows of logits [N, V] (in place; returns
     logits). A job whose grammar allows no token at a row is marked failed (its row is left
     open: `sync_constraint` ends the job before its token is used)."""
@@ -69,10 +71,12 @@ def mask_logits(rows: Sequence[MaskRow], logits: torch.Tensor) -> torch.Tensor:
     if not wanted:
         return logits
     with _lock:
-        return _mask(wanted, logits)
+        return _mask(wanted, logits, apply)
 
 
-def _mask(wanted: list[tuple[Any, int, Sequence[int]]], logits: torch.Tensor) -> torch.Tensor:
+def _mask(
+    wanted: list[tuple[Any, int, Sequence[int]]], logits: torch.Tensor, apply: ApplyMask
+) -> torch.Tensor:
     words = (wanted[0][0].vocab + 31) // 32
     count = sum(1 + len(drafts) for _, _, drafts in wanted)
     buf = _buffer(logits.device, count, words)
@@ -116,8 +120,7 @@ def _mask(wanted: list[tuple[Any, int, Sequence[int]]], logits: torch.Tensor) ->
         rows_at = rows_at.pin_memory().to(device, non_blocking=True)
         buf.copied = torch.cuda.Event()
         buf.copied.record(torch.cuda.current_stream(device))
-    with torch.inference_mode():  # the forward's logits are inference tensors
-        return apply_token_bitmask(logits, mask, rows_at)
+    return apply(logits, mask, rows_at)
 
 
 def trim_drafts(job: Any, drafts: list[int]) -> list[int]:

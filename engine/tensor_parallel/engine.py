@@ -5,9 +5,10 @@ multiprocessing, one process per GPU) or, under torchrun, takes the ranks torchr
 (those run `serve_launched_rank`: engine/tensor_parallel/launched.py); it joins them in a
 process group (NCCL on GPUs, gloo on the CPU), builds its own shard and waits until every
 rank has built its own. From then on it is an ordinary `Engine` (tokenizer, scheduler,
-page bookkeeping) whose `forward` first broadcasts the step to the other ranks, which run
-the same forward on their shards. Decode steps replay CUDA graphs on every rank
-(all-reduces captured inside); prefill and mixed steps run eagerly.
+page bookkeeping) whose runner (engine/tensor_parallel/runner.py) first broadcasts each
+step to the other ranks, which run the same forward on their shards. Decode steps replay
+CUDA graphs on every rank (all-reduces captured inside); prefill and mixed steps run
+eagerly.
 """
 
 from __future__ import annotations
@@ -22,11 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.cache import ForwardBatch, Sequence
 from engine.config import ModelConfig
 from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
 from engine.loading import resolve_device, resolve_dtype
-from engine.lora.adapter import LoraError
 from engine.tensor_parallel import protocol
 from engine.tensor_parallel.launched import LaunchedRank, launched_rank
 from engine.tensor_parallel.rank import (
@@ -37,6 +36,7 @@ from engine.tensor_parallel.rank import (
     serve,
     worker_main,
 )
+from engine.tensor_parallel.runner import TensorParallelRunner
 from engine.tensor_parallel.transform import TensorParallelError
 from engine.tokenizer import Tokenizer
 
@@ -50,6 +50,8 @@ def _free_port() -> int:
 
 
 class TensorParallelEngine(Engine):
+    runner_class = TensorParallelRunner
+    runner: TensorParallelRunner
     world_size: int
     _workers: list
     _device: torch.device
@@ -116,51 +118,13 @@ class TensorParallelEngine(Engine):
         engine = cls(
             config, model, cache, tokenizer, options, model_dir, time.perf_counter() - started
         )
-        engine.graphs = graphs
+        engine.runner.graphs = graphs
+        engine.runner.device = spec.device(0)
         engine.world_size = engine.tp_world_size = world_size
         engine._workers = workers
         engine._device = spec.device(0)
         engine.rank_devices = [str(spec.device(rank)) for rank in range(world_size)]
         return engine
-
-    def forward(
-        self,
-        sequences: list[Sequence],
-        new_tokens: list[list[int]],
-        *,
-        all_logits: bool = False,
-        logits_counts: list[int] | None = None,
-        loras: list[dict[str, float]] | None = None,
-    ) -> torch.Tensor:
-        """As Engine.forward; `logits_counts` (speculative verification) sends the rows to
-        keep in the batch's logits_indices, so the other ranks need nothing new. LoRA
-        adapters are not sent to the other ranks yet: a selection is refused."""
-        if any(loras or []) or self.loras.default:
-            raise LoraError("LoRA adapters are not supported with tensor parallelism yet")
-        graphs = self.graphs
-        if (
-            graphs is not None
-            and not all_logits
-            and logits_counts is None
-            and all(len(t) == 1 for t in new_tokens)
-            and graphs.bucket(len(sequences)) is not None
-        ):
-            size = graphs.bucket(len(sequences))
-            assert size is not None
-            for seq in sequences:
-                seq.reserve(self.cache, seq.length + 1)
-                seq.length += 1
-            # Header first: the other ranks capture a new bucket's graph in step with us.
-            protocol.announce_graph_decode(size, self._device)
-            graph = graphs.graph(size)
-            graph.stage(sequences, [t[0] for t in new_tokens])
-            protocol.broadcast_rows(graph.device_rows)  # rank 0 is the source
-            return graph.replay()[: len(sequences)]
-        batch = ForwardBatch.build(
-            self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
-        )
-        protocol.send_batch(batch, self._device)
-        return self.model(batch.on(self._device), self.cache)
 
     def unload(self) -> None:
         stopped = False
@@ -187,7 +151,8 @@ class TensorParallelEngine(Engine):
         _stop_workers(self._workers)
         self.model = None  # type: ignore[assignment]
         self.cache = None  # type: ignore[assignment]
-        self.graphs = None
+        self.runner.graphs = None  # their replays would wait on the stopped ranks
+        self.runner.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 

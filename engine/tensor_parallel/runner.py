@@ -1,0 +1,66 @@
+"""Rank 0's model runner of a tensor-parallel model: each forward is first broadcast to
+the other ranks (engine/tensor_parallel/protocol.py), which run the same forward on their
+shards; decode steps replay CUDA graphs on every rank in step (all-reduces captured
+inside), other steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache import ForwardBatch, Sequence
+from engine.lora.adapter import LoraError
+from engine.runner import ModelRunner
+from engine.tensor_parallel import protocol
+
+
+class TensorParallelRunner(ModelRunner):
+    device: torch.device  # rank 0's, set by TensorParallelEngine.launch
+
+    def forward(
+        self,
+        sequences: list[Sequence],
+        new_tokens: list[list[int]],
+        *,
+        all_logits: bool = False,
+        logits_counts: list[int] | None = None,
+        loras: list[dict[str, float]] | None = None,
+    ) -> torch.Tensor:
+        """As ModelRunner.forward; `logits_counts` (speculative verification, logits jobs)
+        sends the rows to keep in the batch's logits_indices, so the other ranks need
+        nothing new. LoRA adapters are not sent to the other ranks yet: a selection is
+        refused."""
+        if any(loras or []) or self.loras.default:
+            raise LoraError("LoRA adapters are not supported with tensor parallelism yet")
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and not all_logits
+            and logits_counts is None
+            and all(len(t) == 1 for t in new_tokens)
+            and graphs.bucket(len(sequences)) is not None
+        ):
+            size = graphs.bucket(len(sequences))
+            assert size is not None
+            for seq in sequences:
+                seq.reserve(self.cache, seq.length + 1)
+                seq.length += 1
+            # Header first: the other ranks capture a new bucket's graph in step with us.
+            protocol.announce_graph_decode(size, self.device)
+            graph = graphs.graph(size)
+            graph.stage(sequences, [t[0] for t in new_tokens])
+            protocol.broadcast_rows(graph.device_rows)  # rank 0 is the source
+            return graph.replay()[: len(sequences)]
+        batch = ForwardBatch.build(
+            self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
+        )
+        protocol.send_batch(batch, self.device)
+        return self.model(batch.on(self.device), self.cache)
+
+    def forward_decode_tokens(
+        self, sequences: list[Sequence], tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """The lookahead's decode step: the tokens are read back and broadcast with the
+        step (the other ranks' graphs take host rows)."""
+        n = len(sequences)
+        return self.forward(sequences, [[t] for t in tokens.tolist()], loras=[{}] * n)
