@@ -39,7 +39,9 @@ def make_demo_adapters(model: Path, loras: Path) -> None:
 
     for seed, (name, config) in enumerate(DEMO_ADAPTERS.items(), start=1):
         torch.manual_seed(seed)
-        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.float32, trust_remote_code=False
+        )
         peft_model = get_peft_model(base, LoraConfig(init_lora_weights=False, **config))
         with torch.no_grad():
             for key, p in peft_model.named_parameters():
