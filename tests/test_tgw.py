@@ -201,7 +201,7 @@ def test_ignored_settings_are_warned_through_the_injected_logger(tmp_path):
 def test_kestrel_schema_matches_what_the_loader_accepts(tmp_path):
     schema = loader.settings_schema("kestrel")
     cache = next(c for c in schema.controls if c.name == "cache_type")
-    assert cache.choices == CACHE_TYPES and cache.default == "fp16"
+    assert cache.choices == tuple(CACHE_TYPES) and cache.default == "fp16"
     assert schema.check(schema.defaults()) == schema.defaults()
     with pytest.raises(LoaderError, match=r"cache_type='q3': expected one of"):
         schema.check({"cache_type": "q3"})
