@@ -66,7 +66,11 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
             (target / "chat_template.jinja").write_text(template)
     (models / "loras").mkdir()
     manager = ModelManager(models, models / "loras")
-    manager.load("smol", "kestrel", device="cpu", dtype="float32", max_seq_len=1024)
+    # Room for 32 jobs at once (the default cache holds one max_seq_len): the test's 200
+    # generations run as a few large batches, not five jobs at a time.
+    manager.load(
+        "smol", "kestrel", device="cpu", dtype="float32", max_seq_len=1024, cache_tokens=32 * 256
+    )
     previous, shared.manager = shared.manager, manager
     server: ApiServer = run_api_server("127.0.0.1", 0, manager=manager)
     try:
@@ -114,7 +118,7 @@ def test_200_generations_under_10_tool_schemas_validate(client: openai.OpenAI) -
         )
         return [(name, c.message.content, c.finish_reason) for c in reply.choices]
 
-    with ThreadPoolExecutor(16) as pool:
+    with ThreadPoolExecutor(32) as pool:
         futures = [pool.submit(sampled, name) for name in SCHEMAS]
         futures += [pool.submit(greedy, name, ask) for name in SCHEMAS for ask in ASKS]
         results = [item for future in futures for item in future.result()]
