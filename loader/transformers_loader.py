@@ -19,8 +19,9 @@ from engine.generate import GenerationBackend
 from engine.loading import resolve_device, resolve_dtype
 from engine.sampling_settings import SamplingSettings
 from engine.tokenizer import Tokenizer
-from loader.base import Chunk, LoadedModel, LoaderError
+from loader.base import Chunk, LoadedModel, LoaderError, UnsupportedFeatureError
 from loader.peft_loras import PeftLoras
+from loader.values import check_settings_constraint
 
 NAME = "transformers"
 
@@ -228,6 +229,7 @@ class TransformersModel(LoadedModel):
     ) -> Generator[Chunk, None, None]:
         settings = SamplingSettings.from_any(settings)
         self._loras.check_request(settings.loras)
+        _refuse_constraint(settings)
         return super().stream(prompt, settings)
 
     def stream_many(
@@ -237,7 +239,9 @@ class TransformersModel(LoadedModel):
     ) -> Generator[Chunk, None, None]:
         each = settings if isinstance(settings, list) else [settings]
         for s in each:
-            self._loras.check_request(SamplingSettings.from_any(s).loras)
+            checked = SamplingSettings.from_any(s)
+            self._loras.check_request(checked.loras)
+            _refuse_constraint(checked)
         return super().stream_many(prompts, settings)
 
     def _live(self) -> _Backend:
@@ -249,3 +253,13 @@ class TransformersModel(LoadedModel):
         self._backend = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _refuse_constraint(settings: SamplingSettings) -> None:
+    """Structured output needs the kestrel loader's token masks: said, not ignored (output
+    that merely looks constrained would be worse than an error)."""
+    if check_settings_constraint(settings):
+        raise UnsupportedFeatureError(
+            "structured output (json_schema, json_object, regex, lark, grammar_string) needs "
+            "the kestrel loader; the transformers loader cannot constrain its tokens"
+        )

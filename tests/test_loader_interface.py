@@ -43,3 +43,27 @@ def test_limits_and_tokens_through_the_interface(tiny_dir: Path, name: str) -> N
         assert "Hi" in model.apply_chat_template(messages, add_generation_prompt=True)
     finally:
         model.unload()
+
+
+def test_structured_output_on_the_transformers_loader_is_refused_not_ignored(
+    tiny_dir: Path,
+) -> None:
+    """It has no token masks: output that only looks constrained would be worse than an
+    error; the kestrel loader takes the same request."""
+    settings = {"max_new_tokens": 4, "temperature": 0, "regex": "[0-9]+"}
+    model = loader.load(tiny_dir, "transformers", device="cpu", dtype="float32")
+    try:
+        with pytest.raises(loader.UnsupportedFeatureError, match="needs the kestrel loader"):
+            list(model.stream("Count:", settings))
+        with pytest.raises(loader.UnsupportedFeatureError, match="needs the kestrel loader"):
+            list(model.stream_many(["a", "b"], settings))
+        plain = list(model.stream("Count:", {"max_new_tokens": 2, "temperature": 0}))
+        assert plain[-1].finish_reason == "length"
+    finally:
+        model.unload()
+    model = loader.load(tiny_dir, "kestrel", device="cpu", dtype="float32")
+    try:
+        text = "".join(chunk.text for chunk in model.stream("Count:", settings))
+        assert text.isdigit() and text, text
+    finally:
+        model.unload()
