@@ -142,7 +142,7 @@ class TensorParallelEngine(Engine):
                 # aborts when this process exits first, so the group is left together.
                 # (On NCCL, 2xH100, a barrier here hung; the ranks leave as spawned ones do.)
                 dist.barrier()
-            dist.destroy_process_group()
+            leave_group(launched=launched_rank() is not None)
 
     def abort(self) -> None:
         """Stop the other ranks without a collective (after a failed step they may be stuck
@@ -243,7 +243,17 @@ def serve_launched_rank(model_dir: str | Path, options: EngineOptions | None = N
         if dist.get_backend() == "gloo":
             dist.barrier()  # rank 0's unload waits here too (see TensorParallelEngine.unload)
     finally:
-        dist.destroy_process_group()
+        leave_group(launched=True)
+
+
+def leave_group(*, launched: bool) -> None:
+    """Drop this process's group as it leaves tensor parallelism. Not for torchrun's ranks
+    on NCCL: there both ranks hung inside destroy_process_group (2x H100, torch 2.11, the
+    stacks of both taken after 70 s), and each process exits right after serving, which
+    frees its communicator anyway."""
+    if launched and dist.get_backend() == "nccl":
+        return
+    dist.destroy_process_group()
 
 
 def _gather_load_errors(error: str | None) -> list[tuple[int, str]]:
