@@ -24,12 +24,12 @@ from browser_ui import (
     choose,
     open_page,
     running_ui,
-    send,
     set_value,
     status_tokens,
     tab,
     user_messages,
 )
+from browser_ui import send as click_send
 from model_factory import make_tiny_llama
 
 if not os.path.exists(CHROMIUM):
@@ -93,6 +93,15 @@ def settle(page, max_new_tokens: int, *, ban_eos: bool, preset: str | None = Non
         box.click()
     expect(page.locator("#preset-in-effect")).to_be_visible()
     tab(page, "Chat")
+
+
+def send(page, text: str) -> None:
+    """Send `text` and wait until it is on the page: until then Send is still visible and the
+    status still shows the previous reply's end, so a following `wait_done` would return at
+    once (seen in CI: a second page's message then raced the first page's save)."""
+    before = user_messages(page).count()
+    click_send(page, text)
+    expect(user_messages(page)).to_have_count(before + 1)
 
 
 def new_chat(page) -> None:
