@@ -23,8 +23,9 @@ from engine.loading import DTYPES, load_causal_lm
 from engine.placement import Placement
 from engine.placement.footprint import model_footprint
 from engine.tensor_parallel import protocol
+from engine.tensor_parallel.all_reduce import GroupAllReduce
 from engine.tensor_parallel.staging import staging_placement
-from engine.tensor_parallel.transform import move_model, shard_model
+from engine.tensor_parallel.transform import move_model, shard_model, use_all_reduce
 from engine.weights import WeightStore
 from kernels.backend import set_deterministic_sums
 
@@ -98,6 +99,8 @@ def build_rank(
     )
     shard_model(model, rank=rank, world=spec.world_size)
     move_model(model, device)
+    # After the process group, at the same point on every rank (its set-up is a collective).
+    use_all_reduce(model, GroupAllReduce(None, device))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the staged whole layers, now cut
     # After sharding: each rank's q/k/v (gate/up) shards concatenate like whole weights.

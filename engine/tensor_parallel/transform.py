@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.modules import Attention, FusedGatedMLP, GatedMLP, Linear
 from engine.quantized_linear import QuantizedLinear
+from engine.tensor_parallel.all_reduce import GroupAllReduce
 from engine.tensor_parallel.shard import (
     rows_of_inputs,
     shard_columns,
@@ -48,14 +49,22 @@ FLOAT32_REDUCE_MAX_ROWS = 64
 
 
 class AllReduceLinear(nn.Module):
-    """A row-parallel linear: each rank's partial product, summed over the group."""
+    """A row-parallel linear: each rank's partial product, summed over the group (by NCCL or
+    gloo until `use_all_reduce` gives it the rank's GroupAllReduce)."""
 
     def __init__(self, inner: nn.Module, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.inner = inner
         self.group = group
+        self.reduce: GroupAllReduce | None = None
         self.in_features = inner.in_features
         self.out_features = inner.out_features
+
+    def _sum(self, y: torch.Tensor) -> torch.Tensor:
+        if self.reduce is not None:
+            return self.reduce(y)
+        dist.all_reduce(y, group=self.group)
+        return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
@@ -63,12 +72,15 @@ class AllReduceLinear(nn.Module):
             and x.dtype != torch.float32
             and x.shape[0] <= FLOAT32_REDUCE_MAX_ROWS
         ):
-            y = self.inner(x.float()).contiguous()
-            dist.all_reduce(y, group=self.group)
-            return y.to(x.dtype)
-        y = self.inner(x).contiguous()
-        dist.all_reduce(y, group=self.group)
-        return y
+            return self._sum(self.inner(x.float()).contiguous()).to(x.dtype)
+        return self._sum(self.inner(x).contiguous())
+
+
+def use_all_reduce(model: nn.Module, reduce: GroupAllReduce) -> None:
+    """Give every row-parallel linear of a sharded model the rank's GroupAllReduce."""
+    for module in model.modules():
+        if isinstance(module, AllReduceLinear):
+            module.reduce = reduce
 
 
 def _row_shard(linear: nn.Module, inputs: torch.Tensor, *, rank: int) -> nn.Module:
