@@ -70,7 +70,6 @@ each segment's own buffers) is tested on the CPU and captured on a single GPU.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -223,6 +222,7 @@ class _SegmentGraph:
         self.lora_batch: LoraBatch | None = (
             lora.static_batch(B, device) if lora is not None else None
         )
+        self.batch.lora = self.lora_batch  # what the captured projections read
         # The previous segment's output copied here before each replay; set by _Graph.
         self.hidden: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -232,9 +232,7 @@ class _SegmentGraph:
         """The forward that is captured: this segment's share of the model on the static
         batch (and the static LoRA batch in a LoRA graph). Hidden states [B*T, hidden],
         or from the last segment the logits [B*T, vocab]."""
-        with torch.inference_mode(), contextlib.ExitStack() as stack:
-            if self.lora is not None:
-                stack.enter_context(self.lora.active(self.lora_batch))
+        with torch.inference_mode():
             seg, model = self.segment, self.model
             h = model.forward_embed(self.batch) if seg.embed else self.hidden
             assert h is not None, "a segment after the first needs its input buffer"

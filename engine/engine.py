@@ -25,7 +25,6 @@ from engine.cache_sizing import describe, memory_sized_tokens
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.draft_model import DraftModel
-from engine.fusion import fuse_projections, set_kernel_fusion
 from engine.limits import ContextLengthError, EmptyPromptError, check_length
 from engine.loading import LoadProgress, load_causal_lm, resolve_device, resolve_dtype
 from engine.lora import LoraManager
@@ -86,7 +85,7 @@ class EngineOptions:
     # The scheduler launches the next decode forward before reading the last step's tokens,
     # so its host work overlaps the GPU (engine/scheduler.py, "Lookahead"); same output.
     lookahead: bool = True
-    fuse_projections: bool = True  # q/k/v and gate/up as one linear each (engine/fusion.py)
+    fuse_projections: bool = True  # q/k/v and gate/up built as one linear each (build_plan.py)
     # Residual add + norm, SiLU * up, RoPE + KV write as one kernel each (same results).
     fuse_kernels: bool = True
     # Bitwise reproducible decode: split-K sums as fixed point (kernels/quant_common.py), so
@@ -282,11 +281,9 @@ class Engine:
             config=config,
             placement=placement,
             progress=(lambda f, what: progress(0.9 * f, what)) if progress else None,
+            fuse_projections=options.fuse_projections,
+            fuse_kernels=options.fuse_kernels,
         )
-        if options.fuse_projections:
-            fuse_projections(model)
-        if not options.fuse_kernels:
-            set_kernel_fusion(model, False)
         model.setup_rotary(
             max_seq_len, rope_alpha=options.rope_alpha, rope_scale=options.rope_scale
         )

@@ -29,17 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.modules import ACTIVATIONS, Linear, gated_activation
+from engine.lora.batch import LoraBatch
+from engine.modules import ACTIVATIONS, FusesKernels, Linear, gated_activation
 
 # Mixtral's expert names: w1 gate, w3 up, w2 down.
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
-class ExpertMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) under the checkpoint's own linear names."""
-
-    fuse_kernels: bool = True  # SiLU and the product as one kernel (gated_activation)
+class ExpertMLP(FusesKernels):
+    """down(act(gate(x)) * up(x)) under the checkpoint's own linear names. Fused kernels:
+    SiLU and the product as one kernel (gated_activation)."""
 
     def __init__(
         self, hidden: int, intermediate: int, act: str, names: tuple[str, str, str]
@@ -57,10 +57,9 @@ class ExpertMLP(nn.Module):
         return down(gated_activation(self.act_name, gate(x), up(x), fused=self.fuse_kernels))
 
 
-class FusedExperts(nn.Module):
-    """All experts' weights in two 3-D tensors (transformers 5's layout)."""
-
-    fuse_kernels: bool = True  # SiLU and the product as one kernel (gated_activation)
+class FusedExperts(FusesKernels):
+    """All experts' weights in two 3-D tensors (transformers 5's layout). Fused kernels:
+    SiLU and the product as one kernel (gated_activation)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
@@ -123,7 +122,9 @@ class SparseMoE(nn.Module):
             weights = weights.to(logits.dtype)
         return weights, experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """`lora` is not applied: experts see routed rows, not a request's (engine/lora
+        targets no linear in here)."""
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
         # [E, T, k] one-hot; the host loop visits only experts some row was routed to.

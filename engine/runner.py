@@ -12,7 +12,7 @@ Graph selection (`forward`), as engine/cuda_graph.py describes the graphs:
   speculative verification, short chunks);
 - one fresh prompt of up to `prefill_chunk` tokens, last logits only, no LoRA: a prompt graph;
 - one token per row under LoRA adapters (`lora_graphs`): a LoRA decode graph;
-- anything else: the eager forward, with the step's LoRA batch.
+- anything else: the eager forward, with the step's LoRA batch in its `ForwardBatch`.
 `forward_decode_tokens` is the lookahead's decode step: its input tokens are on the device
 (drawn by the sampler and not read back) and go into the graph's rows device to device.
 
@@ -155,10 +155,14 @@ class ModelRunner:
                 logits_lengths = [min(n, 1) for n in lengths]
             lora_batch = self.loras.batch(lora_scales, lengths, logits_lengths)
         batch = ForwardBatch.build(
-            self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
+            self.cache,
+            sequences,
+            new_tokens,
+            all_logits=all_logits,
+            logits_counts=logits_counts,
+            lora=lora_batch,
         )
-        with self.loras.active(lora_batch):
-            return self.model(batch, self.cache)
+        return self.model(batch, self.cache)
 
     def forward_decode_tokens(
         self, sequences: list[Sequence], tokens: torch.Tensor
@@ -190,9 +194,10 @@ class ModelRunner:
         lengths = [len(t) for t in new_tokens]
         scales = self.loras.scales(loras)
         lora_batch = None if scales is None else self.loras.batch(scales, lengths, lengths)
-        batch = ForwardBatch.build(self.cache, sequences, new_tokens, all_logits=True)
-        with self.loras.active(lora_batch):
-            return self.model.hidden_states(batch, self.cache).float().cpu()
+        batch = ForwardBatch.build(
+            self.cache, sequences, new_tokens, all_logits=True, lora=lora_batch
+        )
+        return self.model.hidden_states(batch, self.cache).float().cpu()
 
     def prefill(
         self,

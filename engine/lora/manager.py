@@ -14,19 +14,18 @@ Contract:
   captured the stacks' addresses are then captured again.
 - `scales(selections)` turns a step's selections into one scale per (sequence, slot), None
   when no row uses an adapter (the no-LoRA path); `batch(scales, ...)` into the
-  `LoraBatch` the modules read.
+  `LoraBatch` that the runner puts in the step's ForwardBatch.
 - `salt(selection)` names a selection for the prefix cache: pages computed under one
   selection are never reused under another (or under a reloaded adapter of the same name).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,8 @@ import torch
 from torch import nn
 
 from engine.lora.adapter import LoraAdapter, LoraError, Target, read_adapter
-from engine.lora.layers import LoraBatch, LoraEmbedding, LoraLinear, LoraSegments, LoraState
+from engine.lora.batch import LoraBatch, LoraSegments
+from engine.lora.layers import LoraEmbedding, LoraLinear
 
 _HEAD, _EMBED = "lm_head", "model.embed_tokens"
 _uid = itertools.count(1)
@@ -70,7 +70,7 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
             q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
             if s.fused_qkv:
                 fused = module.qkv_proj
-                if not getattr(module, "fused_at_load", False):  # a checkpoint name
+                if "qkv_proj" not in module.load_sources:  # the checkpoint's own name
                     add(prefix + "qkv_proj", prefix + "qkv_proj", fused)
                 slices = (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv))
                 for leaf, offset, size in slices:
@@ -80,11 +80,12 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
                     add(prefix + leaf, prefix + leaf, getattr(module, leaf))
             add(prefix + "o_proj", prefix + "o_proj", module.o_proj)
         elif isinstance(module, FusedGatedMLP) or (
-            isinstance(module, GatedMLP) and module.gate_up_proj is not None  # engine.fusion
+            isinstance(module, GatedMLP) and module.gate_up_proj is not None  # build plan
         ):
             fused = module.gate_up_proj
+            assert fused is not None
             half = fused.out_features // 2
-            if not getattr(module, "fused_at_load", False):
+            if isinstance(module, FusedGatedMLP):  # the checkpoint's own name
                 add(prefix + "gate_up_proj", prefix + "gate_up_proj", fused)
             add(prefix + "gate_proj", prefix + "gate_up_proj", fused, 0, half)
             add(prefix + "up_proj", prefix + "gate_up_proj", fused, half, half)
@@ -100,7 +101,6 @@ class LoraManager:
     def __init__(self, model: nn.Module, lock: threading.RLock) -> None:
         self.model = model
         self.lock = lock
-        self.state = LoraState()
         self.adapters: dict[str, LoraAdapter] = {}  # slot order
         self.uids: dict[str, int] = {}
         self.default: dict[str, float] = {}
@@ -281,14 +281,6 @@ class LoraManager:
         )
         return LoraBatch(body=seg, head=seg)
 
-    @contextlib.contextmanager
-    def active(self, batch: LoraBatch | None) -> Iterator[None]:
-        self.state.current = batch
-        try:
-            yield
-        finally:
-            self.state.current = None
-
     # -- module stacks -------------------------------------------------------------------
     def _rebuild(self) -> None:
         """Wrap the targeted modules, (re)build every stack, unwrap what nothing targets."""
@@ -307,7 +299,7 @@ class LoraManager:
         embed = self.model.model.embed_tokens
         users = [(i, a) for i, a in enumerate(self.adapters.values()) if _EMBED in a.replacements]
         if users and not isinstance(embed, LoraEmbedding):
-            embed = self.model.model.embed_tokens = LoraEmbedding(embed, self.state)
+            embed = self.model.model.embed_tokens = LoraEmbedding(embed)
         if isinstance(embed, LoraEmbedding):
             embed.replacements = {i: a.replacements[_EMBED] for i, a in users}
             if embed.empty:
@@ -320,7 +312,7 @@ class LoraManager:
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
         module = getattr(parent, leaf)
         if not isinstance(module, LoraLinear):
-            module = LoraLinear(module, self.state, head=linear == _HEAD)
+            module = LoraLinear(module, head=linear == _HEAD)
             setattr(parent, leaf, module)
         return module
 

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from engine.cache import PagedKVCache
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
-from engine.fusion import fuse_projections
 from engine.loading import DTYPES, load_causal_lm
 from engine.placement import Placement
 from engine.placement.footprint import model_footprint
@@ -100,8 +99,6 @@ def build_rank(
     move_model(model, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the staged whole layers, now cut
-    # After sharding: each rank's q/k/v (gate/up) shards concatenate like whole weights.
-    fuse_projections(model)
     model.setup_rotary(spec.max_seq_len, rope_alpha=spec.rope_alpha, rope_scale=spec.rope_scale)
     cache = PagedKVCache(
         num_layers=config.num_hidden_layers,

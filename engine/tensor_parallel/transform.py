@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.lora.batch import LoraBatch
 from engine.modules import Attention, FusedGatedMLP, GatedMLP, Linear
 from engine.quantized_linear import QuantizedLinear
 from engine.tensor_parallel.shard import (
@@ -57,7 +58,9 @@ class AllReduceLinear(nn.Module):
         self.in_features = inner.in_features
         self.out_features = inner.out_features
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """`lora`: as every linear takes it (engine/modules.py); LoRA under tensor
+        parallelism is refused (engine/tensor_parallel/runner.py), so it is None here."""
         if (
             isinstance(self.inner, QuantizedLinear)
             and x.dtype != torch.float32
@@ -128,7 +131,9 @@ def _mlp_inputs(down: nn.Module, *, rank: int, world: int) -> tuple[torch.Tensor
 
 def shard_mlp(mlp: GatedMLP | FusedGatedMLP, *, rank: int, world: int, group) -> None:
     inputs, down = _mlp_inputs(mlp.down_proj, rank=rank, world=world)
-    if isinstance(mlp, FusedGatedMLP):
+    if isinstance(mlp, FusedGatedMLP) or mlp.gate_up_proj is not None:
+        # Stored so (Phi-3) or built so by the build plan: [gate | up] columns.
+        assert mlp.gate_up_proj is not None
         intermediate = mlp.down_proj.in_features
         mlp.gate_up_proj = shard_columns(
             mlp.gate_up_proj, torch.cat([inputs, intermediate + inputs])
