@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,9 +106,11 @@ class EngineOptions:
     speculative_max_batch: int = 16  # more decoding jobs than this: steps without drafts
 
 
-class Engine:
-    runner_class: type[ModelRunner] = ModelRunner  # tensor parallel: its own runner
+# Makes the runner of an engine: (model, cache, loras, **runner options) -> ModelRunner.
+RunnerFactory = Callable[..., ModelRunner]
 
+
+class Engine:
     def __init__(
         self,
         config: ModelConfig,
@@ -118,7 +120,11 @@ class Engine:
         options: EngineOptions,
         model_dir: Path,
         load_seconds: float,
+        *,
+        runner_factory: RunnerFactory = ModelRunner,
     ) -> None:
+        """`runner_factory`: the model runner's kind (tensor parallelism gives its own,
+        which holds the other ranks: engine/tensor_parallel/launch.py)."""
         self.config = config
         self.model = model
         self.cache = cache
@@ -128,12 +134,11 @@ class Engine:
         self.max_seq_len = options.max_seq_len or DEFAULT_MAX_SEQ_LEN
         self.load_seconds = load_seconds
         self.placement: Placement | None = None  # set by load
-        self.tp_world_size = 1  # set by engine/tensor_parallel for a sharded model
         self.draft_engine: Engine | None = None  # speculative="draft": the draft model
         self.lock = threading.RLock()
         # LoRA adapters (engine/lora): nothing is wrapped until one is loaded.
         self.loras = LoraManager(model, self.lock)
-        self.runner = self.runner_class(
+        self.runner = runner_factory(
             model,
             cache,
             self.loras,
@@ -175,6 +180,15 @@ class Engine:
             prefix_caching=prefix_caching,
             lookahead=lookahead,
         )
+
+    @property
+    def tp_world_size(self) -> int:
+        """Tensor-parallel ranks holding a shard each (1: not sharded)."""
+        return self.runner.world_size
+
+    @property
+    def rank_devices(self) -> list[str]:
+        return self.runner.rank_devices
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -411,7 +425,8 @@ class Engine:
 
     def unload(self) -> None:
         self.scheduler.close()
-        self.runner.release()
+        with self.lock:  # tensor parallelism's stop message goes out between steps
+            self.runner.release()
         if self.draft_engine is not None:
             self.draft_engine.unload()
             self.draft_engine = None
@@ -420,6 +435,14 @@ class Engine:
         self.cache = None  # type: ignore[assignment]
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def abort(self) -> None:
+        """Let go after a failed step without waiting on the model (tensor parallelism:
+        stops the other ranks without a collective, which they may be stuck in)."""
+        self.scheduler.close()
+        self.runner.abort()
+        self.model = None  # type: ignore[assignment]
+        self.cache = None  # type: ignore[assignment]
 
 
 class EngineSession:

@@ -16,8 +16,8 @@ Graph selection (`forward`), as engine/cuda_graph.py describes the graphs:
 `forward_decode_tokens` is the lookahead's decode step: its input tokens are on the device
 (drawn by the sampler and not read back) and go into the graph's rows device to device.
 
-Tensor parallelism replaces `forward` (engine/tensor_parallel/runner.py): it broadcasts the
-step to the other ranks first.
+Tensor parallelism is a runner too (engine/tensor_parallel/runner.py): it holds the other
+ranks, broadcasts each step to them before its own forward, and stops them on release.
 """
 
 from __future__ import annotations
@@ -59,6 +59,16 @@ class ModelRunner:
     @property
     def logits_device(self) -> torch.device:
         return self.model.lm_head_device
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that each hold a shard of the model (tensor parallelism); 1: the whole."""
+        return 1
+
+    @property
+    def rank_devices(self) -> list[str]:
+        """Every rank's device under tensor parallelism; none otherwise."""
+        return []
 
     def apply_token_bitmask(
         self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
@@ -234,6 +244,11 @@ class ModelRunner:
         # Loading or unloading an adapter re-allocates the stacks the LoRA graphs read.
         self.loras.listeners.append(self.graphs.drop_lora_graphs)
         return self.graphs
+
+    def abort(self) -> None:
+        """Let go at once after a failed step (`release` here; tensor parallelism stops
+        its ranks without a collective)."""
+        self.release()
 
     def release(self) -> None:
         """Let go of the model, its K/V storage, the graphs (their memory pools) and the
