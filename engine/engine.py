@@ -5,8 +5,8 @@ a step that it wires together.
 owns the model, the K/V storage, the CUDA graphs, LoRA batches and the draft model, and
 runs a `StepPlan`; `engine.scheduler` (engine/scheduler.py) keeps the books (jobs, pages,
 prefix cache, preemption) and drives the runner: every use of the model, generation,
-`logits`, embeddings and the single-job session alike, goes through the scheduler under
-its one lock (`engine.lock`).
+`logits`, embeddings and the single-job session alike, is a kind of job of the scheduler
+and runs in its steps, under its one lock (`engine.lock`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cache import CACHE_TYPES, PagedKVCache, Sequence, cache_bytes_per_token
+from engine.cache import CACHE_TYPES, PagedKVCache, cache_bytes_per_token
 from engine.cache_sizing import describe, memory_sized_tokens
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
@@ -32,8 +32,8 @@ from engine.moe import SparseMoE
 from engine.placement import Placement, PlacementOptions, plan_for_model
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.session import EngineSession
 from engine.speculative import SPECULATIVE_MODES
-from engine.step import StepPlan
 from engine.tokenizer import Tokenizer
 from kernels.backend import set_deterministic_sums
 
@@ -421,7 +421,9 @@ class Engine:
         return self.runner.logits_device
 
     def open_session(self) -> EngineSession:
-        return EngineSession(self)
+        """One sequence fed a piece at a time (the single-job loop, generate_single): a
+        session job of the scheduler (engine/session.py)."""
+        return self.scheduler.open_session()
 
     def unload(self) -> None:
         self.scheduler.close()
@@ -443,33 +445,3 @@ class Engine:
         self.runner.abort()
         self.model = None  # type: ignore[assignment]
         self.cache = None  # type: ignore[assignment]
-
-
-class EngineSession:
-    """One sequence of the engine's cache, for the single-job loop (generate_single): its
-    forwards run between the scheduler's steps (`Scheduler.execute_now`), outside its
-    admission control and prefix cache."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.scheduler = engine.scheduler
-        self.pages = engine.cache
-        self.prefill_chunk = engine.options.prefill_chunk
-        self.sequence = Sequence()
-
-    def _logits(self, tokens: list[int]) -> torch.Tensor:
-        plan = StepPlan([self.sequence], [tokens], loras=[self.scheduler.loras.resolve(None)])
-        return self.scheduler.execute_now(plan).values
-
-    def prefill(self, token_ids: list[int]) -> torch.Tensor:
-        logits = None
-        for start in range(0, len(token_ids), self.prefill_chunk):
-            logits = self._logits(token_ids[start : start + self.prefill_chunk])
-        assert logits is not None, "an empty prompt"
-        return logits[-1]
-
-    def step(self, token_id: int) -> torch.Tensor:
-        return self._logits([token_id])[-1]
-
-    def close(self) -> None:
-        with self.scheduler.lock:
-            self.sequence.release(self.pages)
