@@ -31,7 +31,7 @@ import torch
 
 from engine.lora.batch import LoraBatch
 from engine.pages import CacheFullError, PagePool, Sequence
-from kernels.kv_quant import CACHE_TYPES, cache_formats, kv_cache_write
+from kernels.kv_quant import CACHE_TYPES, KVFormat, cache_formats, kv_cache_write
 
 __all__ = ["CACHE_TYPES", "CacheFullError", "ForwardBatch", "PagedKVCache", "Sequence"]
 
@@ -80,7 +80,7 @@ class PagedKVCache(PagePool):
         # The slot past the last page (see the module docstring).
         self.scratch_slot = num_pages * page_size
 
-        def planes(fmt) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        def planes(fmt: KVFormat) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             """Per layer: the flat slots [pages * page_size + 1, Hk, row] and their page
             view [pages, page_size, Hk, row], all layers of a device in one tensor."""
             row = (num_kv_heads, fmt.row_bytes(head_dim) if fmt.quantized else head_dim)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine.architectures.base import CausalLM
 from engine.cache import CACHE_TYPES, PagedKVCache, cache_bytes_per_token
 from engine.cache_sizing import describe, memory_sized_tokens
 from engine.config import ModelConfig
@@ -114,7 +115,7 @@ class Engine:
     def __init__(
         self,
         config: ModelConfig,
-        model: torch.nn.Module,
+        model: CausalLM,
         cache: PagedKVCache,
         tokenizer: Tokenizer,
         options: EngineOptions,
@@ -391,7 +392,7 @@ class Engine:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.model.embed_tokens.weight.dtype
+        return self.model.embed_dtype
 
     @property
     def devices(self) -> list[torch.device]:

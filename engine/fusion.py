@@ -30,7 +30,7 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def _segment_layout(qw: QuantizedWeight) -> list[tuple]:
+def _segment_layout(qw: QuantizedWeight) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
     return [
         (s.bits, s.row_start, s.row_end, [(p.bits, p.shift) for p in s.planes]) for s in qw.segments
     ]
@@ -101,16 +101,18 @@ def _concat_dense(parts: list[Linear]) -> Linear:
 def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     """One linear whose output is the parts' outputs side by side, or None if their formats
     do not allow it (different kinds, layouts, devices or dtypes)."""
-    if all(type(p) is Linear for p in parts):
-        if len({(p.weight.dtype, p.weight.device, p.in_features) for p in parts}) != 1:
+    dense = [p for p in parts if type(p) is Linear]
+    if len(dense) == len(parts):
+        if len({(p.weight.dtype, p.weight.device, p.in_features) for p in dense}) != 1:
             return None
-        return _concat_dense(parts)
-    if all(isinstance(p, QuantizedLinear) for p in parts):
-        if len({(p.format, p.qweight.device) for p in parts}) != 1:
+        return _concat_dense(dense)
+    quantized = [p for p in parts if isinstance(p, QuantizedLinear)]
+    if len(quantized) == len(parts):
+        if len({(p.format, p.qweight.device) for p in quantized}) != 1:
             return None
-        if not _fusable_quantized(parts):
+        if not _fusable_quantized(quantized):
             return None
-        return _concat_quantized(parts)
+        return _concat_quantized(quantized)
     return None
 
 

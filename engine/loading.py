@@ -138,7 +138,7 @@ def load_causal_lm(
         if progress:
             progress(start + (1 - start) * (i + 1) / len(params), f"weights {i + 1}/{len(params)}")
     if tied:
-        embed = model.model.embed_tokens.weight
+        embed = model.embed_weight
         head_device = placement.head_device
         # A head on another device than the embeddings gets its own copy of the table.
         model.lm_head.weight = (

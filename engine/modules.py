@@ -175,7 +175,7 @@ class Attention(FusesKernels):
             self.q_proj = Linear(s.hidden_size, q_size, s.qkv_bias)
             self.k_proj = Linear(s.hidden_size, kv_size, s.qkv_bias)
             self.v_proj = Linear(s.hidden_size, kv_size, s.qkv_bias)
-        self.o_proj = Linear(q_size, s.hidden_size, s.o_bias)
+        self.o_proj: nn.Module = Linear(q_size, s.hidden_size, s.o_bias)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.norm_eps, unit_offset=s.norm_unit_offset)
             self.k_norm = RMSNorm(s.head_dim, s.norm_eps, unit_offset=s.norm_unit_offset)
@@ -227,7 +227,10 @@ class Attention(FusesKernels):
             if fused_write:  # the rotated keys went straight into the cache: read them back
                 k = k_cache.index_select(0, batch.slots)
             out = prompt_attention(q, k, v, scale=self.scale)
-            return self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim), batch.lora)
+            projected: torch.Tensor = self.o_proj(
+                out.view(num_tokens, s.num_heads * s.head_dim), batch.lora
+            )
+            return projected
         out = paged_attention(
             q,
             cache.k[self.layer_idx],
@@ -243,7 +246,8 @@ class Attention(FusesKernels):
             k_format=cache.k_format,
             v_format=cache.v_format,
         )
-        return self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim), batch.lora)
+        projected = self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim), batch.lora)
+        return projected
 
 
 class GatedMLP(FusesKernels):
@@ -277,7 +281,7 @@ class GatedMLP(FusesKernels):
         else:
             self.gate_proj = Linear(hidden, intermediate, bias)
             self.up_proj = Linear(hidden, intermediate, bias)
-        self.down_proj = Linear(intermediate, hidden, bias)
+        self.down_proj: nn.Module = Linear(intermediate, hidden, bias)
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -285,7 +289,8 @@ class GatedMLP(FusesKernels):
         else:
             gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
         hidden = gated_activation(self.act_name, gate, up, fused=self.fuse_kernels)
-        return self.down_proj(hidden, lora)
+        out: torch.Tensor = self.down_proj(hidden, lora)
+        return out
 
 
 class FusedGatedMLP(FusesKernels):
@@ -297,13 +302,14 @@ class FusedGatedMLP(FusesKernels):
         if act not in ACTIVATIONS:
             raise ValueError(f"activation '{act}' is not supported ({', '.join(ACTIVATIONS)})")
         self.act_name = act
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias)
-        self.down_proj = Linear(intermediate, hidden, bias)
+        self.gate_up_proj: nn.Module = Linear(hidden, 2 * intermediate, bias)
+        self.down_proj: nn.Module = Linear(intermediate, hidden, bias)
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
         hidden = gated_activation(self.act_name, gate, up, fused=self.fuse_kernels)
-        return self.down_proj(hidden, lora)
+        out: torch.Tensor = self.down_proj(hidden, lora)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -325,7 +331,9 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), batch, cache, rotary)
-        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h), batch.lora)
+        feed_forward = getattr(self, self.mlp_name)
+        mlp: torch.Tensor = feed_forward(self.post_attention_layernorm(h), batch.lora)
+        return h + mlp
 
     def forward_residual(
         self,

@@ -54,7 +54,10 @@ class ExpertMLP(FusesKernels):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)
-        return down(gated_activation(self.act_name, gate(x), up(x), fused=self.fuse_kernels))
+        out: torch.Tensor = down(
+            gated_activation(self.act_name, gate(x), up(x), fused=self.fuse_kernels)
+        )
+        return out
 
 
 class FusedExperts(FusesKernels):
@@ -103,7 +106,7 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.weights_in_activation_dtype = weights_in_activation_dtype
         self.gate = Linear(hidden, num_experts)
-        self.experts: nn.Module
+        self.experts: FusedExperts | nn.ModuleList
         if fused:
             self.experts = FusedExperts(num_experts, hidden, intermediate, act)
         else:

@@ -26,6 +26,7 @@ from collections.abc import Collection
 
 import torch
 
+from engine.architectures.base import CausalLM
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.cuda_graph import DecodeGraphs
 from engine.draft_model import DraftModel
@@ -37,7 +38,7 @@ from kernels.token_bitmask import apply_token_bitmask
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         cache: PagedKVCache,
         loras: LoraManager,
         *,
@@ -172,7 +173,8 @@ class ModelRunner:
             logits_counts=logits_counts,
             lora=lora_batch,
         )
-        return self.model(batch, self.cache)
+        logits: torch.Tensor = self.model(batch, self.cache)
+        return logits
 
     def forward_decode_tokens(
         self, sequences: list[Sequence], tokens: torch.Tensor

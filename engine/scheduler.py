@@ -541,7 +541,7 @@ class Scheduler:
                     # stops at a finish_reason would otherwise never see the exception.
                     ready = [e for e in ready if e.finish_reason != "error"]
                 yield from ready
-                if failed is not None:
+                if failed is not None and failed.error is not None:
                     raise failed.error
         finally:
             with self.lock:
@@ -570,7 +570,9 @@ class Scheduler:
         of 64 clients grew by 517 MiB that way. One thread runs every streaming step
         instead, so the workspaces are one. A caller that holds the engine lock (or is the
         step thread) runs it inline: the step thread would wait for that lock forever."""
-        if threading.current_thread() is self._step_thread or self.lock._is_owned():
+        # RLock._is_owned is CPython's (threading.RLock's C type), missing from typeshed.
+        owned = self.lock._is_owned()  # type: ignore[attr-defined]
+        if threading.current_thread() is self._step_thread or owned:
             return fn(jobs)
         if self._stepper is None:
             with self.lock:
@@ -622,7 +624,7 @@ class Scheduler:
                     self._finish(row.job, "error")
                 raise
             events += self.update(plan, output, queue=queue)
-            if self._drawn is not None:
+            if self._in_flight():  # update left this step's tokens on the device
                 events += self._continue(queue=queue)
             return events
         except BaseException:
@@ -713,11 +715,11 @@ class Scheduler:
                     if queue:
                         job.events.append(event)
                 continue
-            event = self._advance(row.job, tokens, logprobs)
-            if event is not None:
-                events.append(event)
+            advanced = self._advance(row.job, tokens, logprobs)
+            if advanced is not None:
+                events.append(advanced)
                 if queue:
-                    row.job.events.append(event)
+                    row.job.events.append(advanced)
         return events
 
     def _update_outputs(
@@ -1064,6 +1066,10 @@ class Scheduler:
         if job.admitted is None:
             job.admitted = time.perf_counter()
         return True
+
+    def _in_flight(self) -> bool:
+        """Whether a step's tokens are drawn on the device and not read yet (`Drawn`)."""
+        return self._drawn is not None
 
     def _idle(self, job: Job) -> bool:
         """A session between two pieces: it holds pages and has nothing to compute."""

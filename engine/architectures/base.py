@@ -59,7 +59,7 @@ class DecoderStack(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens: nn.Module = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layers)
+        self.layers: nn.ModuleList = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=unit_offset_norm)
 
 
@@ -132,7 +132,8 @@ class CausalLM(FusesKernels):
 
     def embed(self, token_ids: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """Scaled-embedding architectures (Gemma) override this."""
-        return self.model.embed_tokens(token_ids, lora)
+        embedded: torch.Tensor = self.model.embed_tokens(token_ids, lora)
+        return embedded
 
     def layer_rope(self, layer_idx: int) -> RopeParameters:
         """RoPE settings of one layer; the config's for every layer unless overridden."""
@@ -176,14 +177,15 @@ class CausalLM(FusesKernels):
         head's device: what the head would read (embeddings pool it)."""
         h = self.forward_embed(batch)
         h = self.forward_span(h, batch, cache, 0, len(self.model.layers), head=False)
-        return self.model.norm(h.to(self.lm_head_device))
+        normed: torch.Tensor = self.model.norm(h.to(self.lm_head_device))
+        return normed
 
     # The forward in parts, so that the decode graphs of a layer-split model
     # (engine/cuda_graph.py) can capture each device's share as its own graph and still
     # run exactly this code.
     def forward_embed(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's tokens, on the embeddings' device."""
-        return self.embed(batch.on(self.model.embed_tokens.weight.device).token_ids, batch.lora)
+        return self.embed(batch.on(self.embed_device).token_ids, batch.lora)
 
     def forward_span(
         self,
@@ -209,8 +211,10 @@ class CausalLM(FusesKernels):
             )
             x = x.to(device)
             residual = residual.to(device) if residual is not None else None
-            if self.fuse_kernels and hasattr(layer, "forward_residual"):
-                x, residual = layer.forward_residual(x, residual, batch.on(device), cache, rotary)
+            # A layer that can carry the residual apart (DecoderLayer.forward_residual).
+            forward_residual = getattr(layer, "forward_residual", None)
+            if self.fuse_kernels and forward_residual is not None:
+                x, residual = forward_residual(x, residual, batch.on(device), cache, rotary)
                 continue
             if residual is not None:
                 x, residual = residual + x, None
@@ -234,12 +238,27 @@ class CausalLM(FusesKernels):
             normed = norm.forward_add(x, residual.to(device))[0][rows]
         else:
             normed = norm.forward_add(x[rows], residual.to(device)[rows])[0]
-        logits = self.lm_head(normed, batch.lora)
+        logits: torch.Tensor = self.lm_head(normed, batch.lora)
         if self.final_logit_softcap is not None:
             # In the activation dtype, as transformers caps them.
             cap = self.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """The embedding table (a LoraEmbedding passes its base's through)."""
+        weight = self.model.embed_tokens.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
+
+    @property
+    def embed_device(self) -> torch.device:
+        return self.embed_weight.device
+
+    @property
+    def embed_dtype(self) -> torch.dtype:
+        return self.embed_weight.dtype
 
     @property
     def lm_head_device(self) -> torch.device:

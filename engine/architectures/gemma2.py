@@ -49,7 +49,8 @@ class GemmaDecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(h), batch, cache, rotary)
         h = h + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(h), batch.lora)
-        return h + self.post_feedforward_layernorm(mlp)
+        out: torch.Tensor = h + self.post_feedforward_layernorm(mlp)
+        return out
 
     def forward_residual(
         self,
@@ -128,6 +129,7 @@ class Gemma2ForCausalLM(CausalLM):
     def embed(self, token_ids: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         # sqrt(hidden) rounded to the weights' dtype, as transformers' normalizer, but as a
         # Python number: a CPU tensor copied to the GPU here could not be graph-captured.
-        weight = self.model.embed_tokens.weight
-        scale = torch.tensor(self.config.hidden_size**0.5, dtype=weight.dtype).item()
-        return self.model.embed_tokens(token_ids, lora) * scale
+        dtype = self.embed_dtype
+        scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype).item()
+        embedded: torch.Tensor = self.model.embed_tokens(token_ids, lora)
+        return embedded * scale

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.linears import linear_features
 from engine.lora.batch import LoraBatch, LoraSegments
 from engine.quantized_linear import QuantizedLinear
 from kernels.lora_matmul import (
@@ -49,8 +50,7 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.head = head  # lm_head sees only the logits rows
-        self.in_features: int = base.in_features
-        self.out_features: int = base.out_features
+        self.in_features, self.out_features = linear_features(base)
         self.lora_a: torch.Tensor | None = None  # [L, R, in]
         self.lora_b: torch.Tensor | None = None  # [L, out, R]
         self.slot_map: torch.Tensor | None = None  # [S] int32: slot -> index in a/b, or -1
@@ -62,13 +62,15 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         if lora is None:
-            return self.base(x)
+            base: torch.Tensor = self.base(x)
+            return base
         seg = lora.head if self.head else lora.body
         if self.lora_a is not None and seg.max_len == 1 and x.is_cuda:
             return self._decode(x, seg)
         x2 = x.reshape(-1, self.in_features)
         y = self._base_and_replacements(x, x2, seg)
         if self.lora_a is not None:
+            assert self.lora_b is not None and self.slot_map is not None  # set with lora_a
             lora_matmul(
                 y.view(-1, self.out_features),
                 x2,
@@ -83,7 +85,7 @@ class LoraLinear(nn.Module):
     def _base_and_replacements(
         self, x: torch.Tensor, x2: torch.Tensor, seg: LoraSegments
     ) -> torch.Tensor:
-        y = self.base(x)
+        y: torch.Tensor = self.base(x)
         if y.stride(-1) != 1:
             y = y.contiguous()
         y2 = y.view(-1, self.out_features)
@@ -118,9 +120,10 @@ class LoraLinear(nn.Module):
             device=x.device,
         )
         share = None
-        if isinstance(self.base, QuantizedLinear) and not self.replacements:
+        base = self.base
+        if isinstance(base, QuantizedLinear) and not self.replacements:
             share = gemv_share(
-                x2, self.base.qweight, functools.partial(lora_gemv_arrivals, rank=a.shape[1])
+                x2, base.qweight, functools.partial(lora_gemv_arrivals, rank=a.shape[1])
             )
         main = torch.cuda.current_stream(x.device)
         capturing = torch.cuda.is_current_stream_capturing()
@@ -132,7 +135,8 @@ class LoraLinear(nn.Module):
             if share is not None:
                 lora_expand_into_gemv(share, partials, b, slot_map, starts, scales)
         if share is not None:
-            launch_gemv_shared(x2, self.base.qweight, share)
+            assert isinstance(base, QuantizedLinear)  # a share is made for a quantized base
+            launch_gemv_shared(x2, base.qweight, share)
             y = share.y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
         else:
             y = self._base_and_replacements(x, x2, seg)
@@ -158,14 +162,16 @@ class LoraEmbedding(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         # Architectures read the table's dtype and device (and Gemma its scale) from here.
-        return self.base.weight
+        weight = self.base.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
 
     @property
     def empty(self) -> bool:
         return not self.replacements
 
     def forward(self, token_ids: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        out = self.base(token_ids)
+        out: torch.Tensor = self.base(token_ids)
         if lora is None:
             return out
         for slot, table in self.replacements.items():

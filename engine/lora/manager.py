@@ -27,14 +27,19 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from engine.linears import linear_features
 from engine.lora.adapter import LoraAdapter, LoraError, Target, read_adapter
 from engine.lora.batch import LoraBatch, LoraSegments
 from engine.lora.layers import LoraEmbedding, LoraLinear
+from engine.quantized_linear import QuantizedLinear
+
+if TYPE_CHECKING:  # engine.architectures' modules import engine.lora.batch
+    from engine.architectures.base import CausalLM
 
 _HEAD, _EMBED = "lm_head", "model.embed_tokens"
 _uid = itertools.count(1)
@@ -45,13 +50,12 @@ def _module_device(module: nn.Module) -> torch.device:
         module = module.base
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         return tensor.device
-    qweight = getattr(module, "qweight", None)  # QuantizedLinear keeps tensors in a dataclass
-    if qweight is not None:
-        return qweight.scales.device
+    if isinstance(module, QuantizedLinear):  # it keeps its tensors in a dataclass
+        return module.qweight.scales.device
     raise LoraError(f"cannot tell the device of {type(module).__name__}")
 
 
-def lora_targets(model: nn.Module) -> dict[str, Target]:
+def lora_targets(model: CausalLM) -> dict[str, Target]:
     """Adapter module names this model can apply a LoRA to: attention and dense-MLP
     projections (also by their unfused names where the model fuses them) and lm_head.
     Linears inside MoE experts see routed rows, not a request's rows, and are left out."""
@@ -59,9 +63,11 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
 
     targets: dict[str, Target] = {}
 
-    def add(name: str, linear: str, module: nn.Module, offset: int = 0, out: int | None = None):
-        out = module.out_features if out is None else out
-        targets[name] = Target(linear, module.in_features, out, offset)
+    def add(
+        name: str, linear: str, module: nn.Module, offset: int = 0, out: int | None = None
+    ) -> None:
+        in_features, out_features = linear_features(module)
+        targets[name] = Target(linear, in_features, out_features if out is None else out, offset)
 
     for name, module in model.named_modules():
         prefix = f"{name}."
@@ -82,9 +88,10 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
         elif isinstance(module, FusedGatedMLP) or (
             isinstance(module, GatedMLP) and module.gate_up_proj is not None  # build plan
         ):
-            fused = module.gate_up_proj
-            assert fused is not None
-            half = fused.out_features // 2
+            gate_up = module.gate_up_proj
+            assert gate_up is not None
+            fused = gate_up
+            half = linear_features(fused)[1] // 2
             if isinstance(module, FusedGatedMLP):  # the checkpoint's own name
                 add(prefix + "gate_up_proj", prefix + "gate_up_proj", fused)
             add(prefix + "gate_proj", prefix + "gate_up_proj", fused, 0, half)
@@ -98,7 +105,7 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
 
 
 class LoraManager:
-    def __init__(self, model: nn.Module, lock: threading.RLock) -> None:
+    def __init__(self, model: CausalLM, lock: threading.RLock) -> None:
         self.model = model
         self.lock = lock
         self.adapters: dict[str, LoraAdapter] = {}  # slot order
@@ -109,12 +116,12 @@ class LoraManager:
         self.listeners: list[Callable[[], None]] = []
         self._in_use: Counter[str] = Counter()
         self._unloading: set[str] = set()
-        self._dtype = model.model.embed_tokens.weight.dtype
+        self._dtype = model.embed_dtype
         self._targets = lora_targets(model)
-        head = model.lm_head
-        self._replaceable = {
-            _HEAD: (head.out_features, head.in_features),
-            _EMBED: tuple(model.model.embed_tokens.weight.shape),
+        head_in, head_out = linear_features(model.lm_head)
+        self._replaceable: dict[str, tuple[int, ...]] = {
+            _HEAD: (head_out, head_in),
+            _EMBED: tuple(model.embed_weight.shape),
         }
 
     # -- loading -------------------------------------------------------------------------

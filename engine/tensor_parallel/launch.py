@@ -20,8 +20,8 @@ import queue
 import socket
 import time
 from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,8 @@ READY_TIMEOUT_S = 3600.0  # a 70B shard reads ~40 GB from disk
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def launch_tensor_parallel(
@@ -225,7 +226,7 @@ def _gather_load_errors(error: str | None) -> list[tuple[int, str]]:
     return [(rank, e) for rank, e in enumerate(outcomes) if e is not None]
 
 
-def _wait_ready(workers: list[BaseProcess], reports: Any) -> None:
+def _wait_ready(workers: list[BaseProcess], reports: Queue[tuple[int, str | None]]) -> None:
     """Wait until every spawned rank has built its shard; raise with a rank's error."""
     pending = {rank for rank in range(1, len(workers) + 1)}
     deadline = time.monotonic() + READY_TIMEOUT_S

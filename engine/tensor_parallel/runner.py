@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.architectures.base import CausalLM
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.lora.adapter import LoraError
 from engine.lora.manager import LoraManager
@@ -23,7 +24,7 @@ from engine.tensor_parallel.ranks import Ranks, leave_group, stop_workers
 class TensorParallelRunner(ModelRunner):
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         cache: PagedKVCache,
         loras: LoraManager,
         *,
@@ -109,7 +110,8 @@ class TensorParallelRunner(ModelRunner):
             self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
         )
         protocol.send_batch(batch, self.device)
-        return self.model(batch.on(self.device), self.cache)
+        logits: torch.Tensor = self.model(batch.on(self.device), self.cache)
+        return logits
 
     def forward_decode_tokens(
         self, sequences: list[Sequence], tokens: torch.Tensor
