@@ -197,7 +197,7 @@ def fast_gguf_reader_class() -> type:
                 size_type = np.dtype(np.uint64).newbyteorder(self.byte_order)
                 swapped = ">" if sys.byteorder == "little" else "<"
                 unpack = struct.Struct("=Q" if self.byte_order == "I" else f"{swapped}Q")
-                buffer = memoryview(raw)
+                buffer = raw.data  # the same bytes, as a memoryview
                 for _ in range(count):
                     (length,) = unpack.unpack_from(buffer, offs)
                     parts.append(raw[offs : offs + 8].view(size_type))
@@ -217,7 +217,7 @@ def _fast_gguf_reader() -> Iterator[None]:
 
     stock = gguf.GGUFReader
     # A module attribute swapped in place: its declared type is the stock class.
-    gguf.GGUFReader = fast_gguf_reader_class()  # type: ignore[misc]
+    gguf.GGUFReader = fast_gguf_reader_class()  # type: ignore[misc,assignment]
     try:
         yield
     finally:
