@@ -444,5 +444,6 @@ class Engine:
         stops the other ranks without a collective, which they may be stuck in)."""
         self.scheduler.close()
         self.runner.abort()
+        # Released as in unload: the engine is not used again (typed as loaded while it is).
         self.model = None  # type: ignore[assignment]
         self.cache = None  # type: ignore[assignment]
