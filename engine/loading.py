@@ -166,38 +166,37 @@ def check_layer_count(config: ModelConfig, store: WeightStore) -> None:
         )
 
 
-def _fused_parts(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """{fused linear's name: its parts' names in the checkpoint}, from the modules'
-    `load_sources` (the linears the build plan built as one)."""
-    parts: dict[str, tuple[str, ...]] = {}
+# A fused linear's parts in the checkpoint: (name, output width) each, in output order.
+FusedParts = tuple[tuple[str, int], ...]
+
+
+def _fused_parts(model: nn.Module) -> dict[str, FusedParts]:
+    """{fused linear's name: its parts}, from the modules' `load_sources` (the linears the
+    build plan built as one)."""
+    parts: dict[str, FusedParts] = {}
     for name, module in model.named_modules():
-        sources: dict[str, tuple[str, ...]] = getattr(module, "load_sources", {})
+        sources: dict[str, FusedParts] = getattr(module, "load_sources", {})
         for fused, leaves in sources.items():
-            parts[f"{name}.{fused}"] = tuple(f"{name}.{leaf}" for leaf in leaves)
+            parts[f"{name}.{fused}"] = tuple((f"{name}.{leaf}", w) for leaf, w in leaves)
     return parts
 
 
 def _read_fused(
     store: WeightStore,
-    parts: tuple[str, ...],
+    parts: FusedParts,
     leaf: str,
     param: torch.Tensor,
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
     """A dense fused linear's `leaf` (weight or bias): its parts' tensors stacked along the
-    output dimension, each checked against the model's width as a whole."""
-    tensors = [store.get(f"{part}.{leaf}", dtype=dtype, device=device) for part in parts]
-    fused = torch.cat(tensors, 0)
-    if tuple(fused.shape) != tuple(param.shape):
-        shapes = ", ".join(
-            f"'{p}.{leaf}' {list(t.shape)}" for p, t in zip(parts, tensors, strict=True)
-        )
-        raise WeightError(
-            f"tensors {shapes} in {store.model_dir} make {list(fused.shape)} together, the "
-            f"model expects {list(param.shape)}"
-        )
-    return fused
+    output dimension, each checked against its own shape (errors name the part)."""
+    rest = tuple(param.shape[1:])
+    tensors = [
+        store.get(f"{part}.{leaf}", dtype=dtype, device=device, shape=(width, *rest))
+        for part, width in parts
+    ]
+    return torch.cat(tensors, 0)
 
 
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -212,7 +211,7 @@ def _load_quantized_linears(
     config: ModelConfig,
     device_of: Callable[[str], torch.device],
     progress: LoadProgress | None,
-    sources: dict[str, tuple[str, ...]],
+    sources: dict[str, FusedParts],
 ) -> set[str]:
     """Swap every Linear stored as EXL2/GPTQ for a QuantizedLinear; returns their names.
     A fused linear (`sources`) is its parts loaded one by one and concatenated."""
@@ -232,22 +231,22 @@ def _load_quantized_linears(
 
     quantized: set[str] = set()
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
-    stored = [
-        (n, m) for n, m in linears if linear_format(store, sources.get(n, (n,))[0]) != "dense"
-    ]
+
+    def first_part(name: str) -> str:  # a fused linear's format is its parts'
+        return sources[name][0][0] if name in sources else name
+
+    stored = [(n, m) for n, m in linears if linear_format(store, first_part(n)) != "dense"]
     for done, (name, module) in enumerate(stored, start=1):
         if name in sources:
             # The plan checked that the parts' layouts allow it (engine/build_plan.py); each
-            # part's width is its share of the whole, as the module was built.
-            widths = _part_widths(module.out_features, sources[name], store)
-            parts = [
-                load(p, module.in_features, w) for p, w in zip(sources[name], widths, strict=True)
-            ]
+            # part is read and checked against its own width, as the module was built.
+            parts = [load(part, module.in_features, w) for part, w in sources[name]]
             replacement = concat_linears(parts)
             if replacement is None:
+                names = ", ".join(part for part, _ in sources[name])
                 raise WeightError(
-                    f"{', '.join(sources[name])} in {store.model_dir} cannot run as one "
-                    "linear (their formats differ): load with fuse_projections=False"
+                    f"{names} in {store.model_dir} cannot run as one linear (their formats "
+                    "differ): load with fuse_projections=False"
                 )
         else:
             replacement = load(name, module.in_features, module.out_features)
@@ -263,20 +262,3 @@ def _load_quantized_linears(
         # not the peak.
         torch.cuda.empty_cache()
     return quantized
-
-
-def _part_widths(total: int, parts: tuple[str, ...], store: WeightStore) -> list[int]:
-    """Each part's output width in a fused quantized linear of `total` columns: its stored
-    width (the plan fuses only unpadded parts), checked to add up."""
-    from engine.quantized_linear import linear_format
-
-    widths = []
-    for part in parts:
-        key = f"{part}.q_weight" if linear_format(store, part) == "exl2" else f"{part}.qweight"
-        widths.append(store.info(key).shape[-1])
-    if sum(widths) != total:
-        raise WeightError(
-            f"{', '.join(parts)} in {store.model_dir} hold {sum(widths)} columns together, "
-            f"the model expects {total}"
-        )
-    return widths

@@ -159,15 +159,19 @@ class Attention(FusesKernels):
         fuse_qkv: bool = False,
     ) -> None:
         super().__init__()
-        # Fused linears the checkpoint stores as parts: {fused leaf: the parts' leaves}.
-        self.load_sources: dict[str, tuple[str, ...]] = {}
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        # Fused linears the checkpoint stores as parts: {fused leaf: (part leaf, width)...}.
+        self.load_sources: dict[str, tuple[tuple[str, int], ...]] = {}
         if fuse_qkv and not spec.fused_qkv:
             spec = dataclasses.replace(spec, fused_qkv=True)
-            self.load_sources["qkv_proj"] = ("q_proj", "k_proj", "v_proj")
+            self.load_sources["qkv_proj"] = (
+                ("q_proj", q_size),
+                ("k_proj", kv_size),
+                ("v_proj", kv_size),
+            )
         self.spec = spec
         self.layer_idx = layer_idx
         s = spec
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         if s.fused_qkv:
             # Kept fused (not split at load) so a quantized qkv_proj loads as one linear.
             self.qkv_proj = Linear(s.hidden_size, q_size + 2 * kv_size, s.qkv_bias)
@@ -273,11 +277,14 @@ class GatedMLP(FusesKernels):
         if act not in ACTIVATIONS:
             raise ValueError(f"activation '{act}' is not supported ({', '.join(ACTIVATIONS)})")
         self.act_name = act
-        self.load_sources: dict[str, tuple[str, ...]] = {}
+        self.load_sources: dict[str, tuple[tuple[str, int], ...]] = {}
         self.gate_up_proj: nn.Module | None = None
         if fuse_gate_up:
             self.gate_up_proj = Linear(hidden, 2 * intermediate, bias)
-            self.load_sources["gate_up_proj"] = ("gate_proj", "up_proj")
+            self.load_sources["gate_up_proj"] = (
+                ("gate_proj", intermediate),
+                ("up_proj", intermediate),
+            )
         else:
             self.gate_proj = Linear(hidden, intermediate, bias)
             self.up_proj = Linear(hidden, intermediate, bias)

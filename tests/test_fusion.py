@@ -120,8 +120,13 @@ def test_the_plan_builds_fused_modules_before_any_weight(fp_model: Path) -> None
             config, plan=plan_build(store, fuse_kernels=False)
         )
     layer = model.model.layers[0]
-    assert layer.self_attn.load_sources == {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
-    assert layer.mlp.load_sources == {"gate_up_proj": ("gate_proj", "up_proj")}
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    assert layer.self_attn.load_sources == {
+        "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+    }
+    inter = config.intermediate_size
+    assert layer.mlp.load_sources == {"gate_up_proj": (("gate_proj", inter), ("up_proj", inter))}
     assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "up_proj")
     assert not any(m.fuse_kernels for m in model.modules() if hasattr(m, "fuse_kernels"))
     targets = lora_targets(model)
