@@ -12,14 +12,27 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Literal
 
 import llguidance
 
 from engine.constraints.spec import ConstraintError, ConstraintSpec
 from engine.constraints.state import JobConstraint
 
-_LLG_FORMAT = {
+# The grammar kinds llguidance.grammar_from reads.
+GrammarFormat = Literal[
+    "lark",
+    "gbnf",
+    "ebnf",
+    "cfg",
+    "grammar",
+    "json_schema",
+    "json",
+    "regex",
+    "choice",
+    "llguidance",
+]
+_LLG_FORMAT: dict[str, GrammarFormat] = {
     "json_schema": "json_schema",
     "json_object": "json_schema",
     "regex": "regex",
@@ -32,9 +45,9 @@ _lock = threading.Lock()
 _tokenizers: weakref.WeakKeyDictionary[Any, dict[int, llguidance.LLTokenizer]] = (
     weakref.WeakKeyDictionary()
 )
-_grammars: weakref.WeakKeyDictionary[Any, OrderedDict[tuple, llguidance.LLMatcher]] = (
-    weakref.WeakKeyDictionary()
-)
+_grammars: weakref.WeakKeyDictionary[
+    Any, OrderedDict[tuple[str, str, int], llguidance.LLMatcher]
+] = weakref.WeakKeyDictionary()
 
 
 class _Vocabulary:
@@ -55,7 +68,7 @@ class _Vocabulary:
 
     def __call__(self, text: str | bytes) -> list[int]:
         data = text if isinstance(text, bytes) else text.encode()
-        ids = self._tokenizer.encode(
+        ids: list[int] = self._tokenizer.encode(
             data.decode("utf-8", errors="replace"), add_bos=False, special=False
         )
         # llguidance forces the tokens of text the grammar dictates: an encoding that does

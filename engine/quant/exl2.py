@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -75,7 +76,8 @@ class Exl2Tensors:
     @classmethod
     def from_dict(cls, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> Exl2Tensors:
         """From tensors named `<prefix>q_weight` etc. (missing ones become None)."""
-        return cls(**{f.name: tensors.get(prefix + f.name) for f in fields(cls)})
+        found: dict[str, Any] = {f.name: tensors.get(prefix + f.name) for f in fields(cls)}
+        return cls(**found)  # missing ones are None here, for validate() to name
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         return {
