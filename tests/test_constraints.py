@@ -316,3 +316,29 @@ def test_mask_threads_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> Non
             mask_lanes()
     monkeypatch.setenv("KESTREL_MASK_THREADS", "5")
     assert mask_lanes() == 5
+
+
+@pytest.mark.gpu
+def test_the_ten_schemas_validate_on_cuda() -> None:
+    """The 10 tool schemas on CUDA (fp16, the Triton mask kernel, pinned masks copied
+    without a host sync, four mask lanes): per schema a greedy and two sampled jobs, all
+    in one batch with a free job; every constrained output stops, parses and validates."""
+    path = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
+    gpu = loader.load(path, "kestrel", device="cuda", dtype="float16", max_seq_len=1024)
+    set_mask_lanes(4)
+    try:
+        jobs = [(_prompt(gpu, "Name three colours."), {"max_new_tokens": 48, "do_sample": False})]
+        for i, (name, schema) in enumerate(SCHEMAS.items()):
+            prompt = _prompt(gpu, f"Call {name} with sensible arguments.")
+            base = {"max_new_tokens": 120, "json_schema": schema}
+            jobs.append((prompt, {**base, "do_sample": False}))
+            for seed in (i, 100 + i):
+                jobs.append((prompt, {**base, "do_sample": True, "temperature": 0.9, "seed": seed}))
+        results = _run(gpu, jobs)
+    finally:
+        set_mask_lanes(None)
+        gpu.unload()
+    assert results[0][2] in ("stop", "length") and results[0][1]
+    for (_, settings), (_, text, reason) in zip(jobs[1:], results[1:], strict=True):
+        assert reason == "stop", (settings["json_schema"], text)
+        jsonschema.validate(json.loads(text), settings["json_schema"])
