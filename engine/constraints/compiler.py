@@ -10,8 +10,9 @@ Lanes: llguidance's `deep_copy` is shallow where it matters. Every copy shares t
 prototype's lexer (its lazily built automaton, a cache worth keeping warm) behind one
 mutex, held for a whole mask. Jobs copied from one prototype therefore compute their masks
 one at a time whatever the threads. So a grammar gets one prototype per mask lane
-(engine/constraints/lanes.py), each with its own lexer, and jobs are dealt round the lanes:
-masks of different lanes run in parallel, jobs of one lane share a warm lexer.
+(engine/constraints/lanes.py), each with its own lexer, and jobs are dealt round the lanes
+(whatever their grammar): masks of different lanes run in parallel, and the jobs of one
+grammar in one lane share a warm lexer.
 
 Slices: llguidance skips walking the token trie for a "slice" of tokens (e.g. JSON string
 bodies of 1-10 characters) when the lexer allows all of them. Its default slices stop at
@@ -23,6 +24,7 @@ compares them).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections import OrderedDict
@@ -60,21 +62,29 @@ _grammars: weakref.WeakKeyDictionary[Any, OrderedDict[tuple, _Compiled]] = (
 )
 
 
+# Jobs are dealt round the lanes in the order they are made, whatever their grammar: jobs
+# of different grammars (different lexers) spread over the threads too.
+_jobs_made = itertools.count()
+
+
 class _Compiled:
     """A checked grammar and its prototype matchers, one per lane (made when first used)."""
 
     def __init__(self, grammar: str, first: llguidance.LLMatcher) -> None:
         self.grammar = grammar
-        self.lanes: dict[int, llguidance.LLMatcher] = {0: first}
-        self.jobs = 0  # jobs made so far: the next one goes to lane jobs % lanes
+        self.lanes: dict[int, llguidance.LLMatcher] = {}
+        self.first: llguidance.LLMatcher | None = first  # the checked one: the first lane's
 
     def next_job(self, ll_tok: llguidance.LLTokenizer) -> tuple[llguidance.LLMatcher, int]:
         """A new job's matcher (a copy of its lane's prototype) and its lane."""
-        lane = self.jobs % mask_lanes()
-        self.jobs += 1
+        lane = next(_jobs_made) % mask_lanes()
         prototype = self.lanes.get(lane)
         if prototype is None:
-            prototype = self.lanes[lane] = llguidance.LLMatcher(ll_tok, self.grammar, log_level=0)
+            if self.first is not None:
+                prototype, self.first = self.first, None
+            else:
+                prototype = llguidance.LLMatcher(ll_tok, self.grammar, log_level=0)
+            self.lanes[lane] = prototype
         return prototype.deep_copy(), lane
 
 
