@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -127,7 +127,10 @@ def _mask(
         # The other lanes on the pool, the first on this thread meanwhile.
         pool = _get_pool(len(groups) - 1)
         others = [pool.submit(_fill_lane, group, base, row_bytes) for group in groups[1:]]
-        _fill_lane(groups[0], base, row_bytes)
+        try:
+            _fill_lane(groups[0], base, row_bytes)
+        finally:
+            wait(others)  # none may still write into the buffer once this step is over
         for future in others:
             future.result()
     else:
