@@ -15,6 +15,8 @@ tool measures the host half alone, with the real tokenizer and no model:
     `deep_copy` shares the prototype's lexer, behind one lock), llguidance's default
     slices, all rows filled by one `fill_next_token_bitmask_par` call on an LLExecutor,
     then a per-row emptiness check;
+  - `before_serial`: the same, its rows filled one after another on the calling thread
+    (the old path without the executor's threads);
   - `slices`: the engine's `compile_constraint` + `mask_logits` with one mask lane (finer
     string-length slices only);
   - `after`: the same with --lanes lanes (engine/constraints/lanes.py).
@@ -52,7 +54,7 @@ from engine.constraints.lanes import mask_lanes, set_mask_lanes  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 from tools.bench_constrained import long_schema  # noqa: E402
 
-VARIANTS = ("before", "slices", "after")
+VARIANTS = ("before", "before_serial", "slices", "after")
 
 
 class _Job:
@@ -65,7 +67,10 @@ class _Job:
 class _Before:
     """The previous engine's mask path (kept here only as the benchmark's baseline)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab: int, spec: ConstraintSpec) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab: int, spec: ConstraintSpec, serial: bool = False
+    ) -> None:
+        self.serial = serial
         wrapper = ll_tokenizer(tokenizer, vocab)  # the engine's vocabulary table...
         self.ll_tok = wrapper.with_slices(llguidance.LLTokenizer.general_slices())  # ...as was
         grammar = llguidance.LLMatcher.grammar_from_json_schema(
@@ -82,8 +87,12 @@ class _Before:
         self.host = torch.full((rows, self.words), -1, dtype=torch.int32)
 
     def fill(self) -> torch.Tensor:
-        pairs = [(m, i) for i, m in enumerate(self.matchers)]
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, pairs, self.host)
+        if self.serial:
+            for i, matcher in enumerate(self.matchers):
+                llguidance.torch.fill_next_token_bitmask(matcher, self.host, i)
+        else:
+            pairs = [(m, i) for i, m in enumerate(self.matchers)]
+            llguidance.torch.fill_next_token_bitmask_par(self.executor, pairs, self.host)
         for i, matcher in enumerate(self.matchers):
             if matcher.is_error() or not bool(self.host[i].any()):
                 raise RuntimeError(f"row {i}: the grammar allows no token")
@@ -174,8 +183,8 @@ def bench_masks(
         # variants must not warm each other's lexers.
         tokenizer = Tokenizer.from_dir(tokenizer_dir)
         vocab = tokenizer.vocab_size
-        if name == "before":
-            runners[name] = _Before(tokenizer, vocab, spec)
+        if name in ("before", "before_serial"):
+            runners[name] = _Before(tokenizer, vocab, spec, serial=name == "before_serial")
         elif name in ("slices", "after"):
             runners[name] = _Engine(tokenizer, vocab, spec, 1 if name == "slices" else lanes)
         else:
@@ -233,7 +242,7 @@ def _print(result: dict[str, Any], out: Callable[[str], None] = print) -> None:
         if name in result:
             for phase, stats in result[name].items():
                 out(
-                    f"  {name:7s} {phase}: mean {stats['mean_ms']:.2f} ms/step, "
+                    f"  {name:13s} {phase}: mean {stats['mean_ms']:.2f} ms/step, "
                     f"median {stats['median_ms']:.2f}, p90 {stats['p90_ms']:.2f}"
                 )
 
