@@ -7,8 +7,8 @@ is the op itself, which shadows the module of the same name).
 """
 
 from kernels.activation import silu_mul
+from kernels.attention import paged_attention
 from kernels.backend import Backend
-from kernels.paged_attention import paged_attention
 from kernels.quant_matmul import quant_matmul
 from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rope import apply_rope, apply_rope_write
