@@ -123,7 +123,7 @@ class ForwardBatch:
     max_query_len: int = 0  # host-side bounds, so kernels pick grids without a GPU sync
     max_context_len: int = 0
     # One sequence whose new tokens are its whole context (nothing cached before them): its
-    # attention needs no page table (kernels.prompt_attention).
+    # attention needs no page table (kernels.attention.prompt_attention).
     fresh: bool = False
     # Each row's LoRA adapters (engine/lora/batch.py); None: no row uses one.
     lora: LoraBatch | None = None

@@ -89,7 +89,7 @@ class EngineOptions:
     fuse_projections: bool = True  # q/k/v and gate/up built as one linear each (build_plan.py)
     # Residual add + norm, SiLU * up, RoPE + KV write as one kernel each (same results).
     fuse_kernels: bool = True
-    # Bitwise reproducible decode: split-K sums as fixed point (kernels/quant_common.py), so
+    # Bitwise reproducible decode: split-K sums as fixed point (kernels/quant_matmul/tiles.py), so
     # the same prompt, settings and seed give the same logits in every run on one GPU. Costs
     # 12% of batch-1 decode speed on an H100 (8B GPTQ); off, sums are float32 atomics whose
     # order varies in the last bit. Process-wide: the last engine loaded sets it.

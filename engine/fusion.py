@@ -21,7 +21,7 @@ from torch import nn
 
 from engine.modules import FusesKernels, Linear
 from engine.quantized_linear import QuantizedLinear
-from kernels.quant_matmul import Plane, QuantizedWeight, Segment, compact_zero_points
+from kernels.quant_matmul.layout import Plane, QuantizedWeight, Segment, compact_zero_points
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

@@ -36,8 +36,7 @@ from torch import nn
 import kernels
 from engine.cache import ForwardBatch, PagedKVCache
 from engine.lora.batch import LoraBatch
-from kernels.paged_attention import paged_attention
-from kernels.prompt_attention import prompt_attention, prompt_attention_applies
+from kernels.attention import paged_attention, prompt_attention, prompt_attention_applies
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

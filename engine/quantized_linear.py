@@ -16,8 +16,8 @@ from torch import nn
 from engine.quant.exl2 import Exl2Tensors, exl2_to_runtime
 from engine.quant.gptq import GptqTensors, gptq_to_runtime
 from engine.weights import WeightStore
-from kernels.quant_matmul import QuantizedWeight, dequantize_reference, stored_bytes
-from kernels.quant_matmul_triton import quant_matmul
+from kernels.quant_matmul import QuantizedWeight, dequantize_reference, quant_matmul
+from kernels.quant_matmul.layout import stored_bytes
 
 if TYPE_CHECKING:  # engine.lora's modules import this one
     from engine.lora.batch import LoraBatch

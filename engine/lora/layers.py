@@ -33,7 +33,7 @@ from kernels.lora_matmul import (
     lora_partials_shape,
     lora_shrink,
 )
-from kernels.quant_matmul_triton import gemv_share, launch_gemv_shared
+from kernels.quant_matmul.gemv_share import gemv_share, launch_gemv_shared
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 

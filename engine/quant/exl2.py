@@ -41,7 +41,7 @@ import torch
 
 from engine.quant.bitpack import make_segment, packed_rows, unpack_along_columns, unpack_bitstream
 from engine.quant.checks import check_permutation, check_tensor, fail
-from kernels.quant_matmul import Plane, QuantizedWeight, Segment, compact_zero_points
+from kernels.quant_matmul.layout import Plane, QuantizedWeight, Segment, compact_zero_points
 
 EXL2_BITS = (2, 3, 4, 5, 6, 8)
 #: Permutation indices are uint16 in exllamav2, so k - 1 <= 65535.

@@ -39,7 +39,7 @@ from engine.quant.bitpack import (
     unpack_bitstream,
 )
 from engine.quant.checks import QuantFormatError, check_tensor, fail
-from kernels.quant_matmul import Plane, QuantizedWeight, Segment, compact_zero_points
+from kernels.quant_matmul.layout import Plane, QuantizedWeight, Segment, compact_zero_points
 
 GPTQ_BITS = (4, 8)
 GPTQ_FORMATS = ("gptq", "gptq_v2")
