@@ -90,6 +90,12 @@ class Embedding(nn.Embedding):
         super().__init__(num_embeddings, embedding_dim)
         self.weight.requires_grad_(False)
 
+    def reset_parameters(self) -> None:
+        # The table always comes from the checkpoint: nn.Embedding's random init is wasted
+        # work, and on the meta device the model is built on it imports torch._dynamo
+        # (~4 s on a process's first load).
+        pass
+
     def forward(self, token_ids: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         return super().forward(token_ids)
 
