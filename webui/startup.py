@@ -117,11 +117,23 @@ def preparation_status() -> str | None:
     )
 
 
+def track_progress_bars() -> None:
+    """Install Gradio's tqdm tracking now, before any bar is open. Gradio patches tqdm's
+    class the first time a handler asks to track bars (`gr.Progress(track_tqdm=True)`, which
+    the Model tab's download panel creates while the page is built); a bar opened before
+    that and updated after fails with AttributeError ('_progress'). The default model's
+    conversion, running while the page was built, died that way at random (the race)."""
+    from gradio.helpers import patch_tqdm
+
+    patch_tqdm()
+
+
 def start_preparing(
     args: argparse.Namespace, manager: ModelManager, remembered: dict[str, Any]
 ) -> Preparation:
     """Prepare and load the default model in a thread; the page is served meanwhile."""
     global _preparation
+    track_progress_bars()  # the thread's bars outlive the page's build
     prep = Preparation()
     _preparation = prep
 
@@ -138,8 +150,9 @@ def start_preparing(
             load_initial_model(args, manager, remembered, progress=report, stage=stage)
             if not manager.is_loaded():
                 prep.error = "the model did not load (the terminal says why)"
-        except Exception as e:  # shown in the page; the UI goes on without a model
+        except Exception as e:  # shown in the page and said here; the UI goes on
             prep.error = str(e) or type(e).__name__
+            _say(f"could not prepare the default model: {prep.error}")
         finally:
             prep.done.set()
 
