@@ -25,6 +25,9 @@ FORBIDDEN: dict[str, set[str]] = {
     "webui": {"engine", "kernels", "extensions", "tools"},
     "extensions": {"engine", "kernels", "webui", "ui", "tools"},
     "ui": {"engine", "kernels", "tools"},
+    # The console scripts' launcher (kestrel/commands.py) names the front ends' modules and
+    # imports them when called; it holds no code of its own to import the layers for.
+    "kestrel": {"engine", "kernels", "loader", "serving", "webui", "extensions", "ui", "tools"},
 }
 
 
@@ -117,7 +120,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def _files() -> list[Path]:
     files = [ROOT / "ui.py"]
-    for layer in ("kernels", "engine", "loader", "serving", "webui", "extensions"):
+    for layer in ("kernels", "engine", "loader", "serving", "webui", "extensions", "kestrel"):
         files += sorted((ROOT / layer).rglob("*.py"))
     return files
 
