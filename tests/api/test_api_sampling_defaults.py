@@ -13,10 +13,9 @@ from engine.sampling_settings import SamplingSettings
 from extensions.openai import ApiServer, run_api_server
 from extensions.openai.params import build_state
 from extensions.openai.schemas import ChatCompletionRequest
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager
 from serving import shared
-
-from model_factory import make_tiny_llama
 
 LOAD_OPTIONS = dict(device="cpu", dtype="float32", page_size=16, cache_tokens=1024)
 

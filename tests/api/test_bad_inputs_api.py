@@ -16,10 +16,9 @@ import pytest
 
 from extensions.openai import ApiServer, run_api_server
 from extensions.openai.limits import DEFAULT_MAX_BODY_BYTES
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager
 from serving import shared
-
-from model_factory import make_tiny_llama
 
 LOAD_OPTIONS = dict(
     device="cpu", dtype="float32", page_size=16, cache_tokens=512, max_seq_len=256, max_batch=8

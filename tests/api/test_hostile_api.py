@@ -24,17 +24,22 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from hostile_server import LOOP_TEMPLATE, TOOL_CALL_TEMPLATE, free_port, set_template, wait_up
 
 from engine.engine import EngineOptions
 from extensions.openai import ApiServer, run_api_server
 from extensions.openai import runner as choice_runner
+from helpers.hostile_server import (
+    LOOP_TEMPLATE,
+    TOOL_CALL_TEMPLATE,
+    free_port,
+    set_template,
+    wait_up,
+)
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager
 from serving import shared
 
-from model_factory import make_tiny_llama
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOAD_OPTIONS = dict(
     device="cpu", dtype="float32", page_size=16, cache_tokens=1024, max_seq_len=256, max_batch=8
 )  # fmt: skip

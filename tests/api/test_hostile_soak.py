@@ -23,11 +23,11 @@ from typing import Any
 
 import httpx
 import pytest
-from hostile_server import TOOL_CALL_TEMPLATE, free_port, set_template, wait_up
 
-from model_factory import make_tiny_llama
+from helpers.hostile_server import TOOL_CALL_TEMPLATE, free_port, set_template, wait_up
+from helpers.model_factory import make_tiny_llama
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOAK_SECONDS = 25
 CLIENTS = 8
 # Threads a server may keep after the run: asyncio's default executor (to_thread) keeps up

@@ -21,10 +21,9 @@ import pytest
 import torch
 
 from extensions.openai import ApiServer, run_api_server
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager
 from serving import extensions, shared
-
-from model_factory import make_tiny_llama
 
 LOAD_OPTIONS = dict(
     device="cpu", dtype="float32", page_size=16, cache_tokens=2048, max_batch=32

@@ -15,11 +15,10 @@ import torch
 
 import loader
 from extensions.openai import ApiServer, run_api_server
+from helpers.model_factory import make_tiny_llama, randomize_weights, write_tokenizer
 from loader.embeddings import EmbeddingError, default_pooling
 from loader.manager import ModelManager
 from serving import shared
-
-from model_factory import make_tiny_llama, randomize_weights, write_tokenizer
 
 TEXTS = ["The kestrel hovers over the field.", "A small falcon.", "Tensor cores"]
 
@@ -196,11 +195,13 @@ def test_a_qwen3_embedding_style_checkpoint_loads_and_embeds_like_transformers(t
 
 def test_embeddings_apply_the_default_lora_as_peft_does(tiny, tmp_path: Path):
     """Under a default adapter selection (set_loras), hidden states are the peft model's."""
-    from test_lora import ALL, _hf, _make_adapter
+    from helpers.lora import ALL, hf_model, make_adapter
 
     root, _ = tiny
     path = root / "models" / "tiny"
-    peft_model = _make_adapter(_hf(path), tmp_path / "A", 1, r=4, lora_alpha=8, target_modules=ALL)
+    peft_model = make_adapter(
+        hf_model(path), tmp_path / "A", 1, r=4, lora_alpha=8, target_modules=ALL
+    )
     m = loader.load(path, "kestrel", device="cpu", dtype="float32", prefill_chunk=8)
     try:
         m.load_lora(tmp_path / "A", "A")

@@ -15,12 +15,11 @@ import httpx
 import openai
 import pytest
 
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager
 from serving import extensions, shared
 
-from model_factory import make_tiny_llama
-
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@
 nested objects, enums, arrays, required fields, bounded numbers) parse and validate,
 greedy and sampled; json_object gives a JSON object; GBNF grammars through
 `grammar_string` give text the grammar accepts; strict tools give calls whose arguments
-validate; an invalid schema is a 400 naming the field (tests/test_bad_inputs_api.py has
+validate; an invalid schema is a 400 naming the field (tests/api/test_bad_inputs_api.py has
 more of those).
 """
 
@@ -28,7 +28,7 @@ from loader.default_model import DEFAULT_MODEL, ensure_packaged_model
 from loader.manager import ModelManager
 from serving import shared
 
-DATA = Path(__file__).parent / "data" / "constrained"
+DATA = Path(__file__).parents[1] / "data" / "constrained"
 SCHEMAS = json.loads((DATA / "tool_schemas.json").read_text())
 # SmolLM2's own template with a place for tools (its shipped one has none).
 TOOLS_TEMPLATE = (

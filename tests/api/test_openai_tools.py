@@ -1,7 +1,7 @@
 """Function calling through /v1/chat/completions with the real `openai` client.
 
 The model is a real LlamaForCausalLM whose weights script its greedy reply: a Hermes-style
-`<tool_call>` block (tests/model_factory.py, make_scripted_llama). Its chat template writes
+`<tool_call>` block (tests/helpers/model_factory.py, make_scripted_llama). Its chat template writes
 the tools and earlier calls into the prompt as a tool-use template does.
 """
 
@@ -23,10 +23,9 @@ from extensions.openai.tools import (
     parse_tool_calls,
     template_messages,
 )
+from helpers.model_factory import make_scripted_llama
 from loader.manager import ModelManager
 from serving import shared
-
-from model_factory import make_scripted_llama
 
 TOOL_TEMPLATE = (
     "{%- if tools %}tools: {{ tools | tojson }} {% endif -%}"

@@ -18,10 +18,9 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 
 from engine.lora import LoraError
+from helpers.bad_inputs import Serving, cases, copy_model
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager, UnknownNameError
-
-from bad_inputs import Serving, cases, copy_model
-from model_factory import make_tiny_llama
 
 CFG = "adapter_config.json"
 ST = "adapter_model.safetensors"

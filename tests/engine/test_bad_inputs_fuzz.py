@@ -19,9 +19,8 @@ import pytest
 
 import loader
 from engine.lora import LoraError
-
-from bad_inputs import Serving, copy_model, read_safetensors_header, write_safetensors_raw
-from model_factory import make_tiny_llama
+from helpers.bad_inputs import Serving, copy_model, read_safetensors_header, write_safetensors_raw
+from helpers.model_factory import make_tiny_llama
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402

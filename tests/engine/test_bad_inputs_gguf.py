@@ -14,10 +14,9 @@ import torch
 
 from engine.gguf_import import GGUFImportError, import_gguf
 from engine.quantizer import ConvertError, ConvertOptions, convert
+from helpers.bad_inputs import GREEDY, PROMPT, cases
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager
-
-from bad_inputs import GREEDY, PROMPT, cases
-from model_factory import make_tiny_llama
 
 pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
@@ -25,8 +24,9 @@ pytest.importorskip("accelerate")
 
 @pytest.fixture(scope="module")
 def good_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_gguf_import import write_tiny_llama_gguf
     from transformers import AutoModelForCausalLM
+
+    from helpers.gguf import write_tiny_llama_gguf
 
     root = tmp_path_factory.mktemp("bad-gguf")
     make_tiny_llama(root / "hf", dtype=torch.float16, tie_word_embeddings=True)

@@ -1,6 +1,6 @@
 """Sampler settings too large to be safe inside a step (they overflowed in torch and failed
 every job of the batch) are refused by `SamplingSettings` with an error naming the key.
-tests/test_fuzz_sampling.py searches for more with hypothesis."""
+tests/engine/test_fuzz_sampling.py searches for more with hypothesis."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ import pytest
 from engine.banned_strings import BannedStrings
 from engine.engine import Engine, EngineOptions
 from engine.generate import generate_single
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 GREEDY = {"temperature": 0, "ban_eos_token": True}
 

@@ -11,8 +11,7 @@ from engine.generator import JobSampler, sample_jobs
 from engine.samplers.batched import batchable, sample_batched
 from engine.sampling import Sampler, SamplingSettings
 from engine.tokenizer import Tokenizer
-
-from model_factory import write_tokenizer
+from helpers.model_factory import write_tokenizer
 
 VOCAB = 97
 EOS = 5

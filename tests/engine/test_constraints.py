@@ -31,7 +31,7 @@ from engine.sampling_settings import SamplingSettings
 from kernels.token_bitmask import apply_token_bitmask
 from loader.default_model import DEFAULT_MODEL, DefaultModelError, ensure_packaged_model
 
-DATA = Path(__file__).parent / "data" / "constrained"
+DATA = Path(__file__).parents[1] / "data" / "constrained"
 SCHEMAS = json.loads((DATA / "tool_schemas.json").read_text())
 
 

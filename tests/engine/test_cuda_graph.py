@@ -15,8 +15,7 @@ import torch
 from engine.cache import ForwardBatch, Sequence
 from engine.cuda_graph import MAX_GRAPH_TOKENS, DecodeGraphs, stage_rows
 from engine.engine import Engine, EngineOptions
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 PAGE = 8
 

@@ -20,12 +20,14 @@ import torch
 
 from tools.bench import build_model
 
-PROBE = Path(__file__).resolve().parent / "determinism_probe.py"
+ROOT = Path(__file__).resolve().parents[2]
+# Run as a module from the checkout's root: the probe imports the engine and its sibling helper.
+PROBE = "tests.helpers.determinism_probe"
 PROCESSES = 3
 
 
 def _probe(model: Path, out: Path) -> dict:
-    subprocess.run([sys.executable, str(PROBE), str(model), str(out)], check=True)
+    subprocess.run([sys.executable, "-m", PROBE, str(model), str(out)], check=True, cwd=ROOT)
     return torch.load(out)
 
 
@@ -53,8 +55,7 @@ def test_the_loader_option_sets_the_kernels_switch(tmp_path: Path) -> None:
     --deterministic), set before any kernel runs; the next load without it turns it off."""
     import kernels.backend as backend
     import loader
-
-    from model_factory import make_tiny_llama
+    from helpers.model_factory import make_tiny_llama
 
     make_tiny_llama(tmp_path / "tiny")
     before = backend.deterministic_sums()

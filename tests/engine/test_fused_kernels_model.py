@@ -22,14 +22,13 @@ from typing import Any
 import pytest
 import torch
 import transformers as tf
-from decoding import greedy_with_logits
 
 import kernels
 from engine.cache import Sequence
 from engine.engine import Engine, EngineOptions
 from engine.fusion import set_kernel_fusion
-
-from model_factory import make_tiny_llama, make_tiny_model
+from helpers.decoding import greedy_with_logits
+from helpers.model_factory import make_tiny_llama, make_tiny_model
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64, 33, 8, 190]
 STEPS = 6

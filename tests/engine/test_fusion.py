@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_quantized_model import _gptq, _quantize_model
 
 from engine.engine import Engine, EngineOptions
 from engine.fusion import concat_linears
 from engine.quant.exl2 import Exl2Tensors, dequantize_exl2
 from engine.quant.exl2_writer import quantize_rtn_exl2
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
+from helpers.quantized import gptq_quantize, quantize_model
 
 IDS = [5, 17, 99, 3, 250, 41, 7, 300, 12, 64]
 
@@ -52,7 +51,7 @@ def test_dense_model_fuses_and_matches(fp_model: Path) -> None:
 
 
 def test_gptq_model_fuses_and_matches(fp_model: Path, tmp_path: Path) -> None:
-    _quantize_model(fp_model, tmp_path / "gptq", _gptq(4, 32, True, False, False))
+    quantize_model(fp_model, tmp_path / "gptq", gptq_quantize(4, 32, True, False, False))
     cfg_path = tmp_path / "gptq" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
@@ -79,7 +78,7 @@ def _exl2_same_layout(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]
 
 
 def test_exl2_fuses_when_layouts_match(fp_model: Path, tmp_path: Path) -> None:
-    _quantize_model(fp_model, tmp_path / "exl2", _exl2_same_layout)
+    quantize_model(fp_model, tmp_path / "exl2", _exl2_same_layout)
     fused, plain = _engines(tmp_path / "exl2")
     assert hasattr(_layer0(fused).self_attn, "qkv_proj")
     assert _layer0(fused).mlp.gate_up_proj is not None
@@ -94,7 +93,7 @@ def test_different_layouts_are_not_fused(fp_model: Path, tmp_path: Path) -> None
         packed = quantize_rtn_exl2(w, bits, 32, perm=perm)
         return packed, dequantize_exl2(Exl2Tensors.from_dict(packed)).t()
 
-    _quantize_model(fp_model, tmp_path / "exl2", varied)
+    quantize_model(fp_model, tmp_path / "exl2", varied)
     fused, plain = _engines(tmp_path / "exl2")
     attn = _layer0(fused).self_attn
     assert hasattr(attn, "q_proj") and not hasattr(attn, "qkv_proj")

@@ -12,11 +12,10 @@ import pytest
 
 from engine.engine import Engine, EngineOptions
 from engine.sampling_settings import SamplingSettings, SamplingSettingsError
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 hypothesis = pytest.importorskip("hypothesis")  # requirements-dev.txt
-# (tests/test_bad_inputs_sampling.py holds the fixed cases, which run without hypothesis)
+# (tests/engine/test_bad_inputs_sampling.py holds the fixed cases, which run without hypothesis)
 st = hypothesis.strategies
 given, settings, HealthCheck = hypothesis.given, hypothesis.settings, hypothesis.HealthCheck
 

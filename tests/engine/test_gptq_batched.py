@@ -151,8 +151,7 @@ def test_measurement_scores_equal_full_module_forwards(tmp_path):
     from engine.quantizer.capture import capture_layer
     from engine.quantizer.measure import _output_linear_input, _relative_errors
     from engine.quantizer.model import CalibrationRunner, LayerwiseModel, module_specs
-
-    from model_factory import make_tiny_llama
+    from helpers.model_factory import make_tiny_llama
 
     make_tiny_llama(tmp_path, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2)  # fmt: skip
@@ -187,8 +186,7 @@ def test_calibration_outputs_do_not_depend_on_the_row_chunking(tmp_path) -> None
     a layer's outputs are the same bits whatever the chunking (a resumed conversion must
     write the bytes an uninterrupted one writes)."""
     from engine.quantizer.model import CalibrationRunner, LayerwiseModel
-
-    from model_factory import make_tiny_llama
+    from helpers.model_factory import make_tiny_llama
 
     make_tiny_llama(tmp_path, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2)  # fmt: skip

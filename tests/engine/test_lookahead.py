@@ -17,8 +17,7 @@ import torch
 from engine.engine import Engine, EngineOptions
 from engine.generate import generate_single
 from engine.generator import GenerationEvent
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 GREEDY = {"temperature": 0, "ban_eos_token": True}
 

@@ -15,37 +15,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
 import loader
 from engine.lora import LoraError, LoraLinear
 from engine.modules import Embedding
 from engine.sampling_settings import SamplingSettings, SamplingSettingsError
-
-from model_factory import make_tiny_llama, make_tiny_model
-
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-IDS = [5, 17, 99, 203, 11, 42, 300, 7, 64, 128, 250, 31, 77, 190, 3, 360]
-GREEDY = {"temperature": 0, "ban_eos_token": True, "max_new_tokens": 8}
+from helpers.lora import ALL, GREEDY, IDS, hf_model, make_adapter
+from helpers.model_factory import make_tiny_llama, make_tiny_model
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> None:
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err < tol, f"relative error {err}"
-
-
-def _make_adapter(base: torch.nn.Module, path: Path, seed: int, **config) -> torch.nn.Module:
-    """Save a peft adapter with random non-zero A and B (and random modules_to_save weights:
-    peft copies the base's, which would test nothing); returns the PeftModel (eval)."""
-    torch.manual_seed(seed)
-    model = get_peft_model(base, LoraConfig(init_lora_weights=False, **config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name or "modules_to_save" in name:
-                p.normal_(0, 0.08)
-    model.save_pretrained(path)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +43,11 @@ def adapters(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     """A: rank 8 on every linear, rslora; B: rank 4 on q/v/down with alpha != r and its
     own lm_head (modules_to_save)."""
     root = tmp_path_factory.mktemp("adapters")
-    _make_adapter(_hf(tiny), root / "A", 1, r=8, lora_alpha=16, target_modules=ALL, use_rslora=True)
-    _make_adapter(
-        _hf(tiny),
+    make_adapter(
+        hf_model(tiny), root / "A", 1, r=8, lora_alpha=16, target_modules=ALL, use_rslora=True
+    )
+    make_adapter(
+        hf_model(tiny),
         root / "B",
         2,
         r=4,
@@ -73,14 +58,6 @@ def adapters(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     return {"A": root / "A", "B": root / "B"}
 
 
-def _hf(path: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-
-
 def _load(path: Path, **options):
     return loader.load(path, "kestrel", device="cpu", dtype="float32", **options)
 
@@ -88,7 +65,7 @@ def _load(path: Path, **options):
 def _peft(tiny: Path, adapters: dict[str, Path], scales: dict[str, float]) -> PeftModel:
     """The HF model with peft's adapters `scales` active at those scales."""
     names = list(scales)
-    model = PeftModel.from_pretrained(_hf(tiny), adapters[names[0]], adapter_name=names[0])
+    model = PeftModel.from_pretrained(hf_model(tiny), adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(adapters[name], adapter_name=name)
     model.base_model.set_adapter(names)
@@ -136,8 +113,8 @@ def test_two_adapters_with_scales_match_peft(tiny: Path, adapters: dict[str, Pat
 
 
 def test_embed_tokens_replacement_matches_peft(tiny: Path, tmp_path: Path):
-    ref = _make_adapter(
-        _hf(tiny),
+    ref = make_adapter(
+        hf_model(tiny),
         tmp_path / "E",
         7,
         r=4,
@@ -156,8 +133,8 @@ def test_embed_tokens_replacement_matches_peft(tiny: Path, tmp_path: Path):
 def test_lora_on_lm_head_matches_peft(tiny: Path, tmp_path: Path):
     """A LoRA on lm_head sees only the logits rows; peft saves the head's base weight beside
     it (lm_head.base_layer.weight), which equals the model's and is dropped."""
-    ref = _make_adapter(
-        _hf(tiny), tmp_path / "H", 8, r=4, lora_alpha=8, target_modules=["lm_head", "v_proj"]
+    ref = make_adapter(
+        hf_model(tiny), tmp_path / "H", 8, r=4, lora_alpha=8, target_modules=["lm_head", "v_proj"]
     )
     saved = load_file(tmp_path / "H" / "adapter_model.safetensors")
     assert "base_model.model.lm_head.base_layer.weight" in saved
@@ -183,12 +160,14 @@ def test_lora_on_lm_head_matches_peft(tiny: Path, tmp_path: Path):
     (tmp_path / "H2" / "adapter_config.json").write_text(config)
     m.load_lora(tmp_path / "H2")
     assert m.loras()["H2"]["modules_to_save"] == ["lm_head"]
-    want = PeftModel.from_pretrained(_hf(tiny), tmp_path / "H2").eval()(torch.tensor([IDS]))
+    want = PeftModel.from_pretrained(hf_model(tiny), tmp_path / "H2").eval()(torch.tensor([IDS]))
     _close(m.engine.logits(IDS, loras={"H2": 1}), want.logits[0].detach())
 
 
 def test_pickled_adapter_loads_safely_or_is_refused(tiny: Path, tmp_path: Path):
-    ref = _make_adapter(_hf(tiny), tmp_path / "ok", 3, r=4, lora_alpha=8, target_modules=["o_proj"])
+    ref = make_adapter(
+        hf_model(tiny), tmp_path / "ok", 3, r=4, lora_alpha=8, target_modules=["o_proj"]
+    )
     safetensors = load_file(tmp_path / "ok" / "adapter_model.safetensors")
     (tmp_path / "ok" / "adapter_model.safetensors").unlink()
     torch.save(safetensors, tmp_path / "ok" / "adapter_model.bin")
@@ -217,10 +196,10 @@ def test_quantized_base_equals_dequantized_base_plus_peft(
     writers), Kestrel with an adapter equals peft on the dequantized model: the delta is
     applied unmerged on top of the quantized matmul, and B's lm_head replaces a quantized
     head."""
-    from test_quantized_model import _exl2, _gptq, _quantize_model
+    from helpers.quantized import exl2_quantize, gptq_quantize, quantize_model
 
-    quantize = _exl2 if fmt == "exl2" else _gptq(4, 32, True, True, False)
-    ref = _quantize_model(tiny, tmp_path / fmt, quantize)
+    quantize = exl2_quantize if fmt == "exl2" else gptq_quantize(4, 32, True, True, False)
+    ref = quantize_model(tiny, tmp_path / fmt, quantize)
     if fmt == "gptq":
         cfg = json.loads((tmp_path / fmt / "config.json").read_text())
         cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
@@ -247,7 +226,7 @@ def test_fused_phi3_adapters(tmp_path: Path):
     hf = make_tiny_model(tmp_path / "phi3", Phi3Config)
     targets = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     # rank 12 on qkv, 8 on gate_up; alphas make every scaling 1.
-    fused = _make_adapter(
+    fused = make_adapter(
         hf,
         tmp_path / "fused",
         4,
@@ -295,7 +274,7 @@ def test_fused_phi3_adapters(tmp_path: Path):
     (tmp_path / "split" / "adapter_config.json").write_text(json.dumps(cfg))
 
     want = (
-        PeftModel.from_pretrained(_hf(tmp_path / "phi3"), tmp_path / "fused")
+        PeftModel.from_pretrained(hf_model(tmp_path / "phi3"), tmp_path / "fused")
         .eval()(torch.tensor([IDS]))
         .logits[0]
     )
@@ -453,10 +432,10 @@ def test_cuda_graph_lora_decode_equals_eager(tiny: Path, adapters: dict[str, Pat
     """With CUDA graphs on (default options), mixed-adapter decode steps give the tokens of
     an engine without graphs; loading another adapter mid-run is picked up. LoRA steps
     replay their own graphs when engine.engine.LORA_GRAPHS (the default of
-    lora_cuda_graphs) is on; tests/test_lora_graphs.py covers them in detail."""
+    lora_cuda_graphs) is on; tests/engine/test_lora_graphs.py covers them in detail."""
     from engine.engine import LORA_GRAPHS
 
-    c = _make_adapter(_hf(tiny), tmp_path / "C", 5, r=16, lora_alpha=16, target_modules=ALL)
+    c = make_adapter(hf_model(tiny), tmp_path / "C", 5, r=16, lora_alpha=16, target_modules=ALL)
     del c
     selections = [{"A": 1.0}, {"C": 1.0}, {"A": 0.5, "C": 0.5}, {}]
     settings = [{**GREEDY, "max_new_tokens": 24, "loras": s} for s in selections]
@@ -486,7 +465,7 @@ def test_unload_frees_gpu_memory(tiny: Path, tmp_path: Path):
     torch.cuda.empty_cache()
     m = loader.load(tiny, "kestrel", device="cuda", dtype="float16")
     before = torch.cuda.memory_allocated()
-    big = _make_adapter(_hf(tiny), tmp_path / "big", 6, r=64, lora_alpha=64, target_modules=ALL)
+    big = make_adapter(hf_model(tiny), tmp_path / "big", 6, r=64, lora_alpha=64, target_modules=ALL)
     del big
     m.load_lora(tmp_path / "big")
     assert torch.cuda.memory_allocated() > before

@@ -20,14 +20,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_lora import ALL, GREEDY, IDS, _hf, _make_adapter
 
 import loader
 from engine.cache import Sequence
 from engine.engine import Engine
 from engine.lora import LoraError, LoraLinear
-
-from model_factory import make_tiny_llama
+from helpers.lora import ALL, GREEDY, IDS, hf_model, make_adapter
+from helpers.model_factory import make_tiny_llama
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -44,9 +43,11 @@ def adapters(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     """A: rank 8 everywhere (rslora); B: rank 4 on q/v/down with its own lm_head
     (modules_to_save, so steps selecting it run eagerly); C: rank 16 everywhere."""
     root = tmp_path_factory.mktemp("adapters")
-    _make_adapter(_hf(tiny), root / "A", 1, r=8, lora_alpha=16, target_modules=ALL, use_rslora=True)
-    _make_adapter(
-        _hf(tiny),
+    make_adapter(
+        hf_model(tiny), root / "A", 1, r=8, lora_alpha=16, target_modules=ALL, use_rslora=True
+    )
+    make_adapter(
+        hf_model(tiny),
         root / "B",
         2,
         r=4,
@@ -54,7 +55,7 @@ def adapters(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         target_modules=["q_proj", "v_proj", "down_proj"],
         modules_to_save=["lm_head"],
     )
-    _make_adapter(_hf(tiny), root / "C", 5, r=16, lora_alpha=16, target_modules=ALL)
+    make_adapter(hf_model(tiny), root / "C", 5, r=16, lora_alpha=16, target_modules=ALL)
     return {name: root / name for name in "ABC"}
 
 
@@ -336,11 +337,10 @@ def test_quantized_decode_lora_in_graph_equals_reference(rows: int):
     CUDA graph whose LoRA kernels ran on a side stream: both equal the dequantized base plus
     the reference delta, for inputs and scales set after capture. The base has padded
     columns (out_features < n)."""
-    from test_quant_matmul_kernels import make_weight
-
     from engine.lora.batch import LoraBatch, LoraSegments
     from engine.lora.layers import LoraLinear
     from engine.quantized_linear import QuantizedLinear
+    from helpers.quant_weights import make_weight
     from kernels.lora_matmul import lora_matmul_reference
     from kernels.quant_matmul import quant_matmul_reference
 

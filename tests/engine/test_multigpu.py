@@ -26,7 +26,7 @@ GREEDY = {"max_new_tokens": 16, "temperature": 0, "ban_eos_token": True}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_tensor_parallel import build_mixed_model
+    from helpers.mixed_model import build_mixed_model
 
     return build_mixed_model(tmp_path_factory.mktemp("multigpu"))
 
@@ -137,11 +137,11 @@ def test_layer_split_graphs_match_one_gpu_batched(model_dir: Path, speculative: 
 def test_layer_split_lora_graphs_match_one_gpu(model_dir: Path, tmp_path: Path):
     """LoRA decode steps on a split replay per-GPU segments, each with its own static LoRA
     batch on its GPU, and give one GPU's tokens."""
-    from test_lora import ALL, _hf, _make_adapter
+    from helpers.lora import ALL, hf_model, make_adapter
 
     base = model_dir.parent / "fp16"  # build_mixed_model's unquantized model
-    _make_adapter(_hf(base), tmp_path / "A", 1, r=8, lora_alpha=16, target_modules=ALL)
-    _make_adapter(_hf(base), tmp_path / "C", 5, r=4, lora_alpha=8, target_modules=ALL)
+    make_adapter(hf_model(base), tmp_path / "A", 1, r=8, lora_alpha=16, target_modules=ALL)
+    make_adapter(hf_model(base), tmp_path / "C", 5, r=4, lora_alpha=8, target_modules=ALL)
     selections = [{"A": 1.0}, {"C": 1.0}, {"A": 0.5, "C": -0.5}, {}, {"C": 2.0}]
     settings = [{**GREEDY, "max_new_tokens": 12, "loras": s} for s in selections]
     runs = {}
@@ -203,7 +203,7 @@ def test_tensor_parallel_over_nccl_matches_one_gpu(model_dir: Path, reference, c
 def test_tensor_parallel_with_a_quantized_cache_matches_one_gpu(model_dir: Path, reference):
     """Each rank keeps its KV heads' q8 rows: one GPU's q8 logits up to the cache's own
     quantization noise (the ranks sum in another order, and a value near a rounding boundary
-    of the cache may round the other way; see tests/test_tensor_parallel.py)."""
+    of the cache may round the other way; see tests/engine/test_tensor_parallel.py)."""
     one = loader.load(model_dir, "kestrel", device="cuda:0", dtype="float16", cache_type="q8")
     try:
         expected = one.logits(_ids())

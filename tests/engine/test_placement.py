@@ -18,9 +18,8 @@ from engine.placement import GIB, ModelFootprint, Placement, PlacementError, pla
 from engine.placement.footprint import model_footprint
 from engine.quantized_linear import QuantizedLinear
 from engine.weights import WeightStore
+from helpers.model_factory import make_tiny_llama
 from kernels.quant_matmul import stored_bytes
-
-from model_factory import make_tiny_llama
 
 GPU = [torch.device("cuda", i) for i in range(3)]
 CPU = torch.device("cpu")
@@ -188,10 +187,10 @@ def test_footprint_of_a_dense_checkpoint_equals_loaded_bytes(tiny: Path):
 
 
 def test_footprint_of_exl2_and_gptq_layers_equals_loaded_bytes(tiny: Path, tmp_path: Path):
-    from test_tensor_parallel import _mixed_quantize, quantize_checkpoint
+    from helpers.mixed_model import mixed_quantize, quantize_checkpoint
 
     # layer 0 dense, layer 1 EXL2 attention + GPTQ act-order MLP, layer 2 the reverse
-    quantize_checkpoint(tiny, tmp_path / "q", _mixed_quantize)
+    quantize_checkpoint(tiny, tmp_path / "q", mixed_quantize)
     cfg_path = tmp_path / "q" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
@@ -243,11 +242,9 @@ def test_single_gpu_load_that_does_not_fit_says_how_much_is_missing():
 def test_footprint_of_every_architecture_counts_its_weights(tmp_path: Path, cache_type: str):
     """Every CUDA load now reads the footprint first: it must work for every architecture,
     count all the weights once and size the cache by its storage type."""
-    from test_architectures import CASES
-
     from engine.cache import cache_bytes_per_token
-
-    from model_factory import make_tiny_model
+    from helpers.architectures import CASES
+    from helpers.model_factory import make_tiny_model
 
     for case, (config_cls, overrides, _) in CASES.items():
         path = tmp_path / case

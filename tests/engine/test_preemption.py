@@ -10,8 +10,7 @@ import pytest
 
 from engine.cache import CacheFullError
 from engine.engine import Engine, EngineOptions
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 GREEDY = {"temperature": 0, "ban_eos_token": True}
 

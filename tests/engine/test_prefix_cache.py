@@ -14,8 +14,7 @@ from engine.engine import Engine, EngineOptions
 from engine.generate import generate_single
 from engine.prefix_cache import PrefixChain, adopt, find_prefix, publish, root_hash
 from engine.scheduler import DECODE
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 GREEDY = {"temperature": 0, "ban_eos_token": True}
 

@@ -4,7 +4,6 @@ the same model with the dequantized weights; corrupt packed tensors fail at load
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,67 +13,9 @@ from safetensors.torch import load_file, save_file
 import loader
 from engine import quantized_linear
 from engine.quant.checks import QuantFormatError
-from engine.quant.exl2 import Exl2Tensors, dequantize_exl2
-from engine.quant.exl2_writer import quantize_rtn_exl2
-from engine.quant.gptq import GptqTensors, dequantize_gptq, quantize_rtn_gptq
-
-from model_factory import make_tiny_llama
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _exl2_bits(k: int) -> list[int]:
-    """A mixed, non-increasing bit list over 32-row groups."""
-    widths = [8, 6, 5, 4, 3, 2]
-    groups = -(-k // 32)
-    return [widths[min(i * len(widths) // groups, len(widths) - 1)] for i in range(groups)]
-
-
-def _quantize_model(
-    src: Path, dst: Path, quantize: Callable[[str, torch.Tensor], tuple[dict, torch.Tensor]]
-) -> torch.nn.Module:
-    """Quantize every linear (and the head) of the checkpoint in `src` into `dst`; returns
-    the HF model with the dequantized weights put back, the reference."""
-    from transformers import LlamaForCausalLM
-
-    dst.mkdir()
-    tensors = load_file(src / "model.safetensors")
-    out: dict[str, torch.Tensor] = {}
-    dequantized: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        module = name.removesuffix(".weight")
-        if name.endswith(".weight") and (module.split(".")[-1] in LINEARS or module == "lm_head"):
-            packed, w = quantize(module, t)
-            out.update({f"{module}.{k}": v for k, v in packed.items()})
-            dequantized[name] = w
-        else:
-            out[name] = t
-    save_file(out, dst / "model.safetensors")
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    ref = LlamaForCausalLM.from_pretrained(src, dtype=torch.float32)
-    state = ref.state_dict()
-    state.update(dequantized)
-    ref.load_state_dict(state)
-    return ref.eval()
-
-
-def _exl2(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    k = w.shape[1]
-    g = torch.Generator().manual_seed(hash(module) % 1000)
-    perm = torch.randperm(k, generator=g)
-    packed = quantize_rtn_exl2(w, _exl2_bits(k), 32, perm=perm)
-    return packed, dequantize_exl2(Exl2Tensors.from_dict(packed)).t()
-
-
-def _gptq(bits: int, group: int, sym: bool, act_order: bool, v2: bool):
-    def quantize(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
-        packed = quantize_rtn_gptq(w, bits, group, sym=sym, act_order=act_order, v2=v2)
-        t = GptqTensors.from_dict(packed, bits=bits, checkpoint_format="gptq_v2" if v2 else "gptq")
-        return packed, dequantize_gptq(t).t()
-
-    return quantize
+from engine.quant.exl2 import Exl2Tensors
+from helpers.model_factory import make_tiny_llama
+from helpers.quantized import exl2_quantize, gptq_quantize, quantize_model
 
 
 def _ids(n: int = 48) -> list[int]:
@@ -89,7 +30,7 @@ def fp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_exl2_model_matches_dequantized_reference(fp_model: Path, tmp_path: Path, device: str):
-    ref = _quantize_model(fp_model, tmp_path / "exl2", _exl2)
+    ref = quantize_model(fp_model, tmp_path / "exl2", exl2_quantize)
     m = loader.load(tmp_path / "exl2", "kestrel", device=device, dtype="float32")
     ids = _ids()
     expected = ref(torch.tensor([ids])).logits[0]
@@ -105,7 +46,8 @@ def test_exl2_model_matches_dequantized_reference(fp_model: Path, tmp_path: Path
 def test_gptq_model_matches_dequantized_reference(
     fp_model: Path, tmp_path: Path, bits: int, group: int, sym: bool, act_order: bool, v2: bool
 ):
-    ref = _quantize_model(fp_model, tmp_path / "gptq", _gptq(bits, group, sym, act_order, v2))
+    quantize = gptq_quantize(bits, group, sym, act_order, v2)
+    ref = quantize_model(fp_model, tmp_path / "gptq", quantize)
     cfg_path = tmp_path / "gptq" / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["quantization_config"] = {
@@ -133,7 +75,7 @@ def _corrupt(path: Path, name: str, value: torch.Tensor) -> None:
 def test_corrupt_exl2_tensors_fail_at_load_by_name(fp_model: Path, tmp_path: Path, device: str):
     # On a GPU the tensors are validated and repacked there (load_quantized_linear):
     # the same errors, naming the same tensors.
-    _quantize_model(fp_model, tmp_path / "q", _exl2)
+    quantize_model(fp_model, tmp_path / "q", exl2_quantize)
     path = tmp_path / "q"
     original = load_file(path / "model.safetensors")
     name = "model.layers.1.mlp.up_proj"
@@ -171,7 +113,7 @@ def test_gpu_repack_out_of_memory_falls_back_to_the_cpu(
     # Linears are repacked on the target GPU; one whose repack runs out of GPU memory (the
     # error injected into every other linear's GPU attempt) is repacked on the CPU instead,
     # lands on the GPU all the same and gives the same logits.
-    ref = _quantize_model(fp_model, tmp_path / "q", _exl2)
+    ref = quantize_model(fp_model, tmp_path / "q", exl2_quantize)
     real = quantized_linear.exl2_to_runtime
     works: list[str] = []
 
@@ -199,7 +141,7 @@ def test_gpu_repack_out_of_memory_falls_back_to_the_cpu(
 @pytest.mark.gpu
 def test_cuda_graph_decode_equals_eager(fp_model: Path, tmp_path: Path):
     """Greedy decode through the captured graphs gives the eager path's tokens and logits."""
-    _quantize_model(fp_model, tmp_path / "q", _exl2)
+    quantize_model(fp_model, tmp_path / "q", exl2_quantize)
     ids = _ids(20)
     settings = {"max_new_tokens": 40, "temperature": 0, "ban_eos_token": True}
     runs = {}

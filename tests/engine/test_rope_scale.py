@@ -14,8 +14,7 @@ import pytest
 import torch
 
 import loader
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 
 @pytest.fixture(scope="module")

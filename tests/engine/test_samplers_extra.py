@@ -5,7 +5,7 @@ no_repeat_ngram, logit bias, token bans, min_new_tokens); elsewhere a float64 lo
 plain Python lists written from the published definition (tfs, top_a, top_n_sigma, XTC,
 DRY, quadratic sampling, dynamic temperature, mirostat 2). Random samplers get
 distribution checks. Then sampler order, greedy decoding, an emptied row and (on a GPU)
-the absence of host syncs. Parsing and validation of the new keys: tests/test_sampling.py.
+the absence of host syncs. Parsing and validation of the new keys: tests/engine/test_sampling.py.
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ from engine.engine import ContextLengthError, Engine, EngineOptions
 from engine.generate import generate, generate_single
 from engine.generator import GenerationEvent
 from engine.scheduler import DECODE, PREFILL, QueueFullError, SchedulerError
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 GREEDY = {"temperature": 0, "ban_eos_token": True}
 

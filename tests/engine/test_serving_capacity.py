@@ -21,8 +21,7 @@ from engine.cache import CacheFullError
 from engine.engine import Engine, EngineOptions
 from engine.generate import generate_single
 from engine.scheduler import GenerationMemoryError
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 GREEDY = {"temperature": 0, "ban_eos_token": True}
 

@@ -17,8 +17,7 @@ import torch
 import loader
 from engine.engine import Engine, EngineOptions
 from engine.speculative import NgramDrafter, accept
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 GREEDY = {"temperature": 0, "ban_eos_token": True}
 

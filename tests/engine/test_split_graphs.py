@@ -5,7 +5,7 @@ On the CPU, `split_at` cuts a one-device model into segments and `capture=False`
 segment's static buffers eagerly: the segmented path (each segment's own batch and LoRA
 batch, the static input buffers, the copies between them) must give the eager engine's
 logits and greedy tokens, for decode steps, multi-token steps and LoRA steps. On one GPU
-the same segments are captured and replayed; tests/test_multigpu.py runs a real split over
+the same segments are captured and replayed; tests/engine/test_multigpu.py runs a real split over
 two GPUs against one GPU."""
 
 from __future__ import annotations
@@ -15,14 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_lora import ALL, GREEDY, IDS, _hf, _make_adapter
 
 import loader
 from engine.cache import Sequence
 from engine.cuda_graph import DecodeGraphs, Segment, plan_segments
 from engine.engine import Engine, EngineOptions
-
-from model_factory import make_tiny_llama
+from helpers.lora import ALL, GREEDY, IDS, hf_model, make_adapter
+from helpers.model_factory import make_tiny_llama
 
 PAGE = 8
 LAYERS = 3
@@ -163,9 +162,9 @@ def test_capture_needs_cuda_segments(model_dir: Path):
 @pytest.fixture(scope="module")
 def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("split-adapters")
-    base = _hf(model_dir)
-    _make_adapter(base, root / "A", 1, r=8, lora_alpha=16, target_modules=ALL)
-    _make_adapter(_hf(model_dir), root / "C", 5, r=4, lora_alpha=8, target_modules=ALL)
+    base = hf_model(model_dir)
+    make_adapter(base, root / "A", 1, r=8, lora_alpha=16, target_modules=ALL)
+    make_adapter(hf_model(model_dir), root / "C", 5, r=4, lora_alpha=8, target_modules=ALL)
     return {name: root / name for name in "AC"}
 
 

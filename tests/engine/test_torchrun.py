@@ -13,10 +13,9 @@ import torch
 
 from engine.tensor_parallel.launched import LaunchedRank, launched_rank
 from engine.tensor_parallel.rank import ShardSpec
+from helpers.model_factory import make_tiny_llama
 
-from model_factory import make_tiny_llama
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

@@ -1,4 +1,4 @@
-"""Helpers shared by tests/test_bad_inputs_*.py: damaged copies of a tiny model and the
+"""Helpers shared by tests/*/test_bad_inputs_*.py: damaged copies of a tiny model and the
 check that a model loaded before the damage still serves after each refused load."""
 
 from __future__ import annotations

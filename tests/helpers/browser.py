@@ -1,10 +1,12 @@
 """What the browser tests share: starting `python ui.py` as a user does (a subprocess on
-loopback), headless Chromium's flags, and helpers that drive Gradio's widgets and wait on
-the page's state (never on sleeps)."""
+loopback), headless Chromium (found, launched, a desktop-sized context, a page opened once
+the UI is ready; tests/webui/conftest.py's `browser` fixture), and helpers that drive
+Gradio's widgets and wait on the page's state (never on sleeps)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
 import subprocess
@@ -12,9 +14,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
 
 CHROMIUM = "/usr/bin/chromium"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -23,12 +29,47 @@ LAUNCH_ARGS = [
     "--no-first-run",
     "--disable-sync",
 ]
+DESKTOP = {"width": 1400, "height": 1000}  # the viewport of a desktop browser window
 SLOW = 120_000  # ms: the CI machine may be busy; waits end as soon as the page is ready
 START_S = 180  # how long ui.py may take to listen, on a busy machine
 # Layers of the test model where a test stops a long reply. With 2 layers a 3000-token
 # reply took 9.5 s here, shorter than a browser starved at load 8 lagged behind the server,
 # so Stop came after the end; 24 layers write ~73 tok/s (3000 tokens: ~40 s idle).
 STOPPABLE_LAYERS = 24
+
+
+def require_browser() -> ModuleType:
+    """At a browser test module's import: skips the module without Chromium or Playwright,
+    else returns playwright.sync_api."""
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(
+            f"browser tests need Chromium at {CHROMIUM} (Debian: apt-get install -y chromium)",
+            allow_module_level=True,
+        )
+    return pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """Headless Chromium through Playwright until the block ends."""
+    from playwright import sync_api
+
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@contextlib.contextmanager
+def desktop_context(browser: Any) -> Iterator[Any]:
+    """A fresh browser context (its own cookies and storage) with a desktop viewport."""
+    context = browser.new_context(viewport=DESKTOP)
+    try:
+        yield context
+    finally:
+        context.close()
 
 
 def free_port() -> int:

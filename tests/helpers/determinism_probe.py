@@ -1,6 +1,6 @@
-"""Decode one model in this process and save what came out, for tests/test_determinism.py.
+"""Decode one model in this process and save what came out, for tests/engine/test_determinism.py.
 
-    python tests/determinism_probe.py MODEL_DIR OUT.pt [--device cuda]
+    python -m tests.helpers.determinism_probe MODEL_DIR OUT.pt [--device cuda]   # from the root
 
 Saves a dict: "greedy_logits" (batch 1 through a decode session: the prompt's last row and
 every step's logits, float32), and per batch of the scheduler ("batch1", "batch8") each
@@ -12,17 +12,13 @@ anything kept between calls (compiled kernels, graphs, workspaces) starts anew.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.engine import Engine, EngineOptions
 
-from decoding import greedy_with_logits  # noqa: E402
-
-from engine.engine import Engine, EngineOptions  # noqa: E402
+from .decoding import greedy_with_logits
 
 STEPS = 32
 

@@ -2,7 +2,7 @@
 headless Chromium: the Model tab's loader and cache-type menus, loading a model with the
 Kestrel loader, a streamed chat reply and the Stop button.
 
-Used by tests/test_tgw.py against a TGW server it started; every step waits on the page's
+Used by tests/tgw/test_tgw.py against a TGW server it started; every step waits on the page's
 state (menus, visibility, text), never on time. Returns what it saw as a dict.
 """
 

@@ -1,6 +1,6 @@
 """Drives text-generation-webui's (TGW) own code with the Kestrel loader installed.
 
-Run by tests/test_tgw.py in a fresh interpreter, with the TGW tree as working directory:
+Run by tests/tgw/test_tgw.py in a fresh interpreter, with the TGW tree as working directory:
 TGW parses sys.argv and patches transformers at import, which must not leak into the
 test process. Usage: python tgw_driver.py TGW_ROOT MODEL_DIR MODEL_NAME LORA_DIR LORA_NAME
 Prints one JSON object (what TGW returned at each step) on its last line of stdout.

@@ -135,10 +135,9 @@ def test_expand_into_gemv(m, dtype, gemv_first, device):
     launch order y = round(x @ W + bias + LoRA delta), and the shared workspace is left
     zeroed for the next GEMV. The adapters cover 200 of the 256 (padded) columns."""
     _require_triton(device)
-    from test_quant_matmul_kernels import make_weight
-
     import kernels.quant_common as quant_common
     import kernels.quant_matmul_triton as qmt
+    from helpers.quant_weights import make_weight
     from kernels.lora_matmul import lora_expand_into_gemv, lora_gemv_arrivals, lora_shrink
     from kernels.quant_matmul import quant_matmul_reference
 
@@ -169,9 +168,8 @@ def test_expand_into_gemv(m, dtype, gemv_first, device):
 
 def test_gemv_share_declines_other_paths():
     """Rows past the GEMV's limit take the dot path: no share, the caller expands alone."""
-    from test_quant_matmul_kernels import make_weight
-
     import kernels.quant_matmul_triton as qmt
+    from helpers.quant_weights import make_weight
 
     qw = make_weight(64, 128, [4])
     assert qmt.gemv_share(torch.randn(qmt._GEMV_MAX_M + 1, 64), qw, lambda _: 1) is None

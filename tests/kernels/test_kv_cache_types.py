@@ -17,6 +17,7 @@ import torch
 from engine.cache import CACHE_TYPES, PagedKVCache, cache_bytes_per_token
 from engine.engine import Engine, EngineOptions
 from engine.generate import generate_single
+from helpers.model_factory import CORPUS, make_tiny_llama
 from kernels.kv_quant import (
     FP8_MAX,
     KVFormat,
@@ -33,8 +34,6 @@ from kernels.paged_attention import (
     paged_attention_triton,
 )
 from tools.perplexity import main as perplexity_main
-
-from model_factory import CORPUS, make_tiny_llama
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning"

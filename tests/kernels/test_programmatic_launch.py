@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from decoding import greedy_with_logits
 
 import kernels.backend as backend
 from engine.engine import Engine, EngineOptions
+from helpers.decoding import greedy_with_logits
 from tools.bench import build_model
 
 

@@ -13,10 +13,9 @@ import torch
 import engine.modules as modules
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.engine import Engine, EngineOptions
+from helpers.model_factory import make_tiny_llama
 from kernels.paged_attention import paged_attention, paged_attention_reference
 from kernels.prompt_attention import prompt_attention, prompt_attention_applies
-
-from model_factory import make_tiny_llama
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 

@@ -124,9 +124,8 @@ def test_repeated_matmuls_never_read_a_half_finished_sum(fixed: bool, rows: int)
     back with errors as large as the values (a replica thread read a sum another thread of
     the finishing program had already zeroed). Every call must be right; with fixed-point
     sums every call must also be bit-identical."""
-    from test_quant_matmul_kernels import make_weight
-
     import kernels.quant_matmul_triton as qmt
+    from helpers.quant_weights import make_weight
     from kernels.quant_matmul import dequantize_reference
 
     before = backend.deterministic_sums()

@@ -21,8 +21,7 @@ import loader
 from engine.config import ConfigError
 from engine.tokenizer import TokenizerError
 from engine.weights import WeightError, WeightStore
-
-from bad_inputs import (
+from helpers.bad_inputs import (
     DROP,
     Serving,
     cases,
@@ -31,7 +30,7 @@ from bad_inputs import (
     read_safetensors_header,
     write_safetensors_raw,
 )
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 ST = "model.safetensors"
 UP = "model.layers.1.mlp.up_proj.weight"  # [160, 64] in the tiny model

@@ -13,8 +13,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import loader
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 SCHEMA = {
     "type": "object",

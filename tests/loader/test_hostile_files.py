@@ -26,11 +26,10 @@ from engine.lora import LoraError
 from engine.lora.patterns import UnsafePatternError, check_pattern
 from engine.weights import WeightError
 from extensions.openai.load_defaults import with_cache_default
+from helpers.model_factory import make_tiny_llama
 from serving import storage
 
-from model_factory import make_tiny_llama
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU = dict(device="cpu", dtype="float32")
 
 
@@ -125,7 +124,7 @@ def test_huge_layer_count_is_refused_before_transformers_allocates(
 def test_unsupported_architecture_still_falls_back_to_transformers(tmp_path: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from model_factory import write_tokenizer
+    from helpers.model_factory import write_tokenizer
 
     config = GPT2Config(vocab_size=384, n_embd=32, n_layer=2, n_head=2, n_positions=128)
     torch.manual_seed(0)
@@ -168,7 +167,7 @@ def test_remote_code_never_runs_even_when_the_user_answers_yes(tmp_path: Path) -
 
 
 def _tokenizer_dir(tmp_path: Path) -> Path:
-    from model_factory import write_tokenizer
+    from helpers.model_factory import write_tokenizer
 
     write_tokenizer(tmp_path / "tok")
     return tmp_path / "tok"
@@ -277,15 +276,15 @@ def test_every_auto_class_load_passes_trust_remote_code_false() -> None:
     "y" piped in runs the code. Every such call in the shipped code says False."""
     import ast
 
-    from test_source_audit import _dotted, _is_false, _shipped_files
+    from helpers.source_audit import dotted, is_false, shipped_files
 
     calls = []
-    for path in _shipped_files():
+    for path in shipped_files():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and _dotted(node.func).endswith(".from_pretrained"):
-                owner = _dotted(node.func).rsplit(".", 2)[-2]
+            if isinstance(node, ast.Call) and dotted(node.func).endswith(".from_pretrained"):
+                owner = dotted(node.func).rsplit(".", 2)[-2]
                 if owner.startswith("Auto"):
                     flag = {k.arg: k.value for k in node.keywords}.get("trust_remote_code")
                     calls.append((f"{path.relative_to(ROOT)}:{node.lineno}", flag))
     assert calls  # the loader's and the GGUF import's
-    assert [where for where, flag in calls if flag is None or not _is_false(flag)] == []
+    assert [where for where, flag in calls if flag is None or not is_false(flag)] == []

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers.model_factory import make_tiny_llama
 from loader.hub import local_dirname, parse_hub_id
 from loader.manager import ModelManager
 
-from model_factory import make_tiny_llama
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 

@@ -13,8 +13,7 @@ import loader
 from engine.config import ConfigError
 from engine.engine import ContextLengthError
 from engine.weights import WeightError
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 
 @pytest.fixture(scope="module")

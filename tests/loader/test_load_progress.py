@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 
 import loader
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager
 from tools.bench import build_model
-
-from model_factory import make_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import loader
-
-from model_factory import CHAT_TEMPLATE, make_tiny_llama
+from helpers.model_factory import CHAT_TEMPLATE, make_tiny_llama
 
 
 @pytest.fixture(scope="module")

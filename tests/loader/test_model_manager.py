@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager, ModelNotLoadedError, UnknownNameError, resolve_name
-
-from model_factory import make_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FRONT_ENDS = ("webui", "extensions", "ui")
 BELOW_SERVING = {"serving", "webui", "extensions", "ui", "gradio", "tools"}
 # What each layer must not import (top-level package names).

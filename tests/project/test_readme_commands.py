@@ -12,14 +12,15 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers.checkout import console_scripts, copy_checkout
+
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 FLAG = re.compile(r"^--?[A-Za-z][\w-]*$")
@@ -49,21 +50,13 @@ def shell_commands() -> list[list[str]]:
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The checkout's files as a fresh clone has them, plus setup.sh's .venv."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, check=True,
-    ).stdout.decode().split("\0")  # fmt: skip
-    target = tmp_path_factory.mktemp("clone")
-    for name in filter(None, listed):
-        source = ROOT / name
-        if source.is_file():  # a deleted-but-tracked file is not in a fresh clone
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target / name)
+    target = copy_checkout(tmp_path_factory.mktemp("clone"))
     (target / ".venv").symlink_to(sys.prefix)  # the virtual environment running the tests
     return target
 
 
 COMMANDS = shell_commands()
+SCRIPTS = console_scripts()
 
 
 def test_the_readme_has_commands() -> None:
@@ -82,10 +75,16 @@ def test_command_runs_as_written(command: list[str], clone: Path) -> None:
         # test_tgw_requirements.py resolves this very command against TGW's pins.
         assert command[1] in ("install", "uninstall"), shlex.join(command)
         return
-    if command[0] == "kestrel-tgw":
-        # The console script `pip install /path/to/kestrel` puts in TGW's environment runs
-        # loader.tgw's main (pyproject.toml [project.scripts]).
-        _check_help([".venv/bin/python", "-m", "loader.tgw", *command[1:]], clone)
+    script = command[0].removeprefix(".venv/bin/")
+    if script in SCRIPTS:
+        # A console script (pyproject.toml [project.scripts]): `bash setup.sh` installs them
+        # into .venv/bin, `pip install /path/to/kestrel` into TGW's environment. Its entry
+        # point runs here from the clone (tests/project/test_packaging.py runs the installed
+        # scripts themselves).
+        module, function = SCRIPTS[script].split(":")
+        entry = f"import sys; sys.argv[0] = {script!r}; from {module} import {function} as main"
+        python = [".venv/bin/python", "-c", f"{entry}; sys.exit(main())"]
+        _check_help(command, clone, run=[*python, *command[1:]])
         return
     if command[0] == ".venv/bin/torchrun":
         # torchrun's own flags, then the module it starts on every rank with the rest.
@@ -97,14 +96,14 @@ def test_command_runs_as_written(command: list[str], clone: Path) -> None:
     _check_help(command, clone)
 
 
-def _check_help(command: list[str], clone: Path) -> None:
-    """`command --help` runs, and lists every flag the command gives."""
+def _check_help(command: list[str], clone: Path, run: list[str] | None = None) -> None:
+    """`command --help` runs (as `run` where given: the same program by another way in),
+    and lists every flag the command gives."""
     # argparse prints the help of the (sub)command reached and exits 0 at --help.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_HUB_OFFLINE"] = "1"
-    result = subprocess.run(
-        [*command, "--help"], cwd=clone, env=env, capture_output=True, text=True, timeout=300
-    )
+    argv = [*(run or command), "--help"]
+    result = subprocess.run(argv, cwd=clone, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{shlex.join(command)} --help:\n{result.stderr[-2000:]}"
     # Flags the command gives must be ones the program has (argparse would refuse the rest
     # only after --help had already ended the run).

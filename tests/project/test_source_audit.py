@@ -14,29 +14,16 @@ text-generation-webui); that is code the user chose, not code inside a model fil
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = ["engine", "kernels", "loader", "webui", "extensions", "tools", "convert.py", "ui.py"]
+from helpers.source_audit import ROOT, dotted, is_false, shipped_files
+
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "marshal", "shelve", "cloudpickle"}
 
 
 def _is_true(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant) and node.value is True
-
-
-def _is_false(node: ast.expr) -> bool:
-    return isinstance(node, ast.Constant) and node.value is False
-
-
-def _dotted(node: ast.expr) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        return f"{_dotted(node.value)}.{node.attr}"
-    return ""
 
 
 def unsafe_calls(source: str, filename: str = "<source>") -> list[str]:
@@ -52,7 +39,7 @@ def unsafe_calls(source: str, filename: str = "<source>") -> list[str]:
                     found.append(f"{where}: imports {module}")
         if not isinstance(node, ast.Call):
             continue
-        name = _dotted(node.func)
+        name = dotted(node.func)
         keywords = {k.arg: k.value for k in node.keywords if k.arg}
         if name in {"eval", "exec"}:
             found.append(f"{where}: calls the builtin {name}()")
@@ -64,7 +51,7 @@ def unsafe_calls(source: str, filename: str = "<source>") -> list[str]:
             keywords.get("allow_pickle", ast.Constant(False))
         ):
             found.append(f"{where}: {name} with allow_pickle=True")
-        if "trust_remote_code" in keywords and not _is_false(keywords["trust_remote_code"]):
+        if "trust_remote_code" in keywords and not is_false(keywords["trust_remote_code"]):
             found.append(f"{where}: trust_remote_code is not False")
         for k in node.keywords:  # **{"trust_remote_code": True}
             if k.arg is None and isinstance(k.value, ast.Dict):
@@ -74,16 +61,8 @@ def unsafe_calls(source: str, filename: str = "<source>") -> list[str]:
     return found
 
 
-def _shipped_files() -> list[Path]:
-    files: list[Path] = []
-    for entry in SHIPPED:
-        path = ROOT / entry
-        files += [path] if path.is_file() else sorted(path.rglob("*.py"))
-    return files
-
-
 def test_shipped_code_never_executes_model_files():
-    files = _shipped_files()
+    files = shipped_files()
     assert len(files) > 50, "the scan found too few files to be scanning the project"
     problems = [p for f in files for p in unsafe_calls(f.read_text(), str(f.relative_to(ROOT)))]
     assert problems == [], "\n".join(problems)

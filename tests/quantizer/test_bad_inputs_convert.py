@@ -13,9 +13,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import convert as cli
-
-from bad_inputs import cases, copy_model
-from model_factory import make_tiny_llama
+from helpers.bad_inputs import cases, copy_model
+from helpers.model_factory import make_tiny_llama
 
 SMALL = ["-r", "2", "-l", "64", "-mr", "2", "-ml", "64", "--device", "cpu", "-q"]
 

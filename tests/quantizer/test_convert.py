@@ -27,8 +27,7 @@ from engine.quantizer.gptq import (
 )
 from engine.quantizer.optimize import allocate
 from engine.quantizer.profiles import HEAD_PROFILES, LADDER
-
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 # Small calibration: the shipped default text, a few rows of 128 tokens.
@@ -207,8 +206,9 @@ def test_resume_skips_finished_layers(converted, tiny, tmp_path):
 
 def test_converts_a_gguf_file(converted, tmp_path):
     pytest.importorskip("gguf")
-    from test_gguf_import import write_tiny_llama_gguf
     from transformers import AutoModelForCausalLM
+
+    from helpers.gguf import write_tiny_llama_gguf
 
     make_tiny_llama(tmp_path / "hf", dtype=torch.float16, tie_word_embeddings=True, **SHAPE)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
@@ -362,7 +362,7 @@ def test_sigkilled_conversion_resumes_to_the_same_output(tmp_path: Path):
 
     src = tmp_path / "fp"
     make_tiny_llama(src, num_hidden_layers=8, **SHAPE)
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     flags = ["-b", "4.0", "-r", "8", "-l", "128", "-mr", "4", "-ml", "128", "--device", "cpu",
              "--threads", "1"]  # fmt: skip
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import loader
+from helpers.model_factory import make_tiny_llama
 from serving import extensions, shared
 from serving.text_generation import (
     generate_chat_reply,
@@ -26,8 +27,6 @@ from serving.text_generation import (
     prepare_chat,
     stream_reply,
 )
-
-from model_factory import make_tiny_llama
 
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ban_eos_token": True}
 

@@ -13,13 +13,12 @@ import openai
 import pytest
 
 from extensions.openai import ApiServer, run_api_server
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager
 from serving import extensions, shared
 from serving.sessions import UserData
 from webui.context import AppContext
 from webui.generation import Progress, chat_reply
-
-from model_factory import make_tiny_llama
 
 # A context long enough that both replies are still running when a stop is pressed: the
 # stop comes right after the second one's first token, thousands of tokens before its end.

@@ -18,7 +18,7 @@ import pytest
 
 from serving.sessions import UserData
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHATS = ("alpha", "beta", "gamma")
 
 # Round r rewrites every chat with turns 0..start+r (big ones, so that a kill often lands

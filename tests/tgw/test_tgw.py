@@ -29,6 +29,7 @@ import loader
 from engine.engine import CACHE_TYPES
 from engine.sampling import Sampler
 from engine.sampling_settings import SamplingSettingsError
+from helpers.model_factory import make_tiny_llama
 from loader.base import LoaderError, UnsupportedFeatureError
 from loader.settings_schema import Control, SettingsSchema
 from loader.tgw import installer
@@ -44,9 +45,7 @@ from loader.tgw.state import (
     sampling_settings,
 )
 
-from model_factory import make_tiny_llama
-
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 TGW_PATH = os.environ.get("KESTREL_TGW_PATH")
 needs_tgw = pytest.mark.skipif(
     not TGW_PATH, reason="set KESTREL_TGW_PATH to a text-generation-webui checkout"
@@ -338,7 +337,7 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     # first on its path: TGW's API code needs TGW's packages.
     python = os.environ.get("KESTREL_TGW_PYTHON", sys.executable)
     run = subprocess.run(
-        [python, str(TESTS / "tgw_driver.py"), str(tgw), str(models), "tiny-llama"]
+        [python, str(TESTS / "helpers" / "tgw_driver.py"), str(tgw), str(models), "tiny-llama"]
         + [str(loras), "tiny-lora"],
         capture_output=True,
         text=True,
@@ -448,7 +447,7 @@ def _wait_for_http(url: str, server: subprocess.Popen, log: Path, timeout: float
 @pytest.mark.browser
 @pytest.mark.slow
 def test_tgw_web_ui_loads_kestrel_streams_and_stops(tgw, tmp_path):
-    from tgw_browser_driver import run as drive_browser
+    from helpers.tgw_browser_driver import run as drive_browser
 
     models = tmp_path / "models"
     # Big enough that a reply takes seconds on a CPU, so Stop lands mid-stream; the name

@@ -31,7 +31,7 @@ from loader.tgw.installer import shim_source
 from loader.tgw.names import CACHE_TYPES, kestrel_cache_type
 from loader.tgw.state import load_options
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PINS = json.loads((ROOT / "tests/data/tgw_pins.json").read_text())["releases"]
 # TGW's environment: Linux x86-64 with TGW's Python (3.11 in its installer).
 TGW_ENV = {

@@ -22,6 +22,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 import loader
 from engine.lora import LoraError
+from helpers.model_factory import CORPUS, make_tiny_llama
 from loader.lora_grid import (
     Cell,
     GridError,
@@ -31,8 +32,6 @@ from loader.lora_grid import (
     run_grid,
 )
 from tools.lora_compare import main
-
-from model_factory import CORPUS, make_tiny_llama
 
 TEXT = " ".join(CORPUS)
 PROMPTS = ["Once upon a time", "The quick brown fox"]

@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import loader
+from helpers.model_factory import CORPUS, make_tiny_llama
 from tools.perplexity import main, perplexity, text_windows
-
-from model_factory import CORPUS, make_tiny_llama
 
 TEXT = " ".join(CORPUS)
 

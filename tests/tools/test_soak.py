@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 
 import loader
+from helpers.model_factory import make_tiny_llama
 from tools import soak
-
-from model_factory import make_tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager
 from serving import shared
 from webui import generation, load_options, sampler_controls
-
-from model_factory import make_tiny_llama
 
 NAN, INF = float("nan"), float("inf")
 CHAT = [{"role": "user", "content": "Once upon a time"}]

@@ -12,7 +12,6 @@ where Chromium, Playwright or the model is missing.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -20,21 +19,25 @@ import pytest
 import torch
 
 import loader
+from helpers.browser import (
+    ROOT,
+    SLOW,
+    choose,
+    desktop_context,
+    open_page,
+    require_browser,
+    running_ui,
+    set_value,
+    tab,
+)
+from helpers.model_factory import CORPUS
 from loader.perplexity import bos_id, text_windows, window_nll
-
-from browser_ui import CHROMIUM, LAUNCH_ARGS, ROOT, SLOW, choose, running_ui, set_value, tab
-from model_factory import CORPUS
 
 MODEL = "SmolLM2-135M-Instruct-fp16"
 MODEL_DIR = ROOT / "models" / MODEL
-if not os.path.exists(CHROMIUM):
-    pytest.skip(
-        f"browser tests need Chromium at {CHROMIUM} (Debian: apt-get install -y chromium)",
-        allow_module_level=True,
-    )
 if not (MODEL_DIR / "config.json").is_file():
     pytest.skip(f"needs the tiny model {MODEL_DIR} (setup.sh fetches it)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
+sync_api = require_browser()
 expect = sync_api.expect
 
 pytestmark = pytest.mark.browser
@@ -84,25 +87,13 @@ def server(dirs):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture(scope="module")
 def context(browser):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    yield context
-    context.close()
+    with desktop_context(browser) as context:
+        yield context
 
 
 def _open_lab(context, url: str):
-    page = context.new_page()
-    page.set_default_timeout(SLOW)
-    page.goto(url)
-    page.wait_for_selector("#chat-input textarea:not([disabled])")  # the page load restored
+    page = open_page(context, url)
     tab(page, "LoRA lab")
     return page
 

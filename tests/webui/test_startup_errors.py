@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from model_factory import tiny_llama_config, write_tokenizer
+from helpers.model_factory import tiny_llama_config, write_tokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # A generous limit for a stuck process, not a measurement.
 LIMIT_S = 300
 

@@ -12,37 +12,30 @@ Debian `chromium` package in .ci/run).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 
 import pytest
 
-from loader.base import LoadedModel
-from loader.kestrel_loader import KestrelModel
-
-from browser_ui import (
-    CHROMIUM,
-    LAUNCH_ARGS,
+from helpers.browser import (
     SLOW,
     STOPPABLE_LAYERS,
     bot_messages,
     choose,
+    desktop_context,
     open_page,
+    require_browser,
     running_ui,
     send,
     set_value,
     status_tokens,
     tab,
 )
-from model_factory import make_tiny_llama
+from helpers.model_factory import make_tiny_llama
+from loader.base import LoadedModel
+from loader.kestrel_loader import KestrelModel
 
-if not os.path.exists(CHROMIUM):
-    pytest.skip(
-        f"browser tests need Chromium at {CHROMIUM} (Debian: apt-get install -y chromium)",
-        allow_module_level=True,
-    )
-sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
+sync_api = require_browser()
 expect = sync_api.expect
 
 pytestmark = pytest.mark.browser
@@ -83,18 +76,9 @@ def server(dirs):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture(scope="module")
 def page(browser, server):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    yield open_page(context, server)
-    context.close()
+    with desktop_context(browser) as context:
+        yield open_page(context, server)
 
 
 # -- the visit ------------------------------------------------------------------------------

@@ -9,32 +9,29 @@ Each test opens its own page; all wait on the page's state, never on sleeps.
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import pytest
 
-from browser_ui import (
-    CHROMIUM,
-    LAUNCH_ARGS,
+from helpers.browser import (
     SLOW,
     STOPPABLE_LAYERS,
     bot_messages,
     chat_name,
     choose,
+    desktop_context,
     open_page,
+    require_browser,
     running_ui,
     set_value,
     status_tokens,
     tab,
     user_messages,
 )
-from browser_ui import send as click_send
-from model_factory import make_tiny_llama
+from helpers.browser import send as click_send
+from helpers.model_factory import make_tiny_llama
 
-if not os.path.exists(CHROMIUM):
-    pytest.skip(f"browser tests need Chromium at {CHROMIUM}", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
+sync_api = require_browser()
 expect = sync_api.expect
 
 pytestmark = pytest.mark.browser
@@ -63,19 +60,10 @@ def server(dirs):
         yield url
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        yield b
-        b.close()
-
-
 @pytest.fixture
 def context(browser):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    yield context
-    context.close()
+    with desktop_context(browser) as context:
+        yield context
 
 
 def saved_chat(dirs, name: str) -> dict:

@@ -8,11 +8,10 @@ import threading
 
 import pytest
 
+from helpers.model_factory import make_tiny_llama
 from loader.manager import ModelManager
 from serving import shared
 from webui import generation, sampler_controls
-
-from model_factory import make_tiny_llama
 
 MESSAGES = [{"role": "user", "content": "Once upon a time"}]
 

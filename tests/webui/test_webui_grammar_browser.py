@@ -6,17 +6,23 @@ makes its text readable) on a fresh user-data folder; headless Chromium."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 
-from browser_ui import CHROMIUM, LAUNCH_ARGS, SLOW, bot_messages, open_page, running_ui, send, tab
-from model_factory import make_tiny_llama
+from helpers.browser import (
+    SLOW,
+    bot_messages,
+    desktop_context,
+    open_page,
+    require_browser,
+    running_ui,
+    send,
+    tab,
+)
+from helpers.model_factory import make_tiny_llama
 
-if not os.path.exists(CHROMIUM):
-    pytest.skip(f"browser tests need Chromium at {CHROMIUM}", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need playwright")
+sync_api = require_browser()
 expect = sync_api.expect
 
 pytestmark = pytest.mark.browser
@@ -39,19 +45,10 @@ def server(tmp_path_factory):
         yield url
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=LAUNCH_ARGS)
-        yield b
-        b.close()
-
-
 @pytest.fixture
 def page(browser, server):
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    yield open_page(context, server)
-    context.close()
+    with desktop_context(browser) as context:
+        yield open_page(context, server)
 
 
 def _type_grammar(page, text: str) -> None:

@@ -288,10 +288,9 @@ def test_cli_takes_threads_and_share():
 
 
 def test_load_check_names_the_option_and_the_file(tmp_path):
+    from helpers.model_factory import make_tiny_llama
     from loader.manager import ModelManager
     from webui.load_check import LoadCheckError, check_load
-
-    from model_factory import make_tiny_llama
 
     make_tiny_llama(tmp_path / "tiny", max_position_embeddings=256)
     manager = ModelManager(tmp_path)
