@@ -13,15 +13,14 @@ a Kestrel checkout.
   TGW's extensions still import from TGW's folder. A regular package of that name anywhere on
   the path would win over TGW's.
 
-The installs go into scratch virtual environments layered over the one running the tests (a
-.pth file names its site-packages), offline: no build isolation, no index.
+The installs go into scratch virtual environments layered over the one running the tests
+(tests/helpers/checkout.py), offline.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import site
 import subprocess
 import sys
 import zipfile
@@ -29,7 +28,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers.checkout import ROOT, console_scripts, copy_checkout
+from helpers.checkout import (
+    ROOT,
+    clean_env,
+    console_scripts,
+    copy_checkout,
+    layered_venv,
+    pip_offline,
+)
 
 pytestmark = pytest.mark.slow
 SCRIPTS = console_scripts()
@@ -37,36 +43,14 @@ ENGINE_PACKAGES = {"kernels", "engine", "loader", "kestrel"}
 TGW_PATH = os.environ.get("KESTREL_TGW_PATH")
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["HF_HUB_OFFLINE"] = "1"
-    return env
-
-
-def _venv(path: Path) -> Path:
-    """A virtual environment at `path` that sees this one's packages; returns its python."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
-    python = path / "bin" / "python"
-    purelib = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
-    (Path(purelib) / "_kestrel_test_base.pth").write_text("\n".join(site.getsitepackages()))
-    return python
-
-
-def _pip(python: Path, *args: str) -> None:
-    result = subprocess.run(
-        [python, "-m", "pip", *args, "--no-deps", "--no-build-isolation", "--no-index",
-         "--disable-pip-version-check", "--quiet"],
-        capture_output=True, text=True, env=_env(),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
 def _run(argv: list[str | Path], cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(a) for a in argv], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300
+        [str(a) for a in argv],
+        cwd=cwd,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -89,8 +73,8 @@ def test_the_console_scripts_name_existing_functions() -> None:
 def test_editable_install_runs_every_script_and_tool_from_any_folder(
     checkout: Path, tmp_path: Path
 ) -> None:
-    python = _venv(tmp_path / "venv")
-    _pip(python, "install", "-e", str(checkout))
+    python = layered_venv(tmp_path / "venv")
+    pip_offline(python, "install", "-e", str(checkout))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     where = _run([python, "-c", "import ui, extensions.openai, tools.bench; print(ui.__file__)"],
@@ -110,8 +94,8 @@ def test_editable_install_runs_every_script_and_tool_from_any_folder(
 def test_wheel_holds_the_engine_and_its_front_end_scripts_explain(
     checkout: Path, tmp_path: Path
 ) -> None:
-    python = _venv(tmp_path / "venv")
-    _pip(python, "wheel", "-w", str(tmp_path / "wheels"), str(checkout))
+    python = layered_venv(tmp_path / "venv")
+    pip_offline(python, "wheel", "-w", str(tmp_path / "wheels"), str(checkout))
     (wheel,) = (tmp_path / "wheels").glob("kestrel-*.whl")
     with zipfile.ZipFile(wheel) as z:
         tops = {name.split("/")[0] for name in z.namelist()}
@@ -121,7 +105,7 @@ def test_wheel_holds_the_engine_and_its_front_end_scripts_explain(
     for name in SCRIPTS:
         assert f"{name} = {SCRIPTS[name]}" in scripts
 
-    _pip(python, "install", str(wheel))
+    pip_offline(python, "install", str(wheel))
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     tgw = _run([python.parent / "kestrel-tgw", "--help"], elsewhere)
@@ -144,7 +128,7 @@ def _tgw_extensions_from(tgw: Path) -> dict[str, str]:
         "print(json.dumps({n: importlib.util.find_spec(f'extensions.{n}.script').origin "
         "for n in names}))\n"
     )
-    env = {**_env(), "PYTHONPATH": str(ROOT)}
+    env = {**clean_env(), "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=tgw, env=env, capture_output=True, text=True
     )

@@ -2,8 +2,9 @@
 
 The README's fenced shell blocks are read, each command is run in its `--help` form from a
 copy of the checkout as a fresh clone has it (the committed and to-be-committed files, with
-the virtual environment that `bash setup.sh` makes), and every flag the command uses must be
-one its `--help` lists. Python blocks must compile. Commands in the prose must not call a
+the virtual environment that `bash setup.sh` makes: the packages of the one running the tests,
+and the copy installed into it, editable, with its commands), and every flag the command uses
+must be one its `--help` lists. Python blocks must compile. Commands in the prose must not call a
 bare `python`, which is not the one with Kestrel's dependencies.
 """
 
@@ -13,12 +14,11 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.checkout import console_scripts, copy_checkout
+from helpers.checkout import console_scripts, copy_checkout, layered_venv, pip_offline
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -51,7 +51,7 @@ def shell_commands() -> list[list[str]]:
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The checkout's files as a fresh clone has them, plus setup.sh's .venv."""
     target = copy_checkout(tmp_path_factory.mktemp("clone"))
-    (target / ".venv").symlink_to(sys.prefix)  # the virtual environment running the tests
+    pip_offline(layered_venv(target / ".venv"), "install", "-e", str(target))
     return target
 
 
@@ -75,16 +75,10 @@ def test_command_runs_as_written(command: list[str], clone: Path) -> None:
         # test_tgw_requirements.py resolves this very command against TGW's pins.
         assert command[1] in ("install", "uninstall"), shlex.join(command)
         return
-    script = command[0].removeprefix(".venv/bin/")
-    if script in SCRIPTS:
-        # A console script (pyproject.toml [project.scripts]): `bash setup.sh` installs them
-        # into .venv/bin, `pip install /path/to/kestrel` into TGW's environment. Its entry
-        # point runs here from the clone (tests/project/test_packaging.py runs the installed
-        # scripts themselves).
-        module, function = SCRIPTS[script].split(":")
-        entry = f"import sys; sys.argv[0] = {script!r}; from {module} import {function} as main"
-        python = [".venv/bin/python", "-c", f"{entry}; sys.exit(main())"]
-        _check_help(command, clone, run=[*python, *command[1:]])
+    if command[0] in SCRIPTS:
+        # A console script as TGW's environment has it after `pip install /path/to/kestrel`
+        # (pyproject.toml [project.scripts]); setup.sh put the same into .venv/bin.
+        _check_help(command, clone, run=[f".venv/bin/{command[0]}", *command[1:]])
         return
     if command[0] == ".venv/bin/torchrun":
         # torchrun's own flags, then the module it starts on every rank with the rest.
@@ -92,7 +86,8 @@ def test_command_runs_as_written(command: list[str], clone: Path) -> None:
         _check_help(command[:split], clone)
         _check_help([".venv/bin/python", *command[split:]], clone)
         return
-    assert command[0] == ".venv/bin/python", f"not runnable after set-up: {shlex.join(command)}"
+    runnable = [".venv/bin/python", *(f".venv/bin/{name}" for name in SCRIPTS)]
+    assert command[0] in runnable, f"not runnable after set-up: {shlex.join(command)}"
     _check_help(command, clone)
 
 
