@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv beside this file and installs Kestrel's dependencies into it. Idempotent:
-# a second run only checks. KESTREL_DEV=1 also installs the test tools.
+# Creates .venv beside this file and installs Kestrel's dependencies and then Kestrel itself
+# (editable) into it. Idempotent: a second run only checks (and refreshes the install).
+# KESTREL_DEV=1 also installs the test tools.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -28,4 +29,9 @@ if [ "${KESTREL_DEV:-0}" = "1" ]; then
     echo "installing requirements-dev.txt (pytest, ruff, playwright, ...)"
     "${PIP[@]}" -r requirements-dev.txt
 fi
+# The checkout itself, editable: its root on .venv's path and the console scripts
+# (kestrel, kestrel-ui, kestrel-api, kestrel-convert, kestrel-tgw) in .venv/bin. Nothing is
+# compiled; --no-deps: the requirements files above are the dependencies.
+echo "installing the checkout (pip install -e .)"
+"${PIP[@]}" --no-deps -e .
 .venv/bin/python -c "import torch, triton; print(f'ready: torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.cuda.is_available()}')"

@@ -161,7 +161,7 @@ def fast_gguf_reader_class() -> type:
     """`gguf.GGUFReader` with arrays parsed in bulk; the stock reader where that is unsafe.
 
     The subclass yields exactly the stock reader's fields (same `parts`, `data` indices and
-    `types`; tests/test_gguf_import.py compares them), so transformers reads it unchanged.
+    `types`; tests/engine/test_gguf_import.py compares them), so transformers reads it unchanged.
     The stock `_get_field_parts` makes a few numpy views per array element; this one reads a
     scalar array with one numpy call and walks a string array with `struct`. Nested arrays,
     empty arrays and scalar fields go to the stock code. If the installed gguf lacks the

@@ -3,7 +3,7 @@
 One step is `plan = schedule()` -> `output = runner.execute(plan)` -> `update(plan,
 output)`: this module keeps the books (jobs, pages, prefix cache, preemption, stops,
 events) and imports no model code; the runner (engine/runner.py, any `engine.step.Runner`)
-runs the forward. tests/test_layering.py checks that no import reaches the model.
+runs the forward. tests/project/test_layering.py checks that no import reaches the model.
 
 Contract:
 - `Scheduler(runner, pages, *, tokenizer, vocab_size, max_seq_len, logits_device, loras,

@@ -8,7 +8,7 @@
 each feeds and which rows' logits are wanted; `StepOutput` carries what the forward
 produced. Both are plain data: this module imports no model code, so the scheduler can
 depend on it (and on `Runner`, the protocol the runner satisfies) without depending on
-the model (tests/test_layering.py checks it).
+the model (tests/project/test_layering.py checks it).
 """
 
 from __future__ import annotations

@@ -52,13 +52,12 @@ from typing import Any
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from engine.cache import Sequence, cache_bytes_per_token
+from engine.engine import Engine, EngineOptions
+from engine.quant.bitpack import pack_along_columns, pack_bitstream
+from engine.quant.exl2_writer import pack_exl2
 
-from engine.cache import Sequence, cache_bytes_per_token  # noqa: E402
-from engine.engine import Engine, EngineOptions  # noqa: E402
-from engine.quant.bitpack import pack_along_columns, pack_bitstream  # noqa: E402
-from engine.quant.exl2_writer import pack_exl2  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SHAPES = {
     "llama3-8b": dict(
@@ -227,7 +226,7 @@ def build_model(path: Path, shape_name: str, fmt: str, device: str = "cuda") -> 
 
 
 # Arithmetic of the roofline and the comparisons: plain dicts in, numbers out, no GPU (so
-# tests/test_bench_tool.py checks it on the CPU).
+# tests/tools/test_bench_tool.py checks it on the CPU).
 
 
 def _head_dim(shape: Mapping[str, Any]) -> int:

@@ -19,17 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-from bench import (  # noqa: E402
+from engine.engine import Engine, EngineOptions
+from tools.bench import (
     NEW_TOKENS,
     SHAPES,
     _linears,
@@ -38,7 +34,8 @@ from bench import (  # noqa: E402
     decode_tok_s,
     prefill_tok_s,
 )
-from engine.engine import Engine, EngineOptions  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 MODES = {"graph": True, "eager": False}  # LoRA decode steps: CUDA graphs or eager
 ROUNDS = 3

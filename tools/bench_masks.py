@@ -35,7 +35,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,13 +45,11 @@ import llguidance.torch
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.constraints import ConstraintSpec, compile_constraint, mask_logits  # noqa: E402
-from engine.constraints.compiler import ll_tokenizer  # noqa: E402
-from engine.constraints.lanes import mask_lanes, set_mask_lanes  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
-from tools.bench_constrained import long_schema  # noqa: E402
+from engine.constraints import ConstraintSpec, compile_constraint, mask_logits
+from engine.constraints.compiler import ll_tokenizer
+from engine.constraints.lanes import mask_lanes, set_mask_lanes
+from engine.tokenizer import Tokenizer
+from tools.bench_constrained import long_schema
 
 VARIANTS = ("before", "before_serial", "slices", "after")
 

@@ -31,18 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+from engine.engine import Engine, EngineOptions
+from tools.bench import SHAPES, build_model
 
-from bench import SHAPES, build_model  # noqa: E402
-from engine.engine import Engine, EngineOptions  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 # The projections whose output is added to the residual stream: zero them and a layer
 # passes its input through (GPTQ: zero scales; FP16: zero weights).

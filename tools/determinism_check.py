@@ -14,19 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from decoding import greedy_with_logits  # noqa: E402
-
-import kernels.backend as backend  # noqa: E402
-from engine.engine import Engine, EngineOptions  # noqa: E402
-from tools.bench import SHAPES, build_model  # noqa: E402
+import kernels.backend as backend
+from engine.engine import Engine, EngineOptions
+from tests.helpers.decoding import greedy_with_logits
+from tools.bench import SHAPES, build_model
 
 
 def check(

@@ -25,16 +25,13 @@ from pathlib import Path
 
 import torch
 
+import loader
+from engine.quant.exl2 import Exl2Tensors, dequantize_exl2
+from engine.quant.exl2_writer import quantize_rtn_exl2
+from engine.quant.gptq import GptqTensors, dequantize_gptq, quantize_rtn_gptq
+from tests.helpers.model_factory import make_tiny_llama
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
-
-import loader  # noqa: E402
-from engine.quant.exl2 import Exl2Tensors, dequantize_exl2  # noqa: E402
-from engine.quant.exl2_writer import quantize_rtn_exl2  # noqa: E402
-from engine.quant.gptq import GptqTensors, dequantize_gptq, quantize_rtn_gptq  # noqa: E402
-
-from model_factory import make_tiny_llama  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # exllamav2's kernels want hidden sizes in multiples of 128 and head dims it supports.

@@ -29,22 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-if str(ROOT / "tools") not in sys.path:
-    sys.path.insert(0, str(ROOT / "tools"))
-
-import loader  # noqa: E402
-from loader.base import LoadedModel  # noqa: E402
-from loader.lora_grid import (  # noqa: E402
+import loader
+from loader.base import LoadedModel
+from loader.lora_grid import (
     LoraGrid,
     Variant,
     grid_perplexity,
@@ -52,6 +45,8 @@ from loader.lora_grid import (  # noqa: E402
     run_grid,
     variant_label,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Random adapters of --random-loras: ranks and target modules in turn, so one batch mixes
 # adapters that touch different linears with different ranks.
@@ -101,7 +96,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def random_adapters(work: Path, shape: str, count: int) -> list[tuple[str, Path]]:
-    from bench_lora import build_adapter
+    from tools.bench_lora import build_adapter
 
     out = []
     kinds = list(RANDOM_TARGETS)
@@ -125,7 +120,7 @@ def load_model(args: argparse.Namespace, cells: int) -> LoadedModel:
         except json.JSONDecodeError:
             options[key] = raw
     if args.shape:
-        from bench import build_model
+        from tools.bench import build_model
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape,

@@ -33,16 +33,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from engine.cache import Sequence
+from engine.config import ModelConfig
+from engine.engine import Engine, EngineOptions
+from engine.placement import GIB, PlacementError
+from engine.placement.footprint import model_footprint
+from engine.weights import WeightStore
+from tools.bench import SHAPES, build_model
 
-from engine.cache import Sequence  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.engine import Engine, EngineOptions  # noqa: E402
-from engine.placement import GIB, PlacementError  # noqa: E402
-from engine.placement.footprint import model_footprint  # noqa: E402
-from engine.weights import WeightStore  # noqa: E402
-from tools.bench import SHAPES, build_model  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MODES = ("single", "split", "split_eager", "autosplit", "tp", "tp_eager")
 NEW_TOKENS = 128

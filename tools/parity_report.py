@@ -2,7 +2,7 @@
 
     python tools/parity_report.py [--device cuda] [--json out.json]
 
-The same comparisons as tests/test_llama_parity.py, with the numbers shown rather than
+The same comparisons as tests/engine/test_llama_parity.py, with the numbers shown rather than
 asserted: max |ours - ref| / max |ref| per (shape, RoPE scaling, dtype), and whether 64
 greedy tokens are identical. Use it to put measured numbers in a note.
 """
@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import loader  # noqa: E402
-
-from model_factory import make_tiny_llama  # noqa: E402
-from test_llama_parity import ROPE_VARIANTS, SHAPES, _prompt, _rel_err  # noqa: E402
+import loader
+from tests.helpers.model_factory import make_tiny_llama
+from tests.helpers.parity import ROPE_VARIANTS, SHAPES, prompt_ids, rel_err
 
 
 def main() -> int:
@@ -39,17 +34,17 @@ def main() -> int:
                     continue
                 with tempfile.TemporaryDirectory() as tmp:
                     hf = make_tiny_llama(Path(tmp), **shape_cfg, **rope_cfg)
-                    ids = _prompt(150)
+                    ids = prompt_ids(150)
                     hf = hf.to(dtype).to(args.device)
                     with torch.no_grad():
                         ref = hf(torch.tensor([ids], device=args.device)).logits[0].float().cpu()
                     m = loader.load(
                         tmp, "kestrel", device=args.device, dtype=str(dtype).split(".")[1]
                     )
-                    err = _rel_err(m.logits(ids), ref)
+                    err = rel_err(m.logits(ids), ref)
                     greedy = None
                     if dtype == torch.float32:
-                        prompt = _prompt(20, seed=7)
+                        prompt = prompt_ids(20, seed=7)
                         ref_ids = hf.generate(
                             torch.tensor([prompt], device=args.device),
                             attention_mask=torch.ones(1, 20, dtype=torch.long, device=args.device),

@@ -30,13 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import loader
+from loader.base import LoadedModel
+from loader.perplexity import NllSum, bos_id, text_windows, window_nll
 
-import loader  # noqa: E402
-from loader.base import LoadedModel  # noqa: E402
-from loader.perplexity import NllSum, bos_id, text_windows, window_nll  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def perplexity(

@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from engine.cache import Sequence
+from engine.engine import Engine, EngineOptions
+from engine.quantized_linear import QuantizedLinear
+from kernels.quant_matmul import quant_matmul
+from tools.bench import add_model_arguments, model_from_arguments
 
-from engine.cache import Sequence  # noqa: E402
-from engine.engine import Engine, EngineOptions  # noqa: E402
-from engine.quantized_linear import QuantizedLinear  # noqa: E402
-from kernels.quant_matmul import quant_matmul  # noqa: E402
-from tools.bench import add_model_arguments, model_from_arguments  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _read_bandwidth() -> float:

@@ -46,13 +46,12 @@ from typing import Any
 import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import loader
+from extensions.openai import run_api_server
+from loader.base import LoadedModel
+from loader.manager import ModelManager
 
-import loader  # noqa: E402
-from extensions.openai import run_api_server  # noqa: E402
-from loader.base import LoadedModel  # noqa: E402
-from loader.manager import ModelManager  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass

@@ -19,19 +19,17 @@ import argparse
 import dataclasses
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from engine.engine import Engine, EngineOptions
+from engine.quantized_linear import QuantizedLinear
+from kernels.quant_matmul import gemv
+from tools.bench import add_model_arguments, model_from_arguments
+from tools.profile_decode import _graph_time, _read_bandwidth
 
-from engine.engine import Engine, EngineOptions  # noqa: E402
-from engine.quantized_linear import QuantizedLinear  # noqa: E402
-from kernels.quant_matmul import gemv  # noqa: E402
-from tools.bench import add_model_arguments, model_from_arguments  # noqa: E402
-from tools.profile_decode import _graph_time, _read_bandwidth  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 WARPS = (2, 4, 8)
 COLS = (4, 8, 16)

@@ -23,20 +23,18 @@ import argparse
 import dataclasses
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from engine.engine import Engine, EngineOptions
+from engine.quantized_linear import QuantizedLinear
+from kernels.quant_matmul import dot as quant_dot
+from kernels.quant_matmul import paths, quant_matmul_triton
+from tools.bench import add_model_arguments, model_from_arguments
+from tools.profile_decode import _graph_time, _read_bandwidth
 
-from engine.engine import Engine, EngineOptions  # noqa: E402
-from engine.quantized_linear import QuantizedLinear  # noqa: E402
-from kernels.quant_matmul import dot as quant_dot  # noqa: E402
-from kernels.quant_matmul import paths, quant_matmul_triton  # noqa: E402
-from tools.bench import add_model_arguments, model_from_arguments  # noqa: E402
-from tools.profile_decode import _graph_time, _read_bandwidth  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 M_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 # The dot sweep: (transposed, fold, rows per tile, block_n, max_block_k, warps, programs

@@ -20,7 +20,7 @@ Slices: llguidance skips walking the token trie for a "slice" of tokens (e.g. JS
 bodies of 1-10 characters) when the lexer allows all of them. Its default slices stop at
 10, 30 and unbounded lengths, so inside a string with `maxLength` and fewer than 10
 characters left every mask walks the whole 128k trie (~0.5-1 ms). Finer length steps let
-those masks take most tokens wholesale; the masks are the same (tests/test_constraints.py
+those masks take most tokens wholesale; the masks are the same (tests/engine/test_constraints.py
 compares them).
 """
 

@@ -7,7 +7,7 @@ weights are repacked on the GPU: engine/quantized_linear.py). So whole layers ar
 on the rank's GPU, in order, while they fit its free memory next to the embeddings, the
 head and the shard being cut; the layers past that load on the CPU (a model far larger than
 one GPU still loads) and their shards move over after. Sharding is exact integer slicing on
-either device, so the shards are the same (tests/test_tensor_parallel.py checks it on a GPU).
+either device, so the shards are the same (tests/engine/test_tensor_parallel.py checks it on a GPU).
 """
 
 from __future__ import annotations

@@ -1,0 +1,286 @@
+"""Issue 24 in a real browser: what a user writes in the Chat and Notebook tabs is never lost
+(Continue, saved chats, a message sent while a reply streams, New chat during a reply), and
+the settings the page shows are the ones in effect and survive a reload.
+
+`python ui.py --model tiny-llama` serves a tiny random model; headless Chromium drives it.
+Each test opens its own page; all wait on the page's state, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from helpers.browser import (
+    SLOW,
+    STOPPABLE_LAYERS,
+    bot_messages,
+    chat_name,
+    choose,
+    desktop_context,
+    open_page,
+    require_browser,
+    running_ui,
+    set_value,
+    status_tokens,
+    tab,
+    user_messages,
+)
+from helpers.browser import send as click_send
+from helpers.model_factory import make_tiny_llama
+
+sync_api = require_browser()
+expect = sync_api.expect
+
+pytestmark = pytest.mark.browser
+expect.set_options(timeout=SLOW)
+LONG = 3000  # tokens: a reply that is still streaming when the test acts on it
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ui-state")
+    make_tiny_llama(
+        root / "models" / "tiny-llama",
+        max_position_embeddings=4096,
+        num_hidden_layers=STOPPABLE_LAYERS,
+    )
+    return {"root": root, "models": root / "models", "user": root / "user_data"}
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    args = [
+        "--models-dir", str(dirs["models"]), "--user-data-dir", str(dirs["user"]),
+        "--model", "tiny-llama",
+    ]  # fmt: skip
+    with running_ui(args, dirs["root"] / "server.log") as url:
+        yield url
+
+
+@pytest.fixture
+def context(browser):
+    with desktop_context(browser) as context:
+        yield context
+
+
+def saved_chat(dirs, name: str) -> dict:
+    return json.loads((dirs["user"] / "chats" / f"{name}.json").read_text())
+
+
+def settle(page, max_new_tokens: int, *, ban_eos: bool, preset: str | None = None) -> None:
+    tab(page, "Parameters")
+    if preset:
+        choose(page, "preset", preset)
+        expect(page.locator("#params-status")).to_contain_text(f"Preset {preset} loaded")
+    set_value(page, "param-max_new_tokens", max_new_tokens)
+    box = page.locator("#param-ban_eos_token input")
+    if box.is_checked() != ban_eos:
+        box.click()
+    expect(page.locator("#preset-in-effect")).to_be_visible()
+    tab(page, "Chat")
+
+
+def send(page, text: str) -> None:
+    """Send `text` and wait until it is on the page: until then Send is still visible and the
+    status still shows the previous reply's end, so a following `wait_done` would return at
+    once (seen in CI: a second page's message then raced the first page's save)."""
+    before = user_messages(page).count()
+    click_send(page, text)
+    expect(user_messages(page)).to_have_count(before + 1)
+
+
+def new_chat(page) -> None:
+    page.click("#chat-clear")
+    expect(bot_messages(page)).to_have_count(0)
+    expect(user_messages(page)).to_have_count(0)
+
+
+def wait_streaming(page) -> None:
+    """Until the last reply is on the page and growing (Stop shown meanwhile)."""
+    expect(page.locator("#chat-stop")).to_be_visible()
+    expect(page.locator("#chat-status")).to_contain_text("tok/s")
+    first = len(bot_messages(page).last.inner_text())
+    page.wait_for_function(
+        "n => { const m = document.querySelectorAll('#chatbot .bot.message');"
+        " return m.length && m[m.length - 1].innerText.length > n; }",
+        arg=first,
+    )
+
+
+def wait_done(page) -> str:
+    """The status line once the reply ended (Send is back)."""
+    expect(page.locator("#chat-send")).to_be_visible()
+    expect(page.locator("#chat-status")).to_contain_text(re.compile(r"length|stop"))
+    return page.inner_text("#chat-status")
+
+
+# -- 1. Continue ----------------------------------------------------------------------------
+def test_continue_appends_to_the_reply_and_saves_it(context, server, dirs):
+    page = open_page(context, server)
+    settle(page, 25, ban_eos=True, preset="Deterministic")
+    new_chat(page)
+    send(page, "Describe the ocean.")
+    assert status_tokens(wait_done(page)) == 25
+    reply = bot_messages(page).last.inner_text()
+    page.click("#chat-continue")
+    expect(bot_messages(page).last).not_to_have_text(reply)
+    assert status_tokens(wait_done(page)) == 25
+    expect(bot_messages(page)).to_have_count(1)
+    longer = bot_messages(page).last.inner_text()
+    assert longer.startswith(reply.rstrip()[:40]) and len(longer) > len(reply), (reply, longer)
+    saved = saved_chat(dirs, chat_name(page))["messages"]
+    assert [m["role"] for m in saved] == ["user", "assistant"]
+    assert saved[0]["content"] == "Describe the ocean."
+    assert saved[1]["content"] != "Describe the ocean." and len(saved[1]["content"]) > len(
+        reply.strip()
+    )
+
+
+# -- 2. saved chats -------------------------------------------------------------------------
+def test_reload_reopens_the_latest_chat_and_new_chats_get_their_own_file(
+    context, server, dirs, browser
+):
+    page = open_page(context, server)
+    settle(page, 5, ban_eos=True)
+    new_chat(page)
+    send(page, "first chat here")
+    wait_done(page)
+    first = chat_name(page)
+    page.reload()
+    page.wait_for_selector("#chat-input textarea:not([disabled])")
+    # The reload opens the chat it left, and the next message goes on in it.
+    expect(user_messages(page).first).to_have_text("first chat here")
+    assert chat_name(page) == first
+    send(page, "and a second message")
+    wait_done(page)
+    assert [m["content"] for m in saved_chat(dirs, first)["messages"] if m["role"] == "user"] == [
+        "first chat here",
+        "and a second message",
+    ]
+    # Two pages pressing New chat at once get two names, and two files.
+    other = open_page(browser.new_context(), server)
+    for p in (page, other):
+        p.click("#chat-clear")
+    for p in (page, other):
+        expect(user_messages(p)).to_have_count(0)
+    assert len({chat_name(page), chat_name(other), first}) == 3
+    send(page, "from page one")
+    send(other, "from page two")
+    wait_done(page)
+    wait_done(other)
+    assert saved_chat(dirs, chat_name(page))["messages"][0]["content"] == "from page one"
+    assert saved_chat(dirs, chat_name(other))["messages"][0]["content"] == "from page two"
+    assert len(saved_chat(dirs, first)["messages"]) == 4  # untouched
+    # Past chats are listed by their first message.
+    page.click("#chat-past input")
+    labels = page.locator("[role=option]").all_inner_texts()
+    assert any(label.startswith("first chat here") for label in labels), labels
+    page.keyboard.press("Escape")
+    other.context.close()
+
+
+def test_two_pages_on_one_chat_never_overwrite_each_other(context, server, dirs, browser):
+    page = open_page(context, server)
+    settle(page, 5, ban_eos=True)
+    new_chat(page)
+    send(page, "shared start")
+    wait_done(page)
+    shared = chat_name(page)
+    other = open_page(browser.new_context(), server)  # opens the latest chat: this one
+    assert chat_name(other) == shared
+    send(page, "page one goes on")
+    wait_done(page)
+    send(other, "page two goes on")
+    wait_done(other)
+    expect(other.locator("#chat-status")).to_contain_text("saved as")
+    forked = chat_name(other)
+    assert forked != shared
+    users = [m["content"] for m in saved_chat(dirs, shared)["messages"] if m["role"] == "user"]
+    assert users == ["shared start", "page one goes on"]
+    users = [m["content"] for m in saved_chat(dirs, forked)["messages"] if m["role"] == "user"]
+    assert users == ["shared start", "page two goes on"]
+    other.context.close()
+
+
+# -- 3. a message sent while a reply streams -----------------------------------------------
+def test_send_becomes_stop_and_a_message_typed_meanwhile_is_kept(context, server):
+    page = open_page(context, server)
+    settle(page, LONG, ban_eos=True)
+    new_chat(page)
+    expect(page.locator("#chat-stop")).to_be_hidden()
+    send(page, "Tell me a long story")
+    wait_streaming(page)
+    expect(page.locator("#chat-send")).to_be_hidden()
+    page.fill("#chat-input textarea", "my next question")
+    page.press("#chat-input textarea", "Enter")
+    expect(page.get_by_text("press Stop first")).to_be_visible()
+    expect(page.locator("#chat-input textarea")).to_have_value("my next question")
+    page.click("#chat-stop")
+    status = wait_done(page)
+    assert "stopped" in status and 0 < status_tokens(status) < LONG
+    page.click("#chat-send")  # the kept message goes now
+    expect(user_messages(page)).to_have_count(2)
+    expect(user_messages(page).last).to_have_text("my next question")
+    page.click("#chat-stop")
+    wait_done(page)
+
+
+# -- 4. New chat / the trash icon during a reply -------------------------------------------
+@pytest.mark.parametrize("how", ["new-chat", "trash"])
+def test_clearing_during_a_reply_detaches_it(context, server, dirs, how):
+    page = open_page(context, server)
+    settle(page, LONG, ban_eos=True)
+    new_chat(page)
+    send(page, f"old conversation {how}")
+    wait_streaming(page)
+    old = chat_name(page)
+    if how == "new-chat":
+        page.click("#chat-clear")
+    else:
+        page.locator("#chatbot button[aria-label='Clear']").click()
+    # New chat takes effect (a new name) before the conversation is checked.
+    name_box = page.locator("#chat-name textarea, #chat-name input").first
+    expect(name_box).not_to_have_value(old)
+    expect(user_messages(page)).to_have_count(0)
+    expect(page.locator("#chat-send")).to_be_visible()
+    new = chat_name(page)
+    assert new != old
+    settle(page, 5, ban_eos=True)
+    send(page, "new conversation")
+    wait_done(page)
+    # The old reply never came back, and the new chat holds only its own turns.
+    expect(user_messages(page)).to_have_count(1)
+    expect(user_messages(page)).to_have_text("new conversation")
+    assert [m["content"] for m in saved_chat(dirs, new)["messages"]][0] == "new conversation"
+    assert len(saved_chat(dirs, new)["messages"]) == 2
+    # The old one was stopped and saved under its own name, with what was written.
+    kept = saved_chat(dirs, old)["messages"]
+    assert kept[0]["content"] == f"old conversation {how}" and kept[1]["role"] == "assistant"
+
+
+# -- 11. a phone ----------------------------------------------------------------------------
+def test_chat_is_usable_at_phone_width(browser, server):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
+    page = open_page(context, server)
+    box = page.locator("#chat-input").bounding_box()
+    send_button = page.locator("#chat-send").bounding_box()
+    # The message box and Send share one line; Send is a thumb-sized button, not a bar.
+    assert abs(send_button["y"] - box["y"]) < box["height"], (box, send_button)
+    assert send_button["width"] < 150, send_button
+    actions = [page.locator(f"#chat-{n}").bounding_box() for n in ("regenerate", "continue")]
+    actions.append(page.locator("#chat-clear").bounding_box())
+    assert len({round(a["y"]) for a in actions}) == 1, actions  # one row
+    assert all(a["width"] < 150 for a in actions), actions
+    # The whole chat fits on the screen: input and actions above the fold.
+    assert max(a["y"] + a["height"] for a in actions) <= 844
+    # No label badge drawn over the conversation.
+    assert page.locator("#chatbot label, #chatbot [data-testid='block-label']").count() == 0
+    # The rarely used parameter groups start folded (the page was ~4,900 px tall).
+    tab(page, "Parameters")
+    expect(page.locator("#param-temperature")).to_be_visible()
+    height = page.evaluate("document.documentElement.scrollHeight")
+    assert height < 3500, height
+    context.close()
