@@ -19,13 +19,14 @@ from engine.sampling_settings import SamplingSettingsError
 from engine.tensor_parallel.launched import launched_rank
 from loader.hub import resolve_model
 from loader.kestrel_loader import serve_tensor_parallel_rank
+from loader.program_name import program_name
 
 # The checkout's models/ (where ui.py looks too), wherever the command is run from.
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loader", description=__doc__)
+    parser = argparse.ArgumentParser(prog=program_name("python -m loader"), description=__doc__)
     parser.add_argument(
         "model",
         nargs="?",

@@ -11,6 +11,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from loader.program_name import program_name
+
 CACHE_TYPES = ("fp16", "fp8", "q8", "q6", "q4")
 # Folders default to the checkout's, wherever ui.py is started from (as TGW does).
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +41,7 @@ def parse_gpu_split(text: str | None) -> list[float] | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python ui.py",
+        prog=program_name("python ui.py"),
         description="Kestrel web UI: chat, notebook, parameters, models and LoRAs in a browser.",
     )
     m = p.add_argument_group("model")

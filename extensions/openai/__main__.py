@@ -20,13 +20,14 @@ from extensions.openai.load_defaults import with_cache_default
 from extensions.openai.server import run_api_server
 from loader.hub import resolve_model
 from loader.manager import ModelManager, UnknownNameError
+from loader.program_name import program_name
 from serving import extensions, shared
 from serving.ports import port_problem
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m extensions.openai",
+        prog=program_name("python -m extensions.openai"),
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -84,7 +84,8 @@ def test_editable_install_runs_every_script_and_tool_from_any_folder(
     for name in SCRIPTS:
         result = _run([python.parent / name, "--help"], elsewhere)
         assert result.returncode == 0, f"{name} --help:\n{result.stderr[-2000:]}"
-        assert "usage:" in result.stdout, name
+        # Usage names the command typed, not its `python ...` form.
+        assert result.stdout.startswith(f"usage: {name} "), (name, result.stdout[:200])
     # A tool started by path: its folder is on sys.path, the checkout's root through the
     # install (tools/ no longer put it there themselves).
     tool = _run([python, checkout / "tools" / "perplexity.py", "--help"], elsewhere)
