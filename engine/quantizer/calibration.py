@@ -5,13 +5,17 @@ Contract:
   "text" field of every line, joined by blank lines) or `.parquet` (a "text" column, else
   the first string column; needs pyarrow). Anything unreadable, empty or of another type
   raises `CalibrationError` (a ValueError) naming the file and the reason.
-- `default_calibration_texts()` returns the texts that ship in engine/quantizer/data
-  (Wikipedia articles and TinyStories, licenses in data/README.md), so a conversion needs
-  no network and no file outside the package.
+- `read_calibration_texts(paths)` reads several such files, one source each.
+- `default_calibration_texts()` returns the texts that ship in engine/quantizer/data, one
+  per source (encyclopedia, web, code, multilingual, chat, stories; sources and licenses
+  in data/README.md), so a conversion needs no network and no file outside the package.
+  A mix, because both the bit allocation and the GPTQ Hessians fit what they see: with
+  English encyclopedia text alone, other languages and code lose more than they need to.
 - `calibration_rows(tokenizer, texts, rows, length)` tokenizes each text without BOS, cuts
-  it into consecutive rows of `length` tokens and interleaves the sources' rows. Fewer
-  tokens than one row raises `CalibrationError`; fewer than asked gives the rows there are
-  (the caller reports it).
+  it into consecutive rows of `length` tokens and interleaves the sources' rows (one of
+  each source in turn, so every prefix of the rows is a mix). Fewer tokens than one row
+  raises `CalibrationError`; fewer than asked gives the rows there are (the caller reports
+  it).
 """
 
 from __future__ import annotations
@@ -24,8 +28,15 @@ from typing import Protocol
 import torch
 
 DATA_DIR = Path(__file__).parent / "data"
-DEFAULT_SOURCES = ("wiki.utf8", "tinystories.utf8")
-DEFAULT_DATASET_NAME = "kestrel-default (wikipedia + tinystories)"
+DEFAULT_SOURCES = (
+    "wiki.utf8",
+    "web.utf8",
+    "code.utf8",
+    "multilingual.utf8",
+    "chat.utf8",
+    "tinystories.utf8",
+)
+DEFAULT_DATASET_NAME = "kestrel-default-2 (wiki, web, code, multilingual, chat, stories)"
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
@@ -67,6 +78,12 @@ def read_calibration_text(path: str | Path) -> str:
     return text
 
 
+def read_calibration_texts(paths: Sequence[str | Path]) -> list[str]:
+    if not paths:
+        raise CalibrationError("no calibration file given")
+    return [read_calibration_text(p) for p in paths]
+
+
 def _read_jsonl(path: Path) -> str:
     texts = []
     with path.open(encoding="utf-8") as f:
@@ -106,13 +123,14 @@ def _is_string_column(arrow_type: object) -> bool:
     return str(arrow_type) in ("string", "large_string")
 
 
-def default_calibration_texts() -> list[str]:
+def default_calibration_texts(names: Sequence[str] = DEFAULT_SOURCES) -> list[str]:
     texts = []
-    for name in DEFAULT_SOURCES:
+    for name in names:
         raw = (DATA_DIR / name).read_text(encoding="utf-8")
         if raw.lstrip().startswith("<doc"):
             # One article per <doc> block; the header line is attribution, not text.
-            articles = [a.split("\n", 1)[-1].strip() for a in raw.split("</doc>")]
+            # (strip first: every article but the first begins with the newline after "</doc>")
+            articles = [a.strip().split("\n", 1)[-1].strip() for a in raw.split("</doc>")]
             raw = "\n\n".join(a for a in articles if a)
         texts.append(raw)
     return texts
