@@ -14,7 +14,13 @@ import torch
 import loader
 from engine.quantizer import ConvertError, ConvertOptions, convert
 from engine.quantizer import calibration as cal
-from engine.quantizer.pipeline import DEFAULT_ROWS, FAST_ROWS, _row_settings
+from engine.quantizer.pipeline import (
+    DEFAULT_ROWS,
+    FAST_ROWS,
+    SCORE_TOKENS_CPU,
+    _row_settings,
+    _score_tokens,
+)
 from tools.perplexity import DOMAINS, HELDOUT_DIR, domain_perplexities, domain_texts, main
 from tools.perplexity import perplexity as text_perplexity
 
@@ -78,6 +84,9 @@ def test_several_calibration_files_and_fast_rows(tmp_path):
     assert _row_settings(ConvertOptions(bits=4.0), cpu) == DEFAULT_ROWS["cpu"]
     assert _row_settings(ConvertOptions(bits=4.0, fast=True), cpu) == FAST_ROWS["cpu"]
     assert _row_settings(ConvertOptions(bits=4.0, fast=True, rows=5), cpu)[0] == 5
+    # The default scores measurement candidates on every row (every source of the mix).
+    assert _score_tokens(ConvertOptions(bits=4.0), cpu) is None
+    assert _score_tokens(ConvertOptions(bits=4.0, fast=True), cpu) == SCORE_TOKENS_CPU
 
 
 def test_domain_perplexities_are_each_texts_perplexity(tmp_path, capsys):

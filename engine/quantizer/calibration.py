@@ -1,7 +1,9 @@
 """Calibration text -> token rows [rows, length] for the quantizer.
 
 Contract:
-- `read_calibration_text(path)` reads a user file: `.txt` (the whole file), `.jsonl` (the
+- `read_calibration_text(path)` reads a user file: `.txt` or `.utf8` (the whole file; in
+  a file of `<doc …>` … `</doc>` articles, as Wikipedia dumps and exllamav2's standard
+  calibration text are, the markup lines are dropped), `.jsonl` (the
   "text" field of every line, joined by blank lines) or `.parquet` (a "text" column, else
   the first string column; needs pyarrow). Anything unreadable, empty or of another type
   raises `CalibrationError` (a ValueError) naming the file and the reason.
@@ -37,7 +39,7 @@ DEFAULT_SOURCES = (
     "tinystories.utf8",
 )
 DEFAULT_DATASET_NAME = "kestrel-default-2 (wiki, web, code, multilingual, chat, stories)"
-SUFFIXES = (".txt", ".jsonl", ".parquet")
+SUFFIXES = (".txt", ".utf8", ".jsonl", ".parquet")
 
 
 class CalibrationError(ValueError):
@@ -61,8 +63,8 @@ def read_calibration_text(path: str | Path) -> str:
             f"(use {', '.join(SUFFIXES)})"
         )
     try:
-        if suffix == ".txt":
-            text = path.read_text(encoding="utf-8")
+        if suffix in (".txt", ".utf8"):
+            text = _drop_doc_markup(path.read_text(encoding="utf-8"))
         elif suffix == ".jsonl":
             text = _read_jsonl(path)
         else:
@@ -124,16 +126,17 @@ def _is_string_column(arrow_type: object) -> bool:
 
 
 def default_calibration_texts(names: Sequence[str] = DEFAULT_SOURCES) -> list[str]:
-    texts = []
-    for name in names:
-        raw = (DATA_DIR / name).read_text(encoding="utf-8")
-        if raw.lstrip().startswith("<doc"):
-            # One article per <doc> block; the header line is attribution, not text.
-            # (strip first: every article but the first begins with the newline after "</doc>")
-            articles = [a.strip().split("\n", 1)[-1].strip() for a in raw.split("</doc>")]
-            raw = "\n\n".join(a for a in articles if a)
-        texts.append(raw)
-    return texts
+    return [_drop_doc_markup((DATA_DIR / name).read_text(encoding="utf-8")) for name in names]
+
+
+def _drop_doc_markup(raw: str) -> str:
+    """Articles of a `<doc …>` file joined by blank lines, without the markup lines (the
+    header is attribution, not text); any other text as it is."""
+    if not raw.lstrip().startswith("<doc"):
+        return raw
+    # Strip first: every article but the first begins with the newline after "</doc>".
+    articles = [a.strip().split("\n", 1)[-1].strip() for a in raw.split("</doc>")]
+    return "\n\n".join(a for a in articles if a)
 
 
 def calibration_rows(

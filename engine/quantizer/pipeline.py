@@ -66,13 +66,16 @@ from engine.weights import WeightError
 
 QUANTIZER_VERSION = "kestrel-0.1.0"
 MIN_BITS, MAX_BITS = 2.0, 8.0
-# (rows, length, measure rows, measure length) per device. The defaults put quality first
-# (issue 29: more and longer rows of the mixed text keep held-out perplexity lower on every
-# domain); `fast` is the earlier default, for quick tries (a 135M model in minutes on two
-# CPU cores).
-DEFAULT_ROWS = {"cuda": (32, 2048, 8, 2048), "cpu": (16, 512, 8, 512)}
+# (rows, length, measure rows, measure length) per device. The defaults put quality first;
+# `fast` is the earlier default, for quick tries (SmolLM2-135M in about 8 minutes on two
+# loaded CPU cores). Issue 29's measurements (README, "Quantize a model"): the mixed
+# calibration text is most of the gain on multilingual text and code; on a CPU the default
+# also scores measurement candidates on every measurement row (every source of the mix)
+# rather than on the first SCORE_TOKENS_CPU tokens, which costs about twice the time.
+DEFAULT_ROWS = {"cuda": (64, 2048, 12, 2048), "cpu": (16, 512, 8, 512)}
 FAST_ROWS = {"cuda": (32, 2048, 8, 2048), "cpu": (16, 512, 8, 512)}
-# On the CPU, measurement candidates are scored on this many tokens (measure.py).
+# With `fast` on a CPU, measurement candidates are scored on the first rows holding this
+# many tokens (measure.py); the defaults score every row, as on a GPU.
 SCORE_TOKENS_CPU = 1024
 
 
@@ -163,6 +166,7 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         ),
         "damp": options.damp,
         "rtn": options.rtn,
+        "score_tokens": _score_tokens(options, device),
     }
     try:
         job = Job.open(partial, settings, resume=options.resume)
@@ -267,6 +271,10 @@ def _row_settings(o: ConvertOptions, device: torch.device) -> tuple[int, int, in
     table = FAST_ROWS if o.fast else DEFAULT_ROWS
     r, ln, mr, ml = table["cuda" if device.type == "cuda" else "cpu"]
     return (o.rows or r, o.length or ln, o.measure_rows or mr, o.measure_length or ml)
+
+
+def _score_tokens(o: ConvertOptions, device: torch.device) -> int | None:
+    return SCORE_TOKENS_CPU if o.fast and device.type == "cpu" else None
 
 
 def _say(o: ConvertOptions, message: str) -> None:
@@ -436,7 +444,7 @@ def _measure(job, lm, mrows, o, search, steps, result) -> dict:
                 states,
                 scale_search=search,
                 damp=o.damp,
-                score_tokens=None if device.type == "cuda" else SCORE_TOKENS_CPU,
+                score_tokens=_score_tokens(o, device),
                 tick=bar.update,
             )
             lm.unload_layer(i)
