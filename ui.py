@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     remembered = user_data.load_settings()
     shared.settings.update(remembered.get("parameters") or {})
     ctx = AppContext(shared.manager, user_data, args)
+    # TGW extensions stop the UI's generation with shared.stop_everything (serving/shared.py).
+    shared.stop_all_replies = ctx.stop_all
 
     if startup.prepare_while_serving(args, shared.manager):
         # Minutes of work: the page is served meanwhile and shows the progress.

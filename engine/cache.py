@@ -15,7 +15,8 @@ slot `pages[p // page_size] * page_size + p % page_size`.
 
 `ForwardBatch` describes one forward over several sequences: each contributes its new
 tokens (a prefill chunk or one decode token). The same object serves prefill and decode,
-so the scheduler can mix them in one step.
+so the scheduler can mix them in one step. It also carries the step's LoRA selection
+(`lora`), which every projection of the forward is called with.
 
 Page bookkeeping (reference counts, prefix hashes, the LRU of cached pages, `Sequence`)
 is `engine.pages.PagePool`, which `PagedKVCache` extends with the storage: the scheduler
@@ -28,8 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.lora.batch import LoraBatch
 from engine.pages import CacheFullError, PagePool, Sequence
-from kernels.kv_quant import CACHE_TYPES, cache_formats, kv_cache_write
+from kernels.kv_quant import CACHE_TYPES, KVFormat, cache_formats, kv_cache_write
 
 __all__ = ["CACHE_TYPES", "CacheFullError", "ForwardBatch", "PagedKVCache", "Sequence"]
 
@@ -78,7 +80,7 @@ class PagedKVCache(PagePool):
         # The slot past the last page (see the module docstring).
         self.scratch_slot = num_pages * page_size
 
-        def planes(fmt) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        def planes(fmt: KVFormat) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
             """Per layer: the flat slots [pages * page_size + 1, Hk, row] and their page
             view [pages, page_size, Hk, row], all layers of a device in one tensor."""
             row = (num_kv_heads, fmt.row_bytes(head_dim) if fmt.quantized else head_dim)
@@ -121,8 +123,10 @@ class ForwardBatch:
     max_query_len: int = 0  # host-side bounds, so kernels pick grids without a GPU sync
     max_context_len: int = 0
     # One sequence whose new tokens are its whole context (nothing cached before them): its
-    # attention needs no page table (kernels.prompt_attention).
+    # attention needs no page table (kernels.attention.prompt_attention).
     fresh: bool = False
+    # Each row's LoRA adapters (engine/lora/batch.py); None: no row uses one.
+    lora: LoraBatch | None = None
     _on_device: dict[torch.device, ForwardBatch] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -134,6 +138,7 @@ class ForwardBatch:
         *,
         all_logits: bool = False,
         logits_counts: list[int] | None = None,
+        lora: LoraBatch | None = None,
     ) -> ForwardBatch:
         """Reserve pages for the new tokens and describe the forward. The sequences'
         `length` advances here: the forward that follows fills those slots.
@@ -178,6 +183,7 @@ class ForwardBatch:
             max_query_len=max((len(t) for t in new_tokens), default=0),
             max_context_len=max(lens, default=0),
             fresh=len(sequences) == 1 and lens[0] == len(new_tokens[0]),
+            lora=lora,
         )
 
     def on(self, device: torch.device) -> ForwardBatch:
@@ -196,5 +202,6 @@ class ForwardBatch:
                 max_query_len=self.max_query_len,
                 max_context_len=self.max_context_len,
                 fresh=self.fresh,
+                lora=self.lora,  # its segments copy themselves per device (LoraSegments.on)
             )
         return self._on_device[device]

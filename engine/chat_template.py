@@ -180,7 +180,7 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller: Any) -> str:
-        return caller()
+        return str(caller())
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -204,10 +204,10 @@ class _Namespace(jinja2.utils.Namespace):
 
 class _TemplateDict:
     # The builtin type itself would hand templates its attributes; this exposes only construction.
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict.fromkeys(*args, **kwargs)
 
 

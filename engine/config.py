@@ -115,7 +115,8 @@ class ModelConfig:
         for key in REQUIRED_KEYS:
             if key not in cfg:
                 raise ConfigError(f"{source}: required key '{key}' is missing")
-        ints = {key: _int(cfg, key, source) for key in REQUIRED_KEYS}
+        # The required integer fields, by name (ModelConfig's keyword arguments).
+        ints: dict[str, Any] = {key: _int(cfg, key, source) for key in REQUIRED_KEYS}
         architectures = cfg.get("architectures") or []
         if not isinstance(architectures, list) or not architectures:
             raise ConfigError(f"{source}: required key 'architectures' is missing or empty")

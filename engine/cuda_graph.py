@@ -70,10 +70,9 @@ each segment's own buffers) is tested on the CPU and captured on a single GPU.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -81,6 +80,9 @@ import torch
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 
 if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+    from engine.architectures.base import CausalLM
     from engine.lora import LoraBatch, LoraManager
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -132,8 +134,8 @@ def stage_rows(
             rows[b, 2 * T : 2 * T + n] = pages[p // page_size] * page_size + p % page_size
         else:  # a few tokens (decode: one): a plain loop costs less than numpy's setup
             for i in range(n):
-                p = start + i
-                rows[b, 2 * T + i] = seq.pages[p // page_size] * page_size + p % page_size
+                pos = start + i
+                rows[b, 2 * T + i] = seq.pages[pos // page_size] * page_size + pos % page_size
         rows[b, 3 * T] = start + T
         rows[b, 3 * T + 1 : 3 * T + 1 + len(seq.pages)] = seq.pages
 
@@ -150,7 +152,7 @@ class Segment:
     head: bool
 
 
-def plan_segments(model: torch.nn.Module, split_at: Collection[int] = ()) -> list[Segment]:
+def plan_segments(model: CausalLM, split_at: Collection[int] = ()) -> list[Segment]:
     """The model's forward cut where the device changes (a layer split: one segment per
     device), and also before each layer index in `split_at` (tests: a model on one device
     run as several segments). A single-device model is one segment."""
@@ -158,7 +160,7 @@ def plan_segments(model: torch.nn.Module, split_at: Collection[int] = ()) -> lis
     if any(not 0 <= i <= layers for i in split_at):
         raise ValueError(f"split_at {sorted(split_at)} must name layers 0..{layers}")
     # Parts in forward order: embeddings, layer 0 .. layer L-1, head.
-    devices = [model.model.embed_tokens.weight.device, *model.layer_devices, model.lm_head_device]
+    devices = [model.embed_device, *model.layer_devices, model.lm_head_device]
     starts = [0] + [
         part
         for part in range(1, layers + 2)
@@ -184,7 +186,7 @@ class _SegmentGraph:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         cache: PagedKVCache,
         segment: Segment,
         batch_size: int,
@@ -201,8 +203,8 @@ class _SegmentGraph:
         self.segment = segment
         self.device = device = segment.device
         B, T = batch_size, tokens_per_row
-        i64 = dict(dtype=torch.int64, device=device)
-        i32 = dict(dtype=torch.int32, device=device)
+        i64: dict[str, Any] = {"dtype": torch.int64, "device": device}
+        i32: dict[str, Any] = {"dtype": torch.int32, "device": device}
         self.batch = ForwardBatch(
             token_ids=torch.zeros(B * T, **i64),
             positions=torch.zeros(B * T, **i64),
@@ -223,6 +225,7 @@ class _SegmentGraph:
         self.lora_batch: LoraBatch | None = (
             lora.static_batch(B, device) if lora is not None else None
         )
+        self.batch.lora = self.lora_batch  # what the captured projections read
         # The previous segment's output copied here before each replay; set by _Graph.
         self.hidden: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -232,9 +235,7 @@ class _SegmentGraph:
         """The forward that is captured: this segment's share of the model on the static
         batch (and the static LoRA batch in a LoRA graph). Hidden states [B*T, hidden],
         or from the last segment the logits [B*T, vocab]."""
-        with torch.inference_mode(), contextlib.ExitStack() as stack:
-            if self.lora is not None:
-                stack.enter_context(self.lora.active(self.lora_batch))
+        with torch.inference_mode():
             seg, model = self.segment, self.model
             h = model.forward_embed(self.batch) if seg.embed else self.hidden
             assert h is not None, "a segment after the first needs its input buffer"
@@ -254,7 +255,7 @@ class _SegmentGraph:
             torch.cuda.current_stream(device).wait_stream(stream)
         return out
 
-    def capture(self, pool: tuple[int, int] | None = None) -> None:
+    def capture(self, pool: _POOL_HANDLE | None = None) -> None:
         device = self.device
         with torch.cuda.device(device):
             self.graph = torch.cuda.CUDAGraph()
@@ -299,7 +300,7 @@ class _Graph:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         cache: PagedKVCache,
         batch_size: int,
         max_pages: int,
@@ -310,7 +311,7 @@ class _Graph:
         *,
         capture: bool = True,
         prompt: bool = False,
-        pools: dict[torch.device, tuple[int, int]] | None = None,
+        pools: dict[torch.device, _POOL_HANDLE] | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.tokens_per_row = T = tokens_per_row
@@ -470,7 +471,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         cache: PagedKVCache,
         max_seq_len: int,
         *,
@@ -497,7 +498,7 @@ class DecodeGraphs:
         self.lora_steps = 0  # decode steps that ran a LoRA graph (benchmarks, tests)
         self._prompt_graphs: dict[int, _Graph] = {}  # tokens (a PROMPT_BUCKETS entry)
         # One memory pool per device for all prompt graphs (see the module docstring).
-        self._prompt_pools: dict[torch.device, tuple[int, int]] = {}
+        self._prompt_pools: dict[torch.device, _POOL_HANDLE] = {}
         self.prompt_steps = 0  # prefills that ran a prompt graph (benchmarks, tests)
         # Device memory the captures took (their private pools, the static buffers): graphs
         # are captured on first use, so a server's memory grows with the shapes it meets.
@@ -606,10 +607,11 @@ class DecodeGraphs:
         graph = self.graph(size, lora)
         if lora is not None:
             self.lora_steps += 1
-        on_device = isinstance(tokens, torch.Tensor)
-        graph.stage(sequences, [0] * n if on_device else tokens, lora_scales)
-        if on_device:
+        if isinstance(tokens, torch.Tensor):
+            graph.stage(sequences, [0] * n, lora_scales)
             graph.set_tokens(tokens)
+        else:
+            graph.stage(sequences, tokens, lora_scales)
         return graph.replay()[:n]
 
     def _advance(self, sequences: list[Sequence], counts: list[int]) -> None:
@@ -646,7 +648,7 @@ class DecodeGraphs:
         tokens_per_row: int,
         *,
         prompt: bool = False,
-        pools: dict[torch.device, tuple[int, int]] | None = None,
+        pools: dict[torch.device, _POOL_HANDLE] | None = None,
     ) -> _Graph:
         """A graph captured now (static buffers only with capture=False), its memory
         counted in `captured_bytes`."""

@@ -5,8 +5,8 @@ a step that it wires together.
 owns the model, the K/V storage, the CUDA graphs, LoRA batches and the draft model, and
 runs a `StepPlan`; `engine.scheduler` (engine/scheduler.py) keeps the books (jobs, pages,
 prefix cache, preemption) and drives the runner: every use of the model, generation,
-`logits`, embeddings and the single-job session alike, goes through the scheduler under
-its one lock (`engine.lock`).
+`logits`, embeddings and the single-job session alike, is a kind of job of the scheduler
+and runs in its steps, under its one lock (`engine.lock`).
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.cache import CACHE_TYPES, PagedKVCache, Sequence, cache_bytes_per_token
+from engine.architectures.base import CausalLM
+from engine.cache import CACHE_TYPES, PagedKVCache, cache_bytes_per_token
 from engine.cache_sizing import describe, memory_sized_tokens
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.draft_model import DraftModel
-from engine.fusion import fuse_projections, set_kernel_fusion
 from engine.limits import ContextLengthError, EmptyPromptError, check_length
 from engine.loading import LoadProgress, load_causal_lm, resolve_device, resolve_dtype
 from engine.lora import LoraManager
@@ -33,8 +33,8 @@ from engine.moe import SparseMoE
 from engine.placement import Placement, PlacementOptions, plan_for_model
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
+from engine.session import EngineSession
 from engine.speculative import SPECULATIVE_MODES
-from engine.step import StepPlan
 from engine.tokenizer import Tokenizer
 from kernels.backend import set_deterministic_sums
 
@@ -86,10 +86,10 @@ class EngineOptions:
     # The scheduler launches the next decode forward before reading the last step's tokens,
     # so its host work overlaps the GPU (engine/scheduler.py, "Lookahead"); same output.
     lookahead: bool = True
-    fuse_projections: bool = True  # q/k/v and gate/up as one linear each (engine/fusion.py)
+    fuse_projections: bool = True  # q/k/v and gate/up built as one linear each (build_plan.py)
     # Residual add + norm, SiLU * up, RoPE + KV write as one kernel each (same results).
     fuse_kernels: bool = True
-    # Bitwise reproducible decode: split-K sums as fixed point (kernels/quant_common.py), so
+    # Bitwise reproducible decode: split-K sums as fixed point (kernels/quant_matmul/tiles.py), so
     # the same prompt, settings and seed give the same logits in every run on one GPU. Costs
     # 12% of batch-1 decode speed on an H100 (8B GPTQ); off, sums are float32 atomics whose
     # order varies in the last bit. Process-wide: the last engine loaded sets it.
@@ -107,19 +107,25 @@ class EngineOptions:
     speculative_max_batch: int = 16  # more decoding jobs than this: steps without drafts
 
 
-class Engine:
-    runner_class: type[ModelRunner] = ModelRunner  # tensor parallel: its own runner
+# Makes the runner of an engine: (model, cache, loras, **runner options) -> ModelRunner.
+RunnerFactory = Callable[..., ModelRunner]
 
+
+class Engine:
     def __init__(
         self,
         config: ModelConfig,
-        model: torch.nn.Module,
+        model: CausalLM,
         cache: PagedKVCache,
         tokenizer: Tokenizer,
         options: EngineOptions,
         model_dir: Path,
         load_seconds: float,
+        *,
+        runner_factory: RunnerFactory = ModelRunner,
     ) -> None:
+        """`runner_factory`: the model runner's kind (tensor parallelism gives its own,
+        which holds the other ranks: engine/tensor_parallel/launch.py)."""
         self.config = config
         self.model = model
         self.cache = cache
@@ -129,12 +135,11 @@ class Engine:
         self.max_seq_len = options.max_seq_len or DEFAULT_MAX_SEQ_LEN
         self.load_seconds = load_seconds
         self.placement: Placement | None = None  # set by load
-        self.tp_world_size = 1  # set by engine/tensor_parallel for a sharded model
         self.draft_engine: Engine | None = None  # speculative="draft": the draft model
         self.lock = threading.RLock()
         # LoRA adapters (engine/lora): nothing is wrapped until one is loaded.
         self.loras = LoraManager(model, self.lock)
-        self.runner = self.runner_class(
+        self.runner = runner_factory(
             model,
             cache,
             self.loras,
@@ -176,6 +181,15 @@ class Engine:
             prefix_caching=prefix_caching,
             lookahead=lookahead,
         )
+
+    @property
+    def tp_world_size(self) -> int:
+        """Tensor-parallel ranks holding a shard each (1: not sharded)."""
+        return self.runner.world_size
+
+    @property
+    def rank_devices(self) -> list[str]:
+        return self.runner.rank_devices
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -282,11 +296,9 @@ class Engine:
             config=config,
             placement=placement,
             progress=(lambda f, what: progress(0.9 * f, what)) if progress else None,
+            fuse_projections=options.fuse_projections,
+            fuse_kernels=options.fuse_kernels,
         )
-        if options.fuse_projections:
-            fuse_projections(model)
-        if not options.fuse_kernels:
-            set_kernel_fusion(model, False)
         model.setup_rotary(
             max_seq_len, rope_alpha=options.rope_alpha, rope_scale=options.rope_scale
         )
@@ -380,7 +392,7 @@ class Engine:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.model.embed_tokens.weight.dtype
+        return self.model.embed_dtype
 
     @property
     def devices(self) -> list[torch.device]:
@@ -410,11 +422,14 @@ class Engine:
         return self.runner.logits_device
 
     def open_session(self) -> EngineSession:
-        return EngineSession(self)
+        """One sequence fed a piece at a time (the single-job loop, generate_single): a
+        session job of the scheduler (engine/session.py)."""
+        return self.scheduler.open_session()
 
     def unload(self) -> None:
         self.scheduler.close()
-        self.runner.release()
+        with self.lock:  # tensor parallelism's stop message goes out between steps
+            self.runner.release()
         if self.draft_engine is not None:
             self.draft_engine.unload()
             self.draft_engine = None
@@ -424,32 +439,11 @@ class Engine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-
-class EngineSession:
-    """One sequence of the engine's cache, for the single-job loop (generate_single): its
-    forwards run between the scheduler's steps (`Scheduler.execute_now`), outside its
-    admission control and prefix cache."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.scheduler = engine.scheduler
-        self.pages = engine.cache
-        self.prefill_chunk = engine.options.prefill_chunk
-        self.sequence = Sequence()
-
-    def _logits(self, tokens: list[int]) -> torch.Tensor:
-        plan = StepPlan([self.sequence], [tokens], loras=[self.scheduler.loras.resolve(None)])
-        return self.scheduler.execute_now(plan).values
-
-    def prefill(self, token_ids: list[int]) -> torch.Tensor:
-        logits = None
-        for start in range(0, len(token_ids), self.prefill_chunk):
-            logits = self._logits(token_ids[start : start + self.prefill_chunk])
-        assert logits is not None, "an empty prompt"
-        return logits[-1]
-
-    def step(self, token_id: int) -> torch.Tensor:
-        return self._logits([token_id])[-1]
-
-    def close(self) -> None:
-        with self.scheduler.lock:
-            self.sequence.release(self.pages)
+    def abort(self) -> None:
+        """Let go after a failed step without waiting on the model (tensor parallelism:
+        stops the other ranks without a collective, which they may be stuck in)."""
+        self.scheduler.close()
+        self.runner.abort()
+        # Released as in unload: the engine is not used again (typed as loaded while it is).
+        self.model = None  # type: ignore[assignment]
+        self.cache = None  # type: ignore[assignment]

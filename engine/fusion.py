@@ -1,37 +1,27 @@
-"""Load-time fusion of projections that read the same input: q/k/v and gate/up.
+"""Concatenating linears that read the same input, and switching fused small-op kernels.
 
-At batch 1 a quantized GEMV costs a fixed few microseconds before it moves any bytes, so
-three small launches (q, k, v: 4096x4096 and two 4096x1024 at 8B) cost about twice one
-launch over their concatenation. `fuse_projections(model)` concatenates, along the output
-dimension, the weights of linears that share an input whenever their formats allow it:
-
-- dense linears (FP16/BF16/FP32): always;
-- quantized linears (EXL2, GPTQ): when they have the same row permutation, the same row
-  groups and the same bit-width segments, so that one QuantizedWeight describes all of
-  them (GPTQ without act-order always does; EXL2 q/k/v share a permutation because they
-  share a Hessian, and fuse when the optimizer gave them the same bits).
-
-An attention module then runs its existing fused path (`qkv_proj`, as Phi-3's checkpoint
-has it), and a GatedMLP its `gate_up_proj` path. The source tensors are released, so
-fusion costs no memory. Outputs are unchanged: a column of the fused product is computed
-exactly as the column of its part.
+`concat_linears(parts)` makes one linear whose output is the parts' outputs side by side
+(along the output dimension): dense linears always; quantized linears (EXL2, GPTQ) when
+one QuantizedWeight can describe all of them (same row permutation, row groups and
+bit-width segments). The loader runs it on the parts of a linear that the build plan built
+fused (engine/build_plan.py says when, engine/loading.py reads the parts), so the model
+never holds the parts. A column of the fused product is computed exactly as the column of
+its part.
 
 `set_kernel_fusion(model, enabled)` switches the other kind of fusion, of small ops into one
 kernel launch (residual add + RMSNorm, SiLU * up, RoPE + KV cache write; engine/modules.py),
-which every module that has it does by default. Turning it off gives the separate ops, for
-comparisons and measurements.
+in every `FusesKernels` module. The build plan sets it when the model is built; tools and
+tests turn it off to compare with the separate ops.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
-from engine.modules import Attention, GatedMLP, Linear
+from engine.modules import FusesKernels, Linear
 from engine.quantized_linear import QuantizedLinear
-from kernels.quant_matmul import Plane, QuantizedWeight, Segment, compact_zero_points
+from kernels.quant_matmul.layout import Plane, QuantizedWeight, Segment, compact_zero_points
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -40,7 +30,7 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def _segment_layout(qw: QuantizedWeight) -> list[tuple]:
+def _segment_layout(qw: QuantizedWeight) -> list[tuple[int, int, int, list[tuple[int, int]]]]:
     return [
         (s.bits, s.row_start, s.row_end, [(p.bits, p.shift) for p in s.planes]) for s in qw.segments
     ]
@@ -111,50 +101,28 @@ def _concat_dense(parts: list[Linear]) -> Linear:
 def concat_linears(parts: list[nn.Module]) -> nn.Module | None:
     """One linear whose output is the parts' outputs side by side, or None if their formats
     do not allow it (different kinds, layouts, devices or dtypes)."""
-    if all(type(p) is Linear for p in parts):
-        if len({(p.weight.dtype, p.weight.device, p.in_features) for p in parts}) != 1:
+    dense = [p for p in parts if type(p) is Linear]
+    if len(dense) == len(parts):
+        if len({(p.weight.dtype, p.weight.device, p.in_features) for p in dense}) != 1:
             return None
-        return _concat_dense(parts)
-    if all(isinstance(p, QuantizedLinear) for p in parts):
-        if len({(p.format, p.qweight.device) for p in parts}) != 1:
+        return _concat_dense(dense)
+    quantized = [p for p in parts if isinstance(p, QuantizedLinear)]
+    if len(quantized) == len(parts):
+        if len({(p.format, p.qweight.device) for p in quantized}) != 1:
             return None
-        if not _fusable_quantized(parts):
+        if not _fusable_quantized(quantized):
             return None
-        return _concat_quantized(parts)
+        return _concat_quantized(quantized)
     return None
-
-
-def fuse_projections(model: nn.Module) -> int:
-    """Fuse q/k/v and gate/up across `model` where possible; returns how many were fused."""
-    fused = 0
-    for module in list(model.modules()):
-        if isinstance(module, Attention) and not module.spec.fused_qkv:
-            qkv = concat_linears([module.q_proj, module.k_proj, module.v_proj])
-            if qkv is not None:
-                del module.q_proj, module.k_proj, module.v_proj
-                module.qkv_proj = qkv
-                module.spec = dataclasses.replace(module.spec, fused_qkv=True)
-                module.fused_at_load = True  # the checkpoint (and its adapters) name q/k/v
-                fused += 1
-        elif isinstance(module, GatedMLP) and module.gate_up_proj is None:
-            gate_up = concat_linears([module.gate_proj, module.up_proj])
-            if gate_up is not None:
-                del module.gate_proj, module.up_proj
-                module.gate_up_proj = gate_up
-                module.fused_at_load = True
-                fused += 1
-    if fused and torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the parts' memory goes back to the cache's pool
-    return fused
 
 
 def set_kernel_fusion(model: nn.Module, enabled: bool) -> int:
     """Turn the fused small-op kernels on or off in every module of `model` that has them
-    (a `fuse_kernels` flag: CausalLM, Attention, the gated MLPs and MoE experts); returns
-    how many modules were set. Results are the same either way; launches per layer differ."""
+    (`FusesKernels`: CausalLM, Attention, the gated MLPs and MoE experts); returns how many
+    modules were set. Results are the same either way; launches per layer differ."""
     count = 0
     for module in model.modules():
-        if isinstance(getattr(type(module), "fuse_kernels", None), bool):
+        if isinstance(module, FusesKernels):
             module.fuse_kernels = enabled
             count += 1
     return count

@@ -28,6 +28,7 @@ tokens with theirs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -192,7 +193,7 @@ class TokenReadback:
         self._event = torch.cuda.Event()
         self._event.record(torch.cuda.current_stream(values.device))
 
-    def tolist(self) -> list:
+    def tolist(self) -> list[Any]:
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -174,7 +175,9 @@ def fast_gguf_reader_class() -> type:
         return GGUFReader
 
     class FastGGUFReader(GGUFReader):
-        def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:
+        def _get_field_parts(
+            self, orig_offs: int, raw_type: int
+        ) -> tuple[int, list[Any], list[int], list[GGUFValueType]]:
             if raw_type != GGUFValueType.ARRAY:
                 return super()._get_field_parts(orig_offs, raw_type)
             raw_itype = self._get(orig_offs, np.uint32)
@@ -194,8 +197,9 @@ def fast_gguf_reader_class() -> type:
                 size_type = np.dtype(np.uint64).newbyteorder(self.byte_order)
                 swapped = ">" if sys.byteorder == "little" else "<"
                 unpack = struct.Struct("=Q" if self.byte_order == "I" else f"{swapped}Q")
+                buffer = raw.data  # the same bytes, as a memoryview
                 for _ in range(count):
-                    (length,) = unpack.unpack_from(raw, offs)
+                    (length,) = unpack.unpack_from(buffer, offs)
                     parts.append(raw[offs : offs + 8].view(size_type))
                     parts.append(raw[offs + 8 : offs + 8 + length])
                     offs += 8 + length
@@ -212,11 +216,12 @@ def _fast_gguf_reader() -> Iterator[None]:
     import gguf
 
     stock = gguf.GGUFReader
-    gguf.GGUFReader = fast_gguf_reader_class()
+    # A module attribute swapped in place: its declared type is the stock class.
+    gguf.GGUFReader = fast_gguf_reader_class()  # type: ignore[misc,assignment]
     try:
         yield
     finally:
-        gguf.GGUFReader = stock
+        gguf.GGUFReader = stock  # type: ignore[misc]
 
 
 @contextmanager
@@ -232,6 +237,7 @@ def _elapsed_until_the_bar(progress: bool, label: str) -> Iterator[None]:
 
     from tqdm.auto import tqdm
 
+    gguf_utils: ModuleType | None
     try:
         from transformers import modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:
@@ -257,14 +263,15 @@ def _elapsed_until_the_bar(progress: bool, label: str) -> Iterator[None]:
 
     thread = threading.Thread(target=tick, name="gguf-import-ticker", daemon=True)
     thread.start()
-    if stock is not None:
-        gguf_utils.tqdm = bar
+    # transformers' module imports tqdm without exporting it: hence the ignores.
+    if gguf_utils is not None and stock is not None:
+        gguf_utils.tqdm = bar  # type: ignore[attr-defined]
     try:
         yield
     finally:
         end()
-        if stock is not None:
-            gguf_utils.tqdm = stock
+        if gguf_utils is not None and stock is not None:
+            gguf_utils.tqdm = stock  # type: ignore[attr-defined]
 
 
 def _require_packages() -> None:
@@ -340,7 +347,7 @@ def _dequantize_option() -> dict[str, Any]:
     # Newer transformers can keep GGUF blocks packed (GgufLinear) when a matmul kernel exists;
     # a checkpoint needs plain float tensors, so ask for the dequantized model explicitly.
     try:
-        from transformers import GgufConfig  # type: ignore[attr-defined]
+        from transformers import GgufConfig
     except ImportError:
         return {}
     return {"quantization_config": GgufConfig(dequantize=True)}

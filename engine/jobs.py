@@ -6,10 +6,13 @@ Kinds of job:
 - "generate": a prompt, then sampled tokens until a stop (events stream out);
 - "logits": a prompt whose every position's logits are wanted (`Engine.logits`,
   perplexity, TGW's logits);
-- "hidden": a text whose every position's final hidden state is wanted (embeddings).
-Logits and hidden jobs compute their whole prompt, adopt and publish no prefix-cache
-pages (nothing stays cached), gather their output in `Job.outputs` and end with
-finish_reason "length".
+- "hidden": a text whose every position's final hidden state is wanted (embeddings);
+- "session": tokens fed from outside, a piece at a time, each piece answered with its
+  last token's logits (engine/session.py: the single-job reference loop over the
+  engine). Between pieces it keeps its cache and takes no step; it ends when closed.
+Logits, hidden and session jobs sample nothing, adopt and publish no prefix-cache pages
+(nothing stays cached) and gather their output in `Job.outputs`; logits and hidden jobs
+end with finish_reason "length".
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from engine.speculative import NgramDrafter, can_speculate
 from engine.tokenizer import Tokenizer
 
 WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
-GENERATE, LOGITS, HIDDEN = "generate", "logits", "hidden"
+GENERATE, LOGITS, HIDDEN, SESSION = "generate", "logits", "hidden", "session"
 
 
 class SchedulerError(KestrelError, RuntimeError):
@@ -132,7 +135,8 @@ class Job:
         self.accepted_tokens = 0
         # Constrained decoding (engine/constraints): the job's grammar matcher, if any.
         self.constraint: JobConstraint | None = None
-        # A logits job's [n, vocab] pieces, a hidden job's [n, hidden] (float32, CPU).
+        # A logits job's [n, vocab] pieces, a hidden job's [n, hidden] (float32, CPU), a
+        # session's last logits [1, vocab] of each piece fed.
         self.outputs: list[torch.Tensor] = []
 
     @property
@@ -179,9 +183,9 @@ class Row:
 
     @property
     def logits_wanted(self) -> int:
-        """Rows of output this row gets: all its tokens for a logits or hidden job, else
-        its last token and its drafts."""
-        if self.job.kind != GENERATE:
+        """Rows of output this row gets: all its tokens for a logits or hidden job, its
+        last token for a session, else its last token and its drafts."""
+        if self.job.kind in (LOGITS, HIDDEN):
             return len(self.feed)
         return 1 + len(self.drafts)
 

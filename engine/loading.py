@@ -1,8 +1,14 @@
 """Load flow: model directory -> config -> architecture -> weights on devices.
 
-The model is built on the meta device, then each parameter is read from the safetensors
-store straight onto its layer's device in the target dtype (gpt-fast's pattern): no second
-copy of the model in host memory, and a shape mismatch is reported per tensor by name.
+The model is built on the meta device from a build plan (engine/build_plan.py), then each
+parameter is read from the safetensors store straight onto its layer's device in the target
+dtype (gpt-fast's pattern): no second copy of the model in host memory, and a shape
+mismatch is reported per tensor by name.
+
+A linear that the plan built as one from several stored ones (q/k/v as `qkv_proj`, gate/up
+as `gate_up_proj`) is named with its parts in its module's `load_sources`; the load reads
+the parts and concatenates them as it goes (`_fused_parts`), dense or quantized, so the
+parts never exist as modules.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 from torch import nn
 
 from engine.architectures import CausalLM, architecture_class
+from engine.build_plan import plan_build
 from engine.config import ModelConfig
 from engine.placement.plan import Placement
 from engine.weights import WeightError, WeightStore
@@ -81,20 +88,27 @@ def load_causal_lm(
     config: ModelConfig | None = None,
     progress: LoadProgress | None = None,
     placement: Placement | None = None,
+    fuse_projections: bool = True,
+    fuse_kernels: bool = True,
 ) -> CausalLM:
     """`placement` (engine/placement/) puts each layer on its own device; without it,
-    everything goes on `device`. `progress(fraction, what)` hears how far the weights are:
-    quantized linears (read, checked, repacked: most of an EXL2/GPTQ load) take the first
-    QUANTIZED_SHARE of it, the other tensors the rest."""
+    everything goes on `device`. `fuse_projections` / `fuse_kernels`: the build plan's
+    fusions (engine/build_plan.py). `progress(fraction, what)` hears how far the weights
+    are: quantized linears (read, checked, repacked: most of an EXL2/GPTQ load) take the
+    first QUANTIZED_SHARE of it, the other tensors the rest."""
     config = config or ModelConfig.from_dir(model_dir)
     cls = architecture_class(config.architecture, source=config.source)
     store = WeightStore(model_dir)
     check_layer_count(config, store)
+    plan = plan_build(store, fuse_projections=fuse_projections, fuse_kernels=fuse_kernels)
     with torch.device("meta"):
-        model = cls(config, tensor_names=set(store.names()))
+        model = cls(config, tensor_names=set(store.names()), plan=plan)
     placement = placement or Placement.single(device, config.num_hidden_layers)
     model.layer_devices = list(placement.layer_devices)
-    quantized = _load_quantized_linears(model, store, config, placement.device_of, progress)
+    sources = _fused_parts(model)
+    quantized = _load_quantized_linears(
+        model, store, config, placement.device_of, progress, sources
+    )
     start = QUANTIZED_SHARE if quantized else 0.0
 
     params = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)]
@@ -102,6 +116,13 @@ def load_causal_lm(
     tied = config.tie_word_embeddings and "lm_head" not in quantized
     for i, (name, param) in enumerate(params):
         if tied and name == "lm_head.weight":
+            continue
+        linear, _, leaf = name.rpartition(".")
+        if linear in sources:
+            tensor = _read_fused(
+                store, sources[linear], leaf, param, dtype, placement.device_of(name)
+            )
+            _set_parameter(model, name, tensor)
             continue
         if name not in store:
             if name == "lm_head.weight":
@@ -117,7 +138,7 @@ def load_causal_lm(
         if progress:
             progress(start + (1 - start) * (i + 1) / len(params), f"weights {i + 1}/{len(params)}")
     if tied:
-        embed = model.model.embed_tokens.weight
+        embed = model.embed_weight
         head_device = placement.head_device
         # A head on another device than the embeddings gets its own copy of the table.
         model.lm_head.weight = (
@@ -145,6 +166,39 @@ def check_layer_count(config: ModelConfig, store: WeightStore) -> None:
         )
 
 
+# A fused linear's parts in the checkpoint: (name, output width) each, in output order.
+FusedParts = tuple[tuple[str, int], ...]
+
+
+def _fused_parts(model: nn.Module) -> dict[str, FusedParts]:
+    """{fused linear's name: its parts}, from the modules' `load_sources` (the linears the
+    build plan built as one)."""
+    parts: dict[str, FusedParts] = {}
+    for name, module in model.named_modules():
+        sources: dict[str, FusedParts] = getattr(module, "load_sources", {})
+        for fused, leaves in sources.items():
+            parts[f"{name}.{fused}"] = tuple((f"{name}.{leaf}", w) for leaf, w in leaves)
+    return parts
+
+
+def _read_fused(
+    store: WeightStore,
+    parts: FusedParts,
+    leaf: str,
+    param: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A dense fused linear's `leaf` (weight or bias): its parts' tensors stacked along the
+    output dimension, each checked against its own shape (errors name the part)."""
+    rest = tuple(param.shape[1:])
+    tensors = [
+        store.get(f"{part}.{leaf}", dtype=dtype, device=device, shape=(width, *rest))
+        for part, width in parts
+    ]
+    return torch.cat(tensors, 0)
+
+
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
@@ -157,23 +211,45 @@ def _load_quantized_linears(
     config: ModelConfig,
     device_of: Callable[[str], torch.device],
     progress: LoadProgress | None,
+    sources: dict[str, FusedParts],
 ) -> set[str]:
-    """Swap every Linear stored as EXL2/GPTQ for a QuantizedLinear; returns their names."""
+    """Swap every Linear stored as EXL2/GPTQ for a QuantizedLinear; returns their names.
+    A fused linear (`sources`) is its parts loaded one by one and concatenated."""
+    from engine.fusion import concat_linears
     from engine.modules import Linear
     from engine.quantized_linear import linear_format, load_quantized_linear
 
-    quantized: set[str] = set()
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
-    stored = [(n, m) for n, m in linears if linear_format(store, n) != "dense"]
-    for done, (name, module) in enumerate(stored, start=1):
-        replacement = load_quantized_linear(
+    def load(name: str, in_features: int, out_features: int) -> nn.Module:
+        return load_quantized_linear(
             store,
             name,
-            in_features=module.in_features,
-            out_features=module.out_features,
+            in_features=in_features,
+            out_features=out_features,
             device=device_of(name),
             quantization_config=config.quantization_config,
         )
+
+    quantized: set[str] = set()
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, Linear)]
+
+    def first_part(name: str) -> str:  # a fused linear's format is its parts'
+        return sources[name][0][0] if name in sources else name
+
+    stored = [(n, m) for n, m in linears if linear_format(store, first_part(n)) != "dense"]
+    for done, (name, module) in enumerate(stored, start=1):
+        if name in sources:
+            # The plan checked that the parts' layouts allow it (engine/build_plan.py); each
+            # part is read and checked against its own width, as the module was built.
+            parts = [load(part, module.in_features, w) for part, w in sources[name]]
+            replacement = concat_linears(parts)
+            if replacement is None:
+                names = ", ".join(part for part, _ in sources[name])
+                raise WeightError(
+                    f"{names} in {store.model_dir} cannot run as one linear (their formats "
+                    "differ): load with fuse_projections=False"
+                )
+        else:
+            replacement = load(name, module.in_features, module.out_features)
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, replacement)
         quantized.add(name)
@@ -181,7 +257,8 @@ def _load_quantized_linears(
             fraction = QUANTIZED_SHARE * done / len(stored)
             progress(fraction, f"quantized linears {done}/{len(stored)}")
     if quantized and torch.cuda.is_available():
-        # Repacking on the GPU left its temporaries in the allocator's cache: hand them back,
-        # so that nvidia-smi and other processes see what the model holds, not the peak.
+        # Repacking (and fusing) on the GPU left its temporaries in the allocator's cache:
+        # hand them back, so that nvidia-smi and other processes see what the model holds,
+        # not the peak.
         torch.cuda.empty_cache()
     return quantized

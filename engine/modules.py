@@ -7,15 +7,25 @@ name in the safetensors file and loading needs no mapping table.
 Every forward works on flat token rows: hidden states are [T, hidden] for the T new tokens
 of all sequences in a `ForwardBatch`; the batch says where each sequence's rows are.
 
-Fused kernels (`fuse_kernels`, on by default; `engine.fusion.set_kernel_fusion` turns them
-off): a decoder layer's residual adds run inside the next RMSNorm (`DecoderLayer.
-forward_residual`, driven by `CausalLM.forward`), a gated MLP's SiLU and product are one
-kernel, and RoPE writes k and v straight into a native KV cache. Each fused op rounds where
-the separate ops round, so outputs are the same; at batch 1 they save ~5 launches a layer.
+Projections that read one input may be built as one linear (`Attention(fuse_qkv=True)`,
+`GatedMLP(fuse_gate_up=True)`, as engine/build_plan.py decides): such a module names the
+checkpoint's parts in `load_sources`, and the loader concatenates them into it.
+
+LoRA: every projection is called as `linear(x, lora)` with the forward's `LoraBatch`
+(`ForwardBatch.lora`, None when no row of the step uses an adapter). A plain linear
+ignores it; engine/lora's wrappers apply each row's adapters from it.
+
+Fused kernels (`fuse_kernels`, on by default; modules that have them are `FusesKernels`,
+built on or off by the build plan): a decoder layer's residual adds run inside the next
+RMSNorm (`DecoderLayer.forward_residual`, driven by `CausalLM.forward`), a gated MLP's SiLU
+and product are one kernel, and RoPE writes k and v straight into a native KV cache. Each
+fused op rounds where the separate ops round, so outputs are the same; at batch 1 they save
+~5 launches a layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,8 +35,8 @@ from torch import nn
 
 import kernels
 from engine.cache import ForwardBatch, PagedKVCache
-from kernels.paged_attention import paged_attention
-from kernels.prompt_attention import prompt_attention, prompt_attention_applies
+from engine.lora.batch import LoraBatch
+from kernels.attention import paged_attention, prompt_attention, prompt_attention_applies
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -45,11 +55,22 @@ def gated_activation(
     return ACTIVATIONS[act](gate) * up
 
 
+class FusesKernels(nn.Module):
+    """A module with fused small-op kernels, on while `fuse_kernels` (same results either
+    way; launches differ). `CausalLM` sets it in every such module from its build plan
+    (engine/build_plan.py); tools and tests may switch it (engine.fusion.set_kernel_fusion)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fuse_kernels = True
+
+
 class Linear(nn.Module):
     """A dense FP16/BF16/FP32 linear layer; y = x W^T + b with W [out, in] as HF stores it.
 
     Quantized formats replace this module at load time with one of the same interface
-    (`in_features`, `out_features`, `forward(x)`)."""
+    (`in_features`, `out_features`, `forward(x, lora)`). `lora` is for LoRA's wrappers
+    (engine/lora), which take a linear's place: a plain linear has no adapters."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -58,8 +79,25 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Embedding):
+    """The token embeddings; `lora` as for `Linear` (LoraEmbedding takes its place)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.weight.requires_grad_(False)
+
+    def reset_parameters(self) -> None:
+        # The table always comes from the checkpoint: nn.Embedding's random init is wasted
+        # work, and on the meta device the model is built on it imports torch._dynamo
+        # (~4 s on a process's first load).
+        pass
+
+    def forward(self, token_ids: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        return super().forward(token_ids)
 
 
 class RMSNorm(nn.Module):
@@ -108,16 +146,37 @@ class AttentionSpec:
     norm_unit_offset: bool = False  # Gemma's (1 + w) norms
 
 
-class Attention(nn.Module):
-    # RoPE and the K/V write as one kernel where the cache stores the model's dtype.
-    fuse_kernels: bool = True
+class Attention(FusesKernels):
+    """Fused kernels: RoPE and the K/V write as one kernel where the cache stores the
+    model's dtype. `fuse_qkv`: q/k/v stored apart are built as one `qkv_proj` (see
+    engine/build_plan.py), loaded from the three (`load_sources`)."""
 
-    def __init__(self, spec: AttentionSpec, layer_idx: int) -> None:
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    qkv_proj: nn.Module
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        layer_idx: int,
+        *,
+        fuse_qkv: bool = False,
+    ) -> None:
         super().__init__()
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        # Fused linears the checkpoint stores as parts: {fused leaf: (part leaf, width)...}.
+        self.load_sources: dict[str, tuple[tuple[str, int], ...]] = {}
+        if fuse_qkv and not spec.fused_qkv:
+            spec = dataclasses.replace(spec, fused_qkv=True)
+            self.load_sources["qkv_proj"] = (
+                ("q_proj", q_size),
+                ("k_proj", kv_size),
+                ("v_proj", kv_size),
+            )
         self.spec = spec
         self.layer_idx = layer_idx
         s = spec
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         if s.fused_qkv:
             # Kept fused (not split at load) so a quantized qkv_proj loads as one linear.
             self.qkv_proj = Linear(s.hidden_size, q_size + 2 * kv_size, s.qkv_bias)
@@ -125,21 +184,23 @@ class Attention(nn.Module):
             self.q_proj = Linear(s.hidden_size, q_size, s.qkv_bias)
             self.k_proj = Linear(s.hidden_size, kv_size, s.qkv_bias)
             self.v_proj = Linear(s.hidden_size, kv_size, s.qkv_bias)
-        self.o_proj = Linear(q_size, s.hidden_size, s.o_bias)
+        self.o_proj: nn.Module = Linear(q_size, s.hidden_size, s.o_bias)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.norm_eps, unit_offset=s.norm_unit_offset)
             self.k_norm = RMSNorm(s.head_dim, s.norm_eps, unit_offset=s.norm_unit_offset)
         self.scale = s.scale if s.scale is not None else s.head_dim**-0.5
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, lora: LoraBatch | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k and v [T, Hk, D] of the new rows (views into a fused output)."""
         s = self.spec
         num_tokens = x.shape[0]
         if s.fused_qkv:
             q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = self.qkv_proj(x, lora).split([q_size, kv_size, kv_size], dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
         return (
             q.view(num_tokens, s.num_heads, s.head_dim),
             k.view(num_tokens, s.num_kv_heads, s.head_dim),
@@ -151,7 +212,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         s = self.spec
         num_tokens = x.shape[0]
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, batch.lora)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         # The flat slots, with the scratch slot that graph padding rows write (engine.cache).
@@ -175,7 +236,10 @@ class Attention(nn.Module):
             if fused_write:  # the rotated keys went straight into the cache: read them back
                 k = k_cache.index_select(0, batch.slots)
             out = prompt_attention(q, k, v, scale=self.scale)
-            return self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim))
+            projected: torch.Tensor = self.o_proj(
+                out.view(num_tokens, s.num_heads * s.head_dim), batch.lora
+            )
+            return projected
         out = paged_attention(
             q,
             cache.k[self.layer_idx],
@@ -191,49 +255,73 @@ class Attention(nn.Module):
             k_format=cache.k_format,
             v_format=cache.v_format,
         )
-        return self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim))
+        projected = self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim), batch.lora)
+        return projected
 
 
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU for Llama, GeGLU for Gemma."""
+class GatedMLP(FusesKernels):
+    """down(act(gate(x)) * up(x)): SwiGLU for Llama, GeGLU for Gemma.
 
-    fuse_kernels: bool = True  # SiLU and the product as one kernel (gated_activation)
+    `fuse_gate_up`: gate and up stored apart are built as one `gate_up_proj` (output
+    [gate | up]; see engine/build_plan.py), loaded from the two (`load_sources`). Fused
+    kernels: SiLU and the product as one kernel (gated_activation)."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+    gate_proj: nn.Module
+    up_proj: nn.Module
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        act: str,
+        bias: bool = False,
+        *,
+        fuse_gate_up: bool = False,
+    ) -> None:
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"activation '{act}' is not supported ({', '.join(ACTIVATIONS)})")
         self.act_name = act
-        self.gate_proj = Linear(hidden, intermediate, bias)
-        self.up_proj = Linear(hidden, intermediate, bias)
-        self.down_proj = Linear(intermediate, hidden, bias)
-        # Set by engine.fusion after loading (output [gate | up]), replacing gate and up.
+        self.load_sources: dict[str, tuple[tuple[str, int], ...]] = {}
         self.gate_up_proj: nn.Module | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if fuse_gate_up:
+            self.gate_up_proj = Linear(hidden, 2 * intermediate, bias)
+            self.load_sources["gate_up_proj"] = (
+                ("gate_proj", intermediate),
+                ("up_proj", intermediate),
+            )
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(gated_activation(self.act_name, gate, up, fused=self.fuse_kernels))
+            self.gate_proj = Linear(hidden, intermediate, bias)
+            self.up_proj = Linear(hidden, intermediate, bias)
+        self.down_proj: nn.Module = Linear(intermediate, hidden, bias)
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
+        hidden = gated_activation(self.act_name, gate, up, fused=self.fuse_kernels)
+        out: torch.Tensor = self.down_proj(hidden, lora)
+        return out
 
 
-class FusedGatedMLP(nn.Module):
-    """GatedMLP with gate and up in one `gate_up_proj` whose output is [gate | up] (Phi-3)."""
-
-    fuse_kernels: bool = True  # SiLU and the product as one kernel (gated_activation)
+class FusedGatedMLP(FusesKernels):
+    """GatedMLP with gate and up in one `gate_up_proj` whose output is [gate | up], as the
+    checkpoint stores it (Phi-3)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"activation '{act}' is not supported ({', '.join(ACTIVATIONS)})")
         self.act_name = act
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias)
-        self.down_proj = Linear(intermediate, hidden, bias)
+        self.gate_up_proj: nn.Module = Linear(hidden, 2 * intermediate, bias)
+        self.down_proj: nn.Module = Linear(intermediate, hidden, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(gated_activation(self.act_name, gate, up, fused=self.fuse_kernels))
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        hidden = gated_activation(self.act_name, gate, up, fused=self.fuse_kernels)
+        out: torch.Tensor = self.down_proj(hidden, lora)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -255,7 +343,9 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), batch, cache, rotary)
-        return h + getattr(self, self.mlp_name)(self.post_attention_layernorm(h))
+        feed_forward = getattr(self, self.mlp_name)
+        mlp: torch.Tensor = feed_forward(self.post_attention_layernorm(h), batch.lora)
+        return h + mlp
 
     def forward_residual(
         self,
@@ -277,4 +367,4 @@ class DecoderLayer(nn.Module):
             normed, residual = self.input_layernorm.forward_add(x, residual)
         attn = self.self_attn(normed, batch, cache, rotary)
         normed, residual = self.post_attention_layernorm.forward_add(attn, residual)
-        return getattr(self, self.mlp_name)(normed), residual
+        return getattr(self, self.mlp_name)(normed, batch.lora), residual

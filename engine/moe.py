@@ -29,17 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.modules import ACTIVATIONS, Linear, gated_activation
+from engine.lora.batch import LoraBatch
+from engine.modules import ACTIVATIONS, FusesKernels, Linear, gated_activation
 
 # Mixtral's expert names: w1 gate, w3 up, w2 down.
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
-class ExpertMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) under the checkpoint's own linear names."""
-
-    fuse_kernels: bool = True  # SiLU and the product as one kernel (gated_activation)
+class ExpertMLP(FusesKernels):
+    """down(act(gate(x)) * up(x)) under the checkpoint's own linear names. Fused kernels:
+    SiLU and the product as one kernel (gated_activation)."""
 
     def __init__(
         self, hidden: int, intermediate: int, act: str, names: tuple[str, str, str]
@@ -54,13 +54,15 @@ class ExpertMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self.names)
-        return down(gated_activation(self.act_name, gate(x), up(x), fused=self.fuse_kernels))
+        out: torch.Tensor = down(
+            gated_activation(self.act_name, gate(x), up(x), fused=self.fuse_kernels)
+        )
+        return out
 
 
-class FusedExperts(nn.Module):
-    """All experts' weights in two 3-D tensors (transformers 5's layout)."""
-
-    fuse_kernels: bool = True  # SiLU and the product as one kernel (gated_activation)
+class FusedExperts(FusesKernels):
+    """All experts' weights in two 3-D tensors (transformers 5's layout). Fused kernels:
+    SiLU and the product as one kernel (gated_activation)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
@@ -104,7 +106,7 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.weights_in_activation_dtype = weights_in_activation_dtype
         self.gate = Linear(hidden, num_experts)
-        self.experts: nn.Module
+        self.experts: FusedExperts | nn.ModuleList
         if fused:
             self.experts = FusedExperts(num_experts, hidden, intermediate, act)
         else:
@@ -123,7 +125,9 @@ class SparseMoE(nn.Module):
             weights = weights.to(logits.dtype)
         return weights, experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """`lora` is not applied: experts see routed rows, not a request's (engine/lora
+        targets no linear in here)."""
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
         # [E, T, k] one-hot; the host loop visits only experts some row was routed to.

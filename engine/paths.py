@@ -29,7 +29,7 @@ def hub_snapshot_repo(model_dir: str | Path) -> Path | None:
 
 def confined_path(
     root: str | Path,
-    name: str,
+    name: object,
     *,
     what: str = "file",
     single_component: bool = False,

@@ -8,7 +8,7 @@ time into the runtime layout of docs/quant_layout.md and runs through
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,8 +16,11 @@ from torch import nn
 from engine.quant.exl2 import Exl2Tensors, exl2_to_runtime
 from engine.quant.gptq import GptqTensors, gptq_to_runtime
 from engine.weights import WeightStore
-from kernels.quant_matmul import QuantizedWeight, dequantize_reference, stored_bytes
-from kernels.quant_matmul_triton import quant_matmul
+from kernels.quant_matmul import QuantizedWeight, dequantize_reference, quant_matmul
+from kernels.quant_matmul.layout import stored_bytes
+
+if TYPE_CHECKING:  # engine.lora's modules import this one
+    from engine.lora.batch import LoraBatch
 
 EXL2_TENSORS = ("q_weight", "q_scale", "q_scale_max", "q_groups", "q_invperm", "q_perm", "bias")
 GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "bias")
@@ -34,7 +37,8 @@ class QuantizedLinear(nn.Module):
         self.out_features = out_features
         self.format = fmt
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """`lora` is for LoRA's wrappers, which take a linear's place (engine/modules.py)."""
         if x.device.type == "cpu":
             y = self._cpu_matmul(x)
         else:

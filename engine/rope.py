@@ -74,7 +74,7 @@ def _config_frequencies(
             raise ValueError(f"{config.source}: rope type '{rope_type}' needs 'factor'")
 
     if rope_type == "dynamic" and max_seq_len and max_seq_len > config.max_position_embeddings:
-        factor = float(rope.factor)
+        factor = _factor(rope)
         base *= ((factor * max_seq_len / config.max_position_embeddings) - (factor - 1)) ** (
             dim / (dim - 2)
         )
@@ -86,14 +86,20 @@ def _config_frequencies(
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "linear":
-        inv_freq = inv_freq / float(rope.factor)
+        inv_freq = inv_freq / _factor(rope)
     elif rope_type == "llama3":
         inv_freq = _llama3(inv_freq, rope, config.max_position_embeddings)
     return inv_freq, 1.0
 
 
+def _factor(rope: RopeParameters) -> float:
+    """The scaling factor, which `inv_frequencies` checked the types that use it have."""
+    assert rope.factor is not None
+    return float(rope.factor)
+
+
 def _llama3(inv_freq: torch.Tensor, rope: RopeParameters, max_pos: int) -> torch.Tensor:
-    factor = float(rope.factor)
+    factor = _factor(rope)
     low_freq_factor = float(rope.low_freq_factor or 1.0)
     high_freq_factor = float(rope.high_freq_factor or 4.0)
     old_context_len = rope.original_max_position_embeddings or max_pos

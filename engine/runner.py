@@ -12,12 +12,12 @@ Graph selection (`forward`), as engine/cuda_graph.py describes the graphs:
   speculative verification, short chunks);
 - one fresh prompt of up to `prefill_chunk` tokens, last logits only, no LoRA: a prompt graph;
 - one token per row under LoRA adapters (`lora_graphs`): a LoRA decode graph;
-- anything else: the eager forward, with the step's LoRA batch.
+- anything else: the eager forward, with the step's LoRA batch in its `ForwardBatch`.
 `forward_decode_tokens` is the lookahead's decode step: its input tokens are on the device
 (drawn by the sampler and not read back) and go into the graph's rows device to device.
 
-Tensor parallelism replaces `forward` (engine/tensor_parallel/runner.py): it broadcasts the
-step to the other ranks first.
+Tensor parallelism is a runner too (engine/tensor_parallel/runner.py): it holds the other
+ranks, broadcasts each step to them before its own forward, and stops them on release.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Collection
 
 import torch
 
+from engine.architectures.base import CausalLM
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.cuda_graph import DecodeGraphs
 from engine.draft_model import DraftModel
@@ -37,7 +38,7 @@ from kernels.token_bitmask import apply_token_bitmask
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         cache: PagedKVCache,
         loras: LoraManager,
         *,
@@ -59,6 +60,16 @@ class ModelRunner:
     @property
     def logits_device(self) -> torch.device:
         return self.model.lm_head_device
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that each hold a shard of the model (tensor parallelism); 1: the whole."""
+        return 1
+
+    @property
+    def rank_devices(self) -> list[str]:
+        """Every rank's device under tensor parallelism; none otherwise."""
+        return []
 
     def apply_token_bitmask(
         self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
@@ -155,10 +166,15 @@ class ModelRunner:
                 logits_lengths = [min(n, 1) for n in lengths]
             lora_batch = self.loras.batch(lora_scales, lengths, logits_lengths)
         batch = ForwardBatch.build(
-            self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
+            self.cache,
+            sequences,
+            new_tokens,
+            all_logits=all_logits,
+            logits_counts=logits_counts,
+            lora=lora_batch,
         )
-        with self.loras.active(lora_batch):
-            return self.model(batch, self.cache)
+        logits: torch.Tensor = self.model(batch, self.cache)
+        return logits
 
     def forward_decode_tokens(
         self, sequences: list[Sequence], tokens: torch.Tensor
@@ -190,9 +206,10 @@ class ModelRunner:
         lengths = [len(t) for t in new_tokens]
         scales = self.loras.scales(loras)
         lora_batch = None if scales is None else self.loras.batch(scales, lengths, lengths)
-        batch = ForwardBatch.build(self.cache, sequences, new_tokens, all_logits=True)
-        with self.loras.active(lora_batch):
-            return self.model.hidden_states(batch, self.cache).float().cpu()
+        batch = ForwardBatch.build(
+            self.cache, sequences, new_tokens, all_logits=True, lora=lora_batch
+        )
+        return self.model.hidden_states(batch, self.cache).float().cpu()
 
     def prefill(
         self,
@@ -229,6 +246,11 @@ class ModelRunner:
         # Loading or unloading an adapter re-allocates the stacks the LoRA graphs read.
         self.loras.listeners.append(self.graphs.drop_lora_graphs)
         return self.graphs
+
+    def abort(self) -> None:
+        """Let go at once after a failed step (`release` here; tensor parallelism stops
+        its ranks without a collective)."""
+        self.release()
 
     def release(self) -> None:
         """Let go of the model, its K/V storage, the graphs (their memory pools) and the

@@ -144,7 +144,7 @@ class Sampler:
     ) -> None:
         self.settings = SamplingSettings.from_any(settings)
         self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
+        if str(self.device) == "cuda":  # no index given
             # torch.device("cuda") != torch.device("cuda:0"): pin it so the device check
             # in process compares like with like.
             self.device = torch.device("cuda", torch.cuda.current_device())

@@ -199,10 +199,10 @@ class SamplingSettings:
             check_range(name, value, ok(value), expected)
             setattr(self, name, value)
         for name, ok, expected in _FLOAT_RULES:
-            value = as_float(name, getattr(self, name))
-            check_range(name, value, ok(value), expected)
-            check_range(name, value, abs(value) <= MAX_FLOAT, f"at most {MAX_FLOAT:g} in size")
-            setattr(self, name, value)
+            number = as_float(name, getattr(self, name))
+            check_range(name, number, ok(number), expected)
+            check_range(name, number, abs(number) <= MAX_FLOAT, f"at most {MAX_FLOAT:g} in size")
+            setattr(self, name, number)
         for name in _BOOL_FIELDS:
             check_bool(name, getattr(self, name))
         self.dry_sequence_breakers = parse_sequence_breakers(
@@ -218,9 +218,10 @@ class SamplingSettings:
             ) from None
         self.sampler_priority = priority or list(TGW_PRIORITY)
         self.stop = check_strings("stop", as_str_list("stop", self.stop))
-        if isinstance(self.banned_strings, str):
-            self.banned_strings = [self.banned_strings]
-        banned = [b for b in as_str_list("banned_strings", self.banned_strings) if b]
+        raw_banned: object = self.banned_strings  # a caller may give one string
+        if isinstance(raw_banned, str):
+            raw_banned = [raw_banned]
+        banned = [b for b in as_str_list("banned_strings", raw_banned) if b]
         self.banned_strings = check_strings("banned_strings", banned)
         self.stop_token_ids = as_token_ids("stop_token_ids", self.stop_token_ids)
         self.loras = parse_loras("loras", self.loras, MAX_FLOAT)

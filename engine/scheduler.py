@@ -15,8 +15,11 @@ Contract:
   adopts nor publishes prefix-cache pages. `hidden_states(inputs)`: a hidden job per
   input (embeddings), every position's final hidden state; their chunks share steps of
   their own (a forward yields logits or hidden states, not both), which alternate with
-  the other jobs' steps. `execute_now(plan)` runs a plan between steps under the
-  scheduler's lock, outside the queue (the single-job session).
+  the other jobs' steps. `open_session(loras=None) -> EngineSession` (engine/session.py):
+  a session job, fed tokens from outside (`feed`), each piece answered with its last
+  token's logits; it keeps its pages between pieces and gives them up (parked, computed
+  again on its next piece) when a waiting job needs them. Every forward of the model goes
+  through `step()`: there is no other way to the runner.
 - `submit(prompt_ids, settings) -> Job` checks everything at once and raises:
   `ContextLengthError` for an empty prompt or one longer than the context (max_seq_len);
   `CacheFullError` for a prompt that needs more pages than the whole cache has (it could
@@ -121,6 +124,7 @@ from engine.jobs import (
     HIDDEN,
     LOGITS,
     PREFILL,
+    SESSION,
     WAITING,
     Drawn,
     GenerationMemoryError,
@@ -139,6 +143,7 @@ from engine.rewind import trim_sequence
 from engine.row_sampling import RowTokens, draw_rows, sample_rows
 from engine.samplers.batched import host_to_device
 from engine.sampling_settings import SamplingSettings
+from engine.session import EngineSession
 from engine.speculative import SPECULATIVE_MODES
 from engine.step import DraftRequest, Runner, StepOutput, StepPlan
 from engine.tokenizer import Tokenizer
@@ -415,14 +420,76 @@ class Scheduler:
         with self.lock:
             return self._step(queue=False)
 
-    def execute_now(self, plan: StepPlan) -> StepOutput:
-        """Run `plan` on the runner between two steps, outside the job queue: the
-        single-job session and embeddings (whose sequences hold pages the scheduler does
-        not account for) go through here, under the scheduler's one lock."""
+    def open_session(self, *, loras: Mapping[str, float] | None = None) -> EngineSession:
+        """A session (engine/session.py) under the LoRA selection `loras` (None: the
+        model's default): a session job, in no queue until it is fed."""
+        selection = self.loras.resolve(loras)
         with self.lock:
             if self._closed:
                 raise SchedulerError("the scheduler is closed (the model was unloaded)")
-            return self.runner.execute(plan)
+            job = Job(
+                self._next_id,
+                [],
+                SamplingSettings(loras=selection),
+                max_new_tokens=0,
+                tokenizer=self.tokenizer,
+                logits_device=self.logits_device,
+                page_size=self.pages.page_size,
+                loras=selection,
+                lora_salt=self.loras.salt(selection),
+                kind=SESSION,
+            )
+            self.loras.acquire(selection)
+            job.lora_held = True
+            self._next_id += 1
+        return EngineSession(self, job)
+
+    def feed(self, job: Job, tokens: Iterable[int]) -> torch.Tensor:
+        """Feed `tokens` to the session job `job` and return the last one's logits [vocab]
+        (float32, on the logits' device), computed in the next steps with whatever else
+        runs."""
+        ids = [int(t) for t in tokens]
+        if not ids:
+            raise ValueError("a session is fed one token or more")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        total = len(job.tokens) + len(ids)
+        check_length(total, 0, self.max_seq_len)
+        usable_tokens = self.usable_pages * self.pages.page_size
+        if total > usable_tokens:
+            raise CacheFullError(
+                f"the session holds {total} tokens; the KV cache holds {usable_tokens}: "
+                "raise cache_tokens"
+            )
+        with self.lock:
+            if self._closed:
+                raise SchedulerError("the scheduler is closed (the model was unloaded)")
+            if job.kind != SESSION or job.done:
+                raise SchedulerError(f"job {job.id} is not an open session")
+            job.tokens.extend(ids)
+            job.outputs.clear()
+            if job not in self._running and job not in self._waiting:
+                self._waiting.append(job)
+        while True:
+            with self.lock:
+                if job.error is not None:
+                    raise job.error
+                if job.done:
+                    raise SchedulerError(f"session {job.id} ended ({job.finish_reason})")
+                if job.outputs and job.sequence.length == len(job.tokens):
+                    return job.outputs[-1][0]
+            self._on_step_thread(self._feed_step, [job])
+
+    def _feed_step(self, jobs: list[Job]) -> list[GenerationEvent]:
+        """What a session waiting for its logits does: one step (its events are queued
+        for their jobs' streams)."""
+        with self.lock:
+            if not self._step(queue=True) and not self._running and self._waiting:
+                self._stalled()
+        return []
 
     def cancel(self, job: Job) -> None:
         """End `job` now and free its pages; a finished job is left as it is."""
@@ -474,7 +541,7 @@ class Scheduler:
                     # stops at a finish_reason would otherwise never see the exception.
                     ready = [e for e in ready if e.finish_reason != "error"]
                 yield from ready
-                if failed is not None:
+                if failed is not None and failed.error is not None:
                     raise failed.error
         finally:
             with self.lock:
@@ -503,7 +570,9 @@ class Scheduler:
         of 64 clients grew by 517 MiB that way. One thread runs every streaming step
         instead, so the workspaces are one. A caller that holds the engine lock (or is the
         step thread) runs it inline: the step thread would wait for that lock forever."""
-        if threading.current_thread() is self._step_thread or self.lock._is_owned():
+        # RLock._is_owned is CPython's (threading.RLock's C type), missing from typeshed.
+        owned = self.lock._is_owned()  # type: ignore[attr-defined]
+        if threading.current_thread() is self._step_thread or owned:
             return fn(jobs)
         if self._stepper is None:
             with self.lock:
@@ -533,8 +602,13 @@ class Scheduler:
                 return events  # the next execute is in flight
         try:
             plan = self.schedule()
+            busy = any(not self._idle(job) for job in self._running)
+            if plan is None and (self._waiting or busy) and self._park_idle_sessions():
+                # Idle sessions held the pages that the others need: freed, try again.
+                plan = self.schedule()
+                busy = any(not self._idle(job) for job in self._running)
             if plan is None:
-                if self._running:
+                if busy:
                     self._unblock()
                 return events
             rows: list[Row] = plan.rows
@@ -550,7 +624,7 @@ class Scheduler:
                     self._finish(row.job, "error")
                 raise
             events += self.update(plan, output, queue=queue)
-            if self._drawn is not None:
+            if self._in_flight():  # update left this step's tokens on the device
                 events += self._continue(queue=queue)
             return events
         except BaseException:
@@ -631,6 +705,8 @@ class Scheduler:
         events = []
         for row, (tokens, logprobs) in zip(rows, results, strict=True):
             job = row.job
+            if job.kind == SESSION:
+                continue  # its logits were taken: the session's `feed` returns them
             if job.kind == LOGITS:
                 if job.sequence.length == len(job.tokens):  # every position's logits taken
                     event = job.event("", [], "length", None)
@@ -639,11 +715,11 @@ class Scheduler:
                     if queue:
                         job.events.append(event)
                 continue
-            event = self._advance(row.job, tokens, logprobs)
-            if event is not None:
-                events.append(event)
+            advanced = self._advance(row.job, tokens, logprobs)
+            if advanced is not None:
+                events.append(advanced)
                 if queue:
-                    row.job.events.append(event)
+                    row.job.events.append(advanced)
         return events
 
     def _update_outputs(
@@ -676,14 +752,18 @@ class Scheduler:
         return not (other_due and self._last_hidden)
 
     def _take_logits(self, rows: list[Row], logits: torch.Tensor) -> None:
-        """A logits job's rows of this step, copied to the host."""
-        if not any(row.job.kind == LOGITS for row in rows):
+        """A logits job's rows of this step, copied to the host; a session's last row once
+        its piece is all in (left on the device, for its sampler)."""
+        if not any(row.job.kind in (LOGITS, SESSION) for row in rows):
             return
         start = 0
         for row in rows:
             count = min(row.logits_wanted, len(row.feed) + len(row.drafts))
-            if row.job.kind == LOGITS:
-                row.job.outputs.append(logits[start : start + count].float().cpu())
+            job = row.job
+            if job.kind == LOGITS:
+                job.outputs.append(logits[start : start + count].float().cpu())
+            elif job.kind == SESSION and job.sequence.length == len(job.tokens):
+                job.outputs.append(logits[start + count - 1 : start + count].float())
             start += count
 
     # -- lookahead: one execute in flight (see the module docstring) --------------------
@@ -987,10 +1067,28 @@ class Scheduler:
             job.admitted = time.perf_counter()
         return True
 
+    def _in_flight(self) -> bool:
+        """Whether a step's tokens are drawn on the device and not read yet (`Drawn`)."""
+        return self._drawn is not None
+
+    def _idle(self, job: Job) -> bool:
+        """A session between two pieces: it holds pages and has nothing to compute."""
+        return job.kind == SESSION and self._to_feed(job) == 0
+
+    def _park_idle_sessions(self) -> bool:
+        """Free the pages of every idle session (each computes its tokens again with its
+        next piece); whether there was one."""
+        idle = [job for job in self._running if self._idle(job)]
+        for job in idle:
+            self._preempt(job)
+        return bool(idle)
+
     def _preempt(self, job: Job) -> None:
         """Free a running job's pages and queue it first among the waiting: it computes its
         tokens again when admitted (its prefix-cached pages may still be there). Sampling
-        state, output and events are kept, so its output is as if it had never stopped."""
+        state, output and events are kept, so its output is as if it had never stopped.
+        An idle session is parked instead: it waits for its next piece in no queue."""
+        parked = self._idle(job)
         self._running.remove(job)
         job.sequence.release(self.pages)
         if self.draft_pages is not None:
@@ -1000,7 +1098,8 @@ class Scheduler:
         job.published = 0
         job.preemptions += 1
         self.preemptions += 1
-        self._waiting.appendleft(job)
+        if not parked:
+            self._waiting.appendleft(job)
 
     def _unblock(self) -> None:
         """Nothing could run although jobs are admitted: their partial prefills hold the
@@ -1017,8 +1116,8 @@ class Scheduler:
         )
 
     def _stalled(self) -> None:
-        # Only pages held outside the scheduler (an EngineSession) can cause this: a job
-        # that fits the empty cache is admitted when nothing else runs.
+        # A job that fits the empty cache is admitted when nothing else runs (idle sessions
+        # are parked first): this means pages are held outside the scheduler.
         job = self._waiting[0]
         need = -(-len(job.tokens) // self.pages.page_size)
         raise SchedulerError(

@@ -65,13 +65,13 @@ class NgramDrafter:
         self._upto = max(self._upto, len(tokens) - 1)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             key = tuple(tokens[-n:])
-            end = self._index.get(key)
-            if end is None:
+            found = self._index.get(key)
+            if found is None:
                 continue
-            if end >= len(tokens) - 1 or tuple(tokens[end + 1 - n : end + 1]) != key:
+            if found >= len(tokens) - 1 or tuple(tokens[found + 1 - n : found + 1]) != key:
                 self._rebuild(tokens)  # stale after a rewind: index again from scratch
                 return self.propose(tokens, k)
-            return tokens[end + 1 : end + 1 + k]
+            return tokens[found + 1 : found + 1 + k]
         return []
 
     def rewind(self, length: int) -> None:

@@ -19,12 +19,14 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from _typeshed import TraceFunction  # what sys.settrace takes (typeshed only)
 
 RENDER_SECONDS = 5.0
 MAX_OUTPUT_CHARS = 64 * 2**20  # far above a full context of text plus the template's own
@@ -33,7 +35,8 @@ MAX_POWER_BITS = 4096
 _HUGE_FORMAT = re.compile(r"%[-+ #0]*(?:\*|\d{7,})|%[-+ #0]*\d*\.\d{7,}")
 TEMPLATE_FILENAME = "<template>"  # jinja's name for code compiled from a string
 
-Tracer = Callable[[FrameType, str, Any], Any]
+# The events sys.settrace's functions receive (typeshed's names).
+TraceEvent = Literal["call", "line", "return", "exception", "opcode"]
 
 
 class TemplateLimitError(jinja2.exceptions.SecurityError):
@@ -67,7 +70,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 def bounded_render(template: jinja2.Template, variables: dict[str, Any]) -> str:
     """`template.render(**variables)` within RENDER_SECONDS and MAX_OUTPUT_CHARS."""
     deadline = time.monotonic() + RENDER_SECONDS
-    previous: Tracer | None = sys.gettrace()
+    previous = sys.gettrace()
 
     def check() -> None:
         if time.monotonic() > deadline:
@@ -75,12 +78,12 @@ def bounded_render(template: jinja2.Template, variables: dict[str, Any]) -> str:
                 f"the chat template ran for more than {RENDER_SECONDS:g} s and was stopped"
             )
 
-    def line_tracer(frame: FrameType, event: str, arg: Any) -> Tracer:
+    def line_tracer(frame: FrameType, event: TraceEvent, arg: Any) -> TraceFunction:
         if event == "line":
             check()
         return line_tracer
 
-    def tracer(frame: FrameType, event: str, arg: Any) -> Tracer | None:
+    def tracer(frame: FrameType, event: TraceEvent, arg: Any) -> TraceFunction | None:
         if frame.f_code.co_filename == TEMPLATE_FILENAME:
             return line_tracer
         # Another tracer (a debugger, coverage) keeps seeing the rest of the code.

@@ -58,7 +58,14 @@ _NAMED_SPECIALS = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 # sentencepiece turns each byte of an invalid UTF-8 sequence into its own U+FFFD; Python's
 # "replace" would merge a truncated sequence into one.
 _PER_BYTE_REPLACE = "kestrel-per-byte-replace"
-codecs.register_error(_PER_BYTE_REPLACE, lambda e: ("\ufffd" * (e.end - e.start), e.end))
+
+
+def _per_byte_replace(error: UnicodeError) -> tuple[str, int]:
+    assert isinstance(error, UnicodeDecodeError)  # registered for decoding only
+    return "\ufffd" * (error.end - error.start), error.end
+
+
+codecs.register_error(_PER_BYTE_REPLACE, _per_byte_replace)
 
 
 class TokenizerError(ValueError):
@@ -139,7 +146,8 @@ class _HFBackend:
 
             self._plain_tok = RawTokenizer.from_file(str(self._path))
             self._plain_tok.encode_special_tokens = True
-        return self._plain_tok.encode_batch([text], add_special_tokens=False)[0].ids
+        ids: list[int] = self._plain_tok.encode_batch([text], add_special_tokens=False)[0].ids
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
@@ -149,7 +157,7 @@ class _HFBackend:
 
     def token_bytes(self, token_id: int) -> bytes:
         if token_id in self.added:
-            return self.added[token_id].encode()
+            return str(self.added[token_id]).encode()
         piece = self.tok.id_to_token(token_id)
         if piece is None:
             return b""
@@ -242,7 +250,7 @@ class _SPBackend:
     def encode(self, text: str, special: bool) -> list[int]:
         splitter = self._split_all if special else self._split_plain
         if splitter is None:
-            return self.sp.encode(text)
+            return self._sp_encode(text)
         ids: list[int] = []
         pos = 0
         for match in splitter.finditer(text):
@@ -256,10 +264,13 @@ class _SPBackend:
         if not text:
             return []
         if at_start or self.legacy or not self.dummy_prefix:
-            return self.sp.encode(text)
+            return self._sp_encode(text)
         # sentencepiece cannot switch its dummy prefix off per call; encoding after a marker
         # whose ids are known and dropping them leaves the text unprefixed (transformers' trick).
-        return self.sp.encode(self._marker + text)[self._marker_len :]
+        return self._sp_encode(self._marker + text)[self._marker_len :]
+
+    def _sp_encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.sp.encode(text)]  # sentencepiece is untyped
 
     def decode(self, ids: Sequence[int], skip_special: bool) -> str:
         out = bytearray()
@@ -336,9 +347,11 @@ class Tokenizer:
         self.pad_token_id = token_id("pad")
         eos = _id_list(gen_config.get("eos_token_id")) + _id_list(config.get("eos_token_id"))
         eos_text = _token_text(tok_config.get("eos_token"))
-        eos.append(backend.token_to_id(eos_text) if eos_text is not None else None)
-        eos = [i for i in eos if i is not None] or [backend.default_id("eos")]
-        self.eos_token_ids: list[int] = [i for i in dict.fromkeys(eos) if i is not None]
+        named_eos = backend.token_to_id(eos_text) if eos_text is not None else None
+        if named_eos is not None:
+            eos.append(named_eos)
+        found: list[int | None] = list(eos) or [backend.default_id("eos")]
+        self.eos_token_ids: list[int] = [i for i in dict.fromkeys(found) if i is not None]
         add_bos = tok_config.get("add_bos_token")
         if not isinstance(add_bos, bool):
             add_bos = self.bos_token_id is not None and backend.adds_bos(self.bos_token_id)
@@ -346,11 +359,12 @@ class Tokenizer:
 
         # The strings chat templates see as bos_token, eos_token, ... (transformers' names).
         self.special_tokens: dict[str, str] = {}
-        fallback = {"bos": self.bos_token_id, "eos": (self.eos_token_ids or [None])[0]}
+        fallback = {"bos": self.bos_token_id, "eos": next(iter(self.eos_token_ids), None)}
         for name in _NAMED_SPECIALS:
             text = _token_text(tok_config.get(f"{name}_token"))
-            if f"{name}_token" not in tok_config and fallback.get(name) is not None:
-                text = backend.piece(fallback[name])
+            fallback_id = fallback.get(name)
+            if f"{name}_token" not in tok_config and fallback_id is not None:
+                text = backend.piece(fallback_id)
             if text is not None:
                 self.special_tokens[f"{name}_token"] = text
 

@@ -16,6 +16,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -178,8 +179,9 @@ class WeightStore:
         except (SafetensorError, OSError) as e:  # a header our check let through
             raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
         if dtype is None:
-            return tensor.to(device)
-        cast = tensor.to(device=device, dtype=dtype)
+            moved: torch.Tensor = tensor.to(device)
+            return moved
+        cast: torch.Tensor = tensor.to(device=device, dtype=dtype)
         if not bool(torch.isfinite(cast).all()):
             raise WeightError(_not_finite(name, info, tensor, cast))
         return cast
@@ -258,7 +260,7 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def _naturals(values: object) -> bool:
+def _naturals(values: object) -> TypeGuard[list[int]]:
     """A list of non-negative ints (JSON bools and floats are not sizes)."""
     return isinstance(values, list) and all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values

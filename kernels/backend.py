@@ -119,10 +119,11 @@ def set_programmatic_launch(enabled: bool) -> None:
 
 
 # Whether split-K matmuls with float16 outputs sum their partials as fixed-point integers
-# (kernels/quant_common.py): bitwise reproducible decode, at a measured cost (H100, 8B GPTQ,
-# batch 1: 12% of decode speed, from 64-bit atomics). Off: float32 atomics, whose order of
-# arrival can change the last bit of a sum between runs. Set from EngineOptions.deterministic
-# at load; read when a kernel is launched, so CUDA graphs keep what they captured.
+# (kernels/quant_matmul/tiles.py): bitwise reproducible decode, at a measured cost (H100, 8B
+# GPTQ, batch 1: 12% of decode speed, from 64-bit atomics). Off: float32 atomics, whose
+# order of arrival can change the last bit of a sum between runs. Set from
+# EngineOptions.deterministic at load; read when a kernel is launched, so CUDA graphs keep
+# what they captured.
 _DETERMINISTIC_SUMS = False
 
 
@@ -168,6 +169,6 @@ def pdl_wait(USE_PDL: tl.constexpr):
 def pdl_start(USE_PDL: tl.constexpr):
     """The opening of a kernel whose first loads read an earlier kernel's output: let the
     next kernel launch, then wait for the previous one (a kernel that can load weights
-    first calls the two apart, see kernels.quant_matmul_triton's GEMV)."""
+    first calls the two apart, see kernels/quant_matmul/gemv.py)."""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)

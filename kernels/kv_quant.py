@@ -40,7 +40,7 @@ over its group, so the shared scale no longer crushes the other 31 values (exlla
 quantized cache does the same: a 32-wide Hadamard transform, then per-32 quantization).
 Attention never undoes it per key: since (qH).(kH) = q.k, the query is rotated once
 instead, and for V the output is rotated back once per query row (P (vH) = (P v) H).
-`kernels.paged_attention` does both.
+`kernels.paged_attention` (kernels/attention/) does both.
 
 Why these choices (perplexity of SmolLM2-135M-Instruct, 8 x 512 tokens of wiki.utf8,
 float32; fp16 cache 23.703): q4 as built 24.445; without rotation 25.547; rotating K only

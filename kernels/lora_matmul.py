@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from kernels.backend import Backend, cast_rtne, device_guard, is_interpreted, resolve_backend
-from kernels.quant_common import add_partial
-from kernels.quant_matmul_triton import GemvShare, finish_gemv_tile
+from kernels.quant_matmul.gemv_share import GemvShare
+from kernels.quant_matmul.tiles import add_partial, finish_gemv_tile
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -286,9 +286,9 @@ def _lora_expand_gemv_kernel(
     GEMV_BLOCK_N: tl.constexpr, SUB_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr, M_ROWS: tl.constexpr,
 ):  # fmt: skip
-    # The expand as extra split-K programs of a decode GEMV (kernels.quant_matmul_triton.
+    # The expand as extra split-K programs of a decode GEMV (kernels.quant_matmul.gemv_share.
     # GemvShare): program (tile, sub) adds the LoRA terms of SUB_N columns of GEMV column
-    # tile `tile` to the GEMV's sums (kernels.quant_common.add_partial), then arrives at
+    # tile `tile` to the GEMV's sums (kernels.quant_matmul.tiles.add_partial), then arrives at
     # the tile's counter; the last arrival (this or a GEMV program) writes y. No
     # read-modify-write of y, no ordering against the GEMV, and one rounding of base + delta.
     tile = tl.program_id(0)

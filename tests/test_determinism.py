@@ -3,7 +3,7 @@ prompt, settings and seed give the same tokens and the same logits in every run 
 process (issue 31).
 
 The split-K GEMVs and the mid-M matmul sum their partials as fixed-point integers for
-float16 outputs (kernels/quant_common.py), so the order in which programs finish cannot
+float16 outputs (kernels/quant_matmul/tiles.py), so the order in which programs finish cannot
 change a bit. These tests run the same decode in fresh processes (kernels compiled anew,
 new CUDA graphs, a new workspace) and compare everything bit for bit, at batch 1 (the GEMV)
 and batch 8 (the tensor-core path), greedy and seeded sampling mixed in one batch.

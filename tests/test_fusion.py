@@ -100,3 +100,41 @@ def test_different_layouts_are_not_fused(fp_model: Path, tmp_path: Path) -> None
     assert hasattr(attn, "q_proj") and not hasattr(attn, "qkv_proj")
     assert concat_linears([attn.q_proj, attn.k_proj]) is None
     _assert_same_logits(fused, plain)
+
+
+def test_the_plan_builds_fused_modules_before_any_weight(fp_model: Path) -> None:
+    """The build plan decides from the checkpoint: the model comes out of its constructor
+    (on the meta device, no weight read) with qkv_proj / gate_up_proj and no parts, each
+    fused module naming its parts for the loader; LoRA then targets the parts' names only
+    (an adapter names what the checkpoint stores)."""
+    from engine.architectures import architecture_class
+    from engine.build_plan import plan_build
+    from engine.config import ModelConfig
+    from engine.lora import lora_targets
+    from engine.weights import WeightStore
+
+    config = ModelConfig.from_dir(fp_model)
+    store = WeightStore(fp_model)
+    with torch.device("meta"):
+        model = architecture_class(config.architecture)(
+            config, plan=plan_build(store, fuse_kernels=False)
+        )
+    layer = model.model.layers[0]
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    assert layer.self_attn.load_sources == {
+        "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+    }
+    inter = config.intermediate_size
+    assert layer.mlp.load_sources == {"gate_up_proj": (("gate_proj", inter), ("up_proj", inter))}
+    assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "up_proj")
+    assert not any(m.fuse_kernels for m in model.modules() if hasattr(m, "fuse_kernels"))
+    targets = lora_targets(model)
+    assert targets["model.layers.0.self_attn.k_proj"].linear.endswith("qkv_proj")
+    assert "model.layers.0.self_attn.qkv_proj" not in targets
+    assert "model.layers.0.mlp.gate_up_proj" not in targets
+    unfused = plan_build(store, fuse_projections=False)
+    with torch.device("meta"):
+        plain = architecture_class(config.architecture)(config, plan=unfused)
+    assert plain.model.layers[0].self_attn.load_sources == {}
+    assert hasattr(plain.model.layers[0].self_attn, "q_proj")

@@ -248,6 +248,21 @@ def test_rope_write_triton_matches_reference(
     assert torch.equal(v_cache, ref_v)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_rope_kernel_modes_agree(device: str, case: tuple[int, ...], dtype: torch.dtype) -> None:
+    # apply_rope and apply_rope_write launch one kernel (`_rope_kernel`, WRITE_CACHE off or
+    # on): the rotated q and the keys written into the cache are apply_rope's, bit for bit.
+    _require_triton(device)
+    q, k, v, positions, cos, sin, k_cache, v_cache, slots = _rope_inputs(case, dtype, device)
+    q_rot, k_rot = apply_rope_triton(q, k, positions, cos, sin)
+    q_written = apply_rope_write_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    n_k, D = k.shape[1:]
+    assert torch.equal(q_written, q_rot)
+    assert torch.equal(k_cache.view(-1, n_k, D)[slots.long()], k_rot)
+    assert torch.equal(v_cache.view(-1, n_k, D)[slots.long()], v)
+
+
 def test_rope_write_reference_is_rope_then_index_copy() -> None:
     case = (5, 4, 2, 64, 48)
     q, k, v, positions, cos, sin, k_cache, v_cache, slots = _rope_inputs(

@@ -137,10 +137,9 @@ def test_expand_into_gemv(m, dtype, gemv_first, device):
     _require_triton(device)
     from test_quant_matmul_kernels import make_weight
 
-    import kernels.quant_common as quant_common
-    import kernels.quant_matmul_triton as qmt
     from kernels.lora_matmul import lora_expand_into_gemv, lora_gemv_arrivals, lora_shrink
-    from kernels.quant_matmul import quant_matmul_reference
+    from kernels.quant_matmul import quant_matmul_reference, split_k
+    from kernels.quant_matmul.gemv_share import gemv_share, launch_gemv_shared
 
     qw = make_weight(320, 256, [4, 3], device=device, seed=3)
     lengths = [1] * m
@@ -153,17 +152,17 @@ def test_expand_into_gemv(m, dtype, gemv_first, device):
         max_seg_len=1,
     )  # fmt: skip
     for _ in range(2):  # the second call finds the workspace as the first left it
-        share = qmt.gemv_share(x, qw, functools.partial(lora_gemv_arrivals, rank=12))
+        share = gemv_share(x, qw, functools.partial(lora_gemv_arrivals, rank=12))
         assert share is not None and share.tiling.grouped
         partials = lora_shrink(x, a, slot_map, starts, scales)
         if gemv_first:
-            qmt.launch_gemv_shared(x, qw, share)
+            launch_gemv_shared(x, qw, share)
         lora_expand_into_gemv(share, partials, b, slot_map, starts, scales)
         if not gemv_first:
-            qmt.launch_gemv_shared(x, qw, share)
+            launch_gemv_shared(x, qw, share)
         tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
         torch.testing.assert_close(share.y.float(), want, rtol=tol, atol=tol)
-        sums, counters = quant_common._WORKSPACES[share.sums.device]
+        sums, counters = split_k._WORKSPACES[share.sums.device]
         assert not sums.any() and not counters.any()
 
 
@@ -171,9 +170,10 @@ def test_gemv_share_declines_other_paths():
     """Rows past the GEMV's limit take the dot path: no share, the caller expands alone."""
     from test_quant_matmul_kernels import make_weight
 
-    import kernels.quant_matmul_triton as qmt
+    from kernels.quant_matmul.gemv_share import gemv_share
+    from kernels.quant_matmul.paths import GEMV_MAX_M
 
     qw = make_weight(64, 128, [4])
-    assert qmt.gemv_share(torch.randn(qmt._GEMV_MAX_M + 1, 64), qw, lambda _: 1) is None
-    share = qmt.gemv_share(torch.randn(1, 64), qw, lambda block_n: block_n // 16)
+    assert gemv_share(torch.randn(GEMV_MAX_M + 1, 64), qw, lambda _: 1) is None
+    share = gemv_share(torch.randn(1, 64), qw, lambda block_n: block_n // 16)
     assert share is not None and share.extra == share.tiling.block_n // 16

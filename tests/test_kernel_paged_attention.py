@@ -1,5 +1,5 @@
-"""kernels.paged_attention: the Triton decode and prefill kernels against the torch reference
-on random caches with shuffled pages, argument checks, and the dispatcher.
+"""kernels.attention.paged_attention: the Triton decode and prefill kernels against the
+torch reference on random caches with shuffled pages, argument checks, and the dispatcher.
 
 On CPU the kernels run in the Triton interpreter, so shapes stay tiny there; the `gpu`
 tests run Llama-3-8B-sized cases (and print timings with `pytest -s`).
@@ -14,16 +14,16 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kernels.backend import resolve_backend
-from kernels.paged_attention import (
+from kernels.attention import (
     paged_attention,
     paged_attention_reference,
     paged_attention_triton,
 )
-from kernels.paged_attention_decode import plan_splits, wide_split_config
+from kernels.attention.decode import plan_splits, wide_split_config
+from kernels.backend import resolve_backend
 
-# `paged_attention` is also the name of the op; the module is needed for monkeypatching.
-pa_module = importlib.import_module("kernels.paged_attention")
+# The dispatcher's module, for monkeypatching the kernels it calls.
+pa_module = importlib.import_module("kernels.attention.paged")
 
 # The kernels loop over runtime key ranges; Triton 3.6's interpreter turns such loop bounds
 # into ints from 1-element arrays, which numpy 2.x deprecates (and 2.4 rejects, hence the

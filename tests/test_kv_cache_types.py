@@ -17,6 +17,11 @@ import torch
 from engine.cache import CACHE_TYPES, PagedKVCache, cache_bytes_per_token
 from engine.engine import Engine, EngineOptions
 from engine.generate import generate_single
+from kernels.attention import (
+    paged_attention,
+    paged_attention_reference,
+    paged_attention_triton,
+)
 from kernels.kv_quant import (
     FP8_MAX,
     KVFormat,
@@ -26,11 +31,6 @@ from kernels.kv_quant import (
     kv_cache_write,
     quantize_rows,
     rotate,
-)
-from kernels.paged_attention import (
-    paged_attention,
-    paged_attention_reference,
-    paged_attention_triton,
 )
 from tools.perplexity import main as perplexity_main
 

@@ -55,3 +55,24 @@ def test_the_manager_passes_it_on(tmp_path: Path) -> None:
     manager.unload()
     assert stages == ["loading tiny"]
     assert fractions[0] == 0.0 and fractions[-1] == 1.0 and len(fractions) > 5
+
+
+def test_a_load_imports_no_compiler_stack(quantized: Path) -> None:
+    """The model is built on the meta device and then filled from the checkpoint: building
+    it must not run torch's random init there, which imports torch._dynamo, sympy and FSDP
+    (~4 s of a process's first load on an H100 machine: issue 27's load regression). A
+    fresh process, since the suite itself may have imported them."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, loader\n"
+        f"loader.load({str(quantized)!r}, None, device='cpu').unload()\n"
+        "print(sorted(m for m in ('torch._dynamo', 'sympy', 'torch.distributed.fsdp') "
+        "if m in sys.modules))\n"
+    )
+    root = next(p for p in Path(__file__).resolve().parents if (p / "loader").is_dir())
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import loader
 from engine.lora import LoraError, LoraLinear
+from engine.modules import Embedding
 from engine.sampling_settings import SamplingSettings, SamplingSettingsError
 
 from model_factory import make_tiny_llama, make_tiny_model
@@ -149,7 +150,7 @@ def test_embed_tokens_replacement_matches_peft(tiny: Path, tmp_path: Path):
     assert m.loras()["E"]["modules_to_save"] == ["model.embed_tokens"]
     _close(m.engine.logits(IDS, loras={"E": 1}), ref(torch.tensor([IDS])).logits[0].detach())
     assert m.unload_lora("E")
-    assert type(m.engine.model.model.embed_tokens) is torch.nn.Embedding
+    assert type(m.engine.model.model.embed_tokens) is Embedding  # unwrapped
 
 
 def test_lora_on_lm_head_matches_peft(tiny: Path, tmp_path: Path):

@@ -233,7 +233,7 @@ def test_graph_reads_its_own_static_buffers_refreshed_each_step(
     seen: list[tuple] = []
 
     def record(mod: LoraLinear, args: tuple) -> None:
-        batch = mod.state.current
+        batch = args[1] if len(args) > 1 else None  # linear(x, lora): the step's LoraBatch
         if batch is not None:
             starts, scales = batch.body.starts, batch.body.scales
             seen.append((batch, starts.data_ptr(), scales.data_ptr(), scales.clone()))
@@ -338,15 +338,15 @@ def test_quantized_decode_lora_in_graph_equals_reference(rows: int):
     columns (out_features < n)."""
     from test_quant_matmul_kernels import make_weight
 
-    from engine.lora.layers import LoraBatch, LoraLinear, LoraSegments, LoraState
+    from engine.lora.batch import LoraBatch, LoraSegments
+    from engine.lora.layers import LoraLinear
     from engine.quantized_linear import QuantizedLinear
     from kernels.lora_matmul import lora_matmul_reference
     from kernels.quant_matmul import quant_matmul_reference
 
     torch.manual_seed(0)
     qw = make_weight(512, 384, [4, 3], device="cuda", seed=5)
-    state = LoraState()
-    layer = LoraLinear(QuantizedLinear(qw, 352, "exl2"), state, head=False)
+    layer = LoraLinear(QuantizedLinear(qw, 352, "exl2"), head=False)
     layer.lora_a = (torch.randn(2, 16, 512, device="cuda") / 512**0.5).half()
     layer.lora_b = (torch.randn(2, 352, 16, device="cuda") * 0.05).half()
     layer.slot_map = torch.tensor([1, -1, 0], dtype=torch.int32, device="cuda")
@@ -359,7 +359,7 @@ def test_quantized_decode_lora_in_graph_equals_reference(rows: int):
         host_scales=scales,
     )
     x = torch.zeros(rows, 512, dtype=torch.float16, device="cuda")
-    state.current = LoraBatch(body=seg, head=seg)
+    lora = LoraBatch(body=seg, head=seg)
 
     def want() -> torch.Tensor:
         base = quant_matmul_reference(x.float(), qw)[:, :352]
@@ -378,19 +378,18 @@ def test_quantized_decode_lora_in_graph_equals_reference(rows: int):
         seg.scales.copy_(s)
 
     fill(1)
-    eager = layer(x)
+    eager = layer(x, lora)
     torch.testing.assert_close(eager.float(), want(), rtol=3e-3, atol=3e-3)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        layer(x)  # warm-up outside the capture (the GEMV caches its tiling check)
+        layer(x, lora)  # warm-up outside the capture (the GEMV caches its tiling check)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = layer(x)
+        out = layer(x, lora)
     for seed in (2, 3, 4):
         fill(seed)
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.float(), want(), rtol=3e-3, atol=3e-3)
-    state.current = None

@@ -18,7 +18,7 @@ from engine.placement import GIB, ModelFootprint, Placement, PlacementError, pla
 from engine.placement.footprint import model_footprint
 from engine.quantized_linear import QuantizedLinear
 from engine.weights import WeightStore
-from kernels.quant_matmul import stored_bytes
+from kernels.quant_matmul.layout import stored_bytes
 
 from model_factory import make_tiny_llama
 

@@ -1,6 +1,6 @@
-"""kernels.prompt_attention (a fresh prompt's causal attention through torch SDPA) against
-the paged attention reference on the same keys, the rules for when it applies, and the
-engine's use of it: `ForwardBatch.fresh` marks exactly the single-sequence forwards that
+"""kernels.attention.prompt_attention (a fresh prompt's causal attention through torch SDPA)
+against the paged attention reference on the same keys, the rules for when it applies, and
+the engine's use of it: `ForwardBatch.fresh` marks exactly the single-sequence forwards that
 start a sequence, and a fresh prefill gives the paged path's logits."""
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ import torch
 import engine.modules as modules
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.engine import Engine, EngineOptions
-from kernels.paged_attention import paged_attention, paged_attention_reference
-from kernels.prompt_attention import prompt_attention, prompt_attention_applies
+from kernels.attention import (
+    paged_attention,
+    paged_attention_reference,
+    prompt_attention,
+    prompt_attention_applies,
+)
 
 from model_factory import make_tiny_llama
 

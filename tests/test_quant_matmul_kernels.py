@@ -1,4 +1,4 @@
-"""kernels.quant_matmul_triton against kernels.quant_matmul's torch references.
+"""kernels/quant_matmul's Triton kernels against its torch references.
 
 Every Triton path (the GEMV, the tensor-core split-K kernel and dequantize + matmul) is
 checked on fresh random weights: each segment width, mixed widths in one matrix, with and
@@ -25,18 +25,23 @@ import kernels.backend as backend
 from engine.quant.bitpack import make_segment
 from kernels.quant_matmul import (
     QuantizedWeight,
-    compact_zero_points,
     dequantize_reference,
-    per_group_zeros,
+    dequantize_triton,
+    quant_matmul,
     quant_matmul_reference,
-    stored_bytes,
+    quant_matmul_triton,
 )
-from kernels.quant_matmul_triton import dequantize_triton, quant_matmul, quant_matmul_triton
+from kernels.quant_matmul.layout import compact_zero_points, per_group_zeros, stored_bytes
 
-# The module, for monkeypatching its tuning constants (the functions are imported above).
-qmt = importlib.import_module("kernels.quant_matmul_triton")
-qdot = importlib.import_module("kernels.quant_dot")
-qcommon = importlib.import_module("kernels.quant_common")
+# The modules, for monkeypatching their tuning constants (the functions are imported above).
+# (`kernels.quant_matmul` is the op itself in the package `kernels`: import_module finds the
+# subpackage's modules.)
+gemv = importlib.import_module("kernels.quant_matmul.gemv")
+qdot = importlib.import_module("kernels.quant_matmul.dot")
+dequant = importlib.import_module("kernels.quant_matmul.dequantize")
+paths = importlib.import_module("kernels.quant_matmul.paths")
+dispatch = importlib.import_module("kernels.quant_matmul.dispatch")
+split_k = importlib.import_module("kernels.quant_matmul.split_k")
 
 WIDTHS = [2, 3, 4, 5, 6, 8]
 TOLERANCE = {torch.float16: 1e-3, torch.bfloat16: 5e-3, torch.float32: 1e-5}
@@ -263,11 +268,11 @@ def test_dequantize_a_column_range(device: str, perm: bool, per_group: bool) -> 
 def test_dequant_chunk_columns_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
     # 70B's fused gate/up in fp16: 0.94 GB, so chunks of 16384 columns (256 MiB); the 8B
     # model's (235 MB) stays whole.
-    assert qmt.dequant_chunk_columns(8192, 57344, 2) == 16384
-    assert qmt.dequant_chunk_columns(4096, 28672, 2) == 28672
+    assert dequant.dequant_chunk_columns(8192, 57344, 2) == 16384
+    assert dequant.dequant_chunk_columns(4096, 28672, 2) == 28672
     # At least one dequantization tile, whatever the limit.
-    monkeypatch.setattr(qmt, "DEQUANT_SCRATCH_MAX_BYTES", 1)
-    assert qmt.dequant_chunk_columns(8192, 57344, 2) == 128
+    monkeypatch.setattr(dequant, "DEQUANT_SCRATCH_MAX_BYTES", 1)
+    assert dequant.dequant_chunk_columns(8192, 57344, 2) == 128
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
@@ -281,8 +286,8 @@ def test_dequant_path_in_column_chunks(
     x = _x((300, 256), torch.float32, device)
     whole = quant_matmul_triton(x, qw, path="dequant")
     # Two dequantization tiles per chunk: 640 columns in chunks of 256, 256 and 128.
-    monkeypatch.setattr(qmt, "DEQUANT_SCRATCH_MAX_BYTES", 256 * 4 * 256)
-    assert qmt.dequant_chunk_columns(256, 640, 4) == 256
+    monkeypatch.setattr(dequant, "DEQUANT_SCRATCH_MAX_BYTES", 256 * 4 * 256)
+    assert dequant.dequant_chunk_columns(256, 640, 4) == 256
     chunked = quant_matmul_triton(x, qw, path="dequant")
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-5)
     _assert_close(chunked, quant_matmul_reference(x, qw), torch.float32)
@@ -349,7 +354,7 @@ def test_group_layouts(
     _require_triton(device)
     qw = make_weight(256, 64, [4, 3], group_size=group_size, group_sizes=group_sizes, device=device)
     # Chunks of one group take the per-chunk scale path, the others the per-row one.
-    assert qmt._chunks_in_groups(qw, 32) is grouped
+    assert split_k.chunks_in_groups(qw, 32) is grouped
     _check(qw, M, torch.float16, device, path)
 
 
@@ -365,20 +370,20 @@ def test_several_column_tiles_and_chunks_per_program(
     # end where the segment does). Two columns per thread: n = 200 spans two column tiles
     # (128 + a partial one) on both paths.
     _require_triton(device)
-    config = qmt.GemvConfig(
+    config = gemv.GemvConfig(
         num_warps=2, cols_per_thread=(2, 2, 2, 2), programs_per_sm=1, max_iters=8,
         prefetch=prefetch,
     )  # fmt: skip
-    monkeypatch.setattr(qmt, "_GEMV_CONFIG", config)
+    monkeypatch.setattr(gemv, "_GEMV_CONFIG", config)
     monkeypatch.setattr(
         qdot, "_DOT_CONFIGS", ((1 << 62, dataclasses.replace(qdot.DotConfig(), programs_per_sm=1)),)
     )
-    monkeypatch.setattr(qcommon, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(split_k, "_sm_count", lambda device: 1)
     qw = make_weight(256, 200, [6], device=device)
     if path == "gemv":
         x = torch.zeros(M, 256, dtype=torch.float16, device=device)
-        assert qmt._gemv_tiling(x, qw).iters == 8
-    assert qmt._split(256, 2, 32, 1, 8, torch.device(device)) == 8  # chunks per program
+        assert gemv.gemv_tiling(x, qw).iters == 8
+    assert split_k.split_iters(256, 2, 32, 1, 8, torch.device(device)) == 8  # chunks per program
     _check(qw, M, torch.float16, device, path)
 
 
@@ -416,7 +421,7 @@ def test_dot_variants(
     else:
         qw = make_weight(256, 64, [4, 3], group_size=0, group_sizes=[48, 48, 64, 80, 16],
                          device=device)  # fmt: skip
-        assert not qmt._chunks_in_groups(qw, 32)
+        assert not split_k.chunks_in_groups(qw, 32)
     _check(qw, M, dtype, device, "dot")
 
 
@@ -435,7 +440,7 @@ def test_dot_folds_zero_points_and_scales_into_the_operand(
     monkeypatch.setattr(qdot, "_DOT_CONFIGS", ((1 << 62, config),))
     monkeypatch.setattr(qdot, "_UNFOLDED_DOT_CONFIGS", ())  # a fallback would raise
     qw = make_weight(512, 96, [4, 6, 3], group_size=128, device=device)
-    assert qmt._chunks_in_groups(qw, qdot._chunk_rows(qw, 16, config.max_block_k))
+    assert split_k.chunks_in_groups(qw, split_k.chunk_rows(qw, 16, config.max_block_k))
     generator = torch.Generator().manual_seed(6)
     shape = (qw.num_groups, 1 if per_group else qw.out_features)
     zeros = torch.randint(0, 64, shape, generator=generator).expand(qw.zeros.shape)
@@ -480,7 +485,7 @@ def test_gemv_every_row_count(device: str) -> None:
     # One accumulator per row of x is unrolled in the kernel: check all eight.
     _require_triton(device)
     qw = make_weight(64, 32, [4], device=device)
-    for M in range(1, qmt._GEMV_LIMIT_M + 1):
+    for M in range(1, paths.GEMV_LIMIT_M + 1):
         _check(qw, M, torch.float16, device, "gemv", seed=M)
 
 
@@ -507,7 +512,7 @@ def _calls_leave_the_workspace_zeroed(device: str) -> None:
     for path, M in (("gemv", 1), ("gemv", 2), ("dot", 3), ("dot", 20), ("gemv", 1), ("dot", 5)):
         for i, qw in enumerate(weights):
             _check(qw, M, torch.float16, device, path, seed=10 * M + i)
-    sums, counters = qcommon._WORKSPACES[weights[0].device]  # "cuda" is keyed as cuda:0
+    sums, counters = split_k._WORKSPACES[weights[0].device]  # "cuda" is keyed as cuda:0
     assert not sums.any() and not counters.any()
 
 
@@ -515,11 +520,11 @@ def test_workspace_growth_keeps_the_old_one_alive(device: str) -> None:
     # A CUDA graph captured before the workspace grew still adds into the old buffer: it
     # must stay allocated (not handed to another tensor) and zero.
     dev = torch.device(device)
-    before = qmt._workspace(dev, 1, 1)
+    before = split_k.split_k_workspace(dev, 1, 1)
     need = before[0].numel() + 1
-    after = qmt._workspace(dev, need, 1)
+    after = split_k.split_k_workspace(dev, need, 1)
     assert after[0].numel() >= max(need, 2 * before[0].numel())  # grows at least twofold
-    assert any(old[0] is before[0] for old in qcommon._RETIRED_WORKSPACES)
+    assert any(old[0] is before[0] for old in split_k._RETIRED_WORKSPACES)
     assert not before[0].any() and not after[0].any()
 
 
@@ -538,36 +543,36 @@ def test_leading_dims_and_empty_rows(device: str) -> None:
 
 
 def test_path_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert qmt._choose_path(1) == "gemv"
-    assert qmt._choose_path(qmt._GEMV_MAX_M) == "gemv"
-    assert qmt._choose_path(qmt._GEMV_MAX_M + 1) == "dot"
-    assert qmt._choose_path(qmt._DEQUANT_MIN_M) == "dequant"
-    assert qmt._GEMV_MAX_M <= qmt._GEMV_LIMIT_M
-    monkeypatch.setattr(qmt, "_GEMV_MAX_M", 2)
-    monkeypatch.setattr(qmt, "_DEQUANT_MIN_M", 16)
-    assert [qmt._choose_path(M) for M in (1, 3, 17)] == ["gemv", "dot", "dequant"]
+    assert paths.choose_path(1) == "gemv"
+    assert paths.choose_path(paths.GEMV_MAX_M) == "gemv"
+    assert paths.choose_path(paths.GEMV_MAX_M + 1) == "dot"
+    assert paths.choose_path(paths.DEQUANT_MIN_M) == "dequant"
+    assert paths.GEMV_MAX_M <= paths.GEMV_LIMIT_M
+    monkeypatch.setattr(paths, "GEMV_MAX_M", 2)
+    monkeypatch.setattr(paths, "DEQUANT_MIN_M", 16)
+    assert [paths.choose_path(M) for M in (1, 3, 17)] == ["gemv", "dot", "dequant"]
 
 
 def test_dispatcher_routes_by_rows(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The public op with backend="triton": M = 1, 3, 17 take the three paths once the
     # thresholds are lowered; each path is spied on (wrapped, not replaced).
     _require_triton(device)
-    monkeypatch.setattr(qmt, "_GEMV_MAX_M", 2)
-    monkeypatch.setattr(qmt, "_DEQUANT_MIN_M", 16)
+    monkeypatch.setattr(paths, "GEMV_MAX_M", 2)
+    monkeypatch.setattr(paths, "DEQUANT_MIN_M", 16)
     taken: list[str] = []
-    for name in ("_launch_gemv", "_launch_dot", "dequantize_triton"):
-        original = getattr(qmt, name)
+    for name in ("launch_gemv", "launch_dot", "dequant_matmul"):
+        original = getattr(dispatch, name)
 
         def spy(*args, _name=name, _original=original, **kwargs):
             taken.append(_name)
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(qmt, name, spy)
+        monkeypatch.setattr(dispatch, name, spy)
     qw = make_weight(96, 48, [6, 4], device=device)
     for M in (1, 3, 17):
         x = _x((M, 96), torch.bfloat16, device, seed=M)
         _assert_close(quant_matmul(x, qw, backend="triton"), quant_matmul_reference(x, qw), x.dtype)
-    assert taken == ["_launch_gemv", "_launch_dot", "dequantize_triton"]
+    assert taken == ["launch_gemv", "launch_dot", "dequant_matmul"]
 
 
 def test_auto_and_torch_backends_use_the_reference_on_cpu() -> None:
@@ -641,7 +646,7 @@ def test_llama_8b_shapes_on_gpu(
     x = _x((M, k), torch.float16, "cuda")
     ref = quant_matmul_reference(x, qw)
     _assert_close(quant_matmul(x, qw), ref, torch.float16)
-    for path in ("gemv", "dot", "dequant") if M <= qmt._GEMV_LIMIT_M else ("dot", "dequant"):
+    for path in ("gemv", "dot", "dequant") if M <= paths.GEMV_LIMIT_M else ("dot", "dequant"):
         _assert_close(quant_matmul_triton(x, qw, path=path), ref, torch.float16)
 
 

@@ -368,6 +368,48 @@ def test_logits_jobs_run_in_the_steps_of_generation(model_dir: Path):
     assert engine.cache.free_pages == engine.cache.num_pages
 
 
+def test_a_session_is_a_job_that_shares_steps_and_gives_up_idle_pages(model_dir: Path):
+    """A session (the single-job loop's) is a kind of job: its pieces run in the steps of
+    generation, and between pieces its pages are in the scheduler's books, so a job that
+    needs them gets them (the session computes its tokens again with its next piece)
+    instead of the scheduler stalling on pages held outside it. Its logits stay those of
+    one whole forward over its tokens."""
+    engine = _engine(model_dir, cache_tokens=64)  # 8 pages of 8
+    settings = {**GREEDY, "max_new_tokens": 4}
+    text = PROMPTS[5]  # 41 tokens: 6 pages
+    want = engine.logits(text + [7, 9])
+    execute = engine.runner.execute
+    kinds: list[set[str]] = []
+
+    def spy(plan):
+        if plan.device_tokens is None:  # not a lookahead's decode step
+            kinds.append({row.job.kind for row in plan.rows})
+        return execute(plan)
+
+    engine.runner.execute = spy
+    sched = engine.scheduler
+    session = engine.open_session()
+    try:
+        job = sched.submit(PROMPTS[0], settings)
+        sched.step()  # generation is under way when the session's piece comes
+        got = session.prefill(text)
+        assert {"session", "generate"} in kinds
+        torch.testing.assert_close(got, want[len(text) - 1], rtol=1e-4, atol=1e-4)
+        list(sched.stream(job))
+        assert engine.cache.free_pages == 2  # the idle session holds 6 pages
+        # This job needs 5 pages: the idle session's are freed for it.
+        other = sched.submit(PROMPTS[4], settings)
+        assert [e.finish_reason for e in sched.stream(other)][-1] == "length"
+        assert session.job.preemptions == 1
+        torch.testing.assert_close(session.step(7), want[-2], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(session.step(9), want[-1], rtol=1e-4, atol=1e-4)
+    finally:
+        session.close()
+    assert engine.cache.free_pages == engine.cache.num_pages
+    with pytest.raises(SchedulerError, match="not an open session"):
+        session.step(3)
+
+
 def test_embeddings_take_turns_with_generation(model_dir: Path):
     """Hidden jobs (embeddings) get steps of their own, which alternate with generation's
     while both have work: decoding goes on during a long batch of embeddings, its tokens

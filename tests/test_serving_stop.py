@@ -129,3 +129,56 @@ def test_an_api_client_going_away_leaves_ui_replies_running(
     assert other.result().finish_reason == "cancelled"
     last = ui.result()
     assert last.finish_reason == "length", f"the UI reply ended early: {last.finish_reason}"
+
+
+STOPPER = """
+from modules import shared
+
+def stop_everything():
+    # What a TGW extension's button does to end the UI's generation.
+    shared.stop_everything = True
+"""
+
+
+def test_a_tgw_extension_stopping_everything_stops_ui_replies_not_api_requests(
+    ctx: AppContext, client: openai.OpenAI, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    ext_dir = tmp_path_factory.mktemp("extensions")
+    (ext_dir / "stopper").mkdir()
+    (ext_dir / "stopper" / "script.py").write_text(STOPPER)
+    previous = shared.stop_all_replies
+    shared.stop_all_replies = ctx.stop_all  # what ui.py does at start-up
+    try:
+        [stopper] = extensions.load_extensions(["stopper"], ext_dir, strict=True)
+        ui = UiReply(ctx, "page-d/chat")
+        stream = _api_stream(client)
+        chunks = [next(iter(stream))]
+        stopper.module.stop_everything()
+        assert ui.result().finish_reason == "cancelled"
+        from modules import shared as tgw_shared  # the shim the extension imported
+
+        assert tgw_shared.stop_everything is True and shared.stop_everything is True
+        chunks += list(stream)
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert reasons[-1] == "length", f"the API request ended early: {reasons[-1]}"
+        # The UI's next reply clears the flag (as TGW's generation does) and runs.
+        job = ctx.start_job("page-d/chat")
+        assert job is not None and tgw_shared.stop_everything is False
+        ctx.end_job(job)
+    finally:
+        shared.stop_all_replies = previous
+        extensions.load_extensions([])
+
+
+def test_a_closed_page_leaves_no_per_session_state(ctx: AppContext) -> None:
+    for tab in ("chat", "notebook"):
+        job = ctx.start_job(f"page-e/{tab}")
+        assert job is not None
+        ctx.end_job(job)
+    other = ctx.start_job("page-f/chat")
+    assert other is not None
+    ctx.end_job(other)
+    assert ctx.ended_jobs("page-e/chat") == 1 and ctx.ended_jobs("page-e/notebook") == 1
+    ctx.forget_session("page-e")  # Gradio's unload event for that page
+    assert ctx.ended_jobs("page-e/chat") == 0 and ctx.ended_jobs("page-e/notebook") == 0
+    assert ctx.ended_jobs("page-f/chat") == 1

@@ -51,9 +51,8 @@ def _engine(path: Path, device: str = "cpu", **options) -> Engine:
 
 def _fake_model(embed: str, layers: list[str], head: str) -> SimpleNamespace:
     """What plan_segments reads of a model: the devices of its parts (no GPU needed)."""
-    weight = SimpleNamespace(device=torch.device(embed))
     return SimpleNamespace(
-        model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)),
+        embed_device=torch.device(embed),
         layer_devices=[torch.device(d) for d in layers],
         lm_head_device=torch.device(head),
     )

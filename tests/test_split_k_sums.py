@@ -1,4 +1,4 @@
-"""The split-K workspace (kernels/quant_common.py): with deterministic sums, float16
+"""The split-K workspace (kernels/quant_matmul/split_k.py): with deterministic sums, float16
 outputs sum as fixed point and do not depend on the order in which partials arrive; float32
 sums (the default) may. On a GPU, repeated matmuls never read a half-finished sum (issue 31:
 the last program of a tile zeroed sums that a replica thread had not read yet)."""
@@ -14,13 +14,15 @@ import triton
 import triton.language as tl
 
 import kernels.backend as backend
-from kernels.quant_common import (
+from kernels.quant_matmul.split_k import (
+    check_fixed_point_arrivals,
+    sums_view,
+)
+from kernels.quant_matmul.tiles import (
     FIXED_POINT_LIMIT,
     FIXED_POINT_SCALE,
     MAX_FIXED_POINT_ARRIVALS,
     add_partial,
-    check_fixed_point_arrivals,
-    sums_view,
     take_sums,
 )
 
@@ -126,8 +128,7 @@ def test_repeated_matmuls_never_read_a_half_finished_sum(fixed: bool, rows: int)
     sums every call must also be bit-identical."""
     from test_quant_matmul_kernels import make_weight
 
-    import kernels.quant_matmul_triton as qmt
-    from kernels.quant_matmul import dequantize_reference
+    from kernels.quant_matmul import dequantize_reference, quant_matmul_triton
 
     before = backend.deterministic_sums()
     backend.set_deterministic_sums(fixed)
@@ -135,7 +136,7 @@ def test_repeated_matmuls_never_read_a_half_finished_sum(fixed: bool, rows: int)
         qw = make_weight(4096, 4096, [4], group_size=128, device="cuda", seed=1, bias=False)
         x = torch.randn(rows, 4096, device="cuda", dtype=torch.float16)
         want = (x.double() @ dequantize_reference(qw).double()).float()
-        outs = torch.stack([qmt.quant_matmul_triton(x, qw) for _ in range(200)]).float()
+        outs = torch.stack([quant_matmul_triton(x, qw) for _ in range(200)]).float()
     finally:
         backend.set_deterministic_sums(before)
     errors = (outs - want).abs().amax(dim=(1, 2))

@@ -195,6 +195,12 @@ def test_two_gloo_ranks_match_one_process(mixed_model: Path):
         assert formats == ["dense/dense", "exl2/gptq", "gptq/exl2"]
         info = tp.info()["placement"]
         assert info["mode"] == "tensor_parallel" and info["tp_world_size"] == 2
+        # Tensor parallelism is the engine's runner (it holds the ranks), not an Engine kind.
+        from engine.engine import Engine
+        from engine.tensor_parallel.runner import TensorParallelRunner
+
+        assert type(tp.engine) is Engine and isinstance(tp.engine.runner, TensorParallelRunner)
+        assert info["ranks"] == ["cpu", "cpu"]
         attn = tp.engine.model.model.layers[0].self_attn
         assert attn.spec.num_kv_heads == 1 and attn.spec.num_heads == 2  # half of 2 / 4
         assert tp.engine.cache.k[0].shape[2] == 1  # the cache holds this rank's KV head

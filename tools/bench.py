@@ -545,7 +545,7 @@ def _dequantizer(device: torch.device, dtype: torch.dtype) -> Callable[[Any], to
     """QuantizedWeight -> W [k, n] in `dtype`, original row order: the Triton kernel on a
     GPU, the fp32 reference elsewhere (the same values, rounded once)."""
     if device.type == "cuda":
-        from kernels.quant_matmul_triton import dequantize_triton
+        from kernels.quant_matmul import dequantize_triton
 
         return lambda qw: dequantize_triton(qw, dtype=dtype)
     from kernels.quant_matmul import dequantize_reference

@@ -85,10 +85,10 @@ def load_engine(mode: str, path: Path, max_seq_len: int) -> Engine:
         )
     if mode == "autosplit":
         return Engine.load(path, _options(max_seq_len, autosplit=True))
-    from engine.tensor_parallel.engine import TensorParallelEngine
+    from engine.tensor_parallel.launch import launch_tensor_parallel
 
     graphs = mode == "tp"
-    return TensorParallelEngine.launch(path, _options(max_seq_len, cuda_graphs=graphs), 2)
+    return launch_tensor_parallel(path, _options(max_seq_len, cuda_graphs=graphs), 2)
 
 
 def _sync() -> None:
@@ -168,7 +168,7 @@ def run_mode(mode: str, path: Path, args: argparse.Namespace) -> dict:
         result.update(measure(engine, prompt, greedy_prompt, args.greedy))
     except BaseException:
         # Other TP ranks may be stuck in a collective: no graceful stop.
-        getattr(engine, "abort", engine.unload)()
+        (engine.abort if engine.tp_world_size > 1 else engine.unload)()
         raise
     engine.unload()
     return result

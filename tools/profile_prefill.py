@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from engine.cache import Sequence  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
 from engine.quantized_linear import QuantizedLinear  # noqa: E402
-from kernels.quant_matmul_triton import dequantize_triton  # noqa: E402
+from kernels.quant_matmul import dequantize_triton  # noqa: E402
 from tools.bench import add_model_arguments, model_from_arguments  # noqa: E402
 from tools.profile_decode import kernel_table  # noqa: E402
 

@@ -27,9 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import kernels.quant_matmul_triton as qmt  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
 from engine.quantized_linear import QuantizedLinear  # noqa: E402
+from kernels.quant_matmul import gemv  # noqa: E402
 from tools.bench import add_model_arguments, model_from_arguments  # noqa: E402
 from tools.profile_decode import _graph_time, _read_bandwidth  # noqa: E402
 
@@ -48,7 +48,7 @@ def _linears_by_shape(model: torch.nn.Module) -> dict[tuple[int, int], list[Quan
     return shapes
 
 
-def _key(config: qmt.GemvConfig) -> str:
+def _key(config: gemv.GemvConfig) -> str:
     return (
         f"w{config.num_warps} c{config.cols_per_thread[0]} p{config.programs_per_sm} "
         f"i{config.max_iters}{' pf' if config.prefetch else ''}"
@@ -77,10 +77,10 @@ def main() -> int:
         ),
     )
     bandwidth = _read_bandwidth()
-    default = qmt._GEMV_CONFIG
+    default = gemv._GEMV_CONFIG
     prefetch_values = {"on": (True,), "off": (False,), "both": PREFETCH}[args.prefetch]
     configs = [
-        qmt.GemvConfig(warps, (cols, cols, 4, 4), pps, iters, prefetch)
+        gemv.GemvConfig(warps, (cols, cols, 4, 4), pps, iters, prefetch)
         for warps, cols, pps, iters, prefetch in itertools.product(
             args.warps, args.cols, args.programs_per_sm, args.max_iters, prefetch_values
         )
@@ -96,18 +96,18 @@ def main() -> int:
 
         def round_of_calls(mods=mods, x=x, y=y) -> None:
             for mod in mods:
-                qmt._launch_gemv(x, mod.qweight, y)
+                gemv.launch_gemv(x, mod.qweight, y)
 
         rows = []
         for config in configs:
-            qmt._GEMV_CONFIG = config
+            gemv._GEMV_CONFIG = config
             try:
                 secs = _graph_time(round_of_calls, calls=4, reps=5) / len(mods)
             except Exception as e:  # a configuration that does not compile (registers)
                 print(f"  {k}x{n} {_key(config)}: {type(e).__name__}")
                 continue
             finally:
-                qmt._GEMV_CONFIG = default
+                gemv._GEMV_CONFIG = default
             rows.append(
                 {
                     "config": dataclasses.asdict(config),

@@ -10,7 +10,7 @@ replayed in a CUDA graph:
   - per M, each path (gemv for M <= 4, the tensor-core "dot" path, dequantize + cuBLAS);
   - for the dot path at the --sweep-m sizes, every DotConfig of the sweep below.
 Reports µs per round and the effective GB/s of the packed weights, and writes
-tune_mid_m.json. The tables in kernels/quant_dot.py came from this sweep and the finer
+tune_mid_m.json. The tables in kernels/quant_matmul/dot.py came from this sweep and the finer
 ones recorded in bench/results/2026-11-25-h100-mid-m-fold-and-decode-attention-s8.json
 (chunks per slice, 16-row tiles at M <= 16). A fold-2 config on a weight that cannot
 fold (bf16, fractional zero points) runs the unfolded table instead: sweep an fp16 GPTQ or
@@ -31,10 +31,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import kernels.quant_dot as quant_dot  # noqa: E402
-import kernels.quant_matmul_triton as qmt  # noqa: E402
 from engine.engine import Engine, EngineOptions  # noqa: E402
 from engine.quantized_linear import QuantizedLinear  # noqa: E402
+from kernels.quant_matmul import dot as quant_dot  # noqa: E402
+from kernels.quant_matmul import paths, quant_matmul_triton  # noqa: E402
 from tools.bench import add_model_arguments, model_from_arguments  # noqa: E402
 from tools.profile_decode import _graph_time, _read_bandwidth  # noqa: E402
 
@@ -82,7 +82,7 @@ def main() -> int:
 
         def round_of_calls() -> None:
             for mod in linears:
-                qmt.quant_matmul_triton(xs[mod.in_features], mod.qweight, path=path)
+                quant_matmul_triton(xs[mod.in_features], mod.qweight, path=path)
 
         try:
             return _graph_time(round_of_calls, calls=1, reps=5) * 1e6
@@ -97,7 +97,7 @@ def main() -> int:
     for M in args.m:
         row: dict = {"M": M}
         for p in ("gemv", "dot", "dequant"):
-            if p == "gemv" and M > qmt._GEMV_LIMIT_M:
+            if p == "gemv" and M > paths.GEMV_LIMIT_M:
                 continue
             row[p] = round_us(M, p)
         best = min((v, p) for p, v in row.items() if p != "M" and v is not None)

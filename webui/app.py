@@ -181,6 +181,13 @@ def build_app(ctx: AppContext) -> gr.Blocks:
             show_progress="hidden",
         )
 
+        def on_page_unload(request: gr.Request) -> None:
+            # The per-session counts of ended jobs would otherwise grow with every page ever
+            # opened (a long-running UI serves thousands of sessions).
+            ctx.forget_session(request.session_hash or "")
+
+        demo.unload(on_page_unload)
+
         def on_tick() -> list[Any]:
             line = startup.preparation_status()
             if line is not None:

@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 from loader.manager import ModelManager
+from serving import shared
 from serving.sessions import UserData
 from webui.presets import Presets
 
@@ -75,13 +76,15 @@ class AppContext:
         return Presets(self.user_data.presets_dir)
 
     def start_job(self, session: str) -> Job | None:
-        """A new job for this session, or None while one is already running there."""
+        """A new job for this session, or None while one is already running there. A reply
+        that starts clears TGW's stop_everything, as TGW's own generation does."""
         with self._jobs_lock:
             if session in self._running:
                 return None
             job = Job(next(self._ids), session)
             self._running[session] = job
-            return job
+        shared.stop_everything = False
+        return job
 
     def job(self, session: str, job_id: int | None) -> Job | None:
         """The session's running job if its id is `job_id`."""
@@ -101,6 +104,14 @@ class AppContext:
         events that predate the latest job's end (a stream's late updates)."""
         with self._jobs_lock:
             return self._ended.get(session, 0)
+
+    def forget_session(self, page: str) -> None:
+        """Drop what is kept per session for a browser page (its session hash) that has
+        closed. Its running jobs, if any, go on and end as usual."""
+        prefix = f"{page}/"
+        with self._jobs_lock:
+            for session in [s for s in self._ended if s.startswith(prefix)]:
+                del self._ended[session]
 
     def is_running(self, session: str) -> bool:
         with self._jobs_lock:

@@ -20,6 +20,11 @@ of the layers' plain `forward`, bit for bit where the kernels' roundings are tor
 
 `tensor_names` gives the checkpoint's tensor names to architectures whose module layout
 depends on how the checkpoint was saved (MoE experts stored per expert or fused).
+
+`plan` (engine/build_plan.py) says what to build: architectures make their attention and
+gated MLPs through `self.attention(spec, i)` and `self.gated_mlp(i, ...)`, which build
+q/k/v and gate/up as one linear where the plan fuses them; kernel fusion is set in every
+`FusesKernels` module as the plan says, before any weight is read.
 """
 
 from __future__ import annotations
@@ -29,9 +34,20 @@ from collections.abc import Callable, Collection
 import torch
 from torch import nn
 
+from engine.build_plan import BuildPlan
 from engine.cache import ForwardBatch, PagedKVCache
 from engine.config import ConfigError, ModelConfig, RopeParameters
-from engine.modules import Linear, RMSNorm, Rotary
+from engine.lora.batch import LoraBatch
+from engine.modules import (
+    Attention,
+    AttentionSpec,
+    Embedding,
+    FusesKernels,
+    GatedMLP,
+    Linear,
+    RMSNorm,
+    Rotary,
+)
 from engine.rope import rope_tables
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -42,30 +58,64 @@ class DecoderStack(nn.Module):
         self, config: ModelConfig, layers: list[nn.Module], *, unit_offset_norm: bool = False
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(layers)
+        self.embed_tokens: nn.Module = Embedding(config.vocab_size, config.hidden_size)
+        self.layers: nn.ModuleList = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=unit_offset_norm)
 
 
-class CausalLM(nn.Module):
+class CausalLM(FusesKernels):
+    """Fused kernels: residual adds inside the next norm (layers' forward_residual)."""
+
     # HF architecture names this class serves (config.json "architectures").
     architectures: tuple[str, ...] = ()
     unit_offset_norm: bool = False
-    # Residual adds fused into the next norm (layers' forward_residual); see engine.fusion.
-    fuse_kernels: bool = True
 
-    def __init__(self, config: ModelConfig, *, tensor_names: Collection[str] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        tensor_names: Collection[str] | None = None,
+        plan: BuildPlan | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
+        self.plan = plan or BuildPlan()
         self._tensor_names = tensor_names
         self.final_logit_softcap: float | None = None
         self.model = DecoderStack(
             config, self.build_layers(config), unit_offset_norm=self.unit_offset_norm
         )
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head: nn.Module = Linear(config.hidden_size, config.vocab_size)
         self._layer_rotary: list[Rotary] = []
         self.layer_devices: list[torch.device] = []
+        for module in self.modules():
+            if isinstance(module, FusesKernels):
+                module.fuse_kernels = self.plan.fuse_kernels
+
+    def attention(self, spec: AttentionSpec, layer_idx: int) -> Attention:
+        """Layer `layer_idx`'s attention (`self_attn`), with q/k/v as one linear where the
+        plan fuses them."""
+        prefix = f"model.layers.{layer_idx}.self_attn."
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        fuse = not spec.fused_qkv and self.plan.fuse(
+            [
+                (prefix + "q_proj", q_size),
+                (prefix + "k_proj", kv_size),
+                (prefix + "v_proj", kv_size),
+            ]
+        )
+        return Attention(spec, layer_idx, fuse_qkv=fuse)
+
+    def gated_mlp(
+        self, layer_idx: int, hidden: int, intermediate: int, act: str, bias: bool = False
+    ) -> GatedMLP:
+        """Layer `layer_idx`'s gated MLP (`mlp`), with gate/up as one linear where the plan
+        fuses them."""
+        prefix = f"model.layers.{layer_idx}.mlp."
+        fuse = self.plan.fuse(
+            [(prefix + "gate_proj", intermediate), (prefix + "up_proj", intermediate)]
+        )
+        return GatedMLP(hidden, intermediate, act, bias, fuse_gate_up=fuse)
 
     def build_layers(self, config: ModelConfig) -> list[nn.Module]:
         raise NotImplementedError
@@ -80,9 +130,10 @@ class CausalLM(nn.Module):
             self._tensor_names = set(WeightStore(model_dir).names()) if model_dir else set()
         return self._tensor_names
 
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, token_ids: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         """Scaled-embedding architectures (Gemma) override this."""
-        return self.model.embed_tokens(token_ids)
+        embedded: torch.Tensor = self.model.embed_tokens(token_ids, lora)
+        return embedded
 
     def layer_rope(self, layer_idx: int) -> RopeParameters:
         """RoPE settings of one layer; the config's for every layer unless overridden."""
@@ -126,14 +177,15 @@ class CausalLM(nn.Module):
         head's device: what the head would read (embeddings pool it)."""
         h = self.forward_embed(batch)
         h = self.forward_span(h, batch, cache, 0, len(self.model.layers), head=False)
-        return self.model.norm(h.to(self.lm_head_device))
+        normed: torch.Tensor = self.model.norm(h.to(self.lm_head_device))
+        return normed
 
     # The forward in parts, so that the decode graphs of a layer-split model
     # (engine/cuda_graph.py) can capture each device's share as its own graph and still
     # run exactly this code.
     def forward_embed(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's tokens, on the embeddings' device."""
-        return self.embed(batch.on(self.model.embed_tokens.weight.device).token_ids)
+        return self.embed(batch.on(self.embed_device).token_ids, batch.lora)
 
     def forward_span(
         self,
@@ -159,8 +211,10 @@ class CausalLM(nn.Module):
             )
             x = x.to(device)
             residual = residual.to(device) if residual is not None else None
-            if self.fuse_kernels and hasattr(layer, "forward_residual"):
-                x, residual = layer.forward_residual(x, residual, batch.on(device), cache, rotary)
+            # A layer that can carry the residual apart (DecoderLayer.forward_residual).
+            forward_residual = getattr(layer, "forward_residual", None)
+            if self.fuse_kernels and forward_residual is not None:
+                x, residual = forward_residual(x, residual, batch.on(device), cache, rotary)
                 continue
             if residual is not None:
                 x, residual = residual + x, None
@@ -184,12 +238,27 @@ class CausalLM(nn.Module):
             normed = norm.forward_add(x, residual.to(device))[0][rows]
         else:
             normed = norm.forward_add(x[rows], residual.to(device)[rows])[0]
-        logits = self.lm_head(normed)
+        logits: torch.Tensor = self.lm_head(normed, batch.lora)
         if self.final_logit_softcap is not None:
             # In the activation dtype, as transformers caps them.
             cap = self.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        """The embedding table (a LoraEmbedding passes its base's through)."""
+        weight = self.model.embed_tokens.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
+
+    @property
+    def embed_device(self) -> torch.device:
+        return self.embed_weight.device
+
+    @property
+    def embed_dtype(self) -> torch.dtype:
+        return self.embed_weight.dtype
 
     @property
     def lm_head_device(self) -> torch.device:

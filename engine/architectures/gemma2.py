@@ -24,9 +24,11 @@ import torch
 from torch import nn
 
 from engine.architectures.base import CausalLM, layer_types, layer_windows
+from engine.build_plan import BuildPlan
 from engine.cache import ForwardBatch, PagedKVCache
 from engine.config import ModelConfig
-from engine.modules import Attention, AttentionSpec, GatedMLP, RMSNorm, Rotary
+from engine.lora.batch import LoraBatch
+from engine.modules import Attention, AttentionSpec, RMSNorm, Rotary
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -46,8 +48,9 @@ class GemmaDecoderLayer(nn.Module):
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(h), batch, cache, rotary)
         h = h + self.post_attention_layernorm(attn)
-        mlp = self.mlp(self.pre_feedforward_layernorm(h))
-        return h + self.post_feedforward_layernorm(mlp)
+        mlp = self.mlp(self.pre_feedforward_layernorm(h), batch.lora)
+        out: torch.Tensor = h + self.post_feedforward_layernorm(mlp)
+        return out
 
     def forward_residual(
         self,
@@ -67,7 +70,7 @@ class GemmaDecoderLayer(nn.Module):
         normed, residual = self.pre_feedforward_layernorm.forward_add(
             self.post_attention_layernorm(attn), residual
         )
-        return self.post_feedforward_layernorm(self.mlp(normed)), residual
+        return self.post_feedforward_layernorm(self.mlp(normed, batch.lora)), residual
 
 
 def gemma_activation(config: ModelConfig) -> str:
@@ -98,8 +101,14 @@ class Gemma2ForCausalLM(CausalLM):
     architectures = ("Gemma2ForCausalLM",)
     unit_offset_norm = True
 
-    def __init__(self, config: ModelConfig, *, tensor_names: Collection[str] | None = None) -> None:
-        super().__init__(config, tensor_names=tensor_names)
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        tensor_names: Collection[str] | None = None,
+        plan: BuildPlan | None = None,
+    ) -> None:
+        super().__init__(config, tensor_names=tensor_names, plan=plan)
         self.final_logit_softcap = config.extra.get("final_logit_softcapping")
 
     def build_layers(self, config: ModelConfig) -> list[nn.Module]:
@@ -107,17 +116,20 @@ class Gemma2ForCausalLM(CausalLM):
         windows = layer_windows(config, layer_types(config, alternating))
         return [
             GemmaDecoderLayer(
-                Attention(replace(spec, sliding_window=window), i),
-                GatedMLP(config.hidden_size, config.intermediate_size, gemma_activation(config)),
+                self.attention(replace(spec, sliding_window=window), i),
+                self.gated_mlp(
+                    i, config.hidden_size, config.intermediate_size, gemma_activation(config)
+                ),
                 config.hidden_size,
                 config.rms_norm_eps,
             )
             for i, window in enumerate(windows)
         ]
 
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, token_ids: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         # sqrt(hidden) rounded to the weights' dtype, as transformers' normalizer, but as a
         # Python number: a CPU tensor copied to the GPU here could not be graph-captured.
-        weight = self.model.embed_tokens.weight
-        scale = torch.tensor(self.config.hidden_size**0.5, dtype=weight.dtype).item()
-        return self.model.embed_tokens(token_ids) * scale
+        dtype = self.embed_dtype
+        scale = torch.tensor(self.config.hidden_size**0.5, dtype=dtype).item()
+        embedded: torch.Tensor = self.model.embed_tokens(token_ids, lora)
+        return embedded * scale

@@ -31,8 +31,8 @@ from engine.architectures.gemma2 import (
     gemma_activation,
     gemma_attention_spec,
 )
+from engine.build_plan import BuildPlan
 from engine.config import ConfigError, ModelConfig, RopeParameters
-from engine.modules import Attention, GatedMLP
 
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0
 
@@ -40,13 +40,19 @@ GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
     architectures = ("Gemma3ForCausalLM",)
 
-    def __init__(self, config: ModelConfig, *, tensor_names: Collection[str] | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        tensor_names: Collection[str] | None = None,
+        plan: BuildPlan | None = None,
+    ) -> None:
         if config.extra.get("use_bidirectional_attention"):
             raise ConfigError(
                 f"{config.source}: use_bidirectional_attention is set (EmbeddingGemma): an "
                 "encoder, not a causal LM"
             )
-        super().__init__(config, tensor_names=tensor_names)
+        super().__init__(config, tensor_names=tensor_names, plan=plan)
         self._types = layer_types(config, self._default_type)
         self._ropes = {
             "full_attention": self._rope_for("full_attention"),
@@ -62,8 +68,10 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         windows = layer_windows(config, layer_types(config, self._default_type))
         return [
             GemmaDecoderLayer(
-                Attention(replace(spec, sliding_window=window), i),
-                GatedMLP(config.hidden_size, config.intermediate_size, gemma_activation(config)),
+                self.attention(replace(spec, sliding_window=window), i),
+                self.gated_mlp(
+                    i, config.hidden_size, config.intermediate_size, gemma_activation(config)
+                ),
                 config.hidden_size,
                 config.rms_norm_eps,
             )

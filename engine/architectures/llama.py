@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.architectures.base import CausalLM
 from engine.config import ModelConfig
-from engine.modules import Attention, AttentionSpec, DecoderLayer, GatedMLP
+from engine.modules import AttentionSpec, DecoderLayer
 
 
 class LlamaForCausalLM(CausalLM):
@@ -28,8 +28,9 @@ class LlamaForCausalLM(CausalLM):
         )
         return [
             DecoderLayer(
-                Attention(spec, i),
-                GatedMLP(
+                self.attention(spec, i),
+                self.gated_mlp(
+                    i,
                     config.hidden_size,
                     config.intermediate_size,
                     config.hidden_act,

@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.architectures.base import CausalLM, extra_int
 from engine.config import ModelConfig
-from engine.modules import Attention, AttentionSpec, DecoderLayer
+from engine.modules import AttentionSpec, DecoderLayer
 from engine.moe import MIXTRAL_EXPERT_NAMES, SparseMoE, has_fused_experts
 
 
@@ -35,7 +35,7 @@ class MixtralForCausalLM(CausalLM):
         fused = has_fused_experts(self.tensor_names)
         return [
             DecoderLayer(
-                Attention(spec, i),
+                self.attention(spec, i),
                 SparseMoE(
                     config.hidden_size,
                     config.intermediate_size,

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.architectures.base import CausalLM, layer_types, layer_windows
 from engine.config import ModelConfig
-from engine.modules import Attention, AttentionSpec, DecoderLayer, GatedMLP
+from engine.modules import AttentionSpec, DecoderLayer
 
 
 def qwen_layer_windows(config: ModelConfig) -> list[int | None]:
@@ -42,8 +42,8 @@ class Qwen2ForCausalLM(CausalLM):
         )
         return [
             DecoderLayer(
-                Attention(replace(spec, sliding_window=window), i),
-                GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act),
+                self.attention(replace(spec, sliding_window=window), i),
+                self.gated_mlp(i, config.hidden_size, config.intermediate_size, config.hidden_act),
                 config.hidden_size,
                 config.rms_norm_eps,
             )

@@ -15,7 +15,7 @@ from torch import nn
 from engine.architectures.base import CausalLM
 from engine.architectures.qwen2 import qwen_layer_windows
 from engine.config import ModelConfig
-from engine.modules import Attention, AttentionSpec, DecoderLayer, GatedMLP
+from engine.modules import AttentionSpec, DecoderLayer
 
 
 def qwen3_attention_spec(config: ModelConfig) -> AttentionSpec:
@@ -38,8 +38,8 @@ class Qwen3ForCausalLM(CausalLM):
         spec = qwen3_attention_spec(config)
         return [
             DecoderLayer(
-                Attention(replace(spec, sliding_window=window), i),
-                GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act),
+                self.attention(replace(spec, sliding_window=window), i),
+                self.gated_mlp(i, config.hidden_size, config.intermediate_size, config.hidden_act),
                 config.hidden_size,
                 config.rms_norm_eps,
             )

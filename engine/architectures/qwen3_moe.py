@@ -19,7 +19,7 @@ from torch import nn
 from engine.architectures.base import CausalLM, extra_int
 from engine.architectures.qwen3 import qwen3_attention_spec
 from engine.config import ModelConfig
-from engine.modules import Attention, DecoderLayer, GatedMLP
+from engine.modules import DecoderLayer
 from engine.moe import QWEN_EXPERT_NAMES, SparseMoE, has_fused_experts
 
 
@@ -39,7 +39,9 @@ class Qwen3MoeForCausalLM(CausalLM):
 
         def mlp(i: int) -> nn.Module:
             if i in mlp_only or (i + 1) % sparse_step:
-                return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+                return self.gated_mlp(
+                    i, config.hidden_size, config.intermediate_size, config.hidden_act
+                )
             return SparseMoE(
                 config.hidden_size,
                 moe_intermediate,
@@ -53,6 +55,6 @@ class Qwen3MoeForCausalLM(CausalLM):
             )
 
         return [
-            DecoderLayer(Attention(spec, i), mlp(i), config.hidden_size, config.rms_norm_eps)
+            DecoderLayer(self.attention(spec, i), mlp(i), config.hidden_size, config.rms_norm_eps)
             for i in range(config.num_hidden_layers)
         ]

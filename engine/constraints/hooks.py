@@ -3,21 +3,26 @@
 A step's masks are computed on the host after its forward was launched: the matchers
 already consumed the tokens before it (`sync_constraint` runs as each job takes its
 tokens), so the host works on the masks while the GPU computes the logits. They are
-written into one pinned bitmask (llguidance's executor fills many rows in parallel
-threads, without the GIL), copied to the device without a host sync and applied there by
-the runner's `apply_token_bitmask` (kernels/token_bitmask.py: the scheduler reaches no
-kernel code itself, so the device half is passed in). A job without a constraint costs
-nothing; a step without one costs one attribute look-up per row.
+written into one pinned bitmask, copied to the device without a host sync and applied
+there by the runner's `apply_token_bitmask` (kernels/token_bitmask.py: the scheduler
+reaches no kernel code itself, so the device half is passed in). A job without a
+constraint costs nothing; a step without one costs one attribute look-up per row.
+
+Rows are filled lane by lane (engine/constraints/lanes.py): the jobs of one lane share a
+lexer, which llguidance locks for each whole mask, so one thread fills a lane's rows and
+the lanes run on a small thread pool side by side (llguidance releases the GIL while it
+computes a mask). llguidance's own parallel executor hands rows to threads in any order:
+rows sharing a lexer then wait on each other's lock.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-import llguidance
-import llguidance.torch
+import numpy as np
 import torch
 
 from engine.constraints.state import CONSTRAINT_ERROR
@@ -27,25 +32,34 @@ from engine.constraints.state import CONSTRAINT_ERROR
 MaskRow = tuple[Any, int, Sequence[int]]
 # (logits [N, V], bitmask [R, ceil(V / 32)] int32, rows [R] int64) -> logits, in place.
 ApplyMask = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# A lane's rows: (constraint, its first row in the host bitmask, drafts).
+_LaneRows = list[tuple[Any, int, Sequence[int]]]
 
-_executor: llguidance.LLExecutor | None = None
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 _buffers: dict[tuple[str, int], _Buffer] = {}
 _lock = threading.Lock()
 
 
 class _Buffer:
-    """A pinned host bitmask reused across steps, and the copy that last read it."""
+    """A pinned host bitmask and row index reused across steps, and the copy that last
+    read them."""
 
     def __init__(self, rows: int, words: int, pin: bool) -> None:
         self.host = torch.full((rows, words), -1, dtype=torch.int32, pin_memory=pin)
+        self.rows = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
         self.copied: torch.cuda.Event | None = None
 
 
-def _get_executor() -> llguidance.LLExecutor:
-    global _executor
-    if _executor is None:
-        _executor = llguidance.LLExecutor()
-    return _executor
+def _get_pool(lanes: int) -> ThreadPoolExecutor:
+    """A pool with a thread for each of `lanes` lanes (grown when more lanes show up)."""
+    global _pool, _pool_size
+    if _pool is None or _pool_size < lanes:
+        if _pool is not None:
+            _pool.shutdown(wait=False)
+        _pool = ThreadPoolExecutor(max_workers=lanes, thread_name_prefix="kestrel-masks")
+        _pool_size = lanes
+    return _pool
 
 
 def _buffer(device: torch.device, rows: int, words: int) -> _Buffer:
@@ -74,52 +88,72 @@ def mask_logits(rows: Sequence[MaskRow], logits: torch.Tensor, apply: ApplyMask)
         return _mask(wanted, logits, apply)
 
 
+def _fill_lane(rows: _LaneRows, base: int, row_bytes: int) -> None:
+    """Compute one lane's masks into the host bitmask at `base` (one thread per lane)."""
+    for constraint, at, drafts in rows:
+        matcher = constraint.matcher
+        if not drafts:
+            matcher.unsafe_compute_mask_ptr(base + at * row_bytes, row_bytes)
+            continue
+        # Speculative rows: the mask after each accepted draft (they were trimmed to what
+        # the grammar allows), then back to where the job is.
+        for j in range(len(drafts) + 1):
+            matcher.unsafe_compute_mask_ptr(base + (at + j) * row_bytes, row_bytes)
+            if j < len(drafts) and not matcher.consume_token(drafts[j]):
+                break
+        matcher.rollback(min(j, len(drafts)))
+
+
 def _mask(
     wanted: list[tuple[Any, int, Sequence[int]]], logits: torch.Tensor, apply: ApplyMask
 ) -> torch.Tensor:
     words = (wanted[0][0].vocab + 31) // 32
+    if logits.shape[1] > words * 32:
+        raise ValueError(f"logits have {logits.shape[1]} tokens, the masks {words * 32}")
     count = sum(1 + len(drafts) for _, _, drafts in wanted)
     buf = _buffer(logits.device, count, words)
     host = buf.host
+    lanes: dict[int, _LaneRows] = {}
     targets: list[int] = []
-    plain: list[tuple[Any, int]] = []
+    firsts: list[int] = []
     at = 0
     for constraint, first, drafts in wanted:
-        if drafts:
-            # Speculative rows: the mask after each accepted draft (they were trimmed to
-            # what the grammar allows), then back to where the job is.
-            matcher = constraint.matcher
-            for j in range(len(drafts) + 1):
-                llguidance.torch.fill_next_token_bitmask(matcher, host, at + j)
-                if j < len(drafts) and not matcher.consume_token(drafts[j]):
-                    break
-            matcher.rollback(min(j, len(drafts)))
-        else:
-            plain.append((constraint.matcher, at))
+        lanes.setdefault(constraint.lane, []).append((constraint, at, drafts))
         targets.extend(range(first, first + 1 + len(drafts)))
+        firsts.append(at)
         at += 1 + len(drafts)
-    if len(plain) > 1:
-        llguidance.torch.fill_next_token_bitmask_par(_get_executor(), plain, host[:at])
-    elif plain:
-        llguidance.torch.fill_next_token_bitmask(plain[0][0], host, plain[0][1])
-    at = 0
-    for constraint, _, drafts in wanted:
-        first_mask = host[at]
-        if constraint.matcher.is_error() or not bool(first_mask.any()):
+    base, row_bytes = host.data_ptr(), words * 4
+    groups = list(lanes.values())
+    if len(groups) > 1:
+        # The other lanes on the pool, the first on this thread meanwhile.
+        pool = _get_pool(len(groups) - 1)
+        others = [pool.submit(_fill_lane, group, base, row_bytes) for group in groups[1:]]
+        try:
+            _fill_lane(groups[0], base, row_bytes)
+        finally:
+            wait(others)  # none may still write into the buffer once this step is over
+        for future in others:
+            future.result()
+    else:
+        _fill_lane(groups[0], base, row_bytes)
+    # One look at every job's first row: a job whose grammar allows nothing fails.
+    allowed: list[bool] = np.asarray(host.numpy()[firsts].any(axis=1)).tolist()
+    for (constraint, _, drafts), at_first, ok in zip(wanted, firsts, allowed, strict=True):
+        if not ok or constraint.matcher.is_error():
             detail = constraint.matcher.get_error().split("\n", 1)[0][:200]
             constraint.fail(f"the grammar allows no token here ({detail or 'empty mask'})")
-            host[at : at + 1 + len(drafts)] = -1
-        at += 1 + len(drafts)
-    if logits.shape[1] > words * 32:
-        raise ValueError(f"logits have {logits.shape[1]} tokens, the masks {words * 32}")
-    device = logits.device
+            host[at_first : at_first + 1 + len(drafts)] = -1
     mask = host[:at]
-    rows_at = torch.tensor(targets, dtype=torch.int64)
-    if device.type == "cuda":
+    if logits.device.type == "cuda":
+        rows_at = buf.rows[:at]
+        rows_at.numpy()[:] = targets
+        device = logits.device
         mask = mask.to(device, non_blocking=True)
-        rows_at = rows_at.pin_memory().to(device, non_blocking=True)
+        rows_at = rows_at.to(device, non_blocking=True)
         buf.copied = torch.cuda.Event()
         buf.copied.record(torch.cuda.current_stream(device))
+    else:
+        rows_at = torch.tensor(targets, dtype=torch.int64)
     return apply(logits, mask, rows_at)
 
 

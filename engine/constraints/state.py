@@ -9,10 +9,19 @@ CONSTRAINT_ERROR = "constraint_error"  # the finish reason of a job its grammar 
 
 class JobConstraint:
     """The matcher has consumed `consumed` of the job's generated tokens (a prefix of them:
-    tokens only change at the end). `failed` holds why the job cannot go on, if so."""
+    tokens only change at the end). `failed` holds why the job cannot go on, if so. `lane`:
+    the mask lane whose lexer its matcher shares (engine/constraints/compiler.py)."""
 
-    def __init__(self, matcher: Any, spec: Any, ll_tokenizer: Any, stop_ids: frozenset[int]):
+    def __init__(
+        self,
+        matcher: Any,
+        spec: Any,
+        ll_tokenizer: Any,
+        stop_ids: frozenset[int],
+        lane: int = 0,
+    ):
         self.matcher = matcher
+        self.lane = lane
         self.spec = spec
         self.vocab = ll_tokenizer.vocab_size
         self.stop_ids = stop_ids

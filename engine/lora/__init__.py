@@ -3,7 +3,8 @@ request on any linear format (layers.py, kernels/lora_matmul.py), managed per en
 hot load and unload (manager.py)."""
 
 from engine.lora.adapter import LoraAdapter, LoraError, read_adapter
-from engine.lora.layers import LoraBatch, LoraEmbedding, LoraLinear, LoraState
+from engine.lora.batch import LoraBatch, LoraSegments
+from engine.lora.layers import LoraEmbedding, LoraLinear
 from engine.lora.manager import LoraManager, lora_targets
 
 __all__ = [
@@ -13,7 +14,7 @@ __all__ = [
     "LoraError",
     "LoraLinear",
     "LoraManager",
-    "LoraState",
+    "LoraSegments",
     "lora_targets",
     "read_adapter",
 ]

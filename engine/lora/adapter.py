@@ -265,7 +265,7 @@ def read_adapter(
                 f"has {replaceable[module]}: the adapter was made for another model"
             )
         adapter.replacements[module] = tensor
-        if saved["base"]:
+        if saved is not None and saved["base"]:
             adapter.base_copies.add(module)
     if not pairs and not adapter.replacements:
         raise LoraError(f"{file}: holds no LoRA tensors")

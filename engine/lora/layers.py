@@ -4,10 +4,10 @@
 unmerged on every weight format): y = base(x), then `kernels.lora_matmul` adds each row's
 adapters. Decode steps on a quantized base fold the delta into the base's GEMV instead
 (see `LoraLinear._decode`). `LoraEmbedding` wraps `embed_tokens` for
-adapters that replace it (modules_to_save). Both read the batch of the forward in flight
-from a `LoraState` that the engine sets around `model(...)`; with no batch set (no request
-in the step uses an adapter) they are the base layer plus one attribute check, and a layer
-no loaded adapter targets is never wrapped.
+adapters that replace it (modules_to_save). Both are called with the forward's
+`LoraBatch` (engine/lora/batch.py, carried by `ForwardBatch.lora`), as every projection
+is; with None (no request in the step uses an adapter) they are the base layer plus one
+check, and a layer no loaded adapter targets is never wrapped.
 
 A modules_to_save replacement W' at scale c is applied as y + c * (x W'^T - y): the
 replacement itself at c = 1 (what peft does), the base at 0, in between a blend. It runs
@@ -17,12 +17,13 @@ in torch over the rows that use it, so steps that need it run eagerly (not as a 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.linears import linear_features
+from engine.lora.batch import LoraBatch, LoraSegments
 from engine.quantized_linear import QuantizedLinear
 from kernels.lora_matmul import (
     lora_expand,
@@ -32,7 +33,7 @@ from kernels.lora_matmul import (
     lora_partials_shape,
     lora_shrink,
 )
-from kernels.quant_matmul_triton import gemv_share, launch_gemv_shared
+from kernels.quant_matmul.gemv_share import gemv_share, launch_gemv_shared
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -44,63 +45,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-@dataclass
-class LoraSegments:
-    """Rows of one forward grouped by request: rows starts[g]:starts[g+1] use scales[g]."""
-
-    starts: torch.Tensor  # [G+1] int32, on the model's device
-    scales: torch.Tensor  # [G, S] float32, on the model's device, one column per slot
-    max_len: int  # host-side bound on a segment's length
-    host_starts: list[int]
-    host_scales: torch.Tensor  # [G, S] float32 on the CPU
-
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """`starts` and `scales` on `device`: a layer-split model's layers sit on several
-        GPUs and the kernels read these from their own (copied once per device, per step)."""
-        if self.starts.device == device:
-            return self.starts, self.scales
-        copies = self.__dict__.setdefault("_copies", {})
-        if device not in copies:
-            copies[device] = (self.starts.to(device), self.scales.to(device))
-        return copies[device]
-
-    def rows_using(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rows whose segment has slot `slot` active, and the scale of each (CPU)."""
-        rows, scales = [], []
-        for g, scale in enumerate(self.host_scales[:, slot].tolist()):
-            if scale:
-                span = range(self.host_starts[g], self.host_starts[g + 1])
-                rows.extend(span)
-                scales.extend([scale] * len(span))
-        if not rows:
-            return None
-        return torch.tensor(rows), torch.tensor(scales)
-
-
-@dataclass
-class LoraBatch:
-    """The LoRA selection of every row of one forward: `body` for the decoder's rows, `head`
-    for the rows that reach lm_head (the logits rows)."""
-
-    body: LoraSegments
-    head: LoraSegments
-
-
-class LoraState:
-    """The batch of the forward in flight, shared by the engine and every LoRA module."""
-
-    def __init__(self) -> None:
-        self.current: LoraBatch | None = None
-
-
 class LoraLinear(nn.Module):
-    def __init__(self, base: nn.Module, state: LoraState, *, head: bool) -> None:
+    def __init__(self, base: nn.Module, *, head: bool) -> None:
         super().__init__()
         self.base = base
-        self.state = state
         self.head = head  # lm_head sees only the logits rows
-        self.in_features: int = base.in_features
-        self.out_features: int = base.out_features
+        self.in_features, self.out_features = linear_features(base)
         self.lora_a: torch.Tensor | None = None  # [L, R, in]
         self.lora_b: torch.Tensor | None = None  # [L, out, R]
         self.slot_map: torch.Tensor | None = None  # [S] int32: slot -> index in a/b, or -1
@@ -110,16 +60,17 @@ class LoraLinear(nn.Module):
     def empty(self) -> bool:
         return self.lora_a is None and not self.replacements
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch = self.state.current
-        if batch is None:
-            return self.base(x)
-        seg = batch.head if self.head else batch.body
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        if lora is None:
+            base: torch.Tensor = self.base(x)
+            return base
+        seg = lora.head if self.head else lora.body
         if self.lora_a is not None and seg.max_len == 1 and x.is_cuda:
             return self._decode(x, seg)
         x2 = x.reshape(-1, self.in_features)
         y = self._base_and_replacements(x, x2, seg)
         if self.lora_a is not None:
+            assert self.lora_b is not None and self.slot_map is not None  # set with lora_a
             lora_matmul(
                 y.view(-1, self.out_features),
                 x2,
@@ -134,7 +85,7 @@ class LoraLinear(nn.Module):
     def _base_and_replacements(
         self, x: torch.Tensor, x2: torch.Tensor, seg: LoraSegments
     ) -> torch.Tensor:
-        y = self.base(x)
+        y: torch.Tensor = self.base(x)
         if y.stride(-1) != 1:
             y = y.contiguous()
         y2 = y.view(-1, self.out_features)
@@ -169,9 +120,10 @@ class LoraLinear(nn.Module):
             device=x.device,
         )
         share = None
-        if isinstance(self.base, QuantizedLinear) and not self.replacements:
+        base = self.base
+        if isinstance(base, QuantizedLinear) and not self.replacements:
             share = gemv_share(
-                x2, self.base.qweight, functools.partial(lora_gemv_arrivals, rank=a.shape[1])
+                x2, base.qweight, functools.partial(lora_gemv_arrivals, rank=a.shape[1])
             )
         main = torch.cuda.current_stream(x.device)
         capturing = torch.cuda.is_current_stream_capturing()
@@ -183,7 +135,8 @@ class LoraLinear(nn.Module):
             if share is not None:
                 lora_expand_into_gemv(share, partials, b, slot_map, starts, scales)
         if share is not None:
-            launch_gemv_shared(x2, self.base.qweight, share)
+            assert isinstance(base, QuantizedLinear)  # a share is made for a quantized base
+            launch_gemv_shared(x2, base.qweight, share)
             y = share.y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
         else:
             y = self._base_and_replacements(x, x2, seg)
@@ -201,28 +154,28 @@ class LoraLinear(nn.Module):
 class LoraEmbedding(nn.Module):
     """embed_tokens with per-request replacement tables (modules_to_save)."""
 
-    def __init__(self, base: nn.Embedding, state: LoraState) -> None:
+    def __init__(self, base: nn.Module) -> None:
         super().__init__()
         self.base = base
-        self.state = state
         self.replacements: dict[int, torch.Tensor] = {}  # slot -> table [vocab, hidden]
 
     @property
     def weight(self) -> torch.Tensor:
         # Architectures read the table's dtype and device (and Gemma its scale) from here.
-        return self.base.weight
+        weight = self.base.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
 
     @property
     def empty(self) -> bool:
         return not self.replacements
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        out = self.base(token_ids)
-        batch = self.state.current
-        if batch is None:
+    def forward(self, token_ids: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        out: torch.Tensor = self.base(token_ids)
+        if lora is None:
             return out
         for slot, table in self.replacements.items():
-            found = batch.body.rows_using(slot)
+            found = lora.body.rows_using(slot)
             if found is not None:
                 rows, scale = (t.to(out.device) for t in found)
                 own = table[token_ids[rows]]

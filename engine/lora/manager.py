@@ -14,27 +14,32 @@ Contract:
   captured the stacks' addresses are then captured again.
 - `scales(selections)` turns a step's selections into one scale per (sequence, slot), None
   when no row uses an adapter (the no-LoRA path); `batch(scales, ...)` into the
-  `LoraBatch` the modules read.
+  `LoraBatch` that the runner puts in the step's ForwardBatch.
 - `salt(selection)` names a selection for the prefix cache: pages computed under one
   selection are never reused under another (or under a reloaded adapter of the same name).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from engine.linears import linear_features
 from engine.lora.adapter import LoraAdapter, LoraError, Target, read_adapter
-from engine.lora.layers import LoraBatch, LoraEmbedding, LoraLinear, LoraSegments, LoraState
+from engine.lora.batch import LoraBatch, LoraSegments
+from engine.lora.layers import LoraEmbedding, LoraLinear
+from engine.quantized_linear import QuantizedLinear
+
+if TYPE_CHECKING:  # engine.architectures' modules import engine.lora.batch
+    from engine.architectures.base import CausalLM
 
 _HEAD, _EMBED = "lm_head", "model.embed_tokens"
 _uid = itertools.count(1)
@@ -45,13 +50,12 @@ def _module_device(module: nn.Module) -> torch.device:
         module = module.base
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         return tensor.device
-    qweight = getattr(module, "qweight", None)  # QuantizedLinear keeps tensors in a dataclass
-    if qweight is not None:
-        return qweight.scales.device
+    if isinstance(module, QuantizedLinear):  # it keeps its tensors in a dataclass
+        return module.qweight.scales.device
     raise LoraError(f"cannot tell the device of {type(module).__name__}")
 
 
-def lora_targets(model: nn.Module) -> dict[str, Target]:
+def lora_targets(model: CausalLM) -> dict[str, Target]:
     """Adapter module names this model can apply a LoRA to: attention and dense-MLP
     projections (also by their unfused names where the model fuses them) and lm_head.
     Linears inside MoE experts see routed rows, not a request's rows, and are left out."""
@@ -59,9 +63,11 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
 
     targets: dict[str, Target] = {}
 
-    def add(name: str, linear: str, module: nn.Module, offset: int = 0, out: int | None = None):
-        out = module.out_features if out is None else out
-        targets[name] = Target(linear, module.in_features, out, offset)
+    def add(
+        name: str, linear: str, module: nn.Module, offset: int = 0, out: int | None = None
+    ) -> None:
+        in_features, out_features = linear_features(module)
+        targets[name] = Target(linear, in_features, out_features if out is None else out, offset)
 
     for name, module in model.named_modules():
         prefix = f"{name}."
@@ -70,7 +76,7 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
             q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
             if s.fused_qkv:
                 fused = module.qkv_proj
-                if not getattr(module, "fused_at_load", False):  # a checkpoint name
+                if "qkv_proj" not in module.load_sources:  # the checkpoint's own name
                     add(prefix + "qkv_proj", prefix + "qkv_proj", fused)
                 slices = (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv))
                 for leaf, offset, size in slices:
@@ -80,11 +86,13 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
                     add(prefix + leaf, prefix + leaf, getattr(module, leaf))
             add(prefix + "o_proj", prefix + "o_proj", module.o_proj)
         elif isinstance(module, FusedGatedMLP) or (
-            isinstance(module, GatedMLP) and module.gate_up_proj is not None  # engine.fusion
+            isinstance(module, GatedMLP) and module.gate_up_proj is not None  # build plan
         ):
-            fused = module.gate_up_proj
-            half = fused.out_features // 2
-            if not getattr(module, "fused_at_load", False):
+            gate_up = module.gate_up_proj
+            assert gate_up is not None
+            fused = gate_up
+            half = linear_features(fused)[1] // 2
+            if isinstance(module, FusedGatedMLP):  # the checkpoint's own name
                 add(prefix + "gate_up_proj", prefix + "gate_up_proj", fused)
             add(prefix + "gate_proj", prefix + "gate_up_proj", fused, 0, half)
             add(prefix + "up_proj", prefix + "gate_up_proj", fused, half, half)
@@ -97,10 +105,9 @@ def lora_targets(model: nn.Module) -> dict[str, Target]:
 
 
 class LoraManager:
-    def __init__(self, model: nn.Module, lock: threading.RLock) -> None:
+    def __init__(self, model: CausalLM, lock: threading.RLock) -> None:
         self.model = model
         self.lock = lock
-        self.state = LoraState()
         self.adapters: dict[str, LoraAdapter] = {}  # slot order
         self.uids: dict[str, int] = {}
         self.default: dict[str, float] = {}
@@ -109,12 +116,12 @@ class LoraManager:
         self.listeners: list[Callable[[], None]] = []
         self._in_use: Counter[str] = Counter()
         self._unloading: set[str] = set()
-        self._dtype = model.model.embed_tokens.weight.dtype
+        self._dtype = model.embed_dtype
         self._targets = lora_targets(model)
-        head = model.lm_head
-        self._replaceable = {
-            _HEAD: (head.out_features, head.in_features),
-            _EMBED: tuple(model.model.embed_tokens.weight.shape),
+        head_in, head_out = linear_features(model.lm_head)
+        self._replaceable: dict[str, tuple[int, ...]] = {
+            _HEAD: (head_out, head_in),
+            _EMBED: tuple(model.embed_weight.shape),
         }
 
     # -- loading -------------------------------------------------------------------------
@@ -281,14 +288,6 @@ class LoraManager:
         )
         return LoraBatch(body=seg, head=seg)
 
-    @contextlib.contextmanager
-    def active(self, batch: LoraBatch | None) -> Iterator[None]:
-        self.state.current = batch
-        try:
-            yield
-        finally:
-            self.state.current = None
-
     # -- module stacks -------------------------------------------------------------------
     def _rebuild(self) -> None:
         """Wrap the targeted modules, (re)build every stack, unwrap what nothing targets."""
@@ -307,7 +306,7 @@ class LoraManager:
         embed = self.model.model.embed_tokens
         users = [(i, a) for i, a in enumerate(self.adapters.values()) if _EMBED in a.replacements]
         if users and not isinstance(embed, LoraEmbedding):
-            embed = self.model.model.embed_tokens = LoraEmbedding(embed, self.state)
+            embed = self.model.model.embed_tokens = LoraEmbedding(embed)
         if isinstance(embed, LoraEmbedding):
             embed.replacements = {i: a.replacements[_EMBED] for i, a in users}
             if embed.empty:
@@ -320,7 +319,7 @@ class LoraManager:
         parent = self.model.get_submodule(parent_name) if parent_name else self.model
         module = getattr(parent, leaf)
         if not isinstance(module, LoraLinear):
-            module = LoraLinear(module, self.state, head=linear == _HEAD)
+            module = LoraLinear(module, head=linear == _HEAD)
             setattr(parent, leaf, module)
         return module
 

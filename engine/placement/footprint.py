@@ -3,7 +3,7 @@
 
 Quantized linears are counted in the runtime layout they are repacked into
 (docs/quant_layout.md): the code words as stored, fp16 scales, zero points (see
-kernels.quant_matmul.compact_zero_points: one per group for EXL2 and for GPTQ checkpoints
+kernels.quant_matmul.layout.compact_zero_points: one per group for EXL2 and for GPTQ checkpoints
 that say `sym`, else one per group and column; uint8, int16 for GPTQ at 8 bits, whose
 zero point may be 256), int32 row->group map and activation permutation. Dense tensors
 count in the model's dtype (a bf16 checkpoint loaded as fp32 doubles).
@@ -17,7 +17,7 @@ from engine.config import ModelConfig
 from engine.cuda_graph import prompt_bucket_of
 from engine.placement.plan import ModelFootprint
 from engine.weights import WeightStore
-from kernels.quant_matmul_triton import DEQUANT_SCRATCH_MAX_BYTES
+from kernels.quant_matmul.dequantize import DEQUANT_SCRATCH_MAX_BYTES
 
 
 def _tensor_bytes(
@@ -112,7 +112,7 @@ def model_footprint(
     width += (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
     # The dense fp16 chunk of the dequantize + cuBLAS path: the largest linear after q/k/v
     # and gate/up fuse (twice the largest checkpoint linear, at most), capped by the
-    # column chunking of kernels/quant_matmul_triton.py.
+    # column chunking of kernels/quant_matmul/dequantize.py.
     scratch = min(2 * _largest_quantized_linear(store) * 2, DEQUANT_SCRATCH_MAX_BYTES)
     activations = prefill_chunk * width * 4 + scratch
     activations += prefill_chunk * config.vocab_size * 4

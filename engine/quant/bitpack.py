@@ -22,7 +22,7 @@ uint32). Unpacking returns uint8 codes (every width here is at most 8 bits).
      column c at bits 4*(c % 8) of word c // 8) and GPTQ qzeros.
 
 2. Kestrel's runtime planes (docs/quant_layout.md): power-of-two widths 1/2/4/8, so no code
-   straddles a word; defined in kernels.quant_matmul (pack_plane, unpack_plane, PLANE_SPLITS)
+   straddles a word; defined in kernels.quant_matmul.layout (pack_plane, unpack_plane, PLANE_SPLITS)
    beside the kernels that read them and re-exported here. For these widths the plane
    layout is bit for bit the stream of (1). `make_segment` splits codes into planes.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.quant_matmul import PLANE_SPLITS, Plane, Segment, pack_plane, unpack_plane
+from kernels.quant_matmul.layout import PLANE_SPLITS, Plane, Segment, pack_plane, unpack_plane
 
 __all__ = [
     "PLANE_SPLITS",

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from engine.quant.bitpack import make_segment, packed_rows, unpack_along_columns, unpack_bitstream
 from engine.quant.checks import check_permutation, check_tensor, fail
-from kernels.quant_matmul import Plane, QuantizedWeight, Segment, compact_zero_points
+from kernels.quant_matmul.layout import Plane, QuantizedWeight, Segment, compact_zero_points
 
 EXL2_BITS = (2, 3, 4, 5, 6, 8)
 #: Permutation indices are uint16 in exllamav2, so k - 1 <= 65535.
@@ -75,7 +76,8 @@ class Exl2Tensors:
     @classmethod
     def from_dict(cls, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> Exl2Tensors:
         """From tensors named `<prefix>q_weight` etc. (missing ones become None)."""
-        return cls(**{f.name: tensors.get(prefix + f.name) for f in fields(cls)})
+        found: dict[str, Any] = {f.name: tensors.get(prefix + f.name) for f in fields(cls)}
+        return cls(**found)  # missing ones are None here, for validate() to name
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         return {

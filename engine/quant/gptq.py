@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,7 +39,7 @@ from engine.quant.bitpack import (
     unpack_bitstream,
 )
 from engine.quant.checks import QuantFormatError, check_tensor, fail
-from kernels.quant_matmul import Plane, QuantizedWeight, Segment, compact_zero_points
+from kernels.quant_matmul.layout import Plane, QuantizedWeight, Segment, compact_zero_points
 
 GPTQ_BITS = (4, 8)
 GPTQ_FORMATS = ("gptq", "gptq_v2")
@@ -80,7 +80,8 @@ class GptqTensors:
         checkpoint_format: str = "gptq",
     ) -> GptqTensors:
         """From tensors named `<prefix>qweight` etc. (missing ones become None)."""
-        found = {name: tensors.get(prefix + name) for name in cls._TENSORS}
+        # Missing ones are None here, for validate() to name.
+        found: dict[str, Any] = {name: tensors.get(prefix + name) for name in cls._TENSORS}
         return cls(**found, bits=bits, checkpoint_format=checkpoint_format)
 
     def to_dict(self) -> dict[str, torch.Tensor]:

@@ -18,15 +18,24 @@ Contract:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from engine.cache import ForwardBatch
 from engine.quantizer.model import CalibrationRunner
 
 
 class _StopForward(Exception):
     pass
+
+
+# A forward pre-hook: (module, positional args) -> None.
+PreHook = Callable[[nn.Module, tuple[torch.Tensor, ...]], None]
 
 
 @dataclass
@@ -42,9 +51,9 @@ def capture_layer(
     layer_idx: int,
     states: torch.Tensor,
     *,
-    hessians: list[str] = (),  # type: ignore[assignment]
-    inputs: list[str] = (),  # type: ignore[assignment]
-    outputs: list[str] = (),  # type: ignore[assignment]
+    hessians: Sequence[str] = (),
+    inputs: Sequence[str] = (),
+    outputs: Sequence[str] = (),
     stop_at: str | None = None,
 ) -> tuple[torch.Tensor | None, Capture]:
     layer = runner.lm.layers[layer_idx]
@@ -52,10 +61,10 @@ def capture_layer(
     cap = Capture()
     pieces_in: dict[str, list[torch.Tensor]] = {p: [] for p in inputs}
     pieces_out: dict[str, list[torch.Tensor]] = {p: [] for p in outputs}
-    handles = []
+    handles: list[RemovableHandle] = []
 
-    def hessian_hook(name: str):
-        def hook(module, args):
+    def hessian_hook(name: str) -> PreHook:
+        def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             x = args[0].reshape(-1, args[0].shape[-1]).float()
             h = cap.hessians.get(name)
             if h is None:
@@ -66,13 +75,13 @@ def capture_layer(
 
         return hook
 
-    def input_hook(path: str):
+    def input_hook(path: str) -> PreHook:
         return lambda module, args: pieces_in[path].append(args[0].detach().cpu())
 
-    def output_hook(path: str):
+    def output_hook(path: str) -> Callable[[nn.Module, Any, torch.Tensor], None]:
         return lambda module, args, out: pieces_out[path].append(out.detach().cpu())
 
-    def stop_hook(module, args):
+    def stop_hook(module: nn.Module, args: Any) -> None:
         raise _StopForward
 
     try:
@@ -86,9 +95,10 @@ def capture_layer(
             # Registered last, so the hooks above have run when it fires.
             handles.append(layer.get_submodule(stop_at).register_forward_pre_hook(stop_hook))
 
-        def forward(x: torch.Tensor, batch) -> torch.Tensor:
+        def forward(x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
             try:
-                return layer(x, batch, runner.cache, rotary)
+                out: torch.Tensor = layer(x, batch, runner.cache, rotary)
+                return out
             except _StopForward:
                 return x
 

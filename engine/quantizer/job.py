@@ -136,7 +136,9 @@ class Job:
         """The hidden states of `stage` after `layers` finished layers."""
         return self.load_tensors(self.states_file(stage, layers))["states"]
 
-    def advance_states(self, stage: str, layers: int, states: torch.Tensor, **progress: Any):
+    def advance_states(
+        self, stage: str, layers: int, states: torch.Tensor, **progress: Any
+    ) -> None:
         """Save the states after `layers` finished layers, then record `progress`, then
         drop the states of the count before: at every moment the recorded count's states
         are on disk (a kill after the save but before the record resumes from the older

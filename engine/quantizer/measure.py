@@ -26,12 +26,14 @@ of the module and differ by one matmul.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.quantizer.capture import capture_layer
+from engine.modules import Linear
+from engine.quantizer.capture import Capture, capture_layer
 from engine.quantizer.gptq import gptq_quantize_many, prepare_hessian
 from engine.quantizer.model import CalibrationRunner, ModuleSpec, module_specs
 from engine.quantizer.profiles import LADDER, ROLE_OF_LINEAR, ModuleCandidate, module_candidates
@@ -64,7 +66,7 @@ def measure_layer(
     damp: float = 0.1,
     score_tokens: int | None = None,
     tick: Callable[[], None] | None = None,
-) -> tuple[torch.Tensor, dict[str, list[dict]]]:
+) -> tuple[torch.Tensor, dict[str, list[dict[str, Any]]]]:
     """(reference layer output [R, L, hidden], measurement record) for one loaded layer.
 
     Hessians use every row; candidates are scored on the first rows holding
@@ -80,7 +82,7 @@ def measure_layer(
     if score_tokens is not None:
         rows = max(1, min(rows, score_tokens // states.shape[1]))
     stream_norm = out[:rows].float().norm(dim=-1).clamp_min(1e-12)  # [rows, L]
-    record: dict[str, list[dict]] = {}
+    record: dict[str, list[dict[str, Any]]] = {}
     for spec in specs:
         record[spec.kind] = _measure_module(
             runner, layer_idx, layer, spec, cap, stream_norm, scale_search, damp, tick
@@ -93,20 +95,24 @@ def _measure_module(
     layer_idx: int,
     layer: nn.Module,
     spec: ModuleSpec,
-    cap,
+    cap: Capture,
     stream_norm: torch.Tensor,
     scale_search: str,
     damp: float,
     tick: Callable[[], None] | None,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     # Roles this module has (Phi-3's fused qkv_proj has no separate v): candidates that
     # differ only in absent roles are one candidate.
     present = {role_of(name) for name in spec.linears}
-    unique: dict[tuple, ModuleCandidate] = {}
+    unique: dict[tuple[tuple[str, int], ...], ModuleCandidate] = {}
     for cand in module_candidates(spec.kind):
         unique.setdefault(tuple((r, i) for r, i in cand.rungs if r in present), cand)
     candidates = [ModuleCandidate(key) for key in unique]
-    linears = {name: layer.get_submodule(name) for name in spec.linears}
+    linears: dict[str, Linear] = {}
+    for name in spec.linears:
+        linear = layer.get_submodule(name)
+        assert isinstance(linear, Linear)  # the model being measured is dense
+        linears[name] = linear
     originals = {name: lin.weight for name, lin in linears.items()}
     # Every (linear, rung) the table needs, quantized once.
     dequantized: dict[tuple[str, int], torch.Tensor] = {}
@@ -115,11 +121,11 @@ def _measure_module(
         for name in group.names:
             rungs = sorted({dict(c.rungs)[role_of(name)] for c in candidates})
             # All rungs in one sweep: they share the row loop and the error feedback.
-            results = gptq_quantize_many(
+            swept = gptq_quantize_many(
                 originals[name].float(), perm, upper, [LADDER[r] for r in rungs],
                 name=name, scale_search=scale_search,
             )  # fmt: skip
-            for rung, result in zip(rungs, results, strict=True):
+            for rung, result in zip(rungs, swept, strict=True):
                 # Kept in host memory: ten versions of a big layer would crowd a GPU.
                 dequantized[name, rung] = result.dequantized.to("cpu", originals[name].dtype)
                 if tick:
@@ -128,20 +134,20 @@ def _measure_module(
     out_name = spec.output_linear
     out_role = role_of(out_name)
     out_linear = linears[out_name]
-    classes: dict[tuple, list[ModuleCandidate]] = {}
+    classes: dict[tuple[tuple[str, int], ...], list[ModuleCandidate]] = {}
     for cand in candidates:
         key = tuple((r, i) for r, i in cand.rungs if r != out_role)
         classes.setdefault(key, []).append(cand)
 
     rows = stream_norm.shape[0]
     x_in, y_ref = cap.inputs[spec.path][:rows], cap.outputs[spec.path][:rows]
-    results: list[dict] = []
+    results: list[dict[str, Any]] = []
     try:
         for key, members in classes.items():
-            rungs = dict(key)
+            chosen = dict(key)
             for name, lin in linears.items():
                 if name != out_name:
-                    w = dequantized[name, rungs[role_of(name)]]
+                    w = dequantized[name, chosen[role_of(name)]]
                     lin.weight = nn.Parameter(w.to(originals[name].device))
             z = _output_linear_input(runner, layer_idx, spec, out_linear, x_in)
             w_outs = [dequantized[out_name, dict(c.rungs)[out_role]] for c in members]
@@ -160,7 +166,11 @@ class _StopAtOutputLinear(Exception):
 
 
 def _output_linear_input(
-    runner: CalibrationRunner, layer_idx: int, spec: ModuleSpec, out_linear: nn.Module, x_in
+    runner: CalibrationRunner,
+    layer_idx: int,
+    spec: ModuleSpec,
+    out_linear: nn.Module,
+    x_in: torch.Tensor,
 ) -> torch.Tensor:
     """The input [R, L, d] of the module's output linear when the module runs on x_in.
 
@@ -168,7 +178,7 @@ def _output_linear_input(
     every candidate applies its own (a third of an MLP forward)."""
     pieces: list[torch.Tensor] = []
 
-    def grab(module, args):
+    def grab(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         pieces.append(args[0].cpu())
         raise _StopAtOutputLinear
 
@@ -181,8 +191,8 @@ def _output_linear_input(
                 pass
     finally:
         handle.remove()
-    rows, length = x_in.shape[:2]
-    return torch.cat(pieces).reshape(rows, length, -1)
+    count, length = x_in.shape[:2]
+    return torch.cat(pieces).reshape(count, length, -1)
 
 
 def _relative_errors(

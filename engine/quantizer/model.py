@@ -197,7 +197,7 @@ class CalibrationRunner:
             tokens = [[0] * self.length for _ in range(rows)]
             batch = ForwardBatch.build(self.cache, self._seqs, tokens)
             # Every chunk takes the paged attention kernel whatever its row count (a chunk of
-            # one row would be a fresh prompt, kernels.prompt_attention): the same numbers
+            # one row would be a fresh prompt, kernels.attention.prompt_attention): the same numbers
             # for every chunking, so a resumed conversion writes the same bytes.
             batch.fresh = False
             self._batch = batch.on(self.lm.device)

@@ -64,6 +64,9 @@ from engine.quantizer.threads import cpu_threads, idle_cpu_threads
 from engine.quantizer.writer import publish, write_output
 from engine.weights import WeightError
 
+# A measurement record (engine/quantizer/strategy.py: read_measurement), as JSON reads it.
+Measurement = dict[str, Any]
+
 QUANTIZER_VERSION = "kestrel-0.1.0"
 MIN_BITS, MAX_BITS = 2.0, 8.0
 # (rows, length, measure rows, measure length) per device. The defaults put quality first;
@@ -244,16 +247,17 @@ def _calibration(o: ConvertOptions) -> tuple[list[str], str]:
         raise ConvertError(str(e)) from None
 
 
-def _read_measurement_file(o: ConvertOptions):
+def _read_measurement_file(o: ConvertOptions) -> Measurement | None:
     if o.measurement_in is None:
         return None
     try:
-        return read_measurement(Path(o.measurement_in).expanduser())
+        measurement: Measurement = read_measurement(Path(o.measurement_in).expanduser())
+        return measurement
     except ValueError as e:
         raise ConvertError(str(e)) from None
 
 
-def _check_model(model_dir: Path, o: ConvertOptions, measurement) -> None:
+def _check_model(model_dir: Path, o: ConvertOptions, measurement: Measurement | None) -> None:
     try:
         config = ModelConfig.from_dir(model_dir)
         supported_for_conversion(config)
@@ -282,13 +286,14 @@ def _say(o: ConvertOptions, message: str) -> None:
         tqdm.write(message)
 
 
-def _bar(o: ConvertOptions, **kwargs) -> tqdm:
+def _bar(o: ConvertOptions, **kwargs: Any) -> Any:
+    """A tqdm bar (tqdm ships no type information: Any)."""
     if o.listener is None:
         return tqdm(disable=not o.progress, dynamic_ncols=True, **kwargs)
     return _ReportingBar(o.listener, disable=not o.progress, dynamic_ncols=True, **kwargs)
 
 
-class _ReportingBar(tqdm):
+class _ReportingBar(tqdm):  # type: ignore[misc]  # tqdm ships no type information
     """A tqdm bar that also tells a listener where it is (a disabled one too)."""
 
     def __init__(self, listener: Callable[[str], None], **kwargs: Any) -> None:
@@ -303,14 +308,25 @@ class _ReportingBar(tqdm):
     def update(self, n: float | None = 1) -> bool | None:
         self._done += n or 0
         self._tell()
-        return super().update(n)
+        shown: bool | None = super().update(n)
+        return shown
 
     def _tell(self) -> None:
         total = f"/{self._total}" if self._total else ""
         self._listener(f"{self._stage} {int(self._done)}{total} {self._unit}")
 
 
-def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> None:
+def _run(
+    job: Job,
+    model_dir: Path,
+    out: Path,
+    o: ConvertOptions,
+    device: torch.device,
+    texts: list[str],
+    measurement: Measurement | None,
+    steps: _Steps,
+    result: ConvertResult,
+) -> None:
     s = job.settings
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     lm = LayerwiseModel(model_dir, device=device, dtype=dtype)
@@ -325,7 +341,7 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
         tokenizer = Tokenizer.from_dir(model_dir)
         with _bar(o, total=2, desc="tokenize", unit="set") as bar:
             try:
-                ids = cal.calibration_rows(tokenizer, texts, s["rows"], s["length"])
+                quant_rows = cal.calibration_rows(tokenizer, texts, s["rows"], s["length"])
                 bar.update()
                 mids = cal.calibration_rows(
                     tokenizer, texts, s["measure_rows"], s["measure_length"]
@@ -336,12 +352,12 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
                     shutil.rmtree(job.path, ignore_errors=True)
                 raise ConvertError(str(e)) from None
         for what, got, want in (
-            ("rows", ids, s["rows"]),
+            ("rows", quant_rows, s["rows"]),
             ("measure rows", mids, s["measure_rows"]),
         ):
             if got.shape[0] < want:
                 _say(o, f"note: the calibration text gives {got.shape[0]} {what}, not {want}")
-        job.save_tensors("calibration.safetensors", {"rows": ids, "measure_rows": mids})
+        job.save_tensors("calibration.safetensors", {"rows": quant_rows, "measure_rows": mids})
     ids = job.load_tensors("calibration.safetensors")
 
     # -- measure -----------------------------------------------------------------------
@@ -393,15 +409,15 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
         job.update(head_done=True)
 
     # -- compile -----------------------------------------------------------------------
-    tensors: dict[str, torch.Tensor] = {}
+    written: dict[str, torch.Tensor] = {}
     with _bar(o, total=n + 2, desc="compile", unit="file") as bar:
         for i in range(n):
-            tensors.update(job.load_tensors(Job.layer_file(i)))
+            written.update(job.load_tensors(Job.layer_file(i)))
             bar.update()
-        tensors.update(job.load_tensors("head.safetensors"))
+        written.update(job.load_tensors("head.safetensors"))
         for name in ("model.embed_tokens.weight", "model.norm.weight"):
-            tensors[name] = lm.store.get(name, dtype=torch.float16)
-        bpw = written_bpw(tensors, lm)
+            written[name] = lm.store.get(name, dtype=torch.float16)
+        bpw = written_bpw(written, lm)
         qcfg = {
             "quant_method": "exl2",
             "version": QUANTIZER_VERSION,
@@ -411,7 +427,7 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
             "calibration": {"rows": int(rows.shape[0]), "length": int(rows.shape[1]),
                             "dataset": s["dataset"]},
         }  # fmt: skip
-        write_output(job.path / "final", tensors, model_dir, qcfg, shard_bytes=o.shard_mb << 20)
+        write_output(job.path / "final", written, model_dir, qcfg, shard_bytes=o.shard_mb << 20)
         bar.update(2)
     publish(job.path / "final", out)
     shutil.rmtree(job.path, ignore_errors=True)
@@ -419,7 +435,15 @@ def _run(job, model_dir, out, o, device, texts, measurement, steps, result) -> N
     _say(o, f"wrote {out}: {bpw:.4f} bpw (decoder), head {s['head_bits']} bits")
 
 
-def _measure(job, lm, mrows, o, search, steps, result) -> dict:
+def _measure(
+    job: Job,
+    lm: LayerwiseModel,
+    mrows: torch.Tensor,
+    o: ConvertOptions,
+    search: str,
+    steps: _Steps,
+    result: ConvertResult,
+) -> Measurement:
     n = lm.num_layers
     record = job.get("measurement") or {
         "format": MEASUREMENT_FORMAT,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.modules import Linear
 from engine.quantizer.capture import capture_layer
 from engine.quantizer.gptq import gptq_quantize, output_error, prepare_hessian, rtn_factors
 from engine.quantizer.model import CalibrationRunner, LayerwiseModel, module_specs
@@ -57,6 +58,7 @@ def quantize_layer(
                 perm, upper = prepare_hessian(hessian, damp=damp, name=prefix + first)
             for name in group.names:
                 linear = layer.get_submodule(name)
+                assert isinstance(linear, Linear)  # the model being quantized is dense
                 profile = Profile.parse(layer_strategy[spec.kind][name])
                 weight = linear.weight.float()
                 result = gptq_quantize(

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from engine.modules import Linear
 from engine.quantizer.measure import role_of
 from engine.quantizer.model import LayerwiseModel, module_specs
 from engine.quantizer.optimize import BudgetError, allocate, feasible_range
@@ -38,6 +39,7 @@ def layer_shapes(lm: LayerwiseModel, i: int) -> dict[str, dict[str, tuple[int, i
         shapes[spec.kind] = {}
         for name in spec.linears:
             lin = layer.get_submodule(name)
+            assert isinstance(lin, Linear)  # the model being quantized is dense
             shapes[spec.kind][name] = (lin.in_features, lin.out_features, lin.bias is not None)
     return shapes
 
@@ -87,8 +89,12 @@ def check_target_feasible(lm: LayerwiseModel, target_bpw: float) -> None:
         )
 
 
-def measurement_slots(lm: LayerwiseModel, measurement: dict[str, Any]):
-    slots, options = [], []
+def measurement_slots(
+    lm: LayerwiseModel, measurement: dict[str, Any]
+) -> tuple[list[list[tuple[int, float]]], list[tuple[int, str, Any, Any]]]:
+    """Per module of every layer: its candidates' (bits, error), and where it is."""
+    slots: list[list[tuple[int, float]]] = []
+    options: list[tuple[int, str, Any, Any]] = []
     for i, record in enumerate(measurement["layers"]):
         for kind, linears in layer_shapes(lm, i).items():
             entries = record[kind]

@@ -80,10 +80,7 @@ def write_config(final_dir: Path, source_dir: Path, quantization_config: dict[st
 
 def _write_rope_both_ways(config: dict[str, Any]) -> None:
     params = config.get("rope_parameters")
-    nested = (
-        isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values())
-    )
-    if nested:
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         # Per-layer-type parameters (Gemma 3): the full-attention base is the model's base.
         main = params.get("full_attention", next(iter(params.values())))
         if "rope_theta" not in config and "rope_theta" in main:

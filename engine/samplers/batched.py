@@ -122,11 +122,11 @@ def sample_batched(samplers: list[Sampler], logits: Tensor) -> Tensor:
     else:
         probs = x.softmax(dim=-1)
         noise = torch.ones_like(probs)
-        for row, sampler in enumerate(samplers):
+        for index, sampler in enumerate(samplers):
             # Row by row from each job's own generator: the draws `draw` would make for it
             # (greedy rows draw nothing, as their own Sampler does not).
             if not sampler.greedy:
-                noise[row].exponential_(1.0, generator=sampler.generator)
+                noise[index].exponential_(1.0, generator=sampler.generator)
         tokens = (probs / noise).argmax(dim=-1)
         # Rows the steps emptied, and greedy rows, take the best token the bans allow.
         take_best = torch.isneginf(x).all(dim=-1)

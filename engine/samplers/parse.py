@@ -28,23 +28,22 @@ class SamplingSettingsError(KestrelError, ValueError):
 
 
 def as_int(name: str, value: Any) -> int:
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    if (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and float(value).is_integer()
-    ):
-        return int(value)
+    # bool first: it is a numbers.Integral, and True is not a count.
+    if not isinstance(value, bool):
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, numbers.Real):
+            number = float(value)
+            if math.isfinite(number) and number.is_integer():
+                return int(number)
     raise SamplingSettingsError(f"{name} must be an integer, got {value!r}", param=name)
 
 
 def as_float(name: str, value: Any) -> float:
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        value = float(value)
-        if math.isfinite(value):
-            return value
+    if not isinstance(value, bool) and isinstance(value, numbers.Real):
+        number = float(value)
+        if math.isfinite(number):
+            return number
     raise SamplingSettingsError(f"{name} must be a finite number, got {value!r}", param=name)
 
 
@@ -155,9 +154,9 @@ def parse_logit_bias(name: str, value: Any) -> dict[int, float]:
             token = _token_key(key)
             if (
                 token is None
-                or not isinstance(bias, numbers.Real)
                 or isinstance(bias, bool)
-                or not -MAX_BIAS <= bias <= MAX_BIAS  # NaN fails this too
+                or not isinstance(bias, numbers.Real)
+                or not -MAX_BIAS <= float(bias) <= MAX_BIAS  # NaN fails this too
             ):
                 raise SamplingSettingsError(
                     f"{name} must map token ids (>= 0) to numbers in [-{MAX_BIAS:g}, "
@@ -206,6 +205,6 @@ def _token_key(key: Any) -> int | None:
         if not key.isdigit():
             return None
         return int(key)
-    if isinstance(key, numbers.Integral) and not isinstance(key, bool) and key >= 0:
+    if not isinstance(key, bool) and isinstance(key, numbers.Integral) and int(key) >= 0:
         return int(key)
     return None

@@ -4,5 +4,7 @@ shard.py      slicing one dense or quantized linear by columns or rows (exact, n
 transform.py  a loaded model -> one rank's shard (heads, MLP columns, all-reduces)
 protocol.py   what rank 0 broadcasts each step
 rank.py       building a rank's shard and cache; the worker loop of ranks > 0
-engine.py     rank 0: the launcher (spawns the workers) and TensorParallelEngine
+launch.py     rank 0: the launcher (spawns or joins the ranks, builds an Engine around...)
+runner.py     ...a TensorParallelRunner: broadcasts each step, holds and stops the ranks
+ranks.py      the ranks rank 0 holds, and leaving the group
 """

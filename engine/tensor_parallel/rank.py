@@ -11,20 +11,22 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.queues import Queue
 
 import torch
 import torch.distributed as dist
 
+from engine.architectures.base import CausalLM
 from engine.cache import PagedKVCache
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
-from engine.fusion import fuse_projections
 from engine.loading import DTYPES, load_causal_lm
 from engine.placement import Placement
 from engine.placement.footprint import model_footprint
 from engine.tensor_parallel import protocol
+from engine.tensor_parallel.all_reduce import GroupAllReduce
 from engine.tensor_parallel.staging import staging_placement
-from engine.tensor_parallel.transform import move_model, shard_model
+from engine.tensor_parallel.transform import move_model, shard_model, use_all_reduce
 from engine.weights import WeightStore
 from kernels.backend import set_deterministic_sums
 
@@ -83,7 +85,7 @@ def init_rank(spec: ShardSpec, rank: int) -> None:
 
 def build_rank(
     spec: ShardSpec, rank: int
-) -> tuple[torch.nn.Module, PagedKVCache, DecodeGraphs | None, ModelConfig]:
+) -> tuple[CausalLM, PagedKVCache, DecodeGraphs | None, ModelConfig]:
     """This rank's model shard, its KV cache (its KV heads only) and decode graphs."""
     config = ModelConfig.from_dir(spec.model_dir)
     device = spec.device(rank)
@@ -98,10 +100,10 @@ def build_rank(
     )
     shard_model(model, rank=rank, world=spec.world_size)
     move_model(model, device)
+    # After the process group, at the same point on every rank (its set-up is a collective).
+    use_all_reduce(model, GroupAllReduce(None, device))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the staged whole layers, now cut
-    # After sharding: each rank's q/k/v (gate/up) shards concatenate like whole weights.
-    fuse_projections(model)
     model.setup_rotary(spec.max_seq_len, rope_alpha=spec.rope_alpha, rope_scale=spec.rope_scale)
     cache = PagedKVCache(
         num_layers=config.num_hidden_layers,
@@ -134,7 +136,7 @@ def _staging(spec: ShardSpec, config: ModelConfig, device: torch.device) -> Plac
 
 
 def serve(
-    model: torch.nn.Module, cache: PagedKVCache, graphs: DecodeGraphs | None, device: torch.device
+    model: CausalLM, cache: PagedKVCache, graphs: DecodeGraphs | None, device: torch.device
 ) -> None:
     """Ranks > 0: run what rank 0 announces until STOP."""
     with torch.inference_mode():
@@ -154,7 +156,7 @@ def serve(
                 raise RuntimeError(f"unknown tensor-parallel command {command}")
 
 
-def worker_main(rank: int, spec: ShardSpec, reports) -> None:
+def worker_main(rank: int, spec: ShardSpec, reports: Queue[tuple[int, str | None]]) -> None:
     """Entry point of a spawned rank (> 0). Reports (rank, None) when ready to serve, or
     (rank, error text) if building its shard failed."""
     try:

@@ -27,7 +27,7 @@ from torch import nn
 from engine.modules import Linear
 from engine.quant.bitpack import make_segment
 from engine.quantized_linear import QuantizedLinear
-from kernels.quant_matmul import Plane, QuantizedWeight, Segment, compact_zero_points
+from kernels.quant_matmul.layout import Plane, QuantizedWeight, Segment, compact_zero_points
 
 
 def _cols(t: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

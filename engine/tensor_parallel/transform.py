@@ -26,8 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.architectures.base import CausalLM
+from engine.linears import linear_features
+from engine.lora.batch import LoraBatch
 from engine.modules import Attention, FusedGatedMLP, GatedMLP, Linear
 from engine.quantized_linear import QuantizedLinear
+from engine.tensor_parallel.all_reduce import GroupAllReduce
 from engine.tensor_parallel.shard import (
     rows_of_inputs,
     shard_columns,
@@ -48,27 +52,40 @@ FLOAT32_REDUCE_MAX_ROWS = 64
 
 
 class AllReduceLinear(nn.Module):
-    """A row-parallel linear: each rank's partial product, summed over the group."""
+    """A row-parallel linear: each rank's partial product, summed over the group (by NCCL or
+    gloo until `use_all_reduce` gives it the rank's GroupAllReduce)."""
 
     def __init__(self, inner: nn.Module, group: dist.ProcessGroup | None) -> None:
         super().__init__()
         self.inner = inner
         self.group = group
-        self.in_features = inner.in_features
-        self.out_features = inner.out_features
+        self.reduce: GroupAllReduce | None = None
+        self.in_features, self.out_features = linear_features(inner)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _sum(self, y: torch.Tensor) -> torch.Tensor:
+        if self.reduce is not None:
+            return self.reduce(y)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """`lora`: as every linear takes it (engine/modules.py); LoRA under tensor
+        parallelism is refused (engine/tensor_parallel/runner.py), so it is None here."""
         if (
             isinstance(self.inner, QuantizedLinear)
             and x.dtype != torch.float32
             and x.shape[0] <= FLOAT32_REDUCE_MAX_ROWS
         ):
-            y = self.inner(x.float()).contiguous()
-            dist.all_reduce(y, group=self.group)
-            return y.to(x.dtype)
-        y = self.inner(x).contiguous()
-        dist.all_reduce(y, group=self.group)
-        return y
+            y: torch.Tensor = self.inner(x.float()).contiguous()
+            return self._sum(y).to(x.dtype)
+        return self._sum(self.inner(x).contiguous())
+
+
+def use_all_reduce(model: nn.Module, reduce: GroupAllReduce) -> None:
+    """Give every row-parallel linear of a sharded model the rank's GroupAllReduce."""
+    for module in model.modules():
+        if isinstance(module, AllReduceLinear):
+            module.reduce = reduce
 
 
 def _row_shard(linear: nn.Module, inputs: torch.Tensor, *, rank: int) -> nn.Module:
@@ -82,7 +99,9 @@ def _row_shard(linear: nn.Module, inputs: torch.Tensor, *, rank: int) -> nn.Modu
     raise TensorParallelError(f"cannot shard a {type(linear).__name__} by rows")
 
 
-def shard_attention(attn: Attention, *, rank: int, world: int, group) -> None:
+def shard_attention(
+    attn: Attention, *, rank: int, world: int, group: dist.ProcessGroup | None
+) -> None:
     s = attn.spec
     if s.num_kv_heads % world or s.num_heads % world:
         raise TensorParallelError(
@@ -126,10 +145,14 @@ def _mlp_inputs(down: nn.Module, *, rank: int, world: int) -> tuple[torch.Tensor
     raise TensorParallelError(f"cannot shard a {type(down).__name__} down projection")
 
 
-def shard_mlp(mlp: GatedMLP | FusedGatedMLP, *, rank: int, world: int, group) -> None:
+def shard_mlp(
+    mlp: GatedMLP | FusedGatedMLP, *, rank: int, world: int, group: dist.ProcessGroup | None
+) -> None:
     inputs, down = _mlp_inputs(mlp.down_proj, rank=rank, world=world)
-    if isinstance(mlp, FusedGatedMLP):
-        intermediate = mlp.down_proj.in_features
+    if isinstance(mlp, FusedGatedMLP) or mlp.gate_up_proj is not None:
+        # Stored so (Phi-3) or built so by the build plan: [gate | up] columns.
+        assert mlp.gate_up_proj is not None
+        intermediate = linear_features(mlp.down_proj)[0]
         mlp.gate_up_proj = shard_columns(
             mlp.gate_up_proj, torch.cat([inputs, intermediate + inputs])
         )
@@ -139,11 +162,13 @@ def shard_mlp(mlp: GatedMLP | FusedGatedMLP, *, rank: int, world: int, group) ->
     mlp.down_proj = AllReduceLinear(down, group)
 
 
-def shard_model(model: nn.Module, *, rank: int, world: int, group=None) -> nn.Module:
+def shard_model(
+    model: CausalLM, *, rank: int, world: int, group: dist.ProcessGroup | None = None
+) -> CausalLM:
     """Shard every attention and gated MLP of `model` in place for `rank` of `world`."""
     if world < 1 or not 0 <= rank < world:
         raise TensorParallelError(f"rank {rank} of world size {world} is not valid")
-    layers = model.model.layers  # type: ignore[union-attr]
+    layers = model.model.layers
     for index, layer in enumerate(layers):
         attns = [m for m in layer.modules() if isinstance(m, Attention)]
         mlps = [m for m in layer.modules() if isinstance(m, (GatedMLP, FusedGatedMLP))]
@@ -160,11 +185,11 @@ def shard_model(model: nn.Module, *, rank: int, world: int, group=None) -> nn.Mo
     return model
 
 
-def move_model(model: nn.Module, device: torch.device) -> nn.Module:
+def move_model(model: CausalLM, device: torch.device) -> CausalLM:
     """Move parameters and quantized weights (plain attributes, not buffers) to `device`."""
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.qweight = module.qweight.to(device)
     model.to(device)
-    model.layer_devices = [device] * len(model.model.layers)  # type: ignore[union-attr]
+    model.layer_devices = [device] * len(model.model.layers)
     return model

@@ -6,7 +6,7 @@ sees keys 0..i; scores q.k * scale. Returns [T, Hq, D] in q's dtype, contiguous.
 Why not the paged prefill kernel: a prompt that starts a sequence (nothing cached before
 it) needs no page table, and torch's fused attention kernels are faster. Each backend on
 its own, 8B shapes on an H100, ms per layer at 512 / 2048 / 8192 tokens: cuDNN 0.026 /
-0.086 / 0.91, flash attention 0.039 / 0.167 / 1.71, kernels.paged_attention_prefill
+0.086 / 0.91, flash attention 0.039 / 0.167 / 1.71, kernels/attention/prefill.py
 0.082 / 0.156 / 1.75. Of the backends allowed below, torch picks by its own priority: on
 Hopper with torch >= 2.10 and its bundled cuDNN past 9.15 (torch 2.11) that is cuDNN,
 which the prompt graphs then capture; older setups get flash attention. The engine routes

@@ -1,22 +1,26 @@
-"""Rank 0 of a tensor-parallel model: the launcher and the engine the loader hands out.
+"""Rank 0 of a tensor-parallel model: the launcher.
 
-`TensorParallelEngine.launch(model_dir, options, world_size)` spawns ranks 1..W-1 (torch
+`launch_tensor_parallel(model_dir, options, world_size)` spawns ranks 1..W-1 (torch
 multiprocessing, one process per GPU) or, under torchrun, takes the ranks torchrun started
 (those run `serve_launched_rank`: engine/tensor_parallel/launched.py); it joins them in a
-process group (NCCL on GPUs, gloo on the CPU), builds its own shard and waits until every
-rank has built its own. From then on it is an ordinary `Engine` (tokenizer, scheduler,
-page bookkeeping) whose runner (engine/tensor_parallel/runner.py) first broadcasts each
-step to the other ranks, which run the same forward on their shards. Decode steps replay
-CUDA graphs on every rank (all-reduces captured inside); prefill and mixed steps run
-eagerly.
+process group (NCCL on GPUs, gloo on the CPU), builds its own shard (the built model,
+transformed: engine/tensor_parallel/transform.py) and waits until every rank has built
+its own. It returns an ordinary `Engine` (tokenizer, scheduler, page bookkeeping) whose
+runner is a `TensorParallelRunner` (engine/tensor_parallel/runner.py): the runner owns
+the other ranks, broadcasts each step to them (they run the same forward on their shards)
+and stops them when the engine unloads. Decode steps replay CUDA graphs on every rank
+(all-reduces captured inside); prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import socket
 import time
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 from pathlib import Path
 
 import torch
@@ -26,7 +30,6 @@ import torch.multiprocessing as mp
 from engine.config import ModelConfig
 from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
 from engine.loading import resolve_device, resolve_dtype
-from engine.tensor_parallel import protocol
 from engine.tensor_parallel.launched import LaunchedRank, launched_rank
 from engine.tensor_parallel.rank import (
     NCCL_ENV,
@@ -36,6 +39,7 @@ from engine.tensor_parallel.rank import (
     serve,
     worker_main,
 )
+from engine.tensor_parallel.ranks import Ranks, leave_group, stop_workers
 from engine.tensor_parallel.runner import TensorParallelRunner
 from engine.tensor_parallel.transform import TensorParallelError
 from engine.tokenizer import Tokenizer
@@ -46,115 +50,84 @@ READY_TIMEOUT_S = 3600.0  # a 70B shard reads ~40 GB from disk
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
-class TensorParallelEngine(Engine):
-    runner_class = TensorParallelRunner
-    runner: TensorParallelRunner
-    world_size: int
-    _workers: list
-    _device: torch.device
-    rank_devices: list[str]
-
-    @classmethod
-    def launch(
-        cls, model_dir: str | Path, options: EngineOptions | None, world_size: int
-    ) -> TensorParallelEngine:
-        """Rank 0 of `world_size` ranks: spawned here (one process per GPU of this machine),
-        or, in a torchrun launch (engine/tensor_parallel/launched.py), the ranks torchrun
-        started, joined through torch.distributed's environment rendezvous."""
-        options = options or EngineOptions()
-        started = time.perf_counter()
-        model_dir = Path(model_dir)
-        launched = launched_rank()
-        if launched is not None:
-            if launched.rank != 0:
-                raise TensorParallelError(
-                    f"this is rank {launched.rank} of a torchrun launch: ranks other than 0 "
-                    "run serve_launched_rank, not the engine"
-                )
-            if world_size != launched.world_size:
-                raise TensorParallelError(
-                    f"tp={world_size} asked for, but torchrun started {launched.world_size} "
-                    "ranks (WORLD_SIZE)"
-                )
-        spec, config, max_seq_len = _shard_spec(model_dir, options, world_size, launched)
-        tokenizer = Tokenizer.from_dir(model_dir)
-        os.environ.update(NCCL_ENV)  # inherited by the spawned ranks, set before NCCL init
-        workers: list = []
-        if launched is None:
-            context = mp.get_context("spawn")
-            reports = context.Queue()
-            workers = [
-                context.Process(target=worker_main, args=(rank, spec, reports), daemon=True)
-                for rank in range(1, world_size)
-            ]
-            for worker in workers:
-                worker.start()
+def launch_tensor_parallel(
+    model_dir: str | Path, options: EngineOptions | None, world_size: int
+) -> Engine:
+    """Rank 0 of `world_size` ranks: spawned here (one process per GPU of this machine),
+    or, in a torchrun launch (engine/tensor_parallel/launched.py), the ranks torchrun
+    started, joined through torch.distributed's environment rendezvous."""
+    options = options or EngineOptions()
+    started = time.perf_counter()
+    model_dir = Path(model_dir)
+    launched = launched_rank()
+    if launched is not None:
+        if launched.rank != 0:
+            raise TensorParallelError(
+                f"this is rank {launched.rank} of a torchrun launch: ranks other than 0 "
+                "run serve_launched_rank, not the engine"
+            )
+        if world_size != launched.world_size:
+            raise TensorParallelError(
+                f"tp={world_size} asked for, but torchrun started {launched.world_size} "
+                "ranks (WORLD_SIZE)"
+            )
+    spec, config, max_seq_len = _shard_spec(model_dir, options, world_size, launched)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    os.environ.update(NCCL_ENV)  # inherited by the spawned ranks, set before NCCL init
+    workers: list[BaseProcess] = []
+    if launched is None:
+        context = mp.get_context("spawn")
+        reports = context.Queue()
+        workers = [
+            context.Process(target=worker_main, args=(rank, spec, reports), daemon=True)
+            for rank in range(1, world_size)
+        ]
+        for worker in workers:
+            worker.start()
+    try:
+        init_rank(spec, 0)
         try:
-            init_rank(spec, 0)
-            try:
-                model, cache, graphs, _ = build_rank(spec, 0)
-            except Exception as e:
-                if launched is not None:  # the other ranks wait for every rank's word
-                    _gather_load_errors(f"{type(e).__name__}: {e}")
-                raise
-            if launched is None:
-                _wait_ready(workers, reports)
-            else:
-                failed = _gather_load_errors(None)
-                if failed:
-                    rank, error = failed[0]
-                    raise TensorParallelError(
-                        f"tensor-parallel rank {rank} failed to load: {error}"
-                    )
-        except BaseException:
-            _stop_workers(workers)
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            model, cache, graphs, _ = build_rank(spec, 0)
+        except Exception as e:
+            if launched is not None:  # the other ranks wait for every rank's word
+                _gather_load_errors(f"{type(e).__name__}: {e}")
             raise
-        options = EngineOptions(**{**options.__dict__, "max_seq_len": max_seq_len})
-        engine = cls(
-            config, model, cache, tokenizer, options, model_dir, time.perf_counter() - started
-        )
-        engine.runner.graphs = graphs
-        engine.runner.device = spec.device(0)
-        engine.world_size = engine.tp_world_size = world_size
-        engine._workers = workers
-        engine._device = spec.device(0)
-        engine.rank_devices = [str(spec.device(rank)) for rank in range(world_size)]
-        return engine
-
-    def unload(self) -> None:
-        stopped = False
-        if self.model is not None and dist.is_initialized():
-            with self.lock:
-                protocol.send_stop(self._device)
-            stopped = True
-        super().unload()
-        for worker in self._workers:
-            worker.join(timeout=60)
-        _stop_workers(self._workers)
-        if dist.is_initialized():
-            if stopped and launched_rank() is not None and dist.get_backend() == "gloo":
-                # torchrun's ranks outlive this call: on gloo a rank still tearing down
-                # aborts when this process exits first, so the group is left together.
-                # (On NCCL, 2xH100, a barrier here hung; the ranks leave as spawned ones do.)
-                dist.barrier()
-            leave_group(launched=launched_rank() is not None)
-
-    def abort(self) -> None:
-        """Stop the other ranks without a collective (after a failed step they may be stuck
-        inside one): terminate their processes and drop the process group."""
-        self.scheduler.close()
-        _stop_workers(self._workers)
-        self.model = None  # type: ignore[assignment]
-        self.cache = None  # type: ignore[assignment]
-        self.runner.graphs = None  # their replays would wait on the stopped ranks
-        self.runner.release()
+        if launched is None:
+            _wait_ready(workers, reports)
+        else:
+            failed = _gather_load_errors(None)
+            if failed:
+                rank, error = failed[0]
+                raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
+    except BaseException:
+        stop_workers(workers)
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    options = EngineOptions(**{**options.__dict__, "max_seq_len": max_seq_len})
+    ranks = Ranks(
+        world_size=world_size,
+        device=spec.device(0),
+        devices=[str(spec.device(rank)) for rank in range(world_size)],
+        workers=workers,
+        launched=launched is not None,
+    )
+    engine = Engine(
+        config,
+        model,
+        cache,
+        tokenizer,
+        options,
+        model_dir,
+        time.perf_counter() - started,
+        runner_factory=functools.partial(TensorParallelRunner, ranks=ranks),
+    )
+    engine.runner.graphs = graphs
+    return engine
 
 
 def _shard_spec(
@@ -241,19 +214,9 @@ def serve_launched_rank(model_dir: str | Path, options: EngineOptions | None = N
             raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
         serve(model, cache, graphs, spec.device(launched.rank))
         if dist.get_backend() == "gloo":
-            dist.barrier()  # rank 0's unload waits here too (see TensorParallelEngine.unload)
+            dist.barrier()  # rank 0's unload waits here too (TensorParallelRunner.release)
     finally:
         leave_group(launched=True)
-
-
-def leave_group(*, launched: bool) -> None:
-    """Drop this process's group as it leaves tensor parallelism. Not for torchrun's ranks
-    on NCCL: there both ranks hung inside destroy_process_group (2x H100, torch 2.11, the
-    stacks of both taken after 70 s), and each process exits right after serving, which
-    frees its communicator anyway."""
-    if launched and dist.get_backend() == "nccl":
-        return
-    dist.destroy_process_group()
 
 
 def _gather_load_errors(error: str | None) -> list[tuple[int, str]]:
@@ -263,7 +226,7 @@ def _gather_load_errors(error: str | None) -> list[tuple[int, str]]:
     return [(rank, e) for rank, e in enumerate(outcomes) if e is not None]
 
 
-def _wait_ready(workers: list, reports) -> None:
+def _wait_ready(workers: list[BaseProcess], reports: Queue[tuple[int, str | None]]) -> None:
     """Wait until every spawned rank has built its shard; raise with a rank's error."""
     pending = {rank for rank in range(1, len(workers) + 1)}
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -282,10 +245,3 @@ def _wait_ready(workers: list, reports) -> None:
         if error is not None:
             raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
         pending.discard(rank)
-
-
-def _stop_workers(workers: list) -> None:
-    for worker in workers:
-        if worker.is_alive():
-            worker.terminate()
-            worker.join(timeout=10)

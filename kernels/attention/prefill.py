@@ -1,9 +1,10 @@
 """Triton prefill attention over the paged KV cache: query chunks of any length, many
 sequences in one launch (chunked prefill and mixed prefill/decode batches).
 
-Contract: `kernels.paged_attention`'s (see its module docstring). Callers validate the
-arguments; this module only launches. q [T, Hq, D], caches [P, S, Hk, D], cu_seqlens [B+1],
-context_lens [B], page_table [B, maxpages]; output [T, Hq, D] in q's dtype.
+Contract: `kernels.attention.paged_attention`'s (see kernels/attention/paged.py). Callers
+validate the arguments; this module only launches. q [T, Hq, D], caches [P, S, Hk, D],
+cu_seqlens [B+1], context_lens [B], page_table [B, maxpages]; output [T, Hq, D] in q's
+dtype.
 
 Design (flash attention 2 over pages). A query tile is BLOCK_Q consecutive tokens of one
 sequence times the G = Hq/Hk query heads of one kv head: BLOCK_M = BLOCK_Q * G rows (padded
@@ -26,9 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import cast_rtne, device_guard
-from kernels.kv_quant import NATIVE, KVFormat
-from kernels.paged_attention_decode import (
+from kernels.attention.tiles import (
     INTERPRETED,
     kv_token_offsets,
     load_kv_tile,
@@ -37,6 +36,8 @@ from kernels.paged_attention_decode import (
     scores_log2,
     storage_constants,
 )
+from kernels.backend import cast_rtne, device_guard
+from kernels.kv_quant import NATIVE, KVFormat
 
 
 @triton.jit

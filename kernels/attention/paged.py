@@ -24,9 +24,9 @@ are read as stored: q is rotated before the kernel and, for V, the output after 
 `paged_attention` dispatches: Triton on CUDA tensors, `paged_attention_reference` (torch)
 otherwise; `backend=` forces one. The Triton path takes
 
-  - the decode kernel (kernels.paged_attention_decode: flash-decoding, split-K over the
+  - the decode kernel (kernels/attention/decode.py: flash-decoding, split-K over the
     context) when every sequence has at most one new token, and
-  - the prefill kernel (kernels.paged_attention_prefill: flash attention over pages, any
+  - the prefill kernel (kernels/attention/prefill.py: flash attention over pages, any
     chunk lengths, several sequences per launch) otherwise.
 
 Host syncs. Telling the two apart needs the longest query; sizing the decode split-K needs
@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention.decode import decode_attention
+from kernels.attention.prefill import prefill_attention
 from kernels.backend import Backend, resolve_backend
 from kernels.kv_quant import (
     NATIVE,
@@ -51,8 +53,6 @@ from kernels.kv_quant import (
     rotate,
     rotate_native,
 )
-from kernels.paged_attention_decode import decode_attention
-from kernels.paged_attention_prefill import prefill_attention
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)

@@ -1,11 +1,11 @@
 """The mid-M path of the quantized matmul: x [M, k] @ W on the tensor cores for a few rows
 of x (batched decode, speculative verification, short prefill chunks), between the decode
-GEMV and dequantize + cuBLAS (kernels/quant_matmul_triton.py chooses by M and describes
-the design). `_launch_dot` runs one launch per segment, split-K, summing in the shared
-self-resetting workspace (kernels/quant_common.py) with `finish_dot_tile`; `DotConfig`
-and `_DOT_CONFIGS` are its settings per M for weights whose operand folds zero points and
-scales (`_fold`: fp16 GPTQ and EXL2), `_UNFOLDED_DOT_CONFIGS` for the others
-(tools/tune_mid_m.py sweeps one config at a time).
+GEMV and dequantize + cuBLAS (kernels/quant_matmul/paths.py chooses by M; the package's
+docstring describes the design). `launch_dot` runs one launch per segment, split-K, summing
+in the shared self-resetting workspace (kernels/quant_matmul/split_k.py) with
+`finish_dot_tile`; `DotConfig` and `_DOT_CONFIGS` are its settings per M for weights whose
+operand folds zero points and scales (`_fold`: fp16 GPTQ and EXL2), `_UNFOLDED_DOT_CONFIGS`
+for the others (tools/tune_mid_m.py sweeps one config at a time).
 """
 
 from __future__ import annotations
@@ -17,26 +17,23 @@ import triton
 import triton.language as tl
 
 from kernels.backend import cast_rtne, is_interpreted
-from kernels.quant_common import (
-    _chunk_rows,
-    _chunks_in_groups,
-    _plane_args,
-    _plane_meta,
-    _segment_codes_2d,
-    _split,
-    _workspace,
-    _zero_points,
-    add_partial,
+from kernels.quant_matmul.layout import QuantizedWeight, per_group_zeros
+from kernels.quant_matmul.split_k import (
     check_fixed_point_arrivals,
+    chunk_rows,
+    chunks_in_groups,
+    plane_args,
+    plane_meta,
+    split_iters,
+    split_k_workspace,
     sums_view,
-    take_sums,
 )
-from kernels.quant_matmul import QuantizedWeight, per_group_zeros
+from kernels.quant_matmul.tiles import add_partial, segment_codes_2d, take_sums, zero_points
 
 
 @dataclasses.dataclass(frozen=True)
 class DotConfig:
-    """Launch settings of the mid-M tensor-core path (see `_launch_dot`).
+    """Launch settings of the mid-M tensor-core path (see `launch_dot`).
 
     transposed: compute y^T = W^T @ x^T, the dequantized weight tile as the MMA's left
         operand [block_n, BLOCK_K] and x^T as the right one [BLOCK_K, BLOCK_M]. On Hopper
@@ -49,7 +46,7 @@ class DotConfig:
         rather than gathering the word of every row.
     block_n, min_block_m, max_block_m, max_block_k: the tile; BLOCK_M is the next power
         of two >= M in [min_block_m, max_block_m] (16 is tl.dot's least size), BLOCK_K
-        the group-aligned chunk (see _chunk_rows).
+        the group-aligned chunk (see chunk_rows).
     max_iters: chunks per split-K slice; programs_per_sm: the split-K target.
     fold: how far the dequantization goes into the operand, for fp16 x, whole-group chunks
         and integer (uint8) zero points, where it stays exact. 0: the MMA takes the raw
@@ -186,7 +183,7 @@ def _wide_codes(
     """One plane's codes of the chunk of rows [r0, r0 + BLOCK_K) (r0 a multiple of the rows
     per word): [BLOCK_K, BLOCK_N], or [BLOCK_N, BLOCK_K] transposed. Each int32 word is
     loaded once and split into its RPW codes by shifts, then laid out as rows. The
-    row-gathering `_segment_codes_2d` loads every word RPW times (from L1), which made the
+    row-gathering `segment_codes_2d` loads every word RPW times (from L1), which made the
     mid-M path bound by load instructions rather than by the tensor cores or DRAM. Codes of
     rows past k_end are garbage; the caller's x is zero there."""
     RPW: tl.constexpr = 32 // BITS
@@ -322,7 +319,7 @@ def _dot_kernel(
                     << P1_SHIFT
                 )  # fmt: skip
         else:
-            codes = _segment_codes_2d(
+            codes = segment_codes_2d(
                 p0_ptr,
                 p0_stride,
                 p1_ptr,
@@ -350,7 +347,7 @@ def _dot_kernel(
         if FOLD > 0:
             group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
             sz = group * sz_stride + cols
-            zero = _zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP)
+            zero = zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP)
             # (1024 + code) - (1024 + zero): both exact in fp16, so is the difference.
             offset = _along_n((zero + 1024.0).to(tl.float16), TRANSPOSED)
             w = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - offset
@@ -368,7 +365,7 @@ def _dot_kernel(
             group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
             sz = group * sz_stride + cols
             scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
-            zero = _zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP)
+            zero = zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP)
             x_sum = _sum_over_k(x_tile.to(tl.float32), TRANSPOSED)
             acc += (part - _along_m(x_sum, TRANSPOSED) * _along_n(zero, TRANSPOSED)) * _along_n(
                 scale, TRANSPOSED
@@ -378,7 +375,7 @@ def _dot_kernel(
             row_sz = _along_m(group, TRANSPOSED) * sz_stride + _along_n(cols, TRANSPOSED)
             sz_mask = _along_m(row_ok, TRANSPOSED) & _along_n(col_ok, TRANSPOSED)
             row_scale = tl.load(scales_ptr + row_sz, mask=sz_mask, other=0.0)
-            row_zero = _zero_points(
+            row_zero = zero_points(
                 zeros_ptr, _along_m(group, TRANSPOSED), row_sz, sz_mask, ZERO_PER_GROUP
             )
             w = (_codes_to_f32(codes) - row_zero) * row_scale.to(tl.float32)
@@ -416,24 +413,24 @@ def _fold(config: DotConfig, qw: QuantizedWeight, dtype: torch.dtype, grouped: b
     return config.fold
 
 
-def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
+def launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
     """y [M, n] (x's dtype) = x2d @ W (+ bias) on the tensor cores: one launch per segment,
     summing in the device's self-resetting workspace like the GEMV, so no
     zero-fill or cast kernel runs around it."""
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
     config = _dot_config(M, folded=_foldable(qw, x2d.dtype))
-    block_k = _chunk_rows(qw, 16, config.max_block_k)  # tl.dot's least K
-    grouped = _chunks_in_groups(qw, block_k)
+    block_k = chunk_rows(qw, 16, config.max_block_k)  # tl.dot's least K
+    grouped = chunks_in_groups(qw, block_k)
     fold = _fold(config, qw, x2d.dtype, grouped)
     if fold == 0 and config.fold != 0:  # groups that split the folded table's chunks
         config = _dot_config(M, folded=False)
-        block_k = _chunk_rows(qw, 16, config.max_block_k)
-        grouped = _chunks_in_groups(qw, block_k)
+        block_k = chunk_rows(qw, 16, config.max_block_k)
+        grouped = chunks_in_groups(qw, block_k)
         fold = _fold(config, qw, x2d.dtype, grouped)
     block_m = min(config.max_block_m, max(config.min_block_m, triton.next_power_of_2(M)))
     block_n = min(config.block_n, max(16, triton.next_power_of_2(n)))
     m_tiles, n_tiles = triton.cdiv(M, block_m), triton.cdiv(n, block_n)
-    iters = _split(
+    iters = split_iters(
         k, m_tiles * n_tiles, block_k, config.programs_per_sm, config.max_iters, x2d.device
     )
     rows_per_split = iters * block_k
@@ -441,13 +438,13 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None
     bias = qw.bias if qw.bias is not None else qw.scales
     segments = [s for s in qw.segments if s.row_end > s.row_start]
     arrivals = sum(triton.cdiv(s.row_end - s.row_start, rows_per_split) for s in segments)
-    workspace, counters = _workspace(x2d.device, M * n, m_tiles * n_tiles)
+    workspace, counters = split_k_workspace(x2d.device, M * n, m_tiles * n_tiles)
     out32 = sums_view(workspace, y.dtype)
     check_fixed_point_arrivals(arrivals)
     first = True
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start
-        p0, p1, p0_stride, p1_stride = _plane_args(segment)
+        p0, p1, p0_stride, p1_stride = plane_args(segment)
         splits = triton.cdiv(seg_rows, rows_per_split)
         grid = (n_tiles, m_tiles, splits) if config.transposed else (m_tiles, n_tiles, splits)
         _dot_kernel[grid](
@@ -476,7 +473,7 @@ def _launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None
             HAS_PERM=qw.perm is not None,
             GROUPED=grouped,
             ZERO_PER_GROUP=per_group_zeros(qw.zeros),
-            **_plane_meta(segment),
+            **plane_meta(segment),
             EMULATE_BF16=_INTERPRETED,
             WIDE=config.wide and all(block_k % (32 // p.bits) == 0 for p in segment.planes),
             TRANSPOSED=config.transposed,

@@ -1,4 +1,4 @@
-"""Quantized matmul: the runtime weight layout and its torch reference.
+"""Quantized matmul: the runtime weight layout (its references: reference.py).
 
 Contract (docs/quant_layout.md; k = in_features, n = out_features):
 
@@ -18,10 +18,6 @@ Contract (docs/quant_layout.md; k = in_features, n = out_features):
     Plane:   bits in {1, 2, 4, 8}, shift, packed int32 [ceil(rows / (32 / bits)), n]; row r
              of the segment sits in word r // (32 / bits) at bit (r % (32 / bits)) * bits
 
-    dequantize_reference(qw) -> fp32 [k, n] in the original row order:
-        W_orig[perm[i], :] = (code[i, :] - zeros[row_group[i], :]) * scales[row_group[i], :]
-    quant_matmul_reference(x [..., k], qw) -> [..., n] in x.dtype: x @ W_orig + bias
-
 Everything format-specific (EXL2, GPTQ files) lives in engine/quant/, which converts each
 file format into this layout; this module knows only the layout. The plane packing is
 defined here, beside the kernels that read it, and engine/quant/bitpack.py re-exports it.
@@ -33,11 +29,6 @@ import sys
 from dataclasses import dataclass
 
 import torch
-
-# ---------------------------------------------------------------------------------------
-# Runtime layout (dataclasses, plane packing) and the torch reference.
-# The Triton kernels and the dispatcher go below this section.
-# ---------------------------------------------------------------------------------------
 
 #: How a code of each width is split into power-of-two planes: (plane bits, shift) pairs,
 #: high bits first. No plane straddles a 32-bit word, and the planes hold exactly the
@@ -302,31 +293,3 @@ class QuantizedWeight:
             row_group=self.row_group.to(device),
             bias=move(self.bias),
         )
-
-
-def dequantize_reference(qw: QuantizedWeight) -> torch.Tensor:
-    """The dequantized weight, fp32 [k, n], in the original (unpermuted) row order."""
-    k, n = qw.in_features, qw.out_features
-    w_perm = torch.empty(k, n, dtype=torch.float32, device=qw.device)
-    group = qw.row_group.long()
-    for seg in qw.segments:
-        g = group[seg.row_start : seg.row_end]
-        codes = seg.codes().float()
-        # code - zero is an exact small number and its product with an fp16 scale is exact in
-        # fp32 (at most 9 + 11 significant bits): the true (q - z) * s of GPTQ and EXL2.
-        w_perm[seg.row_start : seg.row_end] = (codes - qw.zeros[g].float()) * qw.scales[g].float()
-    if qw.perm is None:
-        return w_perm
-    w = torch.empty_like(w_perm)
-    w[qw.perm.long()] = w_perm
-    return w
-
-
-def quant_matmul_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """y = x @ W_orig + bias for x [..., k]; computed in fp32, returned in x.dtype."""
-    if x.shape[-1] != qw.in_features:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {qw.in_features}")
-    y = x.float() @ dequantize_reference(qw)
-    if qw.bias is not None:
-        y = y + qw.bias.float()
-    return y.to(x.dtype)

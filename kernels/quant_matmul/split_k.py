@@ -1,21 +1,10 @@
-"""What the quantized matmul kernels share: kernels/quant_matmul_triton.py's decode GEMV and
-dequantization, and kernels/quant_dot.py's tensor-core path for a few rows of x.
-
-Inside a kernel: a segment's codes gathered row by row (`_segment_codes_2d`) and its zero
-points (`_zero_points`). On the host: the constexprs and arguments of a segment's planes,
-the group check that lets scales apply once per chunk (`_chunks_in_groups`), the split-K
-plan (`_split`), and the per-device workspace that split-K partials sum into and that the
-last program of each tile leaves zeroed again (`_workspace`, `add_partial`,
-`take_sums`). The design of the paths is in kernels/quant_matmul_triton.py's docstring.
-
-Determinism: split-K partials arrive in whatever order the programs finish. Summed as
-float32 atomics (the default: the fastest), that order can change the last bit of a sum,
-and rarely a token, from one run to the next. With `kernels.backend.set_deterministic_sums`
-(EngineOptions.deterministic) float16 outputs sum as 64-bit fixed point instead
-(`FIXED_POINT_SCALE`): integer addition does not depend on order, so decode gives the same
-bits every run, for 12% of batch-1 decode speed (H100, 8B GPTQ: 64-bit atomics cost more).
-bfloat16 and float32 outputs need more range than 64 bits of fixed point give at their
-precision, and keep float32 atomics either way.
+"""The host side of what the quantized matmul kernels share (kernels/quant_matmul/gemv.py's
+decode GEMV, dot.py's tensor-core path for a few rows of x, dequantize.py): the constexprs
+and arguments of a segment's planes, the group check that lets scales apply once per
+chunk (`chunks_in_groups`), the split-K plan (`split_iters`), and the per-device workspace
+that split-K partials sum into and that the last program of each tile leaves zeroed again
+(`workspace`, `sums_view`; the kernels' side is kernels/quant_matmul/tiles.py). The design
+of the paths is in kernels/quant_matmul/__init__.py's docstring.
 """
 
 from __future__ import annotations
@@ -25,70 +14,17 @@ import weakref
 
 import torch
 import triton
-import triton.language as tl
 
 from kernels.backend import deterministic_sums
-from kernels.quant_matmul import QuantizedWeight, Segment
+from kernels.quant_matmul.layout import QuantizedWeight, Segment
+from kernels.quant_matmul.tiles import MAX_FIXED_POINT_ARRIVALS
 
 _PLANE_BITS = (1, 2, 4, 8)
 # The interpreter has no SMs; a small count keeps CPU tests fast while still splitting K.
 _INTERPRETER_SMS = 2
 
 
-@triton.jit
-def _unpack_rows(plane_ptr, plane_stride, word_rows, shifts, cols, mask, BITS: tl.constexpr):
-    """Codes of one plane: word_rows selects the int32 row, shifts the bit offset in it."""
-    words = tl.load(plane_ptr + word_rows * plane_stride + cols, mask=mask, other=0)
-    # Arithmetic shift: the mask drops the sign bits an 8-bit top code drags in.
-    return (words >> shifts) & ((1 << BITS) - 1)
-
-
-@triton.jit
-def _segment_codes_2d(
-    p0_ptr,
-    p0_stride,
-    p1_ptr,
-    p1_stride,
-    rows,
-    cols,
-    mask,
-    NUM_PLANES: tl.constexpr,
-    P0_BITS: tl.constexpr,
-    P0_SHIFT: tl.constexpr,
-    P1_BITS: tl.constexpr,
-    P1_SHIFT: tl.constexpr,
-):
-    """Codes [K, N] of segment-relative rows [K, 1] and columns [1, N].
-
-    The word of each row is gathered separately (rows of one word hit L1): the tile goes to
-    tl.dot or to memory in this 2-D layout, and its cost is shared by BLOCK_M rows of x.
-    """
-    RPW0: tl.constexpr = 32 // P0_BITS
-    codes = _unpack_rows(
-        p0_ptr, p0_stride, rows // RPW0, (rows % RPW0) * P0_BITS, cols, mask, P0_BITS
-    )
-    codes = codes << P0_SHIFT
-    if NUM_PLANES == 2:
-        RPW1: tl.constexpr = 32 // P1_BITS
-        codes1 = _unpack_rows(
-            p1_ptr, p1_stride, rows // RPW1, (rows % RPW1) * P1_BITS, cols, mask, P1_BITS
-        )
-        codes = codes | (codes1 << P1_SHIFT)
-    return codes
-
-
-@triton.jit
-def _zero_points(zeros_ptr, group, offsets, mask, ZERO_PER_GROUP):
-    """Zero points in float32 at `offsets` (group * stride + column), or one per group,
-    zeros[group] broadcast to the shape of `offsets` (kernels.quant_matmul.per_group_zeros:
-    G bytes to read instead of G * n)."""
-    if ZERO_PER_GROUP:
-        return tl.load(zeros_ptr + group).to(tl.float32) + tl.zeros(offsets.shape, tl.float32)
-    else:
-        return tl.load(zeros_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-
-
-def _plane_meta(segment: Segment) -> dict[str, int]:
+def plane_meta(segment: Segment) -> dict[str, int]:
     """The constexprs describing a segment's planes (at most 2: widths 3, 5 and 6 use 2)."""
     planes = segment.planes
     if not 1 <= len(planes) <= 2:
@@ -108,11 +44,11 @@ def _plane_meta(segment: Segment) -> dict[str, int]:
     }
 
 
-def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
+def unit_col_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _plane_args(
+def plane_args(
     segment: Segment, col_start: int = 0, col_end: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """The segment's planes (the second repeats the first when there is one) as views of
@@ -120,7 +56,7 @@ def _plane_args(
     # All columns (the decode paths, an unchunked dequantization): no view to build.
     whole = col_start == 0 and col_end in (None, segment.planes[0].packed.shape[1])
     planes = [
-        _unit_col_stride(plane.packed if whole else plane.packed[:, col_start:col_end])
+        unit_col_stride(plane.packed if whole else plane.packed[:, col_start:col_end])
         for plane in segment.planes
     ]
     second = planes[1] if len(planes) == 2 else planes[0]
@@ -142,9 +78,9 @@ def _pow2_floor(value: int) -> int:
     return 1 << (max(value, 1).bit_length() - 1)
 
 
-def _chunk_rows(qw: QuantizedWeight, least: int, most: int) -> int:
+def chunk_rows(qw: QuantizedWeight, least: int, most: int) -> int:
     """BLOCK_K: a power of two in [least, most] that divides the typical group size, so
-    that chunks lie in one group (see _chunks_in_groups). The group size is guessed from
+    that chunks lie in one group (see chunks_in_groups). The group size is guessed from
     the shapes (k // G): no device sync."""
     groups = max(qw.scales.shape[0], 1)
     return max(least, min(most, _pow2_floor(qw.in_features // groups)))
@@ -154,7 +90,7 @@ def _chunk_rows(qw: QuantizedWeight, least: int, most: int) -> int:
 _GROUPED_CACHE: dict[tuple[int, int, tuple[int, ...], int], bool] = {}
 
 
-def _chunks_in_groups(qw: QuantizedWeight, block_k: int) -> bool:
+def chunks_in_groups(qw: QuantizedWeight, block_k: int) -> bool:
     """Whether every chunk of block_k rows (from each segment's start) lies in one group.
 
     Then the kernels load scales and zeros once per chunk and column (GROUPED); otherwise
@@ -182,47 +118,6 @@ def _chunks_in_groups(qw: QuantizedWeight, block_k: int) -> bool:
     _GROUPED_CACHE[key] = result
     weakref.finalize(row_group, _GROUPED_CACHE.pop, key, None)
     return result
-
-
-# Fixed-point sums (float16 outputs): a partial p adds round(p * 2^32) to an int64. A
-# partial is clamped to +-2^20 first (16 times float16's largest value, so a clamped sum
-# still overflows to inf when cast to float16), and at most MAX_FIXED_POINT_ARRIVALS
-# partials meet in one sum: 1024 * 2^52 = 2^62, no overflow. The grid (2^-32) is far
-# below float16's smallest step (2^-24), so the sum rounds to float16 as a float32 sum would.
-FIXED_POINT_SCALE = 2.0**32
-FIXED_POINT_LIMIT = 2.0**20
-MAX_FIXED_POINT_ARRIVALS = 1024
-
-
-@triton.jit
-def add_partial(sums_ptr, offsets, values, mask):
-    """Atomically add float32 `values` to the workspace at `offsets`: as fixed point when
-    the workspace is int64 (float16 outputs: the sum does not depend on the order of
-    arrival), else as float32. A NaN partial adds as the limit (the float16 sum is inf)."""
-    if sums_ptr.dtype.element_ty == tl.int64:
-        clean = tl.where(values != values, 2.0**20, values)  # FIXED_POINT_LIMIT
-        clean = tl.minimum(tl.maximum(clean, -(2.0**20)), 2.0**20)
-        scaled = clean * 4294967296.0  # FIXED_POINT_SCALE; |scaled| <= 2^52, exact
-        fixed = (scaled + tl.where(scaled < 0, -0.5, 0.5)).to(tl.int64)  # nearest
-        tl.atomic_add(sums_ptr + offsets, fixed, mask=mask, sem="relaxed")
-    else:
-        tl.atomic_add(sums_ptr + offsets, values, mask=mask, sem="relaxed")
-
-
-@triton.jit
-def take_sums(sums_ptr, offsets, mask):
-    """The workspace's sums at `offsets` as float32, zeroed again behind them (the last
-    program of a tile calls this after every partial has arrived). Read from L2 (.cg),
-    past an L1 that may hold the lines from an earlier call."""
-    sums = tl.load(sums_ptr + offsets, mask=mask, other=0, cache_modifier=".cg")
-    # Every thread has read before any zeroes: a layout may hold an element in several
-    # threads (an MMA accumulator tile narrower than a warpgroup's 64 rows).
-    tl.debug_barrier()
-    tl.store(sums_ptr + offsets, tl.zeros_like(sums), mask=mask)
-    if sums_ptr.dtype.element_ty == tl.int64:
-        return sums.to(tl.float32) * (1.0 / 4294967296.0)
-    else:
-        return sums
 
 
 def sums_view(workspace: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -255,7 +150,9 @@ _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _RETIRED_WORKSPACES: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
-def _workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_k_workspace(
+    device: torch.device, sums: int, tiles: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     have = _WORKSPACES.get(device)
     if have is None or have[0].numel() < sums or have[1].numel() < tiles:
         old_sums, old_tiles = (have[0].numel(), have[1].numel()) if have else (0, 0)
@@ -279,7 +176,7 @@ def _workspace(device: torch.device, sums: int, tiles: int) -> tuple[torch.Tenso
     return have
 
 
-def _split(
+def split_iters(
     rows: int, tiles: int, block_k: int, programs_per_sm: int, max_iters: int, device: torch.device
 ) -> int:
     """Chunks (of block_k rows) per split-K slice: about programs_per_sm programs per SM,
