@@ -1,20 +1,31 @@
-"""Quantization quality: Kestrel's converter against round-to-nearest and exllamav2's.
+"""Quantization quality: Kestrel's converter against round-to-nearest and exllamav2's, on
+several held-out domains at once.
 
     python tools/compare_converters.py --model models/SmolLM2-135M-Instruct-fp16 \
-        --text wiki.utf8 --work /tmp/cmp --kestrel-bits 2.5 3 4 5 6 8 --rtn-bits 2.5 3 4 \
-        --exllamav2-bits 3 4 --json results.json
+        --work /tmp/cmp --kestrel-bits 2.5 3 4 5 6 --rtn-bits 2.5 3 4 5 6 \
+        --exllamav2-bits 2.5 3 4 5 6 --calibrations default shared \
+        --shared-text wiki.utf8 --json results.json
 
-One protocol for every model (the issue's): the first `--cal-fraction` of `--text` is the
-calibration set (a one-row parquet, so both converters cut the same consecutive rows of
-`--length` tokens), and perplexity is scored on the text from `--start-fraction` on, in
-`--windows` windows of `--window` tokens with no BOS, by tools/perplexity.py through the
-kestrel loader (so an exllamav2-written model is measured by the same code as ours).
+Calibration settings (--calibrations, one or both):
+- `default`: each converter as a user runs it, with its own default calibration text and
+  rows × length (Kestrel: the mix shipped in engine/quantizer/data; exllamav2: its standard
+  calibration set);
+- `shared`: both calibrate on one text, the first --cal-fraction of --shared-text (given
+  to exllamav2 as a one-row parquet, to Kestrel as .txt), each with its default rows ×
+  length unless --rows/--length/--measure-rows/--measure-length say otherwise.
 
-Each converter measures once (`-om`) and reuses the measurement for every width. RTN uses
-Kestrel's measurement and allocation, with round-to-nearest codes (convert.py --rtn), so
-the GPTQ-versus-RTN gap is the error feedback alone. Finished outputs are kept in --work
-and skipped on a rerun, so a long table can be made over several runs. exllamav2 needs a
-CUDA GPU and the exllamav2 package (with the causal fix of the format reference applied).
+Evaluation: perplexity on the held-out domains of tools/heldout (--domains, default all:
+wiki, web, code, multilingual, chat; none of that text is in either converter's default
+calibration set, and the wiki text is the last 20% of the Wikipedia file whose head is the
+shared text), --windows windows of 1024 tokens a domain from the start of each file, no
+BOS, through the kestrel loader (tools/perplexity.py), so exllamav2-written models are
+measured by the same code as ours.
+
+Each converter measures once per calibration (`-om`) and reuses the measurement for every
+width. RTN uses Kestrel's measurement and allocation with round-to-nearest codes
+(convert.py --rtn), so the GPTQ-versus-RTN gap is the error feedback alone. Finished
+outputs are kept in --work and skipped on a rerun; --json is merged into, so a long table
+can be made over several runs. exllamav2 needs a CUDA GPU and the exllamav2 package.
 """
 
 from __future__ import annotations
@@ -28,145 +39,181 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from tools.perplexity import DOMAIN_WINDOWS, DOMAINS, domain_table, domain_texts  # noqa: E402
 
-def _run(cmd: list[str], log: Path) -> None:
+CALIBRATIONS = ("default", "shared")
+
+
+def _run(cmd: list[str], log: Path) -> float:
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-2500:]
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (rc {proc.returncode}):\n{tail}")
-    print(f"  {log.stem}: {time.perf_counter() - started:.0f} s", flush=True)
+    seconds = time.perf_counter() - started
+    print(f"  {log.stem}: {seconds:.0f} s", flush=True)
+    return seconds
 
 
-def _calibration_files(text: str, fraction: float, work: Path, parquet: bool) -> tuple[Path, Path]:
-    """The calibration text as .txt (Kestrel) and, for exllamav2, as a one-row .parquet."""
+def _shared_files(text_path: Path, fraction: float, work: Path) -> tuple[Path, Path]:
+    """The shared calibration text as .txt (Kestrel) and as a one-row .parquet (exllamav2)."""
+    text = text_path.read_text(encoding="utf-8")
     head = text[: int(len(text) * fraction)]
-    txt, pq = work / "calibration.txt", work / "calibration.parquet"
+    txt, pq = work / "shared-calibration.txt", work / "shared-calibration.parquet"
     txt.write_text(head, encoding="utf-8")
-    if parquet and not pq.is_file():
-        import pandas
+    if not pq.is_file():
+        try:
+            import pandas
 
-        pandas.DataFrame({"text": [head]}).to_parquet(pq)
+            pandas.DataFrame({"text": [head]}).to_parquet(pq)
+        except ImportError:
+            pass  # only exllamav2 needs it, and then says so
     return txt, pq
 
 
-def _kestrel(src: Path, out: Path, bits: float, meas: Path, cal: Path, a: argparse.Namespace,
-             *, rtn: bool = False) -> Path:  # fmt: skip
+def _row_args(a: argparse.Namespace) -> list[str]:
+    args = []
+    for flag, value in (("-r", a.rows), ("-l", a.length), ("-mr", a.measure_rows),
+                        ("-ml", a.measure_length)):  # fmt: skip
+        if value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def _kestrel(src: Path, out: Path, bits: float, meas: Path, cal: Path | None,
+             a: argparse.Namespace, *, rtn: bool = False) -> float | None:  # fmt: skip
+    """Seconds the conversion took (measurement included when it made one); None if done."""
     if (out / "config.json").is_file():
-        return out
+        return None
     cmd = [sys.executable, "convert.py", "-i", str(src), "-o", str(out), "-b", str(bits),
-           "-hb", str(a.head_bits), "-c", str(cal), "-r", str(a.rows), "-l", str(a.length),
-           "-mr", str(a.measure_rows), "-ml", str(a.measure_length), "-q"]  # fmt: skip
+           "-hb", str(a.head_bits), *(["-c", str(cal)] if cal else []), *_row_args(a), "-q",
+           *a.kestrel_args]  # fmt: skip
+    seconds = 0.0
     if not meas.is_file():
-        _run([*cmd[:6], "-om", str(meas), *cmd[6:]], out.parent / "kestrel-measure.log")
-    _run([*cmd, "-m", str(meas), *(["--rtn"] if rtn else [])], out.parent / f"{out.name}.log")
-    return out
+        seconds += _run([*cmd[:6], "-om", str(meas), *cmd[6:]], out.parent / f"{meas.stem}.log")
+    seconds += _run([*cmd, "-m", str(meas), *(["--rtn"] if rtn else [])], out.with_suffix(".log"))
+    return seconds
 
 
-def _exllamav2(src: Path, out: Path, bits: float, meas: Path, cal: Path,
-               a: argparse.Namespace) -> Path:  # fmt: skip
+def _exllamav2(src: Path, out: Path, bits: float, meas: Path, cal: Path | None,
+               a: argparse.Namespace) -> float | None:  # fmt: skip
     if (out / "config.json").is_file():
-        return out
+        return None
     base = [sys.executable, "-m", "exllamav2.conversion.convert_exl2", "-i", str(src),
-            "-c", str(cal), "-hb", str(a.head_bits), "-r", str(a.rows), "-l", str(a.length),
-            "-mr", str(a.measure_rows), "-ml", str(a.measure_length)]  # fmt: skip
+            *(["-c", str(cal)] if cal else []), "-hb", str(a.head_bits), *_row_args(a)]  # fmt: skip
     work = out.parent / f"{out.name}-job"
+    seconds = 0.0
     if not meas.is_file():
-        mwork = out.parent / "exllamav2-measure-job"
-        _run([*base, "-o", str(mwork), "-om", str(meas), "-nr"], out.parent / "e-measure.log")
-    _run(
+        mwork = out.parent / f"{meas.stem}-job"
+        seconds += _run([*base, "-o", str(mwork), "-om", str(meas), "-nr"],
+                        out.parent / f"{meas.stem}.log")  # fmt: skip
+    seconds += _run(
         [*base, "-o", str(work), "-cf", str(out), "-b", str(bits), "-m", str(meas), "-nr"],
-        out.parent / f"{out.name}.log",
+        out.with_suffix(".log"),
     )
-    return out
+    return seconds
 
 
-def _perplexity(model_dir: Path, text: str, a: argparse.Namespace) -> float:
+def _perplexities(model_dir: Path, texts: dict[str, str], a: argparse.Namespace):
     import loader
-    from tools.perplexity import perplexity
+    from tools.perplexity import domain_perplexities
 
-    model = loader.load(model_dir, "kestrel", device=a.device, dtype="float16")
+    model = loader.load(model_dir, "kestrel", device=a.device, max_seq_len=a.window)
     try:
-        return perplexity(
-            model,
-            text,
-            window=a.window,
-            windows=a.windows,
-            start_fraction=a.start_fraction,
-            add_bos=False,
-        )
+        return domain_perplexities(model, texts, window=a.window, windows=a.windows)
     finally:
         model.unload()
 
 
 def _bpw(model_dir: Path) -> float | None:
     config = json.loads((model_dir / "config.json").read_text())
-    return (config.get("quantization_config") or {}).get("bits")
+    q = config.get("quantization_config") or {}
+    return q.get("achieved_bits") or q.get("bits")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--model", required=True, help="FP16/BF16 model directory")
-    p.add_argument("--text", required=True, help="UTF-8 text: calibration head, eval tail")
-    p.add_argument("--work", required=True)
+    p.add_argument("--work", required=True, help="outputs and logs (kept for reruns)")
     p.add_argument("--kestrel-bits", type=float, nargs="*", default=[3.0, 4.0])
     p.add_argument("--rtn-bits", type=float, nargs="*", default=[])
     p.add_argument("--exllamav2-bits", type=float, nargs="*", default=[])
-    p.add_argument("--head-bits", type=int, default=6)
+    p.add_argument("--calibrations", nargs="+", choices=CALIBRATIONS, default=["default"])
+    p.add_argument("--shared-text", help="UTF-8 text whose head is the shared calibration")
     p.add_argument("--cal-fraction", type=float, default=0.6)
-    p.add_argument("--rows", type=int, default=32)
-    p.add_argument("--length", type=int, default=1024)
-    p.add_argument("--measure-rows", type=int, default=16)
-    p.add_argument("--measure-length", type=int, default=1024)
+    p.add_argument("--kestrel-args", nargs="*", default=[], help="more convert.py flags")
+    p.add_argument("--head-bits", type=int, default=6)
+    p.add_argument("--rows", type=int, help="calibration rows (default: each converter's)")
+    p.add_argument("--length", type=int, help="tokens per row (default: each converter's)")
+    p.add_argument("--measure-rows", type=int)
+    p.add_argument("--measure-length", type=int)
+    p.add_argument("--domains", nargs="+", default=list(DOMAINS))
     p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--windows", type=int, default=40)
-    p.add_argument("--start-fraction", type=float, default=0.8)
+    p.add_argument("--windows", type=int, default=DOMAIN_WINDOWS, help="windows a domain")
     p.add_argument("--device", default=None)
     p.add_argument("--json", default=None, help="write (and merge into) this JSON file")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    if "shared" in a.calibrations and not a.shared_text:
+        p.error("--calibrations shared needs --shared-text")
+    return a
 
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     src, work = Path(a.model), Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    text = Path(a.text).read_text(encoding="utf-8")
-    cal, cal_parquet = _calibration_files(text, a.cal_fraction, work, bool(a.exllamav2_bits))
+    texts = domain_texts(a.domains)
     results: dict = {}
     if a.json and Path(a.json).is_file():
         results = json.loads(Path(a.json).read_text())
     rows = results.setdefault("rows", {})
 
-    def record(label: str, model_dir: Path) -> None:
+    def record(label: str, model_dir: Path, seconds: float | None = None) -> None:
         if label in rows:
             return
         started = time.perf_counter()
-        ppl = _perplexity(model_dir, text, a)
-        rows[label] = {"ppl": ppl, "bpw": _bpw(model_dir), "dir": model_dir.name}
-        print(f"{label:24s} ppl {ppl:8.4f}  ({time.perf_counter() - started:.0f} s)", flush=True)
+        ppl = _perplexities(model_dir, texts, a)
+        rows[label] = {"ppl": ppl, "bpw": _bpw(model_dir), "dir": model_dir.name,
+                       "convert_seconds": seconds}  # fmt: skip
+        shown = "  ".join(f"{d} {v:.3f}" for d, v in ppl.items())
+        print(f"{label:28s} {shown}  ({time.perf_counter() - started:.0f} s)", flush=True)
         if a.json:
             Path(a.json).write_text(json.dumps(results, indent=1))
 
     import torch
 
     results["setup"] = {
-        "model": src.name, "text": Path(a.text).name, "cal_fraction": a.cal_fraction,
-        "rows": a.rows, "length": a.length, "measure_rows": a.measure_rows,
-        "measure_length": a.measure_length, "window": a.window, "windows": a.windows,
-        "start_fraction": a.start_fraction, "bos": False, "head_bits": a.head_bits,
+        "model": src.name, "calibrations": a.calibrations,
+        "shared_text": Path(a.shared_text).name if a.shared_text else None,
+        "cal_fraction": a.cal_fraction, "rows": a.rows, "length": a.length,
+        "measure_rows": a.measure_rows, "measure_length": a.measure_length,
+        "kestrel_args": a.kestrel_args, "domains": a.domains, "window": a.window,
+        "windows": a.windows, "bos": False, "head_bits": a.head_bits,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
     }  # fmt: skip
     record("fp16", src)
-    kmeas, emeas = work / "kestrel-measurement.json", work / "exllamav2-measurement.json"
-    for bits in a.kestrel_bits:
-        record(f"kestrel {bits:g}", _kestrel(src, work / f"kestrel-{bits:g}", bits, kmeas, cal, a))
-    for bits in a.rtn_bits:
-        out = _kestrel(src, work / f"rtn-{bits:g}", bits, kmeas, cal, a, rtn=True)
-        record(f"rtn {bits:g}", out)
-    for bits in a.exllamav2_bits:
-        out = _exllamav2(src, work / f"exllamav2-{bits:g}", bits, emeas, cal_parquet, a)
-        record(f"exllamav2 {bits:g}", out)
-    for label, row in rows.items():
-        print(f"{label:24s} {row['bpw'] or '':>6} ppl {row['ppl']:.4f}")
+    shared_txt, shared_pq = (
+        _shared_files(Path(a.shared_text), a.cal_fraction, work) if a.shared_text else (None, None)
+    )
+    for calib in a.calibrations:
+        k_cal = shared_txt if calib == "shared" else None
+        e_cal = shared_pq if calib == "shared" else None
+        kmeas = work / f"kestrel-{calib}-measurement.json"
+        emeas = work / f"exllamav2-{calib}-measurement.json"
+        for bits in a.kestrel_bits:
+            out = work / f"kestrel-{calib}-{bits:g}"
+            record(f"kestrel {calib} {bits:g}", out, _kestrel(src, out, bits, kmeas, k_cal, a))
+        for bits in a.rtn_bits:
+            out = work / f"rtn-{calib}-{bits:g}"
+            seconds = _kestrel(src, out, bits, kmeas, k_cal, a, rtn=True)
+            record(f"rtn {calib} {bits:g}", out, seconds)
+        for bits in a.exllamav2_bits:
+            out = work / f"exllamav2-{calib}-{bits:g}"
+            record(f"exllamav2 {calib} {bits:g}", out, _exllamav2(src, out, bits, emeas, e_cal, a))
+    print(f"\n{a.windows} windows of {a.window} tokens a domain, no BOS\n")
+    print(domain_table({label: row["ppl"] for label, row in rows.items()}))
     return 0
 
 

@@ -4,6 +4,14 @@
         --window 1024 --windows 40 --start-fraction 0.8 --no-bos
     python tools/perplexity.py -m models/fp16 --loader transformers --text FILE
     python tools/perplexity.py -m models/fp16 --text FILE --cache-type q4 q6 q8 fp8 fp16
+    python tools/perplexity.py -m models/exl2-4.0 --domains          # every held-out domain
+    python tools/perplexity.py -m models/exl2-4.0 --domains wiki code --windows 8
+
+Held-out domains (--domains; tools/heldout/README.md says where each text comes from and
+that none of it is in the shipped calibration text): wiki, web, code, multilingual, chat.
+Each is scored the one way the quantizer comparisons use: `--windows` (default 20) windows
+of 1024 tokens from the start of its file, no BOS. Several models or domains print one
+table (model rows, domain columns).
 
 Contract (loader/perplexity.py, shared with tools/lora_compare.py and the LoRA lab): the
 text from character `start_fraction·len` to the end is tokenized once (no BOS), cut into
@@ -35,6 +43,50 @@ from loader.base import LoadedModel
 from loader.perplexity import NllSum, bos_id, text_windows, window_nll
 
 ROOT = Path(__file__).resolve().parent.parent
+
+HELDOUT_DIR = ROOT / "tools" / "heldout"
+DOMAINS = ("wiki", "web", "code", "multilingual", "chat")
+DOMAIN_WINDOWS = 20  # windows of 1024 tokens per domain, as in the issue's measurement
+
+
+def domain_texts(names: list[str] | None = None, directory: Path = HELDOUT_DIR) -> dict[str, str]:
+    """{domain: held-out text} for `names` (all DOMAINS when None or empty)."""
+    texts = {}
+    for name in names or DOMAINS:
+        path = directory / f"{name}.utf8"
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in directory.glob("*.utf8")))
+            raise SystemExit(f"no held-out text for domain '{name}' ({path}); known: {known}")
+        texts[name] = path.read_text(encoding="utf-8")
+    return texts
+
+
+def domain_perplexities(
+    model: LoadedModel,
+    texts: dict[str, str],
+    *,
+    window: int = 1024,
+    windows: int = DOMAIN_WINDOWS,
+    progress: bool = False,
+) -> dict[str, float]:
+    """{domain: perplexity}: each text's first `windows` windows of `window` tokens, no BOS."""
+    out = {}
+    for name, text in texts.items():
+        if progress:
+            print(f"{name}:", file=sys.stderr)
+        out[name] = perplexity(
+            model, text, window=window, windows=windows, add_bos=False, progress=progress
+        )
+    return out
+
+
+def domain_table(rows: dict[str, dict[str, float]]) -> str:
+    """A Markdown table: one row per model, one column per domain."""
+    domains = list(next(iter(rows.values())))
+    lines = ["| model | " + " | ".join(domains) + " |", "|---" * (len(domains) + 1) + "|"]
+    for label, ppl in rows.items():
+        lines.append(f"| {label} | " + " | ".join(f"{ppl[d]:.2f}" for d in domains) + " |")
+    return "\n".join(lines)
 
 
 def perplexity(
@@ -70,11 +122,17 @@ def perplexity(
 
 def main(argv: list[str] | None = None) -> float:
     p = argparse.ArgumentParser(description="Perplexity of a model over windows of a text.")
-    p.add_argument("-m", "--model", required=True, help="model directory")
+    p.add_argument("-m", "--model", required=True, nargs="+", help="model directory (several "
+                   "with --domains)")  # fmt: skip
     p.add_argument("--loader", help="kestrel, transformers, ... (default: auto)")
-    p.add_argument("--text", required=True, help="UTF-8 text file")
+    p.add_argument("--text", help="UTF-8 text file")
+    p.add_argument(
+        "--domains", nargs="*", help=f"held-out domains (none named: all of {', '.join(DOMAINS)})"
+    )
     p.add_argument("--window", type=int, default=1024, help="tokens per window")
-    p.add_argument("--windows", type=int, help="windows to score (default: all)")
+    p.add_argument(
+        "--windows", type=int, help=f"windows to score (default: all; {DOMAIN_WINDOWS} a domain)"
+    )
     p.add_argument("--start-fraction", type=float, default=0.0, help="skip this part of the text")
     p.add_argument("--no-bos", action="store_true", help="do not put BOS in front of windows")
     p.add_argument("--device", help="cpu or cuda (default: the loader's choice)")
@@ -87,6 +145,13 @@ def main(argv: list[str] | None = None) -> float:
     )
     p.add_argument("--prefill-chunk", type=int, help="tokens per prefill chunk (Kestrel loader)")
     args = p.parse_args(argv)
+    if (args.text is None) == (args.domains is None):
+        p.error("give either --text FILE or --domains [NAME ...]")
+    if args.domains is not None:
+        return _domains_main(args)
+    if len(args.model) > 1:
+        p.error("several models need --domains")
+    args.model = args.model[0]
     text = Path(args.text).read_text(encoding="utf-8")
     extra = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
     results: list[tuple[str, float]] = []
@@ -123,6 +188,29 @@ def main(argv: list[str] | None = None) -> float:
         for name, ppl in results:
             print(f"| {name} | {ppl:.4f} | {ppl - base:+.4f} ({(ppl / base - 1) * 100:+.2f}%) |")
     return results[-1][1]
+
+
+def _domains_main(args: argparse.Namespace) -> float:
+    texts = domain_texts(args.domains)
+    rows: dict[str, dict[str, float]] = {}
+    for model_dir in args.model:
+        model = loader.load(
+            model_dir, args.loader, device=args.device, dtype=args.dtype, max_seq_len=args.window
+        )
+        try:
+            rows[model_dir] = domain_perplexities(
+                model,
+                texts,
+                window=args.window,
+                windows=args.windows or DOMAIN_WINDOWS,
+                progress=True,
+            )
+        finally:
+            model.unload()
+        print(f"{model_dir}: " + "  ".join(f"{d} {v:.4f}" for d, v in rows[model_dir].items()))
+    print(f"\n{args.windows or DOMAIN_WINDOWS} windows of {args.window} tokens a domain, no BOS\n")
+    print(domain_table(rows))
+    return next(iter(rows[args.model[-1]].values()))
 
 
 if __name__ == "__main__":

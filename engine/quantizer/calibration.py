@@ -1,17 +1,23 @@
 """Calibration text -> token rows [rows, length] for the quantizer.
 
 Contract:
-- `read_calibration_text(path)` reads a user file: `.txt` (the whole file), `.jsonl` (the
+- `read_calibration_text(path)` reads a user file: `.txt` or `.utf8` (the whole file; in
+  a file of `<doc …>` … `</doc>` articles, as Wikipedia dumps and exllamav2's standard
+  calibration text are, the markup lines are dropped), `.jsonl` (the
   "text" field of every line, joined by blank lines) or `.parquet` (a "text" column, else
   the first string column; needs pyarrow). Anything unreadable, empty or of another type
   raises `CalibrationError` (a ValueError) naming the file and the reason.
-- `default_calibration_texts()` returns the texts that ship in engine/quantizer/data
-  (Wikipedia articles and TinyStories, licenses in data/README.md), so a conversion needs
-  no network and no file outside the package.
+- `read_calibration_texts(paths)` reads several such files, one source each.
+- `default_calibration_texts()` returns the texts that ship in engine/quantizer/data, one
+  per source (encyclopedia, web, code, multilingual, chat, stories; sources and licenses
+  in data/README.md), so a conversion needs no network and no file outside the package.
+  A mix, because both the bit allocation and the GPTQ Hessians fit what they see: with
+  English encyclopedia text alone, other languages and code lose more than they need to.
 - `calibration_rows(tokenizer, texts, rows, length)` tokenizes each text without BOS, cuts
-  it into consecutive rows of `length` tokens and interleaves the sources' rows. Fewer
-  tokens than one row raises `CalibrationError`; fewer than asked gives the rows there are
-  (the caller reports it).
+  it into consecutive rows of `length` tokens and interleaves the sources' rows (one of
+  each source in turn, so every prefix of the rows is a mix). Fewer tokens than one row
+  raises `CalibrationError`; fewer than asked gives the rows there are (the caller reports
+  it).
 """
 
 from __future__ import annotations
@@ -24,9 +30,16 @@ from typing import Protocol
 import torch
 
 DATA_DIR = Path(__file__).parent / "data"
-DEFAULT_SOURCES = ("wiki.utf8", "tinystories.utf8")
-DEFAULT_DATASET_NAME = "kestrel-default (wikipedia + tinystories)"
-SUFFIXES = (".txt", ".jsonl", ".parquet")
+DEFAULT_SOURCES = (
+    "wiki.utf8",
+    "web.utf8",
+    "code.utf8",
+    "multilingual.utf8",
+    "chat.utf8",
+    "tinystories.utf8",
+)
+DEFAULT_DATASET_NAME = "kestrel-default-2 (wiki, web, code, multilingual, chat, stories)"
+SUFFIXES = (".txt", ".utf8", ".jsonl", ".parquet")
 
 
 class CalibrationError(ValueError):
@@ -50,8 +63,8 @@ def read_calibration_text(path: str | Path) -> str:
             f"(use {', '.join(SUFFIXES)})"
         )
     try:
-        if suffix == ".txt":
-            text = path.read_text(encoding="utf-8")
+        if suffix in (".txt", ".utf8"):
+            text = _drop_doc_markup(path.read_text(encoding="utf-8"))
         elif suffix == ".jsonl":
             text = _read_jsonl(path)
         else:
@@ -65,6 +78,12 @@ def read_calibration_text(path: str | Path) -> str:
     if not text.strip():
         raise CalibrationError(f"calibration file {path} holds no text")
     return text
+
+
+def read_calibration_texts(paths: Sequence[str | Path]) -> list[str]:
+    if not paths:
+        raise CalibrationError("no calibration file given")
+    return [read_calibration_text(p) for p in paths]
 
 
 def _read_jsonl(path: Path) -> str:
@@ -106,16 +125,18 @@ def _is_string_column(arrow_type: object) -> bool:
     return str(arrow_type) in ("string", "large_string")
 
 
-def default_calibration_texts() -> list[str]:
-    texts = []
-    for name in DEFAULT_SOURCES:
-        raw = (DATA_DIR / name).read_text(encoding="utf-8")
-        if raw.lstrip().startswith("<doc"):
-            # One article per <doc> block; the header line is attribution, not text.
-            articles = [a.split("\n", 1)[-1].strip() for a in raw.split("</doc>")]
-            raw = "\n\n".join(a for a in articles if a)
-        texts.append(raw)
-    return texts
+def default_calibration_texts(names: Sequence[str] = DEFAULT_SOURCES) -> list[str]:
+    return [_drop_doc_markup((DATA_DIR / name).read_text(encoding="utf-8")) for name in names]
+
+
+def _drop_doc_markup(raw: str) -> str:
+    """Articles of a `<doc …>` file joined by blank lines, without the markup lines (the
+    header is attribution, not text); any other text as it is."""
+    if not raw.lstrip().startswith("<doc"):
+        return raw
+    # Strip first: every article but the first begins with the newline after "</doc>".
+    articles = [a.strip().split("\n", 1)[-1].strip() for a in raw.split("</doc>")]
+    return "\n\n".join(a for a in articles if a)
 
 
 def calibration_rows(

@@ -28,7 +28,7 @@ import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,9 +69,16 @@ Measurement = dict[str, Any]
 
 QUANTIZER_VERSION = "kestrel-0.1.0"
 MIN_BITS, MAX_BITS = 2.0, 8.0
-# Defaults per device: the CPU ones keep a 135M model to minutes on two cores.
-DEFAULT_ROWS = {"cuda": (32, 2048, 8, 2048), "cpu": (16, 512, 8, 512)}
-# On the CPU, measurement candidates are scored on this many tokens (measure.py).
+# (rows, length, measure rows, measure length) per device. The defaults put quality first;
+# `fast` is the earlier default, for quick tries (SmolLM2-135M in about 8 minutes on two
+# loaded CPU cores). Issue 29's measurements (README, "Quantize a model"): the mixed
+# calibration text is most of the gain on multilingual text and code; on a CPU the default
+# also scores measurement candidates on every measurement row (every source of the mix)
+# rather than on the first SCORE_TOKENS_CPU tokens, which costs about twice the time.
+DEFAULT_ROWS = {"cuda": (64, 2048, 12, 2048), "cpu": (16, 512, 8, 512)}
+FAST_ROWS = {"cuda": (32, 2048, 8, 2048), "cpu": (16, 512, 8, 512)}
+# With `fast` on a CPU, measurement candidates are scored on the first rows holding this
+# many tokens (measure.py); the defaults score every row, as on a GPU.
 SCORE_TOKENS_CPU = 1024
 
 
@@ -87,14 +94,16 @@ class ConversionStopped(Exception):
 class ConvertOptions:
     bits: float
     head_bits: int = 6
-    calibration: str | Path | None = None  # .txt/.jsonl/.parquet; None: the shipped text
-    rows: int | None = None  # None: per-device default (DEFAULT_ROWS)
+    # .txt/.jsonl/.parquet file(s), one source each (rows interleave); None: the shipped mix
+    calibration: str | Path | Sequence[str | Path] | None = None
+    rows: int | None = None  # None: per-device default (DEFAULT_ROWS, FAST_ROWS when fast)
     length: int | None = None
     measure_rows: int | None = None
     measure_length: int | None = None
     measurement_out: str | Path | None = None  # save the measurement here
     measure_only: bool = False  # stop after saving it (exllamav2's -om); OUT is not made
     measurement_in: str | Path | None = None
+    fast: bool = False  # FAST_ROWS instead of DEFAULT_ROWS where rows/lengths are not given
     resume: bool = True
     device: str | None = None
     damp: float = 0.1
@@ -160,6 +169,7 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         ),
         "damp": options.damp,
         "rtn": options.rtn,
+        "score_tokens": _score_tokens(options, device),
     }
     try:
         job = Job.open(partial, settings, resume=options.resume)
@@ -230,8 +240,9 @@ def _check_options(o: ConvertOptions) -> None:
 def _calibration(o: ConvertOptions) -> tuple[list[str], str]:
     if o.calibration is None:
         return cal.default_calibration_texts(), cal.DEFAULT_DATASET_NAME
+    paths = [o.calibration] if isinstance(o.calibration, (str, Path)) else list(o.calibration)
     try:
-        return [cal.read_calibration_text(o.calibration)], Path(o.calibration).name
+        return cal.read_calibration_texts(paths), " + ".join(Path(p).name for p in paths)
     except cal.CalibrationError as e:
         raise ConvertError(str(e)) from None
 
@@ -261,8 +272,13 @@ def _check_model(model_dir: Path, o: ConvertOptions, measurement: Measurement | 
 
 
 def _row_settings(o: ConvertOptions, device: torch.device) -> tuple[int, int, int, int]:
-    r, ln, mr, ml = DEFAULT_ROWS["cuda" if device.type == "cuda" else "cpu"]
+    table = FAST_ROWS if o.fast else DEFAULT_ROWS
+    r, ln, mr, ml = table["cuda" if device.type == "cuda" else "cpu"]
     return (o.rows or r, o.length or ln, o.measure_rows or mr, o.measure_length or ml)
+
+
+def _score_tokens(o: ConvertOptions, device: torch.device) -> int | None:
+    return SCORE_TOKENS_CPU if o.fast and device.type == "cpu" else None
 
 
 def _say(o: ConvertOptions, message: str) -> None:
@@ -452,7 +468,7 @@ def _measure(
                 states,
                 scale_search=search,
                 damp=o.damp,
-                score_tokens=None if device.type == "cuda" else SCORE_TOKENS_CPU,
+                score_tokens=_score_tokens(o, device),
                 tick=bar.update,
             )
             lm.unload_layer(i)
