@@ -21,10 +21,9 @@ from engine.quantizer.pipeline import (
     _row_settings,
     _score_tokens,
 )
+from helpers.model_factory import make_tiny_llama
 from tools.perplexity import DOMAINS, HELDOUT_DIR, domain_perplexities, domain_texts, main
 from tools.perplexity import perplexity as text_perplexity
-
-from model_factory import make_tiny_llama
 
 ROWS = dict(rows=6, length=64, measure_rows=3, measure_length=64)
 
