@@ -56,7 +56,10 @@ def _free_port() -> int:
 def _ui(tmp: Path, *flags: str) -> list[str]:
     models = tmp / "models"
     models.mkdir(exist_ok=True)
-    return ["ui.py", "--models-dir", str(models), "--user-data-dir", str(tmp / "ud"), *flags]
+    # A free port unless the test picks one: the default 7860 may be taken on the machine
+    # (a user's own UI), which would answer every test with "port in use".
+    port = [] if "--port" in flags else ["--port", str(_free_port())]
+    return ["ui.py", "--models-dir", str(models), "--user-data-dir", str(tmp / "ud"), *port, *flags]
 
 
 def _nothing_loaded(result: subprocess.CompletedProcess[str], tmp: Path) -> None:
