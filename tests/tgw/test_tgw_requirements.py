@@ -25,6 +25,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from helpers.checkout import clean_env, layered_venv
 from loader.base import LoaderError
 from loader.tgw.edits import EDITS
 from loader.tgw.installer import shim_source
@@ -254,11 +255,13 @@ def test_shim_says_when_kestrel_moved(tmp_path):
     (tgw / "modules" / "__init__.py").write_text("")
     (tgw / "modules" / "kestrel.py").write_text(shim_source(kestrel))
     code = "import modules.kestrel as k; print(k._glue.__file__, k.load_model.__module__)"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # TGW's Python sees this environment's packages but not this checkout: setup.sh installs
+    # the checkout into .venv (editable), whose `loader` would rightly be refused as shadowing.
+    python = layered_venv(tmp_path / "tgw-venv")
 
     def import_shim() -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-c", code], cwd=tgw, capture_output=True, text=True, env=env
+            [python, "-c", code], cwd=tgw, capture_output=True, text=True, env=clean_env()
         )
 
     run = import_shim()
