@@ -70,8 +70,9 @@ def test_a_load_imports_no_compiler_stack(quantized: Path) -> None:
         "print(sorted(m for m in ('torch._dynamo', 'sympy', 'torch.distributed.fsdp') "
         "if m in sys.modules))\n"
     )
-    root = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+    from helpers.checkout import ROOT
+
     done = subprocess.run(
-        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, check=True
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr

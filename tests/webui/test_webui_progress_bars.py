@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = next(p for p in Path(__file__).resolve().parents if (p / "pyproject.toml").is_file())
+from helpers.checkout import ROOT
 
 # A fresh process each time: tqdm's class is patched once per process.
 SCRIPT = """
