@@ -10,6 +10,7 @@ more of those).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,7 +25,12 @@ import openai
 import pytest
 
 from extensions.openai import ApiServer, run_api_server
-from loader.default_model import DEFAULT_MODEL, ensure_packaged_model
+from loader.default_model import (
+    DEFAULT_MODEL,
+    default_model_path,
+    ensure_packaged_model,
+    is_converted,
+)
 from loader.manager import ModelManager
 from serving import shared
 
@@ -52,26 +58,51 @@ ASKS = [
 ]
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the model runs: the CPU with the default model's float32 import (every
+    machine), or CUDA with its EXL2 form in float16 (what the web UI runs; GPU machines
+    that have it in models/, since they may have no network to fetch it)."""
+
+    device: str
+    dtype: str
+    source: Path
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def target(request: pytest.FixtureRequest) -> Target:
+    if request.param == "cpu":
+        return Target("cpu", "float32", ensure_packaged_model(DEFAULT_MODEL, None, quiet=True))
+    exl2 = default_model_path()
+    if not is_converted(exl2):
+        pytest.skip(f"needs the default model's EXL2 form in {exl2} (no network on GPU hosts)")
+    return Target("cuda", "float16", exl2)
+
+
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    source = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
+def client(tmp_path_factory: pytest.TempPathFactory, target: Target) -> Iterator[openai.OpenAI]:
     models = tmp_path_factory.mktemp("structured")
     for name, template in (("smol", None), ("smol-tools", TOOLS_TEMPLATE)):
-        target = models / name
-        target.mkdir()
-        for item in source.iterdir():
+        model_dir = models / name
+        model_dir.mkdir()
+        for item in target.source.iterdir():
             if item.suffix == ".safetensors":
-                _link_or_copy(item, target / item.name)  # the loader refuses symlinks out
-            else:
-                shutil.copy(item, target / item.name)
+                _link_or_copy(item, model_dir / item.name)  # the loader refuses symlinks out
+            elif item.is_file():
+                shutil.copy(item, model_dir / item.name)
         if template is not None:
-            (target / "chat_template.jinja").write_text(template)
+            (model_dir / "chat_template.jinja").write_text(template)
     (models / "loras").mkdir()
     manager = ModelManager(models, models / "loras")
     # Room for 32 jobs at once (the default cache holds one max_seq_len): the test's 200
     # generations run as a few large batches, not five jobs at a time.
     manager.load(
-        "smol", "kestrel", device="cpu", dtype="float32", max_seq_len=1024, cache_tokens=32 * 256
+        "smol",
+        "kestrel",
+        device=target.device,
+        dtype=target.dtype,
+        max_seq_len=1024,
+        cache_tokens=32 * 256,
     )
     previous, shared.manager = shared.manager, manager
     server: ApiServer = run_api_server("127.0.0.1", 0, manager=manager)
@@ -172,12 +203,11 @@ def test_json_object(short_replies: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("grammar", GRAMMARS)
-def test_gbnf_grammar_string(short_replies: dict[str, Any], grammar: str) -> None:
+def test_gbnf_grammar_string(short_replies: dict[str, Any], target: Target, grammar: str) -> None:
     text = (DATA / f"{grammar}.gbnf").read_text()
     reply = short_replies[grammar]
     assert len(reply.choices) == 2
-    source = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
-    ll_tok = llguidance.LLTokenizer((source / "tokenizer.json").read_text())
+    ll_tok = llguidance.LLTokenizer((target.source / "tokenizer.json").read_text())
     for choice in reply.choices:
         matcher = llguidance.LLMatcher(ll_tok, llguidance.grammar_from("gbnf", text), log_level=0)
         ids = ll_tok.tokenize_str(choice.text)
@@ -187,11 +217,12 @@ def test_gbnf_grammar_string(short_replies: dict[str, Any], grammar: str) -> Non
             assert matcher.is_accepting(), choice.text
 
 
-def test_strict_tools_give_calls_whose_arguments_validate(client: openai.OpenAI) -> None:
+def test_strict_tools_give_calls_whose_arguments_validate(
+    client: openai.OpenAI, target: Target
+) -> None:
+    on = {"device": target.device, "dtype": target.dtype, "max_seq_len": 1024}
     # Room for the five requests at once (their prompts carry the tools).
-    shared.manager.load(
-        "smol-tools", "kestrel", device="cpu", dtype="float32", max_seq_len=1024, cache_tokens=4096
-    )
+    shared.manager.load("smol-tools", "kestrel", cache_tokens=4096, **on)
     try:
         tools = [
             {"type": "function", "function": {"name": name, "parameters": SCHEMAS[name],
@@ -228,7 +259,7 @@ def test_strict_tools_give_calls_whose_arguments_validate(client: openai.OpenAI)
         assert call.function.name == "book_flight"
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["book_flight"])
     finally:
-        shared.manager.load("smol", "kestrel", device="cpu", dtype="float32", max_seq_len=1024)
+        shared.manager.load("smol", "kestrel", **on)
 
 
 def test_an_invalid_schema_is_a_400_saying_where(client: openai.OpenAI) -> None:

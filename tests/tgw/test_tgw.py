@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import llguidance
 import pytest
 import torch
 
@@ -393,6 +394,7 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
         assert key in warning
     if "api_unavailable" not in out:
         _check_api_logprobs(out, expected, reference_logits)
+    _check_grammar_replies(out, models / "tiny-llama" / "tokenizer.json")
     lora = out["lora"]
     if lora["status"] == "error":
         assert lora["lora_names"] == []  # TGW's LoRA list is left as it was
@@ -406,6 +408,17 @@ def test_tgw_loads_streams_applies_lora_and_unloads(tgw, tmp_path):
     assert lora["stream_after_removal"][-1] == expected
     if "api_unavailable" in out:
         pytest.skip(f"TGW's API (logprobs) not checked: {out['api_unavailable']}")
+
+
+def _check_grammar_replies(out: dict, tokenizer_json: Path) -> None:
+    """Replies under TGW's grammar box are what llama.cpp's list grammar accepts: the whole
+    grammar where they stopped, a prefix of it where the token budget ran out."""
+    ll_tok = llguidance.LLTokenizer(tokenizer_json.read_text())
+    for key in ("grammar_greedy", "grammar_sampled"):
+        text = out[key]
+        assert text, key
+        matcher = llguidance.LLMatcher(ll_tok, llguidance.grammar_from("gbnf", out["grammar"]))
+        assert matcher.consume_tokens(ll_tok.tokenize_str(text)), (key, text, matcher.get_error())
 
 
 def _check_api_logprobs(out: dict, expected: str, reference_logits: torch.Tensor) -> None:
