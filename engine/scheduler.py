@@ -106,7 +106,6 @@ from typing import Any
 import torch
 
 from engine.constraints import (
-    CONSTRAINT_ERROR,
     JobConstraint,
     compile_constraint,
     constraint_spec,
@@ -1151,9 +1150,11 @@ class Scheduler:
         if not tokens:
             self._publish(job, job.tokens)
             return None
-        if sync_constraint(job, job.generated_ids) is not None:
-            # Its grammar allowed no token at this position: the token drawn is not used.
-            self._finish(job, CONSTRAINT_ERROR)
+        ended = sync_constraint(job, job.generated_ids)
+        if ended is not None:
+            # Its grammar allowed no token at this position (broken, or complete with EOS
+            # banned): the token drawn is not used.
+            self._finish(job, ended)
             return job.events.pop()
         if job.state == PREFILL:
             job.state = DECODE
@@ -1183,9 +1184,11 @@ class Scheduler:
                 reason = fed.finish_reason
                 self._finish(job, reason, emit=False)
                 break
-        if not job.done and sync_constraint(job, job.generated_ids) is not None:
-            reason = CONSTRAINT_ERROR
-            self._finish(job, reason, emit=False)
+        if not job.done:
+            ended = sync_constraint(job, job.generated_ids)
+            if ended is not None:
+                reason = ended
+                self._finish(job, reason, emit=False)
         if not (text or ids or reason):
             return None
         wanted = job.sampling.logprobs_k is not None

@@ -18,7 +18,8 @@ Contract:
   `sync_constraint` after a job's tokens changed (accepted tokens are consumed; rejected
   drafts and banned-string rewinds roll back).
 - A job whose grammar leaves no token to continue with (a schema the tokenizer cannot
-  satisfy) ends with finish_reason "constraint_error"; a finished grammar allows only EOS.
+  satisfy) ends with finish_reason "constraint_error"; a finished grammar allows only the
+  stop tokens (EOS unless ban_eos_token), and with none open it ends the job as "stop".
 """
 
 from engine.constraints.compiler import check_constraint, compile_constraint

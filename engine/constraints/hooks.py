@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.constraints.state import CONSTRAINT_ERROR
+from engine.constraints.state import JobConstraint
 
 # (job, first logits row, drafts): the job's rows are first_row .. first_row + len(drafts),
 # row j drawn after the job's tokens and drafts[:j].
@@ -80,7 +80,7 @@ def mask_logits(rows: Sequence[MaskRow], logits: torch.Tensor, apply: ApplyMask)
     wanted = [
         (row[0].constraint, row[1], row[2])
         for row in rows
-        if getattr(row[0], "constraint", None) is not None and row[0].constraint.failed is None
+        if getattr(row[0], "constraint", None) is not None and row[0].constraint.open
     ]
     if not wanted:
         return logits
@@ -139,10 +139,19 @@ def _mask(
     # One look at every job's first row: a job whose grammar allows nothing fails.
     allowed: list[bool] = np.asarray(host.numpy()[firsts].any(axis=1)).tolist()
     for (constraint, _, drafts), at_first, ok in zip(wanted, firsts, allowed, strict=True):
-        if not ok or constraint.matcher.is_error():
-            detail = constraint.matcher.get_error().split("\n", 1)[0][:200]
+        matcher = constraint.matcher
+        if matcher.is_stopped() and not _allows_any(host[at_first], constraint.stop_ids):
+            # The grammar has ended and leaves only EOS, which this job bans (ban_eos_token):
+            # the grammar's end is the job's.
+            constraint.complete = True
+        elif ok and not matcher.is_error():
+            continue
+        elif not matcher.is_error() and matcher.is_accepting():
+            constraint.complete = True  # the same, where the mask came back empty
+        else:
+            detail = matcher.get_error().split("\n", 1)[0][:200]
             constraint.fail(f"the grammar allows no token here ({detail or 'empty mask'})")
-            host[at_first : at_first + 1 + len(drafts)] = -1
+        host[at_first : at_first + 1 + len(drafts)] = -1
     mask = host[:at]
     if logits.device.type == "cuda":
         rows_at = buf.rows[:at]
@@ -157,6 +166,13 @@ def _mask(
     return apply(logits, mask, rows_at)
 
 
+def _allows_any(row: torch.Tensor, tokens: frozenset[int]) -> bool:
+    """Whether a bitmask row (int32 words, bit t of word t // 32 for token t) allows any of
+    `tokens`."""
+    words = row.numpy()
+    return any((int(words[t >> 5]) >> (t & 31)) & 1 for t in tokens if t >> 5 < len(words))
+
+
 def trim_drafts(job: Any, drafts: list[int]) -> list[int]:
     """`drafts` cut before the first one the job's grammar refuses."""
     constraint = getattr(job, "constraint", None)
@@ -166,10 +182,11 @@ def trim_drafts(job: Any, drafts: list[int]) -> list[int]:
 
 
 def sync_constraint(job: Any, generated: list[int]) -> str | None:
-    """Bring the job's matcher to its `generated` tokens; CONSTRAINT_ERROR when the job
-    cannot go on (its grammar allowed no token, or a token it was given broke it)."""
-    constraint = getattr(job, "constraint", None)
+    """Bring the job's matcher to its `generated` tokens; the finish reason when the job
+    cannot go on: CONSTRAINT_ERROR (its grammar allowed no token, or a token it was given
+    broke it) or GRAMMAR_COMPLETE (its grammar ended with no stop token open)."""
+    constraint: JobConstraint | None = getattr(job, "constraint", None)
     if constraint is None:
         return None
     constraint.sync(generated)
-    return CONSTRAINT_ERROR if constraint.failed is not None else None
+    return constraint.finish_reason()

@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 CONSTRAINT_ERROR = "constraint_error"  # the finish reason of a job its grammar left stuck
+# The finish reason of a job whose grammar is complete and allows nothing more: with EOS
+# banned (ban_eos_token) no stop token is open to end it, so the grammar's end ends it.
+GRAMMAR_COMPLETE = "stop"
 
 
 class JobConstraint:
     """The matcher has consumed `consumed` of the job's generated tokens (a prefix of them:
-    tokens only change at the end). `failed` holds why the job cannot go on, if so. `lane`:
-    the mask lane whose lexer its matcher shares (engine/constraints/compiler.py)."""
+    tokens only change at the end). `failed` holds why the job cannot go on, if so;
+    `complete` says its grammar has ended and allows no more tokens. `lane`: the mask lane
+    whose lexer its matcher shares (engine/constraints/compiler.py)."""
 
     def __init__(
         self,
@@ -27,6 +31,7 @@ class JobConstraint:
         self.stop_ids = stop_ids
         self.consumed = 0
         self.failed: str | None = None
+        self.complete = False
 
     def sync(self, generated: list[int]) -> None:
         """Roll back what the job dropped (rejected drafts, rewinds), consume what it added.
@@ -38,6 +43,9 @@ class JobConstraint:
                 self.fail(f"rollback failed: {self.matcher.get_error()}")
                 return
             self.consumed = len(generated)
+            self.complete = False  # a rewind reopened the grammar
+        if self.complete:  # the token drawn after the grammar's end is not used
+            return
         new = [t for t in generated[self.consumed :] if t not in self.stop_ids]
         if new and not self.matcher.consume_tokens(new):
             self.fail(f"token not allowed: {self.matcher.get_error()}")
@@ -53,3 +61,14 @@ class JobConstraint:
 
     def fail(self, why: str) -> None:
         self.failed = why
+
+    @property
+    def open(self) -> bool:
+        """Whether the job still needs masks: neither failed nor complete."""
+        return self.failed is None and not self.complete
+
+    def finish_reason(self) -> str | None:
+        """Why the job cannot go on (CONSTRAINT_ERROR, GRAMMAR_COMPLETE), or None."""
+        if self.failed is not None:
+            return CONSTRAINT_ERROR
+        return GRAMMAR_COMPLETE if self.complete else None

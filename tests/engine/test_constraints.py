@@ -149,6 +149,29 @@ def test_a_grammar_the_tokenizer_cannot_write_ends_with_a_reason(tmp_path: Path)
         words.unload()
 
 
+def test_a_finished_grammar_ends_the_job_when_eos_is_banned(model) -> None:
+    """With ban_eos_token, a grammar that has ended leaves no token to write (it allows only
+    EOS): the job ends there as "stop" with the grammar's whole text, never as a broken
+    grammar, a hang or text past the grammar. Mixed with a free job in one batch."""
+    cases = [
+        ({"regex": "(yes|no)"}, lambda text: text in ("yes", "no")),
+        ({"grammar_string": 'root ::= "ok"'}, lambda text: text == "ok"),
+        ({"json_schema": {"type": "boolean"}}, lambda text: json.loads(text) in (True, False)),
+    ]
+    prompt = _prompt(model, "Answer with one word.")
+    jobs = [(prompt, {"max_new_tokens": 8, "do_sample": False, "ban_eos_token": True})]
+    for extra, _ in cases:
+        for ban in (True, False):
+            jobs.append((prompt, {"max_new_tokens": 12, "do_sample": False,
+                                  "ban_eos_token": ban, **extra}))  # fmt: skip
+    results = _run(model, jobs)
+    assert results[0][2] == "length"  # the free job: EOS banned, it runs to its budget
+    for i, (_, valid) in enumerate(cases):
+        for j in range(2):
+            ids, text, reason = results[1 + 2 * i + j]
+            assert reason == "stop" and valid(text), (jobs[1 + 2 * i + j][1], text, reason)
+
+
 def test_invalid_schemas_and_grammars_name_the_key(model) -> None:
     tokenizer, vocab = model.backend.tokenizer, model.backend.config.vocab_size
     cases = [
