@@ -58,6 +58,10 @@ _LLG_FORMAT: dict[str, GrammarFormat] = {
     "gbnf": "gbnf",
 }
 _CACHED_GRAMMARS = 64
+# Prototype matchers (lexers, ~2 MiB each once warm) kept over all cached grammars of one
+# tokenizer: without it 64 grammars x a dozen lanes could hold ~1.5 GiB. The least
+# recently used grammars go first; running jobs keep their own copies either way.
+_CACHED_LEXERS = 96
 # A JSON string's characters (no quote, backslash or control character), as llguidance's
 # own slices write them, in length steps fine enough for typical maxLength bounds.
 _STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'
@@ -97,6 +101,10 @@ class _Compiled:
         self.grammar = grammar
         self.lanes: dict[int, llguidance.LLMatcher] = {}
         self.first: llguidance.LLMatcher | None = first  # the checked one: the first lane's
+
+    @property
+    def lexers(self) -> int:
+        return len(self.lanes) + (self.first is not None)
 
     def next_job(self, ll_tok: llguidance.LLTokenizer) -> tuple[llguidance.LLMatcher, int]:
         """A new job's matcher (a copy of its lane's prototype) and its lane: the least
@@ -181,13 +189,27 @@ def compile_constraint(
         compiled = _Compiled(grammar, _matcher(spec, ll_tok, grammar))
         with _lock:
             compiled = cache.setdefault(key, compiled)
-            while len(cache) > _CACHED_GRAMMARS:
-                cache.popitem(last=False)
     with _lock:
         matcher, lane = compiled.next_job(ll_tok)
+        _trim(cache)
     constraint = JobConstraint(matcher, spec, ll_tok, stop_ids, lane)
     weakref.finalize(constraint, _release, lane)
     return constraint
+
+
+def _trim(cache: OrderedDict[tuple[str, str, int], _Compiled]) -> None:
+    """Drop the least recently used grammars while the cache holds more than
+    _CACHED_GRAMMARS of them or _CACHED_LEXERS lexers; the most recent one always stays."""
+    lexers = sum(compiled.lexers for compiled in cache.values())
+    while len(cache) > 1 and (len(cache) > _CACHED_GRAMMARS or lexers > _CACHED_LEXERS):
+        _, dropped = cache.popitem(last=False)
+        lexers -= dropped.lexers
+
+
+def cached_lexers(tokenizer: Any) -> int:
+    """Prototype matchers (lexers) cached for `tokenizer`'s grammars."""
+    with _lock:
+        return sum(compiled.lexers for compiled in _grammars.get(tokenizer, {}).values())
 
 
 def check_constraint(spec: ConstraintSpec) -> None:

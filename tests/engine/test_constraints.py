@@ -356,6 +356,37 @@ def test_a_grammar_run_one_job_at_a_time_keeps_one_lane(model) -> None:
     assert len({job.lane for job in side_by_side}) == 4
 
 
+def test_cached_lexers_stay_bounded(model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many grammars, each run side by side over several lanes, keep at most _CACHED_LEXERS
+    prototype lexers cached (least recently used grammars go first), and a grammar dropped
+    from the cache still works for the jobs that hold it and compiles again when asked."""
+    from engine.constraints import compiler
+
+    monkeypatch.setattr(compiler, "_CACHED_LEXERS", 5)
+    tokenizer, vocab = model.backend.tokenizer, model.backend.config.vocab_size
+    specs = [
+        constraint_spec(SamplingSettings.from_any({"regex": f"(yes|no){{{n}}}"}))
+        for n in range(1, 7)
+    ]
+    set_mask_lanes(3)
+    try:
+        held = []
+        for spec in specs:
+            held += [compile_constraint(spec, tokenizer, vocab) for _ in range(3)]
+            assert compiler.cached_lexers(tokenizer) <= 5
+        again = compile_constraint(specs[0], tokenizer, vocab)  # dropped first: compiled anew
+    finally:
+        set_mask_lanes(None)
+    assert compiler.cached_lexers(tokenizer) <= 5
+    for job in [held[0], held[-1], again]:
+        words = (vocab + 31) // 32
+        mask = torch.zeros(words, dtype=torch.int32)
+        job.matcher.unsafe_compute_mask_ptr(mask.data_ptr(), words * 4)
+        allowed = _allowed(mask, vocab)
+        assert 0 < len(allowed) < vocab  # "yes"/"no" openings only
+        assert job.matcher.consume_token(int(allowed[0]))
+
+
 def test_mask_threads_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     for value, words in [("lots", "whole number"), ("0", "between 1 and 256")]:
         monkeypatch.setenv("KESTREL_MASK_THREADS", value)
