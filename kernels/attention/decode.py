@@ -9,9 +9,11 @@ Design. Grid (B, Hk, splits): a program takes one sequence, one kv head and one 
 chunk of that sequence's keys, and computes all G = Hq/Hk query heads of the group at once,
 so every K/V byte is read once per step. Long contexts at small batch are split into
 chunks ("split-K") so that B * Hk * splits programs fill the GPU; each split writes its
-output over its own keys (float32) and their log-sum-exp, and a second small kernel merges
-the splits weighted by their log-sum-exps. With one split the first kernel writes the
-output itself. Scores are kept in log2 units (exp2 is the fast path).
+output over its own keys (float32) and their log-sum-exp, and the last split of a (sequence,
+kv head) to finish (an int32 counter each) merges the group's splits weighted by their
+log-sum-exps, in split order: one launch per step, where a second merge kernel cost ~2 µs
+per layer on an H100. With one split the program writes the output itself. Scores are kept
+in log2 units (exp2 is the fast path).
 
 Query tiles: G rows of D. For G >= `DECODE_DOT_MIN_GROUP` the rows are padded to 16 and
 multiplied with tl.dot (tensor cores; the padding costs nothing in a memory-bound kernel);
@@ -60,8 +62,23 @@ MIN_SPLIT_TOKENS = 64
 MAX_SPLITS = 128
 # Programs aimed for, per SM: enough resident programs to hide the gather latency.
 PROGRAMS_PER_SM = 3
-# Splits merged per step of the merge kernel's loop.
-_MERGE_CHUNK = 16
+# Per device: int32 counters, one per (sequence, kv head), of the splits that have written
+# their part; zero between calls (the merging program resets its own). They only grow; a
+# replaced buffer is kept alive, since a CUDA graph captured earlier still counts in it.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def _merge_counters(device: torch.device, count: int) -> torch.Tensor:
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < count:
+        if have is not None:
+            _RETIRED_COUNTERS.append(have)
+        size = max(count, 2 * have.numel() if have is not None else 0, 1024)
+        have = _COUNTERS[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return have
+
+
 # Software-pipelining depth of the decode kernel's key-block loop. One stage (no
 # prefetch into shared memory) was 6% faster than two on average over batch 1-64 and
 # 128-8192 keys, 13% at batch 1 with 8192 (H100, fp16 8B shapes,
@@ -105,7 +122,11 @@ def _decode_kernel(
     softcap_log2,
     window,
     split_tokens,  # keys per split, a multiple of BLOCK_N
+    counter_ptr,  # int32 [B, Hk] zero between calls (SPLIT): splits of the group done
     GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,  # GROUP rounded up to a power of two (the merge's rows)
+    BLOCK_S: tl.constexpr,  # splits rounded up to a power of two (the merge's lse tile)
+    MERGE_CHUNK: tl.constexpr,  # splits whose outputs the merge loads at once
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -239,6 +260,19 @@ def _decode_kernel(
             tl.store(part_ptrs + dims[None, :], out, mask=q_mask)
             lse_ptrs = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head
             tl.store(lse_ptrs + split, lse, mask=g < GROUP)
+            # The group's last split to finish merges them all (no second kernel): the
+            # barrier puts every thread's stores before the counter's release.
+            tl.debug_barrier()
+            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel")
+            if done == tl.num_programs(2) - 1:
+                _merge_group(
+                    part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, q_row,
+                    stride_po_seq, stride_po_head, stride_po_split, stride_pl_seq,
+                    stride_pl_head, stride_out_tok, stride_out_head, tl.num_programs(2),
+                    GROUP, GROUP_P2, HEAD_DIM, BLOCK_S, MERGE_CHUNK, BLOCK_D, EMULATE_BF16,
+                )  # fmt: skip
+                tl.store(counter, 0)
         else:
             out_ptrs = out_ptr + q_row.to(tl.int64) * stride_out_tok
             out_ptrs += heads[:, None] * stride_out_head + dims[None, :]
@@ -246,11 +280,13 @@ def _decode_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(
+def _merge_group(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
-    cu_seqlens_ptr,
+    seq,
+    kv_head,
+    q_row,
     stride_po_seq,
     stride_po_head,
     stride_po_split,
@@ -259,44 +295,60 @@ def _merge_splits_kernel(
     stride_out_tok,
     stride_out_head,
     num_splits,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # >= num_splits, a power of two
+    BLOCK_S: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
-    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
-    # Everything this kernel reads comes from earlier kernels: wait before any load.
-    pdl_start(USE_PDL)
-    # Grid (B, Hq): out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max).
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_row = tl.load(cu_seqlens_ptr + seq)
-    n_new = tl.load(cu_seqlens_ptr + seq + 1) - q_row
-    if n_new > 0:
-        lse_row = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + head * stride_pl_head
-        splits = tl.arange(0, BLOCK_S)
-        lse_all = tl.load(lse_row + splits, mask=splits < num_splits, other=float("-inf"))
-        lse_max = tl.max(lse_all, axis=0)
-        lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-        total = tl.sum(tl.exp2(lse_all - lse_max), axis=0)
+    """out = sum_s 2^(lse_s - max) * o_s / sum_s 2^(lse_s - max) for the GROUP query heads
+    of one kv head, the splits added in split order (the same bits whichever split came
+    last). Read from L2 (.cg), past an L1 that may hold lines of an earlier step."""
+    g = tl.arange(0, GROUP_P2)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    lse_rows = part_lse_ptr + seq.to(tl.int64) * stride_pl_seq + heads * stride_pl_head
+    splits = tl.arange(0, BLOCK_S)
+    lse_all = tl.load(
+        lse_rows[:, None] + splits[None, :],
+        mask=head_ok[:, None] & (splits < num_splits)[None, :],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )  # [GROUP_P2, BLOCK_S]
+    lse_max = tl.max(lse_all, axis=1)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    total = tl.sum(tl.exp2(lse_all - lse_max[:, None]), axis=1)
 
-        dims = tl.arange(0, BLOCK_D)
-        dim_mask = dims < HEAD_DIM
-        part_row = part_out_ptr + seq.to(tl.int64) * stride_po_seq + head * stride_po_head
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for chunk_start in range(0, num_splits, CHUNK):
-            chunk = chunk_start + tl.arange(0, CHUNK)
-            chunk_mask = chunk < num_splits
-            lse = tl.load(lse_row + chunk, mask=chunk_mask, other=float("-inf"))
-            weight = tl.exp2(lse - lse_max)  # [CHUNK]; empty splits weigh 0
-            o_ptrs = part_row + chunk[:, None] * stride_po_split + dims[None, :]
-            o = tl.load(o_ptrs, mask=chunk_mask[:, None] & dim_mask[None, :], other=0.0)
-            acc += tl.sum(weight[:, None] * o, axis=0)
-        out = acc / tl.where(total > 0.0, total, 1.0)
-        out_ptrs = out_ptr + q_row.to(tl.int64) * stride_out_tok + head * stride_out_head
-        dtype = out_ptr.dtype.element_ty
-        tl.store(out_ptrs + dims, cast_rtne(out, dtype, EMULATE_BF16), mask=dim_mask)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    part_rows = part_out_ptr + seq.to(tl.int64) * stride_po_seq + heads * stride_po_head
+    acc = tl.zeros([GROUP_P2, BLOCK_D], dtype=tl.float32)
+    for chunk_start in range(0, num_splits, CHUNK):
+        chunk = chunk_start + tl.arange(0, CHUNK)
+        chunk_ok = chunk < num_splits
+        lse = tl.load(
+            lse_rows[:, None] + chunk[None, :],
+            mask=head_ok[:, None] & chunk_ok[None, :],
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        weight = tl.exp2(lse - lse_max[:, None])  # [GROUP_P2, CHUNK]; empty splits weigh 0
+        o_ptrs = (
+            part_rows[:, None, None] + chunk[None, :, None] * stride_po_split + dims[None, None, :]
+        )
+        o_ok = head_ok[:, None, None] & chunk_ok[None, :, None] & dim_ok[None, None, :]
+        o = tl.load(o_ptrs, mask=o_ok, other=0.0, cache_modifier=".cg")
+        acc += tl.sum(weight[:, :, None] * o, axis=1)
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    out_ptrs = out_ptr + q_row.to(tl.int64) * stride_out_tok + heads[:, None] * stride_out_head
+    dtype = out_ptr.dtype.element_ty
+    tl.store(
+        out_ptrs + dims[None, :],
+        cast_rtne(out, dtype, EMULATE_BF16),
+        mask=head_ok[:, None] & dim_ok[None, :],
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -438,8 +490,12 @@ def decode_attention(
         part_lse = torch.empty(
             (batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device
         )
+        counters = _merge_counters(q.device, batch * num_kv_heads)
     else:
         part_out = part_lse = out  # unused
+        counters = context_lens  # unused
+    group_p2 = triton.next_power_of_2(group)
+    merge_chunk = max(1, min(64 // group_p2, 8192 // (group_p2 * block_d)))
     score_scale, softcap_log2 = score_constants(scale, softcap)
     pdl = programmatic_launch(q)
     with device_guard(q):
@@ -473,7 +529,11 @@ def decode_attention(
             softcap_log2,
             sliding_window or 0,
             split_tokens,
+            counters,
             GROUP=group,
+            GROUP_P2=group_p2,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            MERGE_CHUNK=merge_chunk,
             HEAD_DIM=head_dim,
             PAGE_SIZE=page_size,
             BLOCK_G=block_g,
@@ -491,27 +551,4 @@ def decode_attention(
             USE_PDL=pdl,
             launch_pdl=pdl,
         )
-        if split:
-            _merge_splits_kernel[(batch, num_q_heads)](
-                part_out,
-                part_lse,
-                out,
-                cu_seqlens,
-                part_out.stride(0),
-                part_out.stride(1),
-                part_out.stride(2),
-                part_lse.stride(0),
-                part_lse.stride(1),
-                out.stride(0),
-                out.stride(1),
-                num_splits,
-                HEAD_DIM=head_dim,
-                BLOCK_S=triton.next_power_of_2(num_splits),
-                CHUNK=_MERGE_CHUNK,
-                BLOCK_D=block_d,
-                EMULATE_BF16=INTERPRETED,
-                num_warps=1 if block_d <= 128 else 2,
-                USE_PDL=pdl,
-                launch_pdl=pdl,
-            )
     return out

@@ -24,6 +24,7 @@ from kernels.backend import resolve_backend
 
 # The dispatcher's module, for monkeypatching the kernels it calls.
 pa_module = importlib.import_module("kernels.attention.paged")
+decode_module = importlib.import_module("kernels.attention.decode")
 
 # The kernels loop over runtime key ranges; Triton 3.6's interpreter turns such loop bounds
 # into ints from 1-element arrays, which numpy 2.x deprecates (and 2.4 rejects, hence the
@@ -203,6 +204,26 @@ def test_mixed_batch_with_empty_sequences(device: str) -> None:
     ref = paged_attention_reference(*args, scale=0.125)
     out = paged_attention_triton(*args, scale=0.125, max_query_len=1, decode_split_tokens=16)
     _check(out, ref, dtype)
+
+
+def test_split_merge_in_the_last_split_is_exact_and_repeatable(device: str) -> None:
+    """The last split of each (sequence, kv head) to finish merges the group's splits: the
+    result matches the reference for groups of 1, 4 and 8 query heads over many splits
+    (merged a chunk at a time), with an idle sequence in the batch; a second call gives
+    the same bits, and the counters are zero again after each call."""
+    _require_triton(device)
+    dtype = torch.float16
+    for heads, kv_heads in ((2, 2), (8, 2), (16, 2)):
+        args = _batch([(600, 1), (12, 0), (77, 1)], heads, kv_heads, 64, dtype, device, seed=9)
+        ref = paged_attention_reference(*args, scale=0.125)
+        runs = [
+            paged_attention_triton(*args, scale=0.125, max_query_len=1, decode_split_tokens=16)
+            for _ in range(2)
+        ]
+        _check(runs[0], ref, dtype)
+        assert torch.equal(runs[0], runs[1])
+        counters = decode_module._COUNTERS[torch.device(device)]
+        assert int(counters.count_nonzero()) == 0
 
 
 def test_page_sizes_and_context_bounds(device: str) -> None:
