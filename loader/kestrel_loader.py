@@ -15,8 +15,8 @@ from engine.engine import Engine, EngineOptions
 from engine.generate import GenerationBackend
 from engine.loading import LoadProgress
 from engine.placement import PlacementError
+from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.launched import launched_rank
-from engine.tensor_parallel.transform import TensorParallelError
 from loader.base import LoadedModel, LoaderError, UnsupportedFeatureError
 
 NAME = "kestrel"

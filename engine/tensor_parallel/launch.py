@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from engine.config import ModelConfig
 from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
 from engine.loading import resolve_device, resolve_dtype
+from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.launched import LaunchedRank, launched_rank
 from engine.tensor_parallel.rank import (
     NCCL_ENV,
@@ -41,7 +42,6 @@ from engine.tensor_parallel.rank import (
 )
 from engine.tensor_parallel.ranks import Ranks, leave_group, stop_workers
 from engine.tensor_parallel.runner import TensorParallelRunner
-from engine.tensor_parallel.transform import TensorParallelError
 from engine.tokenizer import Tokenizer
 
 READY_TIMEOUT_S = 3600.0  # a 70B shard reads ~40 GB from disk
