@@ -122,13 +122,12 @@ def shard_vocab(
     if not isinstance(table, torch.Tensor) or table.dim() != 2:
         raise TensorParallelError(f"cannot cut a {type(embed).__name__} by vocabulary rows")
     head = model.lm_head
-    tied = isinstance(head, Linear) and head.weight is table
     lo, hi = vocab_range(table.shape[0], rank, world)
     # A clone: a view of the rows would keep the whole table's storage alive.
     slice_ = VocabParallelEmbedding(table[lo:hi].clone(), lo, group)
     model.model.embed_tokens = slice_
     vocab = linear_features(head)[1]
-    if tied:
+    if isinstance(head, Linear) and head.weight is table:  # tied
         # One tensor for both, as in one process: the head reads the embedding's rows.
         with torch.device("meta"):  # its parameters are the slice's, not new tensors
             inner: nn.Module = Linear(head.in_features, hi - lo, head.bias is not None)
