@@ -20,6 +20,7 @@ from engine.architectures.base import CausalLM
 from engine.cache import PagedKVCache
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
+from engine.held_bytes import held_bytes
 from engine.loading import DTYPES, load_causal_lm
 from engine.placement import Placement
 from engine.placement.footprint import model_footprint
@@ -121,6 +122,28 @@ def build_rank(
     return model, cache, graphs, config
 
 
+def rank_memory(model: CausalLM, cache: PagedKVCache, device: torch.device) -> dict[str, int]:
+    """Bytes this rank holds, by part (engine.held_bytes), and on a GPU what torch's
+    allocator has allocated and reserved there and what the device has in use in all (the
+    CUDA context, NCCL's buffers and other processes included): reserved well above
+    allocated is memory the staging left fragmented."""
+    report = held_bytes(model, cache)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        report["torch_allocated"] = torch.cuda.memory_allocated(device)
+        report["torch_reserved"] = torch.cuda.memory_reserved(device)
+        report["device_used"] = total - free
+    return report
+
+
+def exchange_rank_memory(report: dict[str, int]) -> list[dict[str, int]]:
+    """Every rank's rank_memory, by rank (a collective: every rank calls it once it is
+    ready, before serving)."""
+    reports: list[dict[str, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    return [r or {} for r in reports]
+
+
 def _staging(spec: ShardSpec, config: ModelConfig, device: torch.device) -> Placement:
     """Where this rank loads each layer before cutting its shard (staging.py)."""
     weights = model_footprint(
@@ -172,6 +195,7 @@ def worker_main(rank: int, spec: ShardSpec, reports: Queue[tuple[int, str | None
         return
     reports.put((rank, None))
     try:
+        exchange_rank_memory(rank_memory(model, cache, spec.device(rank)))
         serve(model, cache, graphs, spec.device(rank))
     finally:
         dist.destroy_process_group()

@@ -79,6 +79,10 @@ def test_a_tied_head_over_an_odd_vocabulary_matches_one_process(tmp_path: Path):
         assert tuple(embed.weight.shape) == (194, 64) and embed.lo == 0  # rank 0's rows
         assert head.inner.weight is embed.weight  # still one tensor for both
         assert head.out_features == vocab
+        # Each process's own count (rank 1 is another process), gathered once loaded.
+        held = tp.info()["placement"]["rank_bytes"]
+        assert [h["embed"] for h in held] == [194 * 64 * 4, 193 * 64 * 4]
+        assert [h["head"] for h in held] == [0, 0]
     finally:
         tp.unload()
 
