@@ -30,8 +30,8 @@ def staging_placement(
 ) -> Placement:
     """Load the embeddings, the head and layers 0..j-1 whole on the rank's GPU `device` and
     layers j.. on the CPU, the largest j whose whole layers fit `free_bytes` less the
-    reserve, the embeddings and head (every rank keeps them whole) and the largest shard
-    (cut while its whole layer still exists). Everything on the CPU when the embeddings and
+    reserve, the embeddings and head (loaded whole, cut by vocabulary rows after: vocab.py)
+    and the largest shard (cut while its whole layer still exists). Everything on the CPU when the embeddings and
     head alone do not fit, and for a CPU rank (gloo)."""
     n = footprint.num_layers
     cpu = torch.device("cpu")
