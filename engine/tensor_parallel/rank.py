@@ -26,7 +26,7 @@ from engine.placement import Placement
 from engine.placement.footprint import model_footprint
 from engine.tensor_parallel import protocol
 from engine.tensor_parallel.all_reduce import GroupAllReduce
-from engine.tensor_parallel.staging import staging_placement
+from engine.tensor_parallel.staging import staging_placement, staging_pool
 from engine.tensor_parallel.transform import move_model, shard_model, use_all_reduce
 from engine.weights import WeightStore
 from kernels.backend import set_deterministic_sums
@@ -92,19 +92,18 @@ def build_rank(
     device = spec.device(rank)
     dtype = DTYPES[spec.dtype]
     set_deterministic_sums(spec.deterministic)  # a spawned rank starts with the default
-    model = load_causal_lm(
-        spec.model_dir,
-        device=device,
-        dtype=dtype,
-        config=config,
-        placement=_staging(spec, config, device),
-    )
+    placement = _staging(spec, config, device)
+    with staging_pool(device):
+        model = load_causal_lm(
+            spec.model_dir, device=device, dtype=dtype, config=config, placement=placement
+        )
+    # Outside the staging pool: the shards do not pin the whole layers' segments.
     shard_model(model, rank=rank, world=spec.world_size)
     move_model(model, device)
     # After the process group, at the same point on every rank (its set-up is a collective).
     use_all_reduce(model, GroupAllReduce(None, device))
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # the staged whole layers, now cut
+        torch.cuda.empty_cache()  # the staged whole layers, now cut, and their pool
     model.setup_rotary(spec.max_seq_len, rope_alpha=spec.rope_alpha, rope_scale=spec.rope_scale)
     cache = PagedKVCache(
         num_layers=config.num_hidden_layers,
