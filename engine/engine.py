@@ -192,6 +192,10 @@ class Engine:
         return self.runner.rank_devices
 
     @property
+    def rank_memory(self) -> list[dict[str, int]]:
+        return self.runner.rank_memory
+
+    @property
     def graphs(self) -> DecodeGraphs | None:
         return self.runner.graphs
 

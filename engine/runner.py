@@ -71,6 +71,12 @@ class ModelRunner:
         """Every rank's device under tensor parallelism; none otherwise."""
         return []
 
+    @property
+    def rank_memory(self) -> list[dict[str, int]]:
+        """What each tensor-parallel rank held once loaded (rank.rank_memory); none
+        otherwise."""
+        return []
+
     def apply_token_bitmask(
         self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:

@@ -15,8 +15,8 @@ from engine.engine import Engine, EngineOptions
 from engine.generate import GenerationBackend
 from engine.loading import LoadProgress
 from engine.placement import PlacementError
+from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.launched import launched_rank
-from engine.tensor_parallel.transform import TensorParallelError
 from loader.base import LoadedModel, LoaderError, UnsupportedFeatureError
 
 NAME = "kestrel"
@@ -276,6 +276,8 @@ def _placement_info(engine: Engine) -> dict[str, Any]:
         # Memory in use on each rank's GPU as the driver reports it (other ranks are other
         # processes, so torch.cuda.memory_allocated cannot see them).
         info["vram_used_gib"] = {d: _used_gib(d) for d in ranks if d.startswith("cuda")}
+        # What each rank held once loaded, by part (engine.tensor_parallel.rank.rank_memory).
+        info["rank_bytes"] = engine.rank_memory
     else:
         info["mode"] = "layer_split" if len(engine.devices) > 1 else "single"
     return info

@@ -36,6 +36,7 @@ import torch
 from engine.cache import Sequence
 from engine.config import ModelConfig
 from engine.engine import Engine, EngineOptions
+from engine.held_bytes import held_bytes
 from engine.placement import GIB, PlacementError
 from engine.placement.footprint import model_footprint
 from engine.weights import WeightStore
@@ -53,6 +54,17 @@ def _used_gib() -> dict[str, float]:
         free, total = torch.cuda.mem_get_info(i)
         used[f"cuda:{i}"] = round((total - free) / GIB, 3)
     return used
+
+
+def _gpus(engine: Engine) -> list[torch.device]:
+    return [d for d in engine.devices if d.type == "cuda"]
+
+
+def _held(engine: Engine) -> dict[str, int]:
+    held = held_bytes(engine.model, engine.cache)
+    held["torch_allocated"] = sum(torch.cuda.memory_allocated(d) for d in _gpus(engine))
+    held["torch_reserved"] = sum(torch.cuda.memory_reserved(d) for d in _gpus(engine))
+    return held
 
 
 def _options(max_seq_len: int, **extra) -> EngineOptions:
@@ -158,6 +170,9 @@ def run_mode(mode: str, path: Path, args: argparse.Namespace) -> dict:
         "placement": engine.placement.describe() if engine.placement is not None else None,
         "tp_world_size": engine.tp_world_size,
         "cuda_graphs": engine.graphs is not None,
+        # Bytes held by part (engine.held_bytes) and torch's allocated/reserved: per rank
+        # under tensor parallelism, else this process's (issue 33's memory accounting).
+        "held_bytes": engine.rank_memory or [_held(engine)],
         # Devices of the graph segments replayed per decode step (one per GPU of a split).
         "graph_segments": (
             [str(s.device) for s in engine.graphs.segments] if engine.graphs is not None else []

@@ -30,18 +30,20 @@ import torch.multiprocessing as mp
 from engine.config import ModelConfig
 from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
 from engine.loading import resolve_device, resolve_dtype
+from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.launched import LaunchedRank, launched_rank
 from engine.tensor_parallel.rank import (
     NCCL_ENV,
     ShardSpec,
     build_rank,
+    exchange_rank_memory,
     init_rank,
+    rank_memory,
     serve,
     worker_main,
 )
 from engine.tensor_parallel.ranks import Ranks, leave_group, stop_workers
 from engine.tensor_parallel.runner import TensorParallelRunner
-from engine.tensor_parallel.transform import TensorParallelError
 from engine.tokenizer import Tokenizer
 
 READY_TIMEOUT_S = 3600.0  # a 70B shard reads ~40 GB from disk
@@ -103,6 +105,7 @@ def launch_tensor_parallel(
             if failed:
                 rank, error = failed[0]
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
+        memory = exchange_rank_memory(rank_memory(model, cache, spec.device(0)))
     except BaseException:
         stop_workers(workers)
         if dist.is_initialized():
@@ -115,6 +118,7 @@ def launch_tensor_parallel(
         devices=[str(spec.device(rank)) for rank in range(world_size)],
         workers=workers,
         launched=launched is not None,
+        memory=memory,
     )
     engine = Engine(
         config,
@@ -212,6 +216,7 @@ def serve_launched_rank(model_dir: str | Path, options: EngineOptions | None = N
         if failed:
             rank, error = failed[0]
             raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
+        exchange_rank_memory(rank_memory(model, cache, spec.device(launched.rank)))
         serve(model, cache, graphs, spec.device(launched.rank))
         if dist.get_backend() == "gloo":
             dist.barrier()  # rank 0's unload waits here too (TensorParallelRunner.release)

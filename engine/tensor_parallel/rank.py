@@ -20,12 +20,13 @@ from engine.architectures.base import CausalLM
 from engine.cache import PagedKVCache
 from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
+from engine.held_bytes import held_bytes
 from engine.loading import DTYPES, load_causal_lm
 from engine.placement import Placement
 from engine.placement.footprint import model_footprint
 from engine.tensor_parallel import protocol
 from engine.tensor_parallel.all_reduce import GroupAllReduce
-from engine.tensor_parallel.staging import staging_placement
+from engine.tensor_parallel.staging import staging_placement, staging_pool
 from engine.tensor_parallel.transform import move_model, shard_model, use_all_reduce
 from engine.weights import WeightStore
 from kernels.backend import set_deterministic_sums
@@ -91,19 +92,18 @@ def build_rank(
     device = spec.device(rank)
     dtype = DTYPES[spec.dtype]
     set_deterministic_sums(spec.deterministic)  # a spawned rank starts with the default
-    model = load_causal_lm(
-        spec.model_dir,
-        device=device,
-        dtype=dtype,
-        config=config,
-        placement=_staging(spec, config, device),
-    )
+    placement = _staging(spec, config, device)
+    with staging_pool(device):
+        model = load_causal_lm(
+            spec.model_dir, device=device, dtype=dtype, config=config, placement=placement
+        )
+    # Outside the staging pool: the shards do not pin the whole layers' segments.
     shard_model(model, rank=rank, world=spec.world_size)
     move_model(model, device)
     # After the process group, at the same point on every rank (its set-up is a collective).
     use_all_reduce(model, GroupAllReduce(None, device))
     if device.type == "cuda":
-        torch.cuda.empty_cache()  # the staged whole layers, now cut
+        torch.cuda.empty_cache()  # the staged whole layers, now cut, and their pool
     model.setup_rotary(spec.max_seq_len, rope_alpha=spec.rope_alpha, rope_scale=spec.rope_scale)
     cache = PagedKVCache(
         num_layers=config.num_hidden_layers,
@@ -119,6 +119,28 @@ def build_rank(
     if spec.cuda_graphs and device.type == "cuda":
         graphs = DecodeGraphs(model, cache, spec.max_seq_len)
     return model, cache, graphs, config
+
+
+def rank_memory(model: CausalLM, cache: PagedKVCache, device: torch.device) -> dict[str, int]:
+    """Bytes this rank holds, by part (engine.held_bytes), and on a GPU what torch's
+    allocator has allocated and reserved there and what the device has in use in all (the
+    CUDA context, NCCL's buffers and other processes included): reserved well above
+    allocated is memory the staging left fragmented."""
+    report = held_bytes(model, cache)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        report["torch_allocated"] = torch.cuda.memory_allocated(device)
+        report["torch_reserved"] = torch.cuda.memory_reserved(device)
+        report["device_used"] = total - free
+    return report
+
+
+def exchange_rank_memory(report: dict[str, int]) -> list[dict[str, int]]:
+    """Every rank's rank_memory, by rank (a collective: every rank calls it once it is
+    ready, before serving)."""
+    reports: list[dict[str, int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    return [r or {} for r in reports]
 
 
 def _staging(spec: ShardSpec, config: ModelConfig, device: torch.device) -> Placement:
@@ -172,6 +194,7 @@ def worker_main(rank: int, spec: ShardSpec, reports: Queue[tuple[int, str | None
         return
     reports.put((rank, None))
     try:
+        exchange_rank_memory(rank_memory(model, cache, spec.device(rank)))
         serve(model, cache, graphs, spec.device(rank))
     finally:
         dist.destroy_process_group()

@@ -14,13 +14,15 @@ import torch.distributed as dist
 class Ranks:
     """`world_size` ranks of one process group; this process is rank 0 on `device`.
     `workers`: the processes this one spawned for ranks 1.. (none under torchrun, whose
-    ranks were `launched` by torchrun). `devices`: every rank's device, by rank."""
+    ranks were `launched` by torchrun). `devices`: every rank's device, by rank.
+    `memory`: what every rank held once loaded, by rank (rank.rank_memory)."""
 
     world_size: int
     device: torch.device
     devices: list[str]
     workers: list[BaseProcess] = field(default_factory=list)
     launched: bool = False
+    memory: list[dict[str, int]] = field(default_factory=list)
 
 
 def stop_workers(workers: list[BaseProcess]) -> None:

@@ -43,6 +43,10 @@ class TensorParallelRunner(ModelRunner):
     def rank_devices(self) -> list[str]:
         return list(self.ranks.devices)
 
+    @property
+    def rank_memory(self) -> list[dict[str, int]]:
+        return list(self.ranks.memory)
+
     def release(self) -> None:
         """Stop the other ranks (they leave their serving loop), let go of this rank's
         shard, wait for the spawned processes to end and leave the group."""

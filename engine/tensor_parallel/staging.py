@@ -12,6 +12,9 @@ either device, so the shards are the same (tests/engine/test_tensor_parallel.py 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from engine.placement.plan import GIB, ModelFootprint, Placement
@@ -30,9 +33,9 @@ def staging_placement(
 ) -> Placement:
     """Load the embeddings, the head and layers 0..j-1 whole on the rank's GPU `device` and
     layers j.. on the CPU, the largest j whose whole layers fit `free_bytes` less the
-    reserve, the embeddings and head (every rank keeps them whole) and the largest shard
-    (cut while its whole layer still exists). Everything on the CPU when the embeddings and
-    head alone do not fit, and for a CPU rank (gloo)."""
+    reserve, the embeddings and head (loaded whole, cut by vocabulary rows after: vocab.py)
+    and the largest shard (cut while its whole layer still exists). Everything on the CPU
+    when the embeddings and head alone do not fit, and for a CPU rank (gloo)."""
     n = footprint.num_layers
     cpu = torch.device("cpu")
     if device.type != "cuda":
@@ -53,3 +56,23 @@ def staging_placement(
         else:
             layers.append(cpu)
     return Placement(device, layers, device)
+
+
+@contextmanager
+def staging_pool(device: torch.device) -> Iterator[None]:
+    """Allocate what loads inside (the whole staged layers, their repacking temporaries) on
+    GPU `device` from a memory pool of its own, released once the layers are cut.
+
+    In the allocator's common pool, each shard cut after the load was carved out of a freed
+    whole layer's block, so most of the staged model's segments stayed partly in use and
+    could not be handed back: the rank kept memory reserved that it no longer held (see
+    rank.rank_memory: torch_reserved against torch_allocated). Tensors a shard keeps of
+    its whole layer (the norms, a column shard's k-indexed groups and permutation) are
+    small and keep only the pool's small segments alive. Nothing changes on the CPU, or
+    where torch has no MemPool."""
+    if device.type != "cuda" or not hasattr(torch.cuda, "MemPool"):
+        yield
+        return
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool, device=device):
+        yield

@@ -1,6 +1,7 @@
 """Turn a loaded model into one rank's tensor-parallel shard (Megatron-style).
 
-Per decoder layer, two all-reduces and nothing else crosses ranks:
+Per decoder layer, two all-reduces and nothing else crosses ranks (per forward, one more for
+the embedding rows and an all-gather of the logits: vocab.py):
 
 - attention: q/k/v (or a fused qkv_proj) are column-parallel by heads: rank r keeps KV
   heads [r*Hk/W, (r+1)*Hk/W) and the query heads that read them; attention runs on the
@@ -12,10 +13,12 @@ Per decoder layer, two all-reduces and nothing else crosses ranks:
   per-group fast path and the ranks get a like mix of EXL2 bit widths; gate/up then take
   exactly the intermediate columns those rows read.
 
-Embeddings, norms and the head are replicated (every rank holds the full vocabulary
-head; rank 0's logits are the ones used). The layers never learn the world size: their
-spec is replaced by the local one and the row-parallel linears are wrapped in
-`AllReduceLinear`. Mixture-of-experts feed-forwards are not sharded (refused clearly).
+The embeddings and the head are cut by vocabulary rows (vocab.py: the embedding rows are
+summed, the logits gathered, so every rank ends with the whole vocabulary's logits; rank
+0's are the ones used); the norms are replicated (hidden_size values each). The layers
+never learn the world size: their spec is replaced by the local one and the row-parallel
+linears are wrapped in `AllReduceLinear`. Mixture-of-experts feed-forwards are not
+sharded (refused clearly).
 """
 
 from __future__ import annotations
@@ -32,17 +35,14 @@ from engine.lora.batch import LoraBatch
 from engine.modules import Attention, FusedGatedMLP, GatedMLP, Linear
 from engine.quantized_linear import QuantizedLinear
 from engine.tensor_parallel.all_reduce import GroupAllReduce
+from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.shard import (
     rows_of_inputs,
     shard_columns,
     shard_rows_dense,
     shard_rows_quantized,
 )
-
-
-class TensorParallelError(ValueError):
-    """The model cannot be sharded over this many ranks (or this way)."""
-
+from engine.tensor_parallel.vocab import VocabParallelEmbedding, shard_vocab
 
 # Up to this many rows (decode batches), quantized partial products are summed in float32
 # and rounded to the activation dtype once, as a single GPU rounds its float32 accumulator:
@@ -84,7 +84,7 @@ class AllReduceLinear(nn.Module):
 def use_all_reduce(model: nn.Module, reduce: GroupAllReduce) -> None:
     """Give every row-parallel linear of a sharded model the rank's GroupAllReduce."""
     for module in model.modules():
-        if isinstance(module, AllReduceLinear):
+        if isinstance(module, (AllReduceLinear, VocabParallelEmbedding)):
             module.reduce = reduce
 
 
@@ -165,7 +165,8 @@ def shard_mlp(
 def shard_model(
     model: CausalLM, *, rank: int, world: int, group: dist.ProcessGroup | None = None
 ) -> CausalLM:
-    """Shard every attention and gated MLP of `model` in place for `rank` of `world`."""
+    """Shard every attention and gated MLP, the embeddings and the head of `model` in place
+    for `rank` of `world`."""
     if world < 1 or not 0 <= rank < world:
         raise TensorParallelError(f"rank {rank} of world size {world} is not valid")
     layers = model.model.layers
@@ -179,6 +180,7 @@ def shard_model(
             )
         shard_attention(attns[0], rank=rank, world=world, group=group)
         shard_mlp(mlps[0], rank=rank, world=world, group=group)
+    shard_vocab(model, rank=rank, world=world, group=group)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.qweight.validate()

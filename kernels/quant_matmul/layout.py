@@ -268,6 +268,13 @@ class QuantizedWeight:
             row = seg.row_end
         _require(row == k, f"segments cover rows 0..{row}, expected 0..{k}")
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the weight holds (codes of every plane, scales, zeros, groups,
+        permutation, bias): what its memory is."""
+        held = [p.packed for s in self.segments for p in s.planes]
+        held += [self.scales, self.zeros, self.row_group]
+        return held + [t for t in (self.perm, self.bias) if t is not None]
+
     def to(self, device: torch.device | str) -> QuantizedWeight:
         """A copy with every tensor on `device` (the same object's tensors if already there)."""
 
