@@ -17,7 +17,7 @@ Contract (loader/perplexity.py, shared with tools/lora_compare.py and the LoRA l
 text from character `start_fraction·len` to the end is tokenized once (no BOS), cut into
 consecutive non-overlapping windows of `window` tokens (a short tail is dropped) and the
 first `windows` of them (all when not given) are scored. Each window goes through
-`LoadedModel.logits(ids)` (with a BOS token in front unless --no-bos), and every token of
+`LoadedModel.token_nll(ids)` (with a BOS token in front unless --no-bos), and every token of
 the window after its first (every token, with BOS) is predicted from the tokens before it
 in the window. Perplexity = exp(Σ NLL / number of predictions). The Kestrel and
 transformers loaders are measured by the same code, so their numbers compare.
