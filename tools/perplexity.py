@@ -80,6 +80,13 @@ def domain_perplexities(
     return out
 
 
+def eval_options(model_dir: str | Path, loader_name: str | None) -> dict[str, bool]:
+    """Loader options for scoring alone: the Kestrel loader captures no decode CUDA graphs
+    (perplexity never decodes; on a GPU each load would capture one per batch bucket)."""
+    name = loader_name or loader.detect(Path(model_dir))
+    return {"cuda_graphs": False} if name == "kestrel" else {}
+
+
 def domain_table(rows: dict[str, dict[str, float]]) -> str:
     """A Markdown table: one row per model, one column per domain."""
     domains = list(next(iter(rows.values())))
@@ -153,7 +160,9 @@ def main(argv: list[str] | None = None) -> float:
         p.error("several models need --domains")
     args.model = args.model[0]
     text = Path(args.text).read_text(encoding="utf-8")
-    extra = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
+    extra: dict[str, object] = dict(eval_options(args.model, args.loader))
+    if args.prefill_chunk is not None:
+        extra["prefill_chunk"] = args.prefill_chunk
     results: list[tuple[str, float]] = []
     for cache_type in args.cache_type or [None]:
         if cache_type is not None:
@@ -195,7 +204,12 @@ def _domains_main(args: argparse.Namespace) -> float:
     rows: dict[str, dict[str, float]] = {}
     for model_dir in args.model:
         model = loader.load(
-            model_dir, args.loader, device=args.device, dtype=args.dtype, max_seq_len=args.window
+            model_dir,
+            args.loader,
+            device=args.device,
+            dtype=args.dtype,
+            max_seq_len=args.window,
+            **eval_options(model_dir, args.loader),
         )
         try:
             rows[model_dir] = domain_perplexities(
