@@ -112,7 +112,7 @@ def capture_layer(
         for path, values in (replay or {}).items():
             module = layer.get_submodule(path)
             # An instance attribute shadows the class's forward until it is deleted.
-            module.forward = _replayer(runner, values)  # type: ignore[method-assign]
+            module.forward = _replayer(runner, values)
             replayed.append(module)
         # A forward that stops early is run for its hooks alone: no output to collect.
         out = torch.empty_like(states) if stop_at is None else None

@@ -174,7 +174,7 @@ def _candidate_errors(
     runner: CalibrationRunner,
     layer_idx: int,
     spec: ModuleSpec,
-    out_linear: nn.Module,
+    out_linear: Linear,
     x_in: torch.Tensor,
     w_outs: list[torch.Tensor],
     y_ref: torch.Tensor,
