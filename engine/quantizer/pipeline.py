@@ -6,6 +6,8 @@
 Stages, each resumable from OUT.partial (engine/quantizer/job.py):
   tokenize -> measure (per layer, unquantized states) -> optimize (bits per module for
   the target) -> quantize (per layer, quantized states) -> head -> compile -> rename to OUT.
+  With `rtn` the quantize and head stages read the weights alone (no states: rounding to
+  nearest does not look at inputs).
 
 Contract:
 - Everything that can be checked from the arguments, the config and the file headers is
