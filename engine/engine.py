@@ -415,6 +415,13 @@ class Engine:
         the scheduler: it runs batched with whatever else is running."""
         return self.scheduler.logits(token_ids, loras=loras)
 
+    def token_nll(
+        self, token_ids: list[int], *, loras: Mapping[str, float] | None = None
+    ) -> tuple[float, int]:
+        """(Σ NLL, count) of each token after the first given the tokens before it, the
+        logits staying where they are computed (scheduler.token_nll)."""
+        return self.scheduler.token_nll(token_ids, loras=loras)
+
     def hidden_states_many(self, inputs: list[list[int]]) -> list[torch.Tensor]:
         """Final hidden states [len, hidden] (float32, CPU) of whole sequences, after the
         final norm, without keeping their cache: hidden jobs of the scheduler, short ones

@@ -138,6 +138,9 @@ class Job:
         # A logits job's [n, vocab] pieces, a hidden job's [n, hidden] (float32, CPU), a
         # session's last logits [1, vocab] of each piece fed.
         self.outputs: list[torch.Tensor] = []
+        # A logits job that scores its own tokens: each piece's outputs are [Σ NLL of the
+        # tokens it predicts, their count] (float64, CPU), computed where the logits are.
+        self.score_tokens = False
 
     @property
     def done(self) -> bool:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from engine.generate import GenerationBackend, generate
 from engine.generator import GenerationEvent
@@ -56,6 +57,18 @@ class LoadedModel(ABC):
     def logits(self, ids: list[int], *, loras: Mapping[str, float] | None = None) -> torch.Tensor:
         """Logits [len(ids), vocab] as float32 on the CPU, under the LoRA selection `loras`
         ({name: scale}; {} none; None the model's own, set_loras)."""
+
+    def token_nll(
+        self, ids: list[int], *, loras: Mapping[str, float] | None = None
+    ) -> tuple[float, int]:
+        """(Σ NLL, count): the negative log-likelihood of every token of `ids` after the
+        first, each given the tokens before it, under the LoRA selection `loras` (as in
+        logits()). This default scores logits(); a loader may keep them on its device."""
+        # A third-party loader's logits() may predate the `loras` keyword: pass it only when set.
+        logits = (self.logits(ids) if loras is None else self.logits(ids, loras=loras)).float()
+        targets = torch.tensor(ids[1:], dtype=torch.long)
+        nll = F.cross_entropy(logits[:-1], targets, reduction="sum")
+        return float(nll), len(targets)
 
     def hidden_states(self, ids: list[int]) -> torch.Tensor:
         """The final norm's output [len(ids), width] as float32 on the CPU."""

@@ -190,6 +190,13 @@ class KestrelModel(LoadedModel):
         assert isinstance(engine, Engine)
         return engine.logits(list(ids), loras=loras)
 
+    def token_nll(
+        self, ids: list[int], *, loras: Mapping[str, float] | None = None
+    ) -> tuple[float, int]:
+        engine = self.backend
+        assert isinstance(engine, Engine)
+        return engine.token_nll(list(ids), loras=loras)
+
     def hidden_states(self, ids: list[int]) -> torch.Tensor:
         return self.hidden_states_many([ids])[0]
 

@@ -4,9 +4,10 @@ every LoRA selection (tools/perplexity.py, tools/lora_compare.py and the web UI'
 The text from character `start_fraction·len` to the end is tokenized once (no BOS), cut into
 consecutive non-overlapping windows of `window` tokens (a short tail is dropped) and the
 first `windows` of them (all when not given) are scored. Each window goes through
-`LoadedModel.logits(ids, loras=...)`, with a BOS token in front when `add_bos`, and every
-token after the window's first (every token, with BOS) is predicted from the tokens before
-it in the window. Perplexity = exp(Σ NLL / number of predictions).
+`LoadedModel.token_nll(ids, loras=...)` (the logits of LoadedModel.logits, scored where the
+loader computes them), with a BOS token in front when `add_bos`, and every token after the
+window's first (every token, with BOS) is predicted from the tokens before it in the window.
+Perplexity = exp(Σ NLL / number of predictions).
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
-import torch.nn.functional as F
 
 from loader.base import LoadedModel
 
@@ -86,8 +84,8 @@ def window_nll(
 ) -> NllSum:
     """The NLL of one window under the LoRA selection `loras` (None: the model's own)."""
     ids = ([bos] if bos is not None else []) + list(window)
-    # A third-party loader's logits() may predate the `loras` keyword: pass it only when set.
-    logits = (model.logits(ids) if loras is None else model.logits(ids, loras=loras)).float()
-    targets = torch.tensor(ids[1:], dtype=torch.long)
-    nll = F.cross_entropy(logits[:-1], targets, reduction="sum")
-    return NllSum(float(nll), len(targets))
+    # LoadedModel.token_nll: the Kestrel loader scores on the model's device, where the
+    # logits are, rather than copying them to the host (200 MB of float32 per 1024-token
+    # window of a 49k vocabulary) for a host cross-entropy; the others score logits().
+    nll, count = model.token_nll(ids) if loras is None else model.token_nll(ids, loras=loras)
+    return NllSum(nll, count)

@@ -119,7 +119,10 @@ def _perplexities(model_dir: Path, texts: dict[str, str], a: argparse.Namespace)
     import loader
     from tools.perplexity import domain_perplexities
 
-    model = loader.load(model_dir, "kestrel", device=a.device, max_seq_len=a.window)
+    # No decode CUDA graphs: scoring never decodes.
+    model = loader.load(
+        model_dir, "kestrel", device=a.device, max_seq_len=a.window, cuda_graphs=False
+    )
     try:
         return domain_perplexities(model, texts, window=a.window, windows=a.windows)
     finally:

@@ -17,7 +17,7 @@ Contract (loader/perplexity.py, shared with tools/lora_compare.py and the LoRA l
 text from character `start_fraction·len` to the end is tokenized once (no BOS), cut into
 consecutive non-overlapping windows of `window` tokens (a short tail is dropped) and the
 first `windows` of them (all when not given) are scored. Each window goes through
-`LoadedModel.logits(ids)` (with a BOS token in front unless --no-bos), and every token of
+`LoadedModel.token_nll(ids)` (with a BOS token in front unless --no-bos), and every token of
 the window after its first (every token, with BOS) is predicted from the tokens before it
 in the window. Perplexity = exp(Σ NLL / number of predictions). The Kestrel and
 transformers loaders are measured by the same code, so their numbers compare.
@@ -78,6 +78,13 @@ def domain_perplexities(
             model, text, window=window, windows=windows, add_bos=False, progress=progress
         )
     return out
+
+
+def eval_options(model_dir: str | Path, loader_name: str | None) -> dict[str, bool]:
+    """Loader options for scoring alone: the Kestrel loader captures no decode CUDA graphs
+    (perplexity never decodes; on a GPU each load would capture one per batch bucket)."""
+    name = loader_name or loader.detect(Path(model_dir))
+    return {"cuda_graphs": False} if name == "kestrel" else {}
 
 
 def domain_table(rows: dict[str, dict[str, float]]) -> str:
@@ -153,7 +160,9 @@ def main(argv: list[str] | None = None) -> float:
         p.error("several models need --domains")
     args.model = args.model[0]
     text = Path(args.text).read_text(encoding="utf-8")
-    extra = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
+    extra: dict[str, object] = dict(eval_options(args.model, args.loader))
+    if args.prefill_chunk is not None:
+        extra["prefill_chunk"] = args.prefill_chunk
     results: list[tuple[str, float]] = []
     for cache_type in args.cache_type or [None]:
         if cache_type is not None:
@@ -195,7 +204,12 @@ def _domains_main(args: argparse.Namespace) -> float:
     rows: dict[str, dict[str, float]] = {}
     for model_dir in args.model:
         model = loader.load(
-            model_dir, args.loader, device=args.device, dtype=args.dtype, max_seq_len=args.window
+            model_dir,
+            args.loader,
+            device=args.device,
+            dtype=args.dtype,
+            max_seq_len=args.window,
+            **eval_options(model_dir, args.loader),
         )
         try:
             rows[model_dir] = domain_perplexities(

@@ -14,11 +14,16 @@ Contract:
 - `stop_at`: a module path; the forward of each chunk stops when that module is about to
   run (after its input was captured), so a Hessian of an early linear costs only the part
   of the layer in front of it. `out` is then None, else the layer's output [R, L, hidden].
+- `replay`: {module path: its outputs [R, L, d]} kept from an earlier forward over the same
+  states (`outputs`) while the module's weights and input stay as they were: the module
+  is not run, each chunk gets those values back (the same values a run would give; its
+  pre- and forward hooks still fire). The quantizer replays the attention, finished
+  before the MLP's groups, so later forwards of the layer skip it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +60,7 @@ def capture_layer(
     inputs: Sequence[str] = (),
     outputs: Sequence[str] = (),
     stop_at: str | None = None,
+    replay: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, Capture]:
     layer = runner.lm.layers[layer_idx]
     rotary = runner.lm.rotary(layer_idx)
@@ -62,6 +68,7 @@ def capture_layer(
     pieces_in: dict[str, list[torch.Tensor]] = {p: [] for p in inputs}
     pieces_out: dict[str, list[torch.Tensor]] = {p: [] for p in outputs}
     handles: list[RemovableHandle] = []
+    replayed: list[nn.Module] = []
 
     def hessian_hook(name: str) -> PreHook:
         def hook(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
@@ -95,21 +102,43 @@ def capture_layer(
             # Registered last, so the hooks above have run when it fires.
             handles.append(layer.get_submodule(stop_at).register_forward_pre_hook(stop_hook))
 
-        def forward(x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        def forward(x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
             try:
                 out: torch.Tensor = layer(x, batch, runner.cache, rotary)
                 return out
             except _StopForward:
-                return x
+                return None
 
-        out = runner.map_rows(states, forward)
+        for path, values in (replay or {}).items():
+            module = layer.get_submodule(path)
+            # An instance attribute shadows the class's forward until it is deleted.
+            module.forward = _replayer(runner, values)
+            replayed.append(module)
+        # A forward that stops early is run for its hooks alone: no output to collect.
+        out = torch.empty_like(states) if stop_at is None else None
+        runner.each_chunk(states, forward, out)
     finally:
         for handle in handles:
             handle.remove()
+        for module in replayed:
+            del module.forward
 
     rows, length = states.shape[:2]
     for path, pieces in pieces_in.items():
         cap.inputs[path] = torch.cat(pieces).reshape(rows, length, -1)
     for path, pieces in pieces_out.items():
         cap.outputs[path] = torch.cat(pieces).reshape(rows, length, -1)
-    return (None if stop_at is not None else out), cap
+    return out, cap
+
+
+def _replayer(runner: CalibrationRunner, values: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """A forward that returns the next chunk of `values` [R, L, d] (flat, as the module
+    would: [r·L, d] on the working device), whatever it is given."""
+    pieces: Iterator[torch.Tensor] = (values[rows] for rows in runner.chunks(values.shape[0]))
+
+    def forward(*args: object, **kwargs: object) -> torch.Tensor:
+        piece = next(pieces)
+        # A copy: the layer may work on the module's output in place.
+        return piece.reshape(-1, piece.shape[-1]).to(runner.lm.device, runner.lm.dtype, copy=True)
+
+    return forward

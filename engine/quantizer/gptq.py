@@ -54,6 +54,7 @@ __all__ = [
     "output_error",
     "prepare_hessian",
     "rtn_factors",
+    "rtn_quantize",
 ]
 
 DEFAULT_DAMP = 0.1
@@ -143,6 +144,49 @@ def rtn_factors(k: int, device: torch.device | str = "cpu") -> tuple[torch.Tenso
     """(perm, U) that make gptq_quantize round to nearest: no act-order, and U = I passes no
     error to later rows. The baseline GPTQ is measured against, on the same scale grid."""
     return torch.arange(k, device=device), torch.eye(k, device=device)
+
+
+def rtn_quantize(
+    weight: torch.Tensor,
+    profile: Profile,
+    *,
+    name: str = "linear",
+    scale_search: str = "full",
+) -> GptqResult:
+    """Round to nearest at `profile`: what gptq_quantize gives with rtn_factors, bit for
+    bit (U = I feeds no error forward, so the rows of a group need no sequential loop:
+    the same elementwise rounding runs over the whole group at once), for convert.py
+    --rtn, whose weights need no calibration data at all."""
+    n, k = weight.shape
+    w = weight.detach().to(torch.float32).t().contiguous()  # [k, n], rows in stored order
+    group_bits, group_sizes = profile.layout(k)
+    codes = torch.empty(k, n, dtype=torch.int32, device=w.device)
+    quant = torch.empty_like(w)
+    scale_codes, scale_max = [], []
+    a = 0
+    for bits, size in zip(group_bits, group_sizes, strict=True):
+        group = w[a : a + size]
+        sc, smax, s = fit_scales(group, bits, scale_search)
+        scale_codes.append(sc)
+        scale_max.append(smax)
+        s = s.float()
+        s = torch.where(s == 0, torch.ones_like(s), s)  # all-zero column: codes 0
+        low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        # The row loops' arithmetic: x · (1/s), rounded half to even, clamped, times s.
+        signed = torch.clamp(torch.round(group * (1.0 / s)), low, high)
+        torch.mul(signed, s, out=quant[a : a + size])
+        codes[a : a + size] = (signed - low).to(torch.int32)
+        a += size
+    return GptqResult(
+        name=name,
+        codes=codes,
+        group_bits=group_bits,
+        group_sizes=group_sizes,
+        scale_codes=torch.stack(scale_codes),
+        scale_max=torch.stack(scale_max),
+        invperm=torch.arange(k, device=w.device),
+        dequantized=quant.t().contiguous(),
+    )
 
 
 def gptq_quantize(

@@ -140,7 +140,11 @@ def _measure_module(
         classes.setdefault(key, []).append(cand)
 
     rows = stream_norm.shape[0]
-    x_in, y_ref = cap.inputs[spec.path][:rows], cap.outputs[spec.path][:rows]
+    # Every candidate class runs on the same scoring rows: on a GPU they go there once per
+    # module, not once per class (the runner's .to() is then a no-op).
+    device = runner.lm.device
+    x_in = cap.inputs[spec.path][:rows].to(device)
+    y_ref = cap.outputs[spec.path][:rows].to(device)
     results: list[dict[str, Any]] = []
     try:
         for key, members in classes.items():
@@ -149,9 +153,10 @@ def _measure_module(
                 if name != out_name:
                     w = dequantized[name, chosen[role_of(name)]]
                     lin.weight = nn.Parameter(w.to(originals[name].device))
-            z = _output_linear_input(runner, layer_idx, spec, out_linear, x_in)
             w_outs = [dequantized[out_name, dict(c.rungs)[out_role]] for c in members]
-            errs = _relative_errors(runner, z, w_outs, out_linear.bias, y_ref, stream_norm)
+            errs = _candidate_errors(
+                runner, layer_idx, spec, out_linear, x_in, w_outs, y_ref, stream_norm
+            )
             for cand, err in zip(members, errs, strict=True):
                 profiles = {role: LADDER[i].name for role, i in cand.rungs}
                 results.append({"profiles": profiles, "err": err})
@@ -165,54 +170,50 @@ class _StopAtOutputLinear(Exception):
     pass
 
 
-def _output_linear_input(
+def _candidate_errors(
     runner: CalibrationRunner,
     layer_idx: int,
     spec: ModuleSpec,
-    out_linear: nn.Module,
+    out_linear: Linear,
     x_in: torch.Tensor,
-) -> torch.Tensor:
-    """The input [R, L, d] of the module's output linear when the module runs on x_in.
+    w_outs: list[torch.Tensor],
+    y_ref: torch.Tensor,
+    stream_norm: torch.Tensor,
+) -> list[float]:
+    """The score of each output weight in w_outs [n, d], the module run on x_in [R, L, d]
+    with its other linears as they are set now.
 
-    Each chunk's forward stops there: the module's own output linear would be wasted work,
-    every candidate applies its own (a third of an MLP forward)."""
-    pieces: list[torch.Tensor] = []
+    Chunk by chunk: the module's forward stops at its output linear (whose own matmul
+    would be wasted work, every candidate applies its own: a third of an MLP forward),
+    and that input z goes straight into one matmul for all of w_outs. z never leaves the
+    device: it used to be gathered on the host and sent back, a round trip of the whole
+    module's activations per candidate class on a GPU."""
+    device, dtype = runner.lm.device, runner.lm.dtype
+    count, n = len(w_outs), w_outs[0].shape[0]
+    w_all = torch.cat([w.to(device) for w in w_outs])  # [count·n, d]
+    bias = out_linear.bias
+    bias_all = bias.repeat(count) if bias is not None else None
+    length = x_in.shape[1]
+    grabbed: list[torch.Tensor] = []
 
     def grab(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        pieces.append(args[0].cpu())
+        grabbed.append(args[0])
         raise _StopAtOutputLinear
 
+    errs = []
     handle = out_linear.register_forward_pre_hook(grab)
     try:
         for rows in runner.chunks(x_in.shape[0]):
+            grabbed.clear()
             try:
                 runner.run_module(layer_idx, spec.path, x_in[rows])
             except _StopAtOutputLinear:
                 pass
+            z = grabbed[0].reshape(-1, length, grabbed[0].shape[-1]).to(device, dtype)
+            y = F.linear(z, w_all, bias_all).float()
+            y = y.unflatten(-1, (count, n))  # [r, L, count, n]
+            diff = (y - y_ref[rows].float()[:, :, None]).norm(dim=-1).cpu()
+            errs.append((diff / stream_norm[rows][:, :, None]).square().flatten(0, 1))  # [r·L, c]
     finally:
         handle.remove()
-    count, length = x_in.shape[:2]
-    return torch.cat(pieces).reshape(count, length, -1)
-
-
-def _relative_errors(
-    runner: CalibrationRunner,
-    z: torch.Tensor,
-    w_outs: list[torch.Tensor],
-    bias: torch.Tensor | None,
-    y_ref: torch.Tensor,
-    stream_norm: torch.Tensor,
-) -> list[float]:
-    """The score of each output weight in w_outs [n, d] applied to z [R, L, d] (one matmul
-    for all of them)."""
-    device, dtype = runner.lm.device, runner.lm.dtype
-    count, n = len(w_outs), w_outs[0].shape[0]
-    w_all = torch.cat([w.to(device) for w in w_outs])  # [count·n, d]
-    bias_all = bias.repeat(count) if bias is not None else None
-    errs = []
-    for rows in runner.chunks(z.shape[0]):
-        y = F.linear(z[rows].to(device, dtype), w_all, bias_all).float()
-        y = y.unflatten(-1, (count, n))  # [r, L, count, n]
-        diff = (y - y_ref[rows].to(device).float()[:, :, None]).norm(dim=-1).cpu()
-        errs.append((diff / stream_norm[rows][:, :, None]).square().flatten(0, 1))  # [r·L, c]
     return torch.cat(errs).mean(dim=0).sqrt().tolist()

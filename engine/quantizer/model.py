@@ -216,14 +216,28 @@ class CalibrationRunner:
     ) -> torch.Tensor:
         """fn over chunks of rows: inputs [R, L, d] -> [R, L, d] (on the inputs' device);
         fn takes the chunk's flat rows [r·L, d] on the working device and its batch."""
-        count_all, length, d = inputs.shape
         out = torch.empty_like(inputs)
+        self.each_chunk(inputs, fn, out)
+        return out
+
+    @torch.inference_mode()
+    def each_chunk(
+        self,
+        inputs: torch.Tensor,
+        fn: Callable[[torch.Tensor, ForwardBatch], torch.Tensor | None],
+        out: torch.Tensor | None = None,
+    ) -> None:
+        """fn over chunks of rows as map_rows, its results written into `out` when given
+        and dropped otherwise (a forward run for what its hooks see: no [R, L, d] buffer,
+        and on a GPU no copy of each chunk's result to the host)."""
+        count_all, length, d = inputs.shape
         for rows in self.chunks(count_all):
             x = inputs[rows].to(self.lm.device, self.lm.dtype)
             count = x.shape[0]
             y = fn(x.reshape(count * length, d), self.batch(count))
-            out[rows] = y.reshape(count, length, -1).to(out.dtype)
-        return out
+            if out is not None:
+                assert y is not None
+                out[rows] = y.reshape(count, length, -1).to(out.dtype)
 
     def run_layer(self, layer_idx: int, states: torch.Tensor) -> torch.Tensor:
         """Layer output [R, L, hidden] for states [R, L, hidden]."""

@@ -2,13 +2,16 @@
 
     out_states, tensors, errors = quantize_layer(runner, i, states, layer_strategy)
     tensors = quantize_head(lm, runner, states, head_bits)
+    tensors, errors = rtn_quantize_layer(lm, i, layer_strategy)     # convert.py --rtn
+    tensors = rtn_quantize_head(lm, head_bits)
 
 Contract:
 - Linear groups are quantized in forward order (q/k/v, o, gate/up, down). Each group's
   Hessian is collected from a forward of the layer as it stands, i.e. with the groups
   before it already quantized, and that forward stops at the group, so the inputs every
   linear is fitted to are the ones it will see at inference (quantized states in,
-  quantized earlier linears).
+  quantized earlier linears). Once the attention is quantized its output is kept and
+  replayed (capture.py) in the later forwards instead of being computed again.
 - A quantized linear's weight is replaced by its dequantized value (so later groups and
   the next layer see it), and its packed tensors are checked by dequantizing them again
   (gptq.check_reconstruction).
@@ -16,6 +19,9 @@ Contract:
   the layer's other parameters (norms) in float16, under their checkpoint names.
 - `errors` maps each linear to tr(ΔW H ΔWᵀ)/tr(W H Wᵀ), its relative output error on the
   calibration inputs (a progress-bar diagnostic).
+- Round to nearest (`rtn_*`) reads the weights alone: no calibration forward, no hidden
+  states, the same tensors as GPTQ with gptq.rtn_factors gives. Its `errors` are the
+  relative weight errors ‖ΔW‖²/‖W‖² (H = I), as no inputs are run.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ from torch import nn
 
 from engine.modules import Linear
 from engine.quantizer.capture import capture_layer
-from engine.quantizer.gptq import gptq_quantize, output_error, prepare_hessian, rtn_factors
+from engine.quantizer.gptq import (
+    GptqResult,
+    gptq_quantize,
+    output_error,
+    prepare_hessian,
+    rtn_quantize,
+)
 from engine.quantizer.model import CalibrationRunner, LayerwiseModel, module_specs
 from engine.quantizer.profiles import HEAD_PROFILES, Profile
 
@@ -39,7 +51,6 @@ def quantize_layer(
     *,
     scale_search: str = "fast",
     damp: float = 0.1,
-    rtn: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
     lm = runner.lm
     layer = lm.layers[layer_idx]
@@ -47,15 +58,27 @@ def quantize_layer(
     tensors: dict[str, torch.Tensor] = {}
     errors: dict[str, float] = {}
     linear_names: list[str] = []
-    for spec in module_specs(layer):
+    specs = module_specs(layer)
+    attn_path = next(spec.path for spec in specs if spec.kind == "attn")
+    # The attention's output, once its linears are all quantized (first MLP group's
+    # forward): the MLP groups' later forwards and the layer's output replay it.
+    attn_out: dict[str, torch.Tensor] = {}
+    for spec in specs:
         for group in spec.groups:
             first = group.names[0]
-            _, cap = capture_layer(runner, layer_idx, states, hessians=[first], stop_at=first)
+            keep = [attn_path] if spec.kind == "mlp" and not attn_out else []
+            _, cap = capture_layer(
+                runner,
+                layer_idx,
+                states,
+                hessians=[first],
+                outputs=keep,
+                stop_at=first,
+                replay=attn_out,
+            )
+            attn_out.update(cap.outputs)
             hessian = cap.hessians[first]
-            if rtn:
-                perm, upper = rtn_factors(hessian.shape[0], hessian.device)
-            else:
-                perm, upper = prepare_hessian(hessian, damp=damp, name=prefix + first)
+            perm, upper = prepare_hessian(hessian, damp=damp, name=prefix + first)
             for name in group.names:
                 linear = layer.get_submodule(name)
                 assert isinstance(linear, Linear)  # the model being quantized is dense
@@ -72,7 +95,8 @@ def quantize_layer(
     for name, _ in layer.named_parameters():
         if not any(name.startswith(lin + ".") for lin in linear_names):
             tensors[prefix + name] = lm.store.get(prefix + name, dtype=torch.float16)
-    out = runner.run_layer(layer_idx, states)
+    out, _ = capture_layer(runner, layer_idx, states, replay=attn_out)
+    assert out is not None
     return out, tensors, errors
 
 
@@ -85,7 +109,6 @@ def quantize_head(
     *,
     scale_search: str = "fast",
     damp: float = 0.1,
-    rtn: bool = False,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """lm_head's EXL2 tensors (from the final norm of the last layer's quantized output)."""
     norm = lm.final_norm()
@@ -95,10 +118,7 @@ def quantize_head(
         hessian = x.t() @ x if hessian is None else hessian.addmm_(x.t(), x)
     assert hessian is not None
     weight = lm.head_weight()
-    if rtn:
-        perm, upper = rtn_factors(hessian.shape[0], hessian.device)
-    else:
-        perm, upper = prepare_hessian(hessian, damp=damp, name="lm_head")
+    perm, upper = prepare_hessian(hessian, damp=damp, name="lm_head")
     result = gptq_quantize(
         weight, perm, upper, HEAD_PROFILES[head_bits], name="lm_head", scale_search=scale_search
     )
@@ -106,3 +126,53 @@ def quantize_head(
     packed = result.pack(bias)
     error = output_error(weight, result.dequantized, hessian)
     return {f"lm_head.{k}": v.cpu() for k, v in packed.items()}, error
+
+
+@torch.inference_mode()
+def rtn_quantize_layer(
+    lm: LayerwiseModel,
+    layer_idx: int,
+    layer_strategy: dict[str, dict[str, str]],
+    *,
+    scale_search: str = "fast",
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """A loaded layer's checkpoint tensors rounded to nearest (see the module docstring)."""
+    layer = lm.layers[layer_idx]
+    prefix = f"model.layers.{layer_idx}."
+    tensors: dict[str, torch.Tensor] = {}
+    errors: dict[str, float] = {}
+    linear_names: list[str] = []
+    for spec in module_specs(layer):
+        for name in spec.linears:
+            linear = layer.get_submodule(name)
+            assert isinstance(linear, Linear)  # the model being quantized is dense
+            profile = Profile.parse(layer_strategy[spec.kind][name])
+            weight = linear.weight.float()
+            result = rtn_quantize(weight, profile, name=prefix + name, scale_search=scale_search)
+            packed = result.pack(linear.bias)
+            tensors.update({f"{prefix}{name}.{k}": v.cpu() for k, v in packed.items()})
+            errors[name] = _weight_error(weight, result)
+            linear_names.append(name)
+    for name, _ in layer.named_parameters():
+        if not any(name.startswith(lin + ".") for lin in linear_names):
+            tensors[prefix + name] = lm.store.get(prefix + name, dtype=torch.float16)
+    return tensors, errors
+
+
+@torch.inference_mode()
+def rtn_quantize_head(
+    lm: LayerwiseModel, head_bits: int, *, scale_search: str = "fast"
+) -> tuple[dict[str, torch.Tensor], float]:
+    """lm_head's EXL2 tensors rounded to nearest."""
+    weight = lm.head_weight()
+    profile = HEAD_PROFILES[head_bits]
+    result = rtn_quantize(weight, profile, name="lm_head", scale_search=scale_search)
+    bias = lm.store.get("lm_head.bias", dtype=torch.float16) if "lm_head.bias" in lm.store else None
+    packed = result.pack(bias)
+    return {f"lm_head.{k}": v.cpu() for k, v in packed.items()}, _weight_error(weight, result)
+
+
+def _weight_error(weight: torch.Tensor, result: GptqResult) -> float:
+    """‖ΔW‖² / ‖W‖²."""
+    num = (result.dequantized - weight).square().sum()
+    return float(num / weight.square().sum().clamp_min(1e-30))

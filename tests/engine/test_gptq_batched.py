@@ -145,11 +145,10 @@ def test_measurement_scores_equal_full_module_forwards(tmp_path):
     """The measurement's shortcuts (the forward stops at the output linear; one matmul
     scores a class's candidates) give the scores a full module forward per candidate
     gives, over several row chunks."""
-    import torch.nn.functional as F
     from torch import nn
 
     from engine.quantizer.capture import capture_layer
-    from engine.quantizer.measure import _output_linear_input, _relative_errors
+    from engine.quantizer.measure import _candidate_errors
     from engine.quantizer.model import CalibrationRunner, LayerwiseModel, module_specs
     from helpers.model_factory import make_tiny_llama
 
@@ -164,12 +163,16 @@ def test_measurement_scores_equal_full_module_forwards(tmp_path):
         stream_norm = out.norm(dim=-1)
         out_linear = layer.get_submodule(spec.output_linear)
         x_in, y_ref = cap.inputs[spec.path], cap.outputs[spec.path]
-        z = _output_linear_input(runner, 0, spec, out_linear, x_in)
-        torch.testing.assert_close(F.linear(z, out_linear.weight, out_linear.bias), y_ref)
+        # The module's own output weight reproduces its output: the forward stopped at the
+        # output linear's input.
+        own = _candidate_errors(
+            runner, 0, spec, out_linear, x_in, [out_linear.weight], y_ref, stream_norm
+        )
+        assert own[0] <= 1e-6, spec.kind
 
         original = out_linear.weight
         noisy = [original + 0.01 * i * torch.randn_like(original) for i in (1, 2, 3)]
-        batched = _relative_errors(runner, z, noisy, out_linear.bias, y_ref, stream_norm)
+        batched = _candidate_errors(runner, 0, spec, out_linear, x_in, noisy, y_ref, stream_norm)
         try:
             for w, err in zip(noisy, batched, strict=True):
                 out_linear.weight = nn.Parameter(w)

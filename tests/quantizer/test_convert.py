@@ -188,6 +188,20 @@ def test_rtn_mode_is_round_to_nearest():
         torch.testing.assert_close(result.dequantized, rtn_w.float(), rtol=0, atol=1e-3)
 
 
+def test_rtn_conversion_runs_no_calibration(converted, tiny, tmp_path):
+    """--rtn codes depend on the weights alone: no hidden states are computed or kept (a
+    stopped job has none to resume from), and a resumed job finishes the rest."""
+    _, meas = converted
+    out = tmp_path / "rtn"
+    stopped = convert(tiny, out, _options(4.0, measurement_in=meas, rtn=True, stop_after_layers=1))
+    assert not stopped.finished and stopped.quantized_now == [0]
+    assert not (tmp_path / "rtn.partial" / "states").exists()
+    done = convert(tiny, out, _options(4.0, measurement_in=meas, rtn=True))
+    assert done.finished and done.resumed and done.quantized_now == [1]
+    assert abs(_achieved_bpw(out, tiny) - 4.0) <= 0.01
+    assert loader.load(out, "kestrel", device="cpu").logits([5, 6, 7]).shape[0] == 3
+
+
 def test_resume_skips_finished_layers(converted, tiny, tmp_path):
     out_ref, meas = converted
     out = tmp_path / "resumed"

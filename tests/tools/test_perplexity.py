@@ -81,3 +81,25 @@ def test_command_line(tiny, tmp_path, capsys):
     args = ["-m", str(path), "--text", str(text), "--window", "40", "--windows", "2"]
     ppl = main([*args, "--no-bos", "--device", "cpu", "--loader", "kestrel"])
     assert math.isfinite(ppl) and "perplexity" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("prefill_chunk", [2048, 16])
+def test_kestrel_scores_tokens_where_its_logits_are(tiny, prefill_chunk):
+    """The Kestrel loader's token_nll (scored on the model's device, piece by piece of the
+    prefill) equals scoring logits() on the host: bit for bit in one piece, to float
+    rounding over several (a window of 49 tokens in pieces of 16: max_batch also bounds a
+    step's tokens from below)."""
+    from loader.base import LoadedModel
+
+    path, _ = tiny
+    model = loader.load(
+        path, "kestrel", device="cpu", dtype="float32", prefill_chunk=prefill_chunk, max_batch=1
+    )
+    ids = model.encode(TEXT, add_bos=False)[:49]
+    got = model.token_nll(ids)
+    want = LoadedModel.token_nll(model, ids)
+    assert got[1] == want[1] == 48
+    if prefill_chunk >= len(ids):
+        assert got == want
+    else:
+        assert got[0] == pytest.approx(want[0], rel=1e-6)
