@@ -204,7 +204,13 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
     ) -> Iterator[tuple[Any, ...]]:
         """Stream `make(prompt)` as the assistant message after `keep`, then save the chat.
         Yields (chatbot, history, status, past, name, revision) while the page is this
-        job's; once New chat detached it, nothing more goes to the page."""
+        job's; once New chat detached it, nothing more goes to the page.
+
+        The chat is saved under the name the page shows at the end (a rename typed
+        meanwhile reaches the job through `rename_chat`), and the name box is written only
+        when the save had to pick another name: an update with the name the reply began
+        with would land after whatever the user typed since, and undo it."""
+        job.name_chat(name)
         try:
             values = params.values(raw)
             ctx.user_data.update_settings(parameters=values, system_prompt=system_prompt)
@@ -216,6 +222,7 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
                     yield final, final, status, *_unchanged(3)
             if not final:
                 return
+            name = job.chat_name or name
             try:
                 saved = ctx.user_data.save_chat(name, final, system_prompt, revision)
             except StorageError as e:
@@ -233,7 +240,8 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
                         f"<br>Another page saved **{html.escape(name)}** meanwhile, so this "
                         f"conversation was saved as **{saved.name}**."
                     )
-                yield final, final, status, past, saved.name, saved.revision
+                shown = saved.name if saved.forked else gr.update()
+                yield final, final, status, past, shown, saved.revision
         finally:
             ctx.end_job(job)
 
@@ -312,6 +320,9 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
             raw,
         )
 
+    def rename(request: gr.Request, name: str) -> None:
+        ctx.rename_chat(session(request), name)
+
     def idle(request: gr.Request) -> tuple[Any, Any]:
         """Send back, unless this page started another reply meanwhile."""
         running = ctx.is_running(session(request))
@@ -362,6 +373,12 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
             handler, inputs, chat_outputs, **gen
         ).then(idle, None, buttons, **fast)
     tab.stop.click(stop, None, None, queue=False)
+    # Every change of the name reaches a running reply, in order and the last one always
+    # ("always_last": one request at a time per page, then the latest value). `change`, not
+    # `input`: Gradio's textbox sends `input` on key presses only, so a name pasted with
+    # the mouse would not reach it. The page's own changes (New chat, Open) come after
+    # they detached the reply, so they never rename it.
+    tab.chat_name.change(rename, [tab.chat_name], None, queue=False, trigger_mode="always_last")
     cleared = [tab.chatbot, tab.history, tab.status, tab.chat_name, tab.revision, *buttons]
     # The detached reply's last update may still be on its way to the browser (each event
     # streams on its own), and land after the cleared chat: once it has gone quiet, the
