@@ -328,6 +328,32 @@ def test_a_rename_then_new_chat_saves_the_old_reply_under_the_new_name(context, 
     assert not (dirs["user"] / "chats" / f"{old}.json").exists()
 
 
+def test_a_rename_to_another_saved_chat_never_overwrites_it(context, server, dirs):
+    page = open_page(context, server)
+    settle(page, 5, ban_eos=True)
+    new_chat(page)
+    send(page, "the other chat")
+    wait_done(page)
+    other = chat_name(page)
+    new_chat(page)
+    send(page, "this chat")
+    wait_done(page)  # both chats are at revision 1 now
+    this = chat_name(page)
+    rename(page, other)
+    send(page, "saved under the other's name?")
+    wait_done(page)
+    # The other chat keeps its own conversation; this one goes to a new name, and says so.
+    users = [m["content"] for m in saved_chat(dirs, other)["messages"] if m["role"] == "user"]
+    assert users == ["the other chat"]
+    expect(page.locator("#chat-status")).to_contain_text("saved as")
+    name_box = page.locator("#chat-name textarea, #chat-name input").first
+    expect(name_box).not_to_have_value(other)
+    forked = chat_name(page)
+    assert forked not in (other, this)
+    users = [m["content"] for m in saved_chat(dirs, forked)["messages"] if m["role"] == "user"]
+    assert users == ["this chat", "saved under the other's name?"]
+
+
 # -- 11. a phone ----------------------------------------------------------------------------
 def test_chat_is_usable_at_phone_width(browser, server):
     context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
