@@ -9,7 +9,8 @@ other's turns, and their generations are batched together by the engine's schedu
 One reply at a time per page (webui.context.Job): while it is written, Send becomes Stop and
 a message sent with Enter stays in the box with a note. New chat (or the chat's trash icon)
 stops the running reply and cuts it off from the page; it is still saved to its own chat.
-A page opens on the latest saved chat (as TGW does) and saves with the revision it saw, so
+A page opens on the latest saved chat (as TGW does) and saves with the revision it saw of
+that chat (`SavedAt`: a rename onto another saved chat's name is a chat it never saw), so
 two pages on one chat never overwrite each other (serving.sessions).
 """
 
@@ -35,7 +36,7 @@ class ChatTab:
     chatbot: gr.Chatbot
     history: gr.State
     chat_name: gr.Textbox
-    revision: gr.State  # of the saved chat this page last saw (None: not saved yet)
+    revision: gr.State  # SavedAt of the chat this page shows (None: not saved yet)
     job: gr.State  # id of this page's running reply (webui.context)
     text: gr.Textbox
     send: gr.Button
@@ -158,6 +159,19 @@ def model_template(ctx: AppContext) -> str:
     return str(template)
 
 
+# (name, revision) of the saved chat a page shows, as the page last saw it.
+SavedAt = tuple[str, int]
+
+
+def seen_revision(saved_at: SavedAt | None, name: str) -> int | None:
+    """The revision to save chat `name` with: the one the page saw of that very chat, or
+    None (no such file should be there yet) for a chat never saved, or renamed since: the
+    page never saw the chat of that name, so a file there is someone else's to keep."""
+    if saved_at is None or saved_at[0] != name.strip():  # saved under the name stripped
+        return None
+    return saved_at[1]
+
+
 def _status_html(progress: Progress) -> str:
     if progress.error:
         return (
@@ -166,14 +180,15 @@ def _status_html(progress: Progress) -> str:
     return progress.status
 
 
-def open_latest(ctx: AppContext) -> tuple[list[Message], str, int | None, str]:
-    """What a page opens on: the latest saved chat (messages, name, revision, system
+def open_latest(ctx: AppContext) -> tuple[list[Message], str, SavedAt | None, str]:
+    """What a page opens on: the latest saved chat (messages, name, SavedAt, system
     prompt), or an empty chat with a new name when there is none or it does not read."""
     name = ctx.user_data.latest_chat()
     if name is not None:
         try:
             messages, system_prompt = ctx.user_data.load_chat(name)
-            return messages, name, ctx.user_data.chat_revision(name), system_prompt
+            revision = ctx.user_data.chat_revision(name)
+            return messages, name, _saved_at(name, revision), system_prompt
         except StorageError:  # listed in Past chats, where opening it shows the error
             pass
     return [], new_chat_name(), None, ""
@@ -199,12 +214,18 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
         keep: list[Message],
         system_prompt: str,
         name: str,
-        revision: int | None,
+        revision: SavedAt | None,
         raw: tuple[Any, ...],
     ) -> Iterator[tuple[Any, ...]]:
         """Stream `make(prompt)` as the assistant message after `keep`, then save the chat.
         Yields (chatbot, history, status, past, name, revision) while the page is this
-        job's; once New chat detached it, nothing more goes to the page."""
+        job's; once New chat detached it, nothing more goes to the page.
+
+        The chat is saved under the name the page shows at the end (a rename typed
+        meanwhile reaches the job through `rename_chat`), and the name box is written only
+        when the save had to pick another name: an update with the name the reply began
+        with would land after whatever the user typed since, and undo it."""
+        job.name_chat(name)
         try:
             values = params.values(raw)
             ctx.user_data.update_settings(parameters=values, system_prompt=system_prompt)
@@ -216,8 +237,10 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
                     yield final, final, status, *_unchanged(3)
             if not final:
                 return
+            name = job.chat_name or name
             try:
-                saved = ctx.user_data.save_chat(name, final, system_prompt, revision)
+                seen = seen_revision(revision, name)
+                saved = ctx.user_data.save_chat(name, final, system_prompt, seen)
             except StorageError as e:
                 if job.may_update_page():
                     err = (
@@ -229,11 +252,14 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
             if job.may_update_page():
                 past = gr.update(choices=ctx.user_data.chat_choices(), value=saved.name)
                 if saved.forked:
-                    status += (
-                        f"<br>Another page saved **{html.escape(name)}** meanwhile, so this "
-                        f"conversation was saved as **{saved.name}**."
+                    why = (
+                        f"A saved chat is named **{html.escape(name)}** already"
+                        if seen is None
+                        else f"Another page saved **{html.escape(name)}** meanwhile"
                     )
-                yield final, final, status, past, saved.name, saved.revision
+                    status += f"<br>{why}, so this conversation was saved as **{saved.name}**."
+                shown = saved.name if saved.forked else gr.update()
+                yield final, final, status, past, shown, (saved.name, saved.revision)
         finally:
             ctx.end_job(job)
 
@@ -312,6 +338,9 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
             raw,
         )
 
+    def rename(request: gr.Request, name: str) -> None:
+        ctx.rename_chat(session(request), name)
+
     def idle(request: gr.Request) -> tuple[Any, Any]:
         """Send back, unless this page started another reply meanwhile."""
         running = ctx.is_running(session(request))
@@ -334,7 +363,8 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
             err = f"<div class='kestrel-error' id='chat-error'>{html.escape(str(e))}</div>"
             return *_unchanged(2), err, *_unchanged(3)
         ctx.detach(session(request))  # a reply still streaming belongs to the other chat
-        return messages, messages, f"Opened **{name}**.", name, revision, system_prompt
+        saved_at = _saved_at(name, revision)
+        return messages, messages, f"Opened **{name}**.", name, saved_at, system_prompt
 
     def delete_chat(name: str | None) -> tuple[Any, str]:
         if not name:  # nothing chosen, or the confirmation was declined
@@ -362,6 +392,12 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
             handler, inputs, chat_outputs, **gen
         ).then(idle, None, buttons, **fast)
     tab.stop.click(stop, None, None, queue=False)
+    # Every change of the name reaches a running reply, in order and the last one always
+    # ("always_last": one request at a time per page, then the latest value). `change`, not
+    # `input`: Gradio's textbox sends `input` on key presses only, so a name pasted with
+    # the mouse would not reach it. The page's own changes (New chat, Open) come after
+    # they detached the reply, so they never rename it.
+    tab.chat_name.change(rename, [tab.chat_name], None, queue=False, trigger_mode="always_last")
     cleared = [tab.chatbot, tab.history, tab.status, tab.chat_name, tab.revision, *buttons]
     # The detached reply's last update may still be on its way to the browser (each event
     # streams on its own), and land after the cleared chat: once it has gone quiet, the
@@ -381,6 +417,10 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
         [tab.past, tab.status],
         js="(name) => (name && confirm(`Delete the saved chat ${name}?`)) ? name : null",
     )
+
+
+def _saved_at(name: str, revision: int | None) -> SavedAt | None:
+    return None if revision is None else (name, revision)
 
 
 def _unchanged(n: int) -> list[Any]:

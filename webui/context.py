@@ -46,6 +46,22 @@ class Job:
     stop: threading.Event = field(default_factory=threading.Event)
     detached: threading.Event = field(default_factory=threading.Event)
     quiet: threading.Event = field(default_factory=threading.Event)
+    # A chat reply's chat name as the page shows it now: a rename typed while the reply is
+    # written reaches the job (AppContext.rename_chat), which saves under it at its end.
+    chat_name: str | None = None
+    _name_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def name_chat(self, name: str) -> None:
+        """The name the page showed when the reply was asked for, unless a rename typed
+        since has already arrived (an event's inputs are read before it waits in the
+        queue, so they may be older than a rename handled meanwhile)."""
+        with self._name_lock:
+            if self.chat_name is None:
+                self.chat_name = name
+
+    def rename(self, name: str) -> None:
+        with self._name_lock:
+            self.chat_name = name
 
     def may_update_page(self) -> bool:
         """False once detached; afterwards `quiet` is set (checked right before a yield)."""
@@ -112,6 +128,14 @@ class AppContext:
         with self._jobs_lock:
             for session in [s for s in self._ended if s.startswith(prefix)]:
                 del self._ended[session]
+
+    def rename_chat(self, session: str, name: str) -> None:
+        """The user typed `name` in the chat-name box: the session's running reply saves
+        under it. A detached reply keeps the name it had (the page shows another chat)."""
+        with self._jobs_lock:
+            job = self._running.get(session)
+        if job is not None:
+            job.rename(name)
 
     def is_running(self, session: str) -> bool:
         with self._jobs_lock:

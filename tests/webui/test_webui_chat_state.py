@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -259,6 +260,98 @@ def test_clearing_during_a_reply_detaches_it(context, server, dirs, how):
     # The old one was stopped and saved under its own name, with what was written.
     kept = saved_chat(dirs, old)["messages"]
     assert kept[0]["content"] == f"old conversation {how}" and kept[1]["role"] == "assistant"
+
+
+def rename(page, name: str):
+    """Type `name` as the chat's name; returns its box once the server has the rename (the
+    page shows nothing when: wait for the answer to the request the typing sent)."""
+    box = page.locator("#chat-name textarea, #chat-name input").first
+    with page.expect_response(
+        lambda r: "/run/" in r.url and name in (r.request.post_data or "")
+    ) as answer:
+        box.fill(name)
+    assert answer.value.ok, answer.value.status
+    return box
+
+
+# -- 12. a rename while a reply is written -------------------------------------------------
+def test_a_rename_typed_while_a_reply_streams_is_kept_and_the_reply_saved_under_it(
+    context, server, dirs
+):
+    page = open_page(context, server)
+    settle(page, LONG, ban_eos=True)
+    new_chat(page)
+    old = chat_name(page)
+    send(page, "a reply to rename")
+    wait_streaming(page)
+    name_box = rename(page, "renamed while streaming")
+    # More of the reply reaches the page after the rename, and the rename stays.
+    wait_streaming(page)
+    expect(name_box).to_have_value("renamed while streaming")
+    page.click("#chat-stop")
+    wait_done(page)
+    # The reply's end (its save) does not put the old name back, and the reply is saved in
+    # the chat the page shows.
+    expect(name_box).to_have_value("renamed while streaming")
+    saved = saved_chat(dirs, "renamed while streaming")["messages"]
+    assert [m["role"] for m in saved] == ["user", "assistant"]
+    assert saved[1]["content"].strip()
+    assert not (dirs["user"] / "chats" / f"{old}.json").exists()
+    # The next reply goes on in the renamed chat.
+    settle(page, 3, ban_eos=True)
+    send(page, "and more")
+    wait_done(page)
+    expect(name_box).to_have_value("renamed while streaming")
+    users = [m["content"] for m in saved_chat(dirs, "renamed while streaming")["messages"]]
+    assert users[0::2] == ["a reply to rename", "and more"]
+
+
+def test_a_rename_then_new_chat_saves_the_old_reply_under_the_new_name(context, server, dirs):
+    page = open_page(context, server)
+    settle(page, LONG, ban_eos=True)
+    new_chat(page)
+    old = chat_name(page)
+    send(page, "renamed then left")
+    wait_streaming(page)
+    name_box = rename(page, "left behind")
+    expect(name_box).to_have_value("left behind")
+    page.click("#chat-clear")
+    expect(name_box).not_to_have_value("left behind")
+    expect(user_messages(page)).to_have_count(0)
+    # The detached reply ends and saves to the chat as the user last named it.
+    path = dirs["user"] / "chats" / "left behind.json"
+    deadline = time.monotonic() + SLOW / 1000
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)  # the file is written by the server: nothing in the page says when
+    kept = saved_chat(dirs, "left behind")["messages"]
+    assert kept[0]["content"] == "renamed then left" and kept[1]["role"] == "assistant"
+    assert not (dirs["user"] / "chats" / f"{old}.json").exists()
+
+
+def test_a_rename_to_another_saved_chat_never_overwrites_it(context, server, dirs):
+    page = open_page(context, server)
+    settle(page, 5, ban_eos=True)
+    new_chat(page)
+    send(page, "the other chat")
+    wait_done(page)
+    other = chat_name(page)
+    new_chat(page)
+    send(page, "this chat")
+    wait_done(page)  # both chats are at revision 1 now
+    this = chat_name(page)
+    rename(page, other)
+    send(page, "saved under the other's name?")
+    wait_done(page)
+    # The other chat keeps its own conversation; this one goes to a new name, and says so.
+    users = [m["content"] for m in saved_chat(dirs, other)["messages"] if m["role"] == "user"]
+    assert users == ["the other chat"]
+    expect(page.locator("#chat-status")).to_contain_text("saved as")
+    name_box = page.locator("#chat-name textarea, #chat-name input").first
+    expect(name_box).not_to_have_value(other)
+    forked = chat_name(page)
+    assert forked not in (other, this)
+    users = [m["content"] for m in saved_chat(dirs, forked)["messages"] if m["role"] == "user"]
+    assert users == ["this chat", "saved under the other's name?"]
 
 
 # -- 11. a phone ----------------------------------------------------------------------------

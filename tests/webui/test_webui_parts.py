@@ -267,6 +267,22 @@ def test_chat_names_are_unique_and_saves_never_overwrite_another_page(tmp_path):
     assert user.latest_chat() in ("c1", b.name)
 
 
+def test_a_renamed_chat_is_saved_as_one_the_page_never_saw(tmp_path):
+    from webui.chat_tab import seen_revision
+
+    user = UserData(tmp_path)
+    user.save_chat("other", [{"role": "user", "content": "keep me"}], "", None)
+    mine = user.save_chat("mine", [{"role": "user", "content": "mine"}], "", None)
+    saved_at = (mine.name, mine.revision)  # both chats at revision 1
+    assert seen_revision(saved_at, "mine") == seen_revision(saved_at, " mine ") == 1
+    assert seen_revision(saved_at, "other") is None and seen_revision(None, "mine") is None
+    # Renamed onto "other": saved as a new chat, never over the one the page did not see.
+    turns = [{"role": "user", "content": "mine"}, {"role": "assistant", "content": "x"}]
+    moved = user.save_chat("other", turns, "", seen_revision(saved_at, "other"))
+    assert moved.forked and moved.name not in ("other", "mine")
+    assert user.load_chat("other")[0] == [{"role": "user", "content": "keep me"}]
+
+
 def test_names_too_long_or_with_forbidden_characters_are_refused_and_no_lock_files(tmp_path):
     user = UserData(tmp_path)
     with pytest.raises(StorageError, match="at most 200 bytes"):
