@@ -68,6 +68,26 @@ def _notebook_box(page):
     return box
 
 
+def _fill_notebook(page, box, text: str) -> None:
+    """Type `text` and wait until the server has saved it (the box's change event). The
+    page load's restore of the remembered text can still land after a fill made as soon as
+    the box is editable, and replace it (seen in full-suite runs: a race of the page, left
+    open in issue 25's note); a fill made after the restore stays, so the text is typed
+    again if it was replaced."""
+    want = f"Text saved ({len(text)} characters)"
+    settled = """([text, want]) => {
+        const box = document.querySelector('#notebook-text textarea');
+        const saved = document.querySelector('#notebook-saved');
+        return box.value !== text || (saved !== null && saved.innerText.includes(want));
+    }"""
+    for _ in range(3):
+        box.fill(text)
+        page.wait_for_function(settled, arg=[text, want], timeout=SLOW)
+        if box.input_value() == text:
+            return
+    raise AssertionError(f"the notebook kept replacing the typed text: {box.input_value()!r}")
+
+
 def test_a_typed_grammar_constrains_the_chat_reply_and_the_notebook(page):
     _type_grammar(page, GRAMMAR)
     tab(page, "Chat")
@@ -79,7 +99,7 @@ def test_a_typed_grammar_constrains_the_chat_reply_and_the_notebook(page):
 
     box = _notebook_box(page)
     prompt = "Q: Is water wet?\nA: "
-    box.fill(prompt)
+    _fill_notebook(page, box, prompt)
     page.click("#notebook-generate")
     expect(page.locator("#notebook-status")).to_contain_text(re.compile(r"tokens.*\bstop\b"))
     expect(box).to_be_enabled()
@@ -96,7 +116,7 @@ def test_an_invalid_grammar_is_an_error_naming_it(page):
     expect(error).to_contain_text("undefined-rule")
 
     box = _notebook_box(page)
-    box.fill("Q: Is water wet?\nA: ")
+    _fill_notebook(page, box, "Q: Is water wet?\nA: ")
     page.click("#notebook-generate")
     status = page.locator("#notebook-status")
     expect(status).to_contain_text("grammar_string")
