@@ -140,14 +140,15 @@ def _mask(
     allowed: list[bool] = np.asarray(host.numpy()[firsts].any(axis=1)).tolist()
     for (constraint, _, drafts), at_first, ok in zip(wanted, firsts, allowed, strict=True):
         matcher = constraint.matcher
-        if matcher.is_stopped() and not _allows_any(host[at_first], constraint.stop_ids):
+        broken = matcher.is_error()
+        if not broken and matcher.is_stopped():
+            if _allows_any(host[at_first], constraint.stop_ids):
+                continue  # it ends on a stop token, as any job does
             # The grammar has ended and leaves only EOS, which this job bans (ban_eos_token):
             # the grammar's end is the job's.
             constraint.complete = True
-        elif ok and not matcher.is_error():
+        elif ok and not broken:
             continue
-        elif not matcher.is_error() and matcher.is_accepting():
-            constraint.complete = True  # the same, where the mask came back empty
         else:
             detail = matcher.get_error().split("\n", 1)[0][:200]
             constraint.fail(f"the grammar allows no token here ({detail or 'empty mask'})")
