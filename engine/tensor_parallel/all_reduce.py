@@ -21,6 +21,7 @@ the same bits afterwards.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -65,14 +66,31 @@ class GroupAllReduce:
         """Whether small float32 messages take the symmetric-memory path."""
         return self.buffer is not None
 
+    def staging(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """A float32 view of `shape` on the peer-readable buffer, for a kernel to write its
+        partial into directly (then `sum_staged`: no copy kernel), or None when such a
+        message does not take the one-shot path."""
+        buffer = self.buffer
+        numel = math.prod(shape)
+        if buffer is None or numel > buffer.numel():
+            return None
+        return buffer[:numel].view(shape)
+
+    def sum_staged(self, staged: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of the `staging` views every rank has written: a new
+        tensor. The one-shot kernel's barriers keep a rank from writing the buffer again
+        before every peer has read it."""
+        out = torch.empty_like(staged)
+        torch.ops.symm_mem.one_shot_all_reduce_out(
+            staged.view(-1), "sum", self.group_name, out.view(-1)
+        )
+        return out
+
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         """The sum of `y` (contiguous) over the group: a new tensor, or `y` summed in place."""
-        buffer = self.buffer
-        if buffer is not None and y.dtype == torch.float32 and y.numel() <= buffer.numel():
-            staged = buffer[: y.numel()]
-            staged.copy_(y.view(-1))
-            out = torch.empty_like(y)
-            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out.view(-1))
-            return out
+        staged = self.staging(tuple(y.shape)) if y.dtype == torch.float32 else None
+        if staged is not None:
+            staged.copy_(y)
+            return self.sum_staged(staged)
         dist.all_reduce(y, group=self.group)
         return y

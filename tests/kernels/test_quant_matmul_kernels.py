@@ -511,6 +511,37 @@ def test_dispatcher_routes_by_rows(device: str, monkeypatch: pytest.MonkeyPatch)
     assert taken == ["launch_gemv", "launch_dot", "dequant_matmul"]
 
 
+@pytest.mark.parametrize("path,M", [("gemv", 1), ("gemv", 3), ("dot", 17), ("dequant", 17)])
+def test_float32_out_takes_the_sums_unrounded(device: str, path: str, M: int) -> None:
+    """A float16 x into a float32 `out` gives what a float32 x gives (the kernels sum in
+    float32 either way): tensor parallelism's row-parallel linears write their partial
+    products so, straight into the all-reduce's buffer, with no cast of x and no copy."""
+    _require_triton(device)
+    qw = make_weight(136, 80, [5, 4], perm=True, bias=True, device=device)
+    x = _x((M, qw.in_features), torch.float16, device)
+    out = torch.full((M, qw.out_features), float("nan"), device=device)
+    got = quant_matmul_triton(x, qw, path=path, out=out)
+    assert got is out
+    want = quant_matmul_triton(x.float(), qw, path=path)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    # Rounded once to float16, it is the float16 result.
+    _assert_close(out.half(), quant_matmul_triton(x, qw, path=path), torch.float16)
+
+
+def test_out_on_the_reference_path_and_its_checks() -> None:
+    qw = make_weight(64, 32, [4, 3])
+    x = _x((2, 3, 64), torch.float16, "cpu")
+    out = torch.empty(2, 3, 32)
+    assert quant_matmul(x, qw, backend="torch", out=out) is out
+    torch.testing.assert_close(out, quant_matmul_reference(x.float(), qw), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"out must have shape \(2, 3, 32\)"):
+        quant_matmul(x, qw, backend="torch", out=torch.empty(6, 32))
+    with pytest.raises(ValueError, match="out must be torch.float16 .* or float32"):
+        quant_matmul(x, qw, backend="torch", out=torch.empty(2, 3, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        quant_matmul(x, qw, backend="torch", out=torch.empty(2, 32, 3).transpose(1, 2))
+
+
 def test_auto_and_torch_backends_use_the_reference_on_cpu() -> None:
     qw = make_weight(64, 32, [4, 3])
     x = _x((3, 64), torch.float16, "cpu")
