@@ -62,6 +62,9 @@ class WeightStore:
         self._tensors: dict[str, TensorInfo] = {}
         self._handles: dict[Path, object] = {}
         self._stored: dict[str, str] = {}  # name -> the name in the file, where they differ
+        # Bytes of tensor data read from the files so far (whole tensors and parts): a
+        # tensor-parallel rank reads about its share of the model (tensor_parallel/cut_load.py).
+        self.bytes_read = 0
         for file in self._files():
             for name, info in _read_header(file).items():
                 if name in self._tensors:
@@ -171,13 +174,7 @@ class WeightStore:
                 f"{str(info.dtype).removeprefix('torch.')}, the model expects a floating-point "
                 "weight (float16, bfloat16 or float32)"
             )
-        try:
-            handle = self._handles.get(info.file)
-            if handle is None:
-                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-            tensor = handle.get_tensor(self._stored.get(name, name))  # type: ignore[attr-defined]
-        except (SafetensorError, OSError) as e:  # a header our check let through
-            raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
+        tensor = self._read(name, info, None)
         if dtype is None:
             moved: torch.Tensor = tensor.to(device)
             return moved
@@ -185,6 +182,65 @@ class WeightStore:
         if not bool(torch.isfinite(cast).all()):
             raise WeightError(_not_finite(name, info, tensor, cast))
         return cast
+
+    def get_part(
+        self,
+        name: str,
+        dim: int,
+        runs: list[tuple[int, int]],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
+        """Indices [a, b) of each run along `dim` (0 or 1) of a 1-D or 2-D tensor, concatenated
+        in order: only those bytes are read from the file (safetensors slices). `dtype` as
+        for `get` (a weight: cast, and refused if not finite)."""
+        info = self.info(name)
+        if dim >= len(info.shape) or dim > 1 or len(info.shape) > 2:
+            raise WeightError(
+                f"tensor '{name}' in {info.file.name} has shape {list(info.shape)}: cannot read "
+                f"a part along dimension {dim}"
+            )
+        size = info.shape[dim]
+        bad = [(a, b) for a, b in runs if not 0 <= a < b <= size]
+        if bad or not runs:
+            raise WeightError(
+                f"tensor '{name}' in {info.file.name}: parts {bad or runs} do not lie within "
+                f"its {size} entries along dimension {dim}"
+            )
+        if dtype is not None and not info.dtype.is_floating_point:
+            raise WeightError(
+                f"tensor '{name}' in {info.file.name} has dtype "
+                f"{str(info.dtype).removeprefix('torch.')}, the model expects a floating-point "
+                "weight (float16, bfloat16 or float32)"
+            )
+        parts = [self._read(name, info, (dim, a, b)) for a, b in runs]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        if dtype is None:
+            moved: torch.Tensor = tensor.to(device)
+            return moved
+        cast: torch.Tensor = tensor.to(device=device, dtype=dtype)
+        if not bool(torch.isfinite(cast).all()):
+            raise WeightError(_not_finite(name, info, tensor, cast))
+        return cast
+
+    def _read(self, name: str, info: TensorInfo, part: tuple[int, int, int] | None) -> torch.Tensor:
+        """The whole tensor, or (dim, a, b): indices a..b-1 along dim."""
+        try:
+            handle = self._handles.get(info.file)
+            if handle is None:
+                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+            stored = self._stored.get(name, name)
+            if part is None:
+                tensor: torch.Tensor = handle.get_tensor(stored)  # type: ignore[attr-defined]
+            else:
+                dim, a, b = part
+                piece = handle.get_slice(stored)  # type: ignore[attr-defined]
+                tensor = piece[a:b] if dim == 0 else piece[:, a:b]
+        except (SafetensorError, OSError) as e:  # a header our check let through
+            raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
 
     def close(self) -> None:
         self._handles.clear()
