@@ -110,6 +110,7 @@ def _assert_same_shard(got: nn.Module, expected: nn.Module) -> None:
             assert getattr(m, attr, None) == getattr(e, attr, None), f"{name}.{attr}"
         if hasattr(e, "spec"):
             assert m.spec == e.spec, name
+
     def tied(model: nn.Module) -> bool:
         return getattr(model.lm_head.inner, "weight", None) is model.model.embed_tokens.weight
 
