@@ -13,7 +13,9 @@ file (and tensor) before any weight is loaded.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeGuard
@@ -49,6 +51,7 @@ class TensorInfo:
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int = 0  # of its data in the file
 
 
 # A base-model checkpoint (the backbone saved without its task head: Qwen3-Embedding ships
@@ -61,6 +64,7 @@ class WeightStore:
         self.model_dir = Path(model_dir)
         self._tensors: dict[str, TensorInfo] = {}
         self._handles: dict[Path, object] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
         self._stored: dict[str, str] = {}  # name -> the name in the file, where they differ
         # Bytes of tensor data read from the files so far (whole tensors and parts): a
         # tensor-parallel rank reads about its share of the model (tensor_parallel/cut_load.py).
@@ -193,7 +197,7 @@ class WeightStore:
         device: torch.device | str = "cpu",
     ) -> torch.Tensor:
         """Indices [a, b) of each run along `dim` (0 or 1) of a 1-D or 2-D tensor, concatenated
-        in order: only those bytes are read from the file (safetensors slices). `dtype` as
+        in order: only those bytes are read from the file. `dtype` as
         for `get` (a weight: cast, and refused if not finite)."""
         info = self.info(name)
         if dim >= len(info.shape) or dim > 1 or len(info.shape) > 2:
@@ -230,20 +234,42 @@ class WeightStore:
             handle = self._handles.get(info.file)
             if handle is None:
                 handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-            stored = self._stored.get(name, name)
             if part is None:
+                stored = self._stored.get(name, name)
                 tensor: torch.Tensor = handle.get_tensor(stored)  # type: ignore[attr-defined]
             else:
-                dim, a, b = part
-                piece = handle.get_slice(stored)  # type: ignore[attr-defined]
-                tensor = piece[a:b] if dim == 0 else piece[:, a:b]
+                tensor = self._read_part(info, *part)
         except (SafetensorError, OSError) as e:  # a header our check let through
             raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
+    def _read_part(self, info: TensorInfo, dim: int, a: int, b: int) -> torch.Tensor:
+        """Indices a..b-1 along `dim`, copied out of the file's memory map: only the pages
+        holding them are read. (safetensors' own slices read the whole tensor first, as of
+        0.8, and then slice it.)"""
+        mapped = self._maps.get(info.file)
+        if mapped is None:
+            with info.file.open("rb") as f:
+                mapped = self._maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        with warnings.catch_warnings():  # read-only map: nothing writes through the view
+            warnings.simplefilter("ignore", UserWarning)
+            whole = torch.frombuffer(mapped, dtype=info.dtype, count=numel, offset=info.offset)
+        whole = whole.view(info.shape)
+        piece = whole[a:b] if dim == 0 else whole[:, a:b]
+        return piece.clone(memory_format=torch.contiguous_format)
+
     def close(self) -> None:
         self._handles.clear()
+        for mapped in self._maps.values():
+            try:
+                mapped.close()
+            except BufferError:  # a view of it is still alive: the collector closes it
+                pass
+        self._maps.clear()
 
 
 def _not_finite(name: str, info: TensorInfo, stored: torch.Tensor, cast: torch.Tensor) -> str:
@@ -312,7 +338,8 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
                 f"{file} is truncated: tensor '{name}' ends at byte {end} of the data, "
                 f"the file holds {data_size}"
             )
-        tensors[name] = TensorInfo(file=file, dtype=dtype, shape=shape)
+        offset = 8 + header_len + start
+        tensors[name] = TensorInfo(file=file, dtype=dtype, shape=shape, offset=offset)
     return tensors
 
 
