@@ -279,7 +279,12 @@ class RankCuts:
             else:
                 tensors, runs = self._exl2_columns(store, name, cut.cols)
             piece = load(tensors, in_features, sum(b - a for a, b in runs))
-            return shard_columns(piece, local_index(cut.cols, runs))
+            local = local_index(cut.cols, runs)
+            if local.numel() == piece.qweight.out_features and bool(
+                (local == torch.arange(local.numel())).all()
+            ):
+                return piece  # the piece is the part, in order: nothing left to cut (or copy)
+            return shard_columns(piece, local)
         assert cut.rows is not None
         if fmt == "gptq":
             tensors, rows = self._gptq_rows(store, name, cut.rows, in_features, quantization_config)
