@@ -157,3 +157,24 @@ def test_each_rank_reads_its_share_of_the_file(gptq_model: Path):
     whole = WeightStore(gptq_model)
     load_causal_lm(gptq_model, device=CPU, dtype=torch.float32, store=whole)
     assert whole.bytes_read >= total
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_cut_on_the_gpu_equals_cut_on_the_cpu(mixed_model: Path, rank: int):
+    """A rank repacking its pieces on its GPU keeps the shard a CPU rank keeps."""
+    from engine.tensor_parallel.transform import move_model
+
+    config = ModelConfig.from_dir(mixed_model)
+    gpu = torch.device("cuda", 0)
+    got = load_rank_shard(
+        str(mixed_model),
+        rank=rank,
+        world=2,
+        device=gpu,
+        dtype=torch.float32,
+        config=config,
+        placement=Placement.single(gpu, config.num_hidden_layers),
+    )
+    _assert_same_shard(move_model(got, CPU), _cut_after_load(mixed_model, rank))
