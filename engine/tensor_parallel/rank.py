@@ -1,9 +1,11 @@
 """One tensor-parallel rank: build its shard of the model and KV cache, and (ranks > 0)
 serve the forwards rank 0 announces until told to stop.
 
-Every rank loads the checkpoint (whole layers on its GPU as far as they fit, the rest on
-the CPU: staging.py), keeps its shard (transform.py) and moves that to its device:
-cuda:<rank> with NCCL, or the CPU with gloo (what CI tests).
+Every rank reads only its part of each linear, of the embeddings and of the head
+(cut_load.py: the shard transform.py would cut from the whole model), on its GPU as far as
+the staging plan lets it and on the CPU past that (staging.py), wraps the parts into its
+modules (transform.py) and moves them to its device: cuda:<rank> with NCCL, or the CPU with
+gloo (what CI tests).
 """
 
 from __future__ import annotations
