@@ -144,6 +144,11 @@ def _format(mode: str, result: dict[str, Any]) -> str:
     lines = [
         f"== {mode}: {result['tok_s']:.1f} tok/s unprofiled "
         f"({1e6 / result['tok_s']:.0f} µs/token), load {result['load_s']:.1f} s",
+        "   torch allocated/reserved GB per rank: "
+        + ", ".join(
+            f"{m.get('torch_allocated', 0) / 1e9:.2f}/{m.get('torch_reserved', 0) / 1e9:.2f}"
+            for m in result["rank_memory"]
+        ),
         f"   GPU window {a['window_us_per_token']:.0f} µs/token: "
         f"busy {a['busy_us_per_token']:.0f}, idle {a['idle_us_per_token']:.0f}",
         f"   per step: {a['graph_launches_per_step']} graph launches, "
@@ -173,6 +178,18 @@ def run_mode(mode: str, path: Path, args: argparse.Namespace, out: Path) -> dict
     engine = load_engine(mode, path, max_seq_len)
     _sync()
     load_s = time.perf_counter() - t0
+    # Per rank: held bytes by part and torch's allocated/reserved (reserved well above
+    # allocated: what the staging pool left fragmented, now that the pieces are the shards).
+    memory = (
+        engine.rank_memory
+        if engine.tp_world_size > 1
+        else [
+            {
+                "torch_allocated": torch.cuda.memory_allocated(0),
+                "torch_reserved": torch.cuda.memory_reserved(0),
+            }
+        ]
+    )
     try:
         prompt = torch.randint(10, 1000, (args.prompt,), generator=torch.Generator().manual_seed(0))
         seq = Sequence()
@@ -201,6 +218,7 @@ def run_mode(mode: str, path: Path, args: argparse.Namespace, out: Path) -> dict
         "mode": mode,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "load_s": round(load_s, 2),
+        "rank_memory": memory,
         "tok_s": tok_s,
         "profile": analyze(events, args.steps),
     }

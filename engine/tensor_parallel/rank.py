@@ -142,6 +142,10 @@ def load_rank_shard(
     (cut_load.py), not yet moved to `device` from where `placement` staged it. `store`:
     the model's WeightStore to read through (it counts the bytes read)."""
     cuts = RankCuts(rank, world)
+    # The pieces read are mostly the shards themselves now, so they stay in the staging pool;
+    # what it can leave unused is the repacking temporaries and the few linears read whole
+    # and cut (cut_load.py), which later pieces reuse during the load. rank_memory's
+    # torch_reserved against torch_allocated shows what is left.
     with staging_pool(device):
         model = load_causal_lm(
             model_dir,
