@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.linears import linear_features
 from engine.modules import Attention, FusedGatedMLP, GatedMLP, Linear
 from engine.quant.exl2 import Exl2Group, Exl2Tensors, exl2_row_group
 from engine.quant.gptq import gptq_row_order, infer_group_size
@@ -136,7 +137,7 @@ class RankCuts:
                 self._attention(store, name, module, q_in, kv)
             elif isinstance(module, (GatedMLP, FusedGatedMLP)):
                 down = f"{name}.down_proj"
-                in_features = module.down_proj.in_features
+                in_features = linear_features(module.down_proj)[0]
                 if linear_format(store, down) == "dense":
                     inputs = mlp_inputs(None, in_features, rank=self.rank, world=self.world)
                     self.cuts[down] = Rows(None, None, inputs, self.rank == 0)
@@ -175,7 +176,7 @@ class RankCuts:
         if linear_format(store, o_proj) == "dense":
             self.cuts[o_proj] = Rows(None, None, q_in, keep)
             return
-        order = self._order(store, o_proj, attn.o_proj.in_features)
+        order = self._order(store, o_proj, linear_features(attn.o_proj)[0])
         if order.perm is None:
             self.cuts[o_proj] = Rows(torch.arange(lo, hi), None, q_in, keep)
         else:  # as shard.rows_of_inputs
@@ -197,8 +198,10 @@ class RankCuts:
 
     def _vocab(self, model: nn.Module, store: WeightStore) -> None:
         embed = "model.embed_tokens"
-        table_rows = int(model.get_submodule(embed).weight.shape[0])
-        head_vocab = int(model.get_submodule("lm_head").out_features)
+        table = model.get_submodule(embed).weight
+        assert isinstance(table, torch.Tensor)
+        table_rows = int(table.shape[0])
+        head_vocab = linear_features(model.get_submodule("lm_head"))[1]
         self.vocab = LoadedVocab(table_rows, head_vocab)
         lo, hi = vocab_range(table_rows, self.rank, self.world)
         self.cuts[embed] = Columns(torch.arange(lo, hi))
