@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -74,6 +75,41 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
+class WeightCuts(Protocol):
+    """The parts of the stored linears that one tensor-parallel rank keeps: the load reads
+    only those (engine/tensor_parallel/cut_load.py). Names are the stored linears' (a fused
+    linear's parts, each)."""
+
+    def prepare(self, model: nn.Module, store: WeightStore) -> None:
+        """Decide the parts, from `model` (built on the meta device) and the store's small
+        tensors, before any weight is read."""
+
+    def quantized(
+        self,
+        store: WeightStore,
+        name: str,
+        *,
+        in_features: int,
+        out_features: int,
+        device: torch.device,
+        quantization_config: dict[str, Any] | None,
+    ) -> nn.Module | None:
+        """This rank's part of quantized linear `name`, or None: the whole linear."""
+
+    def dense(
+        self,
+        store: WeightStore,
+        linear: str,
+        leaf: str,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        shape: tuple[int, ...],
+    ) -> torch.Tensor | None:
+        """This rank's part of tensor `linear`.`leaf` (stored with `shape`), or None: the
+        whole tensor."""
+
+
 # What a load reports as it goes: the fraction done (0..1) and what it is doing.
 LoadProgress = Callable[[float, str], None]
 # The share of a quantized model's weight loading that its quantized linears take.
@@ -90,15 +126,19 @@ def load_causal_lm(
     placement: Placement | None = None,
     fuse_projections: bool = True,
     fuse_kernels: bool = True,
+    cuts: WeightCuts | None = None,
+    store: WeightStore | None = None,
 ) -> CausalLM:
     """`placement` (engine/placement/) puts each layer on its own device; without it,
     everything goes on `device`. `fuse_projections` / `fuse_kernels`: the build plan's
     fusions (engine/build_plan.py). `progress(fraction, what)` hears how far the weights
     are: quantized linears (read, checked, repacked: most of an EXL2/GPTQ load) take the
-    first QUANTIZED_SHARE of it, the other tensors the rest."""
+    first QUANTIZED_SHARE of it, the other tensors the rest. `cuts`: read only a
+    tensor-parallel rank's parts of the linears, embeddings and head. `store`: the
+    WeightStore of `model_dir` to read from (it counts the bytes read)."""
     config = config or ModelConfig.from_dir(model_dir)
     cls = architecture_class(config.architecture, source=config.source)
-    store = WeightStore(model_dir)
+    store = store or WeightStore(model_dir)
     check_layer_count(config, store)
     plan = plan_build(store, fuse_projections=fuse_projections, fuse_kernels=fuse_kernels)
     with torch.device("meta"):
@@ -106,8 +146,10 @@ def load_causal_lm(
     placement = placement or Placement.single(device, config.num_hidden_layers)
     model.layer_devices = list(placement.layer_devices)
     sources = _fused_parts(model)
+    if cuts is not None:
+        cuts.prepare(model, store)
     quantized = _load_quantized_linears(
-        model, store, config, placement.device_of, progress, sources
+        model, store, config, placement.device_of, progress, sources, cuts
     )
     start = QUANTIZED_SHARE if quantized else 0.0
 
@@ -120,10 +162,22 @@ def load_causal_lm(
         linear, _, leaf = name.rpartition(".")
         if linear in sources:
             tensor = _read_fused(
-                store, sources[linear], leaf, param, dtype, placement.device_of(name)
+                store, sources[linear], leaf, param, dtype, placement.device_of(name), cuts
             )
             _set_parameter(model, name, tensor)
             continue
+        if cuts is not None and name in store:
+            part = cuts.dense(
+                store,
+                linear,
+                leaf,
+                dtype=dtype,
+                device=placement.device_of(name),
+                shape=tuple(param.shape),
+            )
+            if part is not None:
+                _set_parameter(model, name, part)
+                continue
         if name not in store:
             if name == "lm_head.weight":
                 raise WeightError(
@@ -188,14 +242,21 @@ def _read_fused(
     param: torch.Tensor,
     dtype: torch.dtype,
     device: torch.device,
+    cuts: WeightCuts | None = None,
 ) -> torch.Tensor:
-    """A dense fused linear's `leaf` (weight or bias): its parts' tensors stacked along the
-    output dimension, each checked against its own shape (errors name the part)."""
+    """A dense fused linear's `leaf` (weight or bias): its parts' tensors (or a rank's parts
+    of them: `cuts`) stacked along the output dimension, each checked against its own shape
+    (errors name the part)."""
     rest = tuple(param.shape[1:])
-    tensors = [
-        store.get(f"{part}.{leaf}", dtype=dtype, device=device, shape=(width, *rest))
-        for part, width in parts
-    ]
+    tensors = []
+    for part, width in parts:
+        shape = (width, *rest)
+        cut = None
+        if cuts is not None:
+            cut = cuts.dense(store, part, leaf, dtype=dtype, device=device, shape=shape)
+        if cut is None:
+            cut = store.get(f"{part}.{leaf}", dtype=dtype, device=device, shape=shape)
+        tensors.append(cut)
     return torch.cat(tensors, 0)
 
 
@@ -212,6 +273,7 @@ def _load_quantized_linears(
     device_of: Callable[[str], torch.device],
     progress: LoadProgress | None,
     sources: dict[str, FusedParts],
+    cuts: WeightCuts | None = None,
 ) -> set[str]:
     """Swap every Linear stored as EXL2/GPTQ for a QuantizedLinear; returns their names.
     A fused linear (`sources`) is its parts loaded one by one and concatenated."""
@@ -220,6 +282,17 @@ def _load_quantized_linears(
     from engine.quantized_linear import linear_format, load_quantized_linear
 
     def load(name: str, in_features: int, out_features: int) -> nn.Module:
+        if cuts is not None:
+            part = cuts.quantized(
+                store,
+                name,
+                in_features=in_features,
+                out_features=out_features,
+                device=device_of(name),
+                quantization_config=config.quantization_config,
+            )
+            if part is not None:
+                return part
         return load_quantized_linear(
             store,
             name,

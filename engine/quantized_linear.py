@@ -8,6 +8,7 @@ time into the runtime layout of docs/quant_layout.md and runs through
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -90,19 +91,37 @@ def load_quantized_linear(
     out_features: int,
     device: torch.device,
     quantization_config: dict[str, Any] | None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> QuantizedLinear:
-    """Read, validate and repack one quantized linear; errors name the tensor."""
+    """Read, validate and repack one quantized linear; errors name the tensor. `tensors`:
+    the linear's tensors (by their names without the prefix, as q_weight) already read, in
+    place of reading them from `store` (a tensor-parallel rank's part of a linear,
+    engine/tensor_parallel/cut_load.py)."""
     if device.type == "cuda":
         try:
             return _load_quantized_linear(
-                store, name, in_features, out_features, device, quantization_config, device
+                store,
+                name,
+                in_features,
+                out_features,
+                device,
+                quantization_config,
+                device,
+                tensors,
             )
         except torch.cuda.OutOfMemoryError:
             pass  # repacking's temporaries did not fit: do it on the CPU
         # Outside the except block, whose traceback held the failed attempt's tensors.
         torch.cuda.empty_cache()
     return _load_quantized_linear(
-        store, name, in_features, out_features, device, quantization_config, torch.device("cpu")
+        store,
+        name,
+        in_features,
+        out_features,
+        device,
+        quantization_config,
+        torch.device("cpu"),
+        tensors,
     )
 
 
@@ -114,6 +133,7 @@ def _load_quantized_linear(
     device: torch.device,
     quantization_config: dict[str, Any] | None,
     work: torch.device,
+    given: Mapping[str, torch.Tensor] | None = None,
 ) -> QuantizedLinear:
     """load_quantized_linear, repacking on `work`: the target GPU where there is one. An
     EXL2 segment of 3, 5 or 6 bits is unpacked and re-planed code by code: an 8B model took
@@ -121,13 +141,19 @@ def _load_quantized_linear(
     2.6 s)."""
     fmt = linear_format(store, name)
     prefix = f"{name}."
+
+    def read(names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        if given is not None:
+            return {n: t.to(work) for n, t in given.items() if n in names}
+        return {n: store.get(prefix + n).to(work) for n in names if prefix + n in store}
+
     if fmt == "exl2":
-        tensors = {n: store.get(prefix + n).to(work) for n in EXL2_TENSORS if prefix + n in store}
+        tensors = read(EXL2_TENSORS)
         exl2 = Exl2Tensors.from_dict(tensors)
         exl2.validate(name, in_features, out_features)
         runtime = exl2_to_runtime(exl2)
     elif fmt == "gptq":
-        tensors = {n: store.get(prefix + n).to(work) for n in GPTQ_TENSORS if prefix + n in store}
+        tensors = read(GPTQ_TENSORS)
         qcfg = quantization_config or {}
         checkpoint_format = str(qcfg.get("checkpoint_format", "gptq"))
         bits = qcfg.get("bits")

@@ -13,7 +13,9 @@ file (and tensor) before any weight is loaded.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeGuard
@@ -49,6 +51,7 @@ class TensorInfo:
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int = 0  # of its data in the file
 
 
 # A base-model checkpoint (the backbone saved without its task head: Qwen3-Embedding ships
@@ -61,7 +64,11 @@ class WeightStore:
         self.model_dir = Path(model_dir)
         self._tensors: dict[str, TensorInfo] = {}
         self._handles: dict[Path, object] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
         self._stored: dict[str, str] = {}  # name -> the name in the file, where they differ
+        # Bytes of tensor data read from the files so far (whole tensors and parts): a
+        # tensor-parallel rank reads about its share of the model (tensor_parallel/cut_load.py).
+        self.bytes_read = 0
         for file in self._files():
             for name, info in _read_header(file).items():
                 if name in self._tensors:
@@ -171,13 +178,7 @@ class WeightStore:
                 f"{str(info.dtype).removeprefix('torch.')}, the model expects a floating-point "
                 "weight (float16, bfloat16 or float32)"
             )
-        try:
-            handle = self._handles.get(info.file)
-            if handle is None:
-                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-            tensor = handle.get_tensor(self._stored.get(name, name))  # type: ignore[attr-defined]
-        except (SafetensorError, OSError) as e:  # a header our check let through
-            raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
+        tensor = self._read(name, info, None)
         if dtype is None:
             moved: torch.Tensor = tensor.to(device)
             return moved
@@ -186,8 +187,89 @@ class WeightStore:
             raise WeightError(_not_finite(name, info, tensor, cast))
         return cast
 
+    def get_part(
+        self,
+        name: str,
+        dim: int,
+        runs: list[tuple[int, int]],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+    ) -> torch.Tensor:
+        """Indices [a, b) of each run along `dim` (0 or 1) of a 1-D or 2-D tensor, concatenated
+        in order: only those bytes are read from the file. `dtype` as
+        for `get` (a weight: cast, and refused if not finite)."""
+        info = self.info(name)
+        if dim >= len(info.shape) or dim > 1 or len(info.shape) > 2:
+            raise WeightError(
+                f"tensor '{name}' in {info.file.name} has shape {list(info.shape)}: cannot read "
+                f"a part along dimension {dim}"
+            )
+        size = info.shape[dim]
+        bad = [(a, b) for a, b in runs if not 0 <= a < b <= size]
+        if bad or not runs:
+            raise WeightError(
+                f"tensor '{name}' in {info.file.name}: parts {bad or runs} do not lie within "
+                f"its {size} entries along dimension {dim}"
+            )
+        if dtype is not None and not info.dtype.is_floating_point:
+            raise WeightError(
+                f"tensor '{name}' in {info.file.name} has dtype "
+                f"{str(info.dtype).removeprefix('torch.')}, the model expects a floating-point "
+                "weight (float16, bfloat16 or float32)"
+            )
+        parts = [self._read(name, info, (dim, a, b)) for a, b in runs]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        if dtype is None:
+            moved: torch.Tensor = tensor.to(device)
+            return moved
+        cast: torch.Tensor = tensor.to(device=device, dtype=dtype)
+        if not bool(torch.isfinite(cast).all()):
+            raise WeightError(_not_finite(name, info, tensor, cast))
+        return cast
+
+    def _read(self, name: str, info: TensorInfo, part: tuple[int, int, int] | None) -> torch.Tensor:
+        """The whole tensor, or (dim, a, b): indices a..b-1 along dim."""
+        try:
+            handle = self._handles.get(info.file)
+            if handle is None:
+                handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
+            if part is None:
+                stored = self._stored.get(name, name)
+                tensor: torch.Tensor = handle.get_tensor(stored)  # type: ignore[attr-defined]
+            else:
+                tensor = self._read_part(info, *part)
+        except (SafetensorError, OSError) as e:  # a header our check let through
+            raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _read_part(self, info: TensorInfo, dim: int, a: int, b: int) -> torch.Tensor:
+        """Indices a..b-1 along `dim`, copied out of the file's memory map: only the pages
+        holding them are read. (safetensors' own slices read the whole tensor first, as of
+        0.8, and then slice it.)"""
+        mapped = self._maps.get(info.file)
+        if mapped is None:
+            with info.file.open("rb") as f:
+                mapped = self._maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        numel = 1
+        for d in info.shape:
+            numel *= d
+        with warnings.catch_warnings():  # read-only map: nothing writes through the view
+            warnings.simplefilter("ignore", UserWarning)
+            whole = torch.frombuffer(mapped, dtype=info.dtype, count=numel, offset=info.offset)
+        whole = whole.view(info.shape)
+        piece = whole[a:b] if dim == 0 else whole[:, a:b]
+        return piece.clone(memory_format=torch.contiguous_format)
+
     def close(self) -> None:
         self._handles.clear()
+        for mapped in self._maps.values():
+            try:
+                mapped.close()
+            except BufferError:  # a view of it is still alive: the collector closes it
+                pass
+        self._maps.clear()
 
 
 def _not_finite(name: str, info: TensorInfo, stored: torch.Tensor, cast: torch.Tensor) -> str:
@@ -256,7 +338,8 @@ def _read_header(file: Path) -> dict[str, TensorInfo]:
                 f"{file} is truncated: tensor '{name}' ends at byte {end} of the data, "
                 f"the file holds {data_size}"
             )
-        tensors[name] = TensorInfo(file=file, dtype=dtype, shape=shape)
+        offset = 8 + header_len + start
+        tensors[name] = TensorInfo(file=file, dtype=dtype, shape=shape, offset=offset)
     return tensors
 
 

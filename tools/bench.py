@@ -158,16 +158,22 @@ def model_from_arguments(args: argparse.Namespace) -> tuple[Path, Path]:
     return path, out
 
 
-def build_model(path: Path, shape_name: str, fmt: str, device: str = "cuda") -> Path:
+def build_model(
+    path: Path, shape_name: str, fmt: str, device: str = "cuda", layers: int | None = None
+) -> Path:
     """Write a random-weight model of `shape_name` in `fmt` (gptq: 4-bit g128; exl2: 4-bit
     with a 6-bit head) with a word-level tokenizer; skipped if already there. `device` is
-    where the codes are drawn and packed (the CPU serves tests with a tiny shape)."""
+    where the codes are drawn and packed (the CPU serves tests with a tiny shape). `layers`:
+    this many decoder layers instead of the shape's (a profile of a few layers of a 70B
+    builds and loads in seconds)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models
 
     if (path / "config.json").is_file():
         return path
-    shape = SHAPES[shape_name]
+    shape = dict(SHAPES[shape_name])
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(0)
     tensors: dict[str, torch.Tensor] = {}

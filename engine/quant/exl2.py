@@ -215,6 +215,14 @@ def dequantize_exl2(t: Exl2Tensors, out_features: int | None = None) -> torch.Te
     return w_stored[t.q_invperm.long(), :n].contiguous()
 
 
+def exl2_row_group(groups: list[Exl2Group], device: torch.device) -> torch.Tensor:
+    """int32 [k]: the group of each stored row (the runtime keeps the stored row order)."""
+    rows_per_group = torch.tensor([g.row_end - g.row_start for g in groups], device=device)
+    return torch.repeat_interleave(
+        torch.arange(len(groups), dtype=torch.int32, device=device), rows_per_group
+    )
+
+
 def exl2_to_runtime(t: Exl2Tensors, out_features: int | None = None) -> QuantizedWeight:
     """Convert to the runtime layout: one Segment per run of equal bits, fp16 scales, compact
     zero points."""
@@ -229,10 +237,7 @@ def exl2_to_runtime(t: Exl2Tensors, out_features: int | None = None) -> Quantize
     # The zero point in code units, 2^(bits-1): exact in fp16.
     zero_codes = torch.tensor([2.0 ** (g.bits - 1) for g in groups], device=scales.device)
     zeros = compact_zero_points(zero_codes[:, None].expand(-1, scales.shape[1]))
-    rows_per_group = torch.tensor([g.row_end - g.row_start for g in groups], device=scales.device)
-    row_group = torch.repeat_interleave(
-        torch.arange(len(groups), dtype=torch.int32, device=scales.device), rows_per_group
-    )
+    row_group = exl2_row_group(groups, scales.device)
 
     segments: list[Segment] = []
     i = 0

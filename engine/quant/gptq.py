@@ -149,6 +149,15 @@ def dequantize_gptq(t: GptqTensors) -> torch.Tensor:
     return (codes - zeros) * t.scales.to(torch.float16).float()[g]
 
 
+def gptq_row_order(g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The runtime's row order for the groups `g` [k] of the input rows: (perm, the group of
+    each runtime row). Rows sorted by group, stably; perm None where they already are."""
+    if bool((g[1:] >= g[:-1]).all()):
+        return None, g
+    perm = torch.argsort(g, stable=True)
+    return perm, g[perm]
+
+
 def gptq_to_runtime(t: GptqTensors) -> QuantizedWeight:
     """Convert to the runtime layout: rows sorted by group, one Segment, compact zero
     points."""
@@ -156,16 +165,13 @@ def gptq_to_runtime(t: GptqTensors) -> QuantizedWeight:
     g = t.group_index()
     scales = t.scales.to(torch.float16).contiguous()
     zeros = compact_zero_points(t.zero_points())  # 0..256: uint8, or int16 with a 256
-    if bool((g[1:] >= g[:-1]).all()):
-        perm = None
+    perm, row_group = gptq_row_order(g)
+    if perm is None:
         # The qweight stream at 4 or 8 bits is already the plane layout.
         segment = Segment(t.bits, 0, k, [Plane(t.bits, 0, t.qweight.contiguous())])
-        row_group = g
     else:
-        perm = torch.argsort(g, stable=True)
         codes = unpack_bitstream(t.qweight, t.bits, k)[perm]
         segment = make_segment(codes, t.bits, 0)
-        row_group = g[perm]
         perm = perm.to(torch.int32)
     return QuantizedWeight(
         in_features=k,
@@ -268,6 +274,7 @@ __all__ = [
     "GptqTensors",
     "QuantFormatError",
     "dequantize_gptq",
+    "gptq_row_order",
     "gptq_to_runtime",
     "infer_group_size",
     "pack_gptq",

@@ -1,9 +1,11 @@
 """One tensor-parallel rank: build its shard of the model and KV cache, and (ranks > 0)
 serve the forwards rank 0 announces until told to stop.
 
-Every rank loads the checkpoint (whole layers on its GPU as far as they fit, the rest on
-the CPU: staging.py), keeps its shard (transform.py) and moves that to its device:
-cuda:<rank> with NCCL, or the CPU with gloo (what CI tests).
+Every rank reads only its part of each linear, of the embeddings and of the head
+(cut_load.py: the shard transform.py would cut from the whole model), on its GPU as far as
+the staging plan lets it and on the CPU past that (staging.py), wraps the parts into its
+modules (transform.py) and moves them to its device: cuda:<rank> with NCCL, or the CPU with
+gloo (what CI tests).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from engine.placement import Placement
 from engine.placement.footprint import model_footprint
 from engine.tensor_parallel import protocol
 from engine.tensor_parallel.all_reduce import GroupAllReduce
+from engine.tensor_parallel.cut_load import RankCuts
 from engine.tensor_parallel.staging import staging_placement, staging_pool
 from engine.tensor_parallel.transform import move_model, shard_model, use_all_reduce
 from engine.weights import WeightStore
@@ -93,12 +96,15 @@ def build_rank(
     dtype = DTYPES[spec.dtype]
     set_deterministic_sums(spec.deterministic)  # a spawned rank starts with the default
     placement = _staging(spec, config, device)
-    with staging_pool(device):
-        model = load_causal_lm(
-            spec.model_dir, device=device, dtype=dtype, config=config, placement=placement
-        )
-    # Outside the staging pool: the shards do not pin the whole layers' segments.
-    shard_model(model, rank=rank, world=spec.world_size)
+    model = load_rank_shard(
+        spec.model_dir,
+        rank=rank,
+        world=spec.world_size,
+        device=device,
+        dtype=dtype,
+        config=config,
+        placement=placement,
+    )
     move_model(model, device)
     # After the process group, at the same point on every rank (its set-up is a collective).
     use_all_reduce(model, GroupAllReduce(None, device))
@@ -119,6 +125,40 @@ def build_rank(
     if spec.cuda_graphs and device.type == "cuda":
         graphs = DecodeGraphs(model, cache, spec.max_seq_len)
     return model, cache, graphs, config
+
+
+def load_rank_shard(
+    model_dir: str,
+    *,
+    rank: int,
+    world: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    config: ModelConfig,
+    placement: Placement,
+    store: WeightStore | None = None,
+) -> CausalLM:
+    """Rank `rank`'s shard of the model, reading only its parts of the weights
+    (cut_load.py), not yet moved to `device` from where `placement` staged it. `store`:
+    the model's WeightStore to read through (it counts the bytes read)."""
+    cuts = RankCuts(rank, world)
+    # The pieces read are mostly the shards themselves now, so they stay in the staging pool;
+    # what it can leave unused is the repacking temporaries and the few linears read whole
+    # and cut (cut_load.py), which later pieces reuse during the load. rank_memory's
+    # torch_reserved against torch_allocated shows what is left.
+    with staging_pool(device):
+        model = load_causal_lm(
+            model_dir,
+            device=device,
+            dtype=dtype,
+            config=config,
+            placement=placement,
+            cuts=cuts,
+            store=store,
+        )
+    cuts.finish(model)
+    assert cuts.vocab is not None
+    return shard_model(model, rank=rank, world=world, loaded=cuts.vocab)
 
 
 def rank_memory(model: CausalLM, cache: PagedKVCache, device: torch.device) -> dict[str, int]:

@@ -42,7 +42,7 @@ from engine.tensor_parallel.shard import (
     shard_rows_dense,
     shard_rows_quantized,
 )
-from engine.tensor_parallel.vocab import VocabParallelEmbedding, shard_vocab
+from engine.tensor_parallel.vocab import LoadedVocab, VocabParallelEmbedding, shard_vocab
 from kernels.quant_matmul import quant_matmul
 
 # Up to this many rows (decode batches), quantized partial products are summed in float32
@@ -114,9 +114,11 @@ def _row_shard(linear: nn.Module, inputs: torch.Tensor, *, rank: int) -> nn.Modu
     raise TensorParallelError(f"cannot shard a {type(linear).__name__} by rows")
 
 
-def shard_attention(
-    attn: Attention, *, rank: int, world: int, group: dist.ProcessGroup | None
-) -> None:
+def attention_inputs(
+    attn: Attention, *, rank: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query features (o_proj's inputs) and the K (or V) features this rank computes:
+    its KV heads and the query heads that read them."""
     s = attn.spec
     if s.num_kv_heads % world or s.num_heads % world:
         raise TensorParallelError(
@@ -126,6 +128,27 @@ def shard_attention(
     hq, hk, d = s.num_heads // world, s.num_kv_heads // world, s.head_dim
     q_in = torch.arange(rank * hq * d, (rank + 1) * hq * d)
     kv = torch.arange(rank * hk * d, (rank + 1) * hk * d)
+    return q_in, kv
+
+
+def shard_attention(
+    attn: Attention,
+    *,
+    rank: int,
+    world: int,
+    group: dist.ProcessGroup | None,
+    loaded: bool = False,
+) -> None:
+    """`loaded`: the load read only this rank's parts (cut_load.py): wrap o_proj, set the
+    local heads, cut nothing."""
+    s = attn.spec
+    q_in, kv = attention_inputs(attn, rank=rank, world=world)
+    hq, hk = s.num_heads // world, s.num_kv_heads // world
+    if loaded:
+        attn.o_proj = AllReduceLinear(attn.o_proj, group)
+        attn.spec = replace(s, num_heads=hq, num_kv_heads=hk)
+        return
+    d = s.head_dim
     if s.fused_qkv:
         q_size, kv_size = s.num_heads * d, s.num_kv_heads * d
         cols = torch.cat([q_in, q_size + kv, q_size + kv_size + kv])
@@ -138,31 +161,50 @@ def shard_attention(
     attn.spec = replace(s, num_heads=hq, num_kv_heads=hk)
 
 
+def mlp_inputs(row_group: torch.Tensor | None, size: int, *, rank: int, world: int) -> torch.Tensor:
+    """The down projection's rows this rank keeps. Quantized (`row_group`: the group of each
+    runtime row, `size` groups): whole groups round-robin, group g on rank g % world.
+    Dense (None; `size` inputs): an even contiguous share."""
+    if row_group is None:
+        inputs = torch.tensor_split(torch.arange(size), world)[rank]
+        if inputs.numel() == 0:
+            raise TensorParallelError(f"{size} MLP columns for {world} ranks")
+        return inputs
+    rows = torch.nonzero(row_group % world == rank).flatten()
+    if rows.numel() == 0:
+        raise TensorParallelError(
+            f"down_proj has {size} quantization groups, fewer than {world} ranks"
+        )
+    return rows
+
+
 def _mlp_inputs(down: nn.Module, *, rank: int, world: int) -> tuple[torch.Tensor, nn.Module]:
     """The intermediate columns this rank computes, and its down_proj shard reading them
     in that order."""
     if isinstance(down, QuantizedLinear):
         qw = down.qweight
-        groups = qw.row_group.long().cpu()
-        rows = torch.nonzero(groups % world == rank).flatten()
-        if rows.numel() == 0:
-            raise TensorParallelError(
-                f"down_proj has {qw.num_groups} quantization groups, fewer than {world} ranks"
-            )
+        rows = mlp_inputs(qw.row_group.long().cpu(), qw.num_groups, rank=rank, world=world)
         inputs = rows if qw.perm is None else qw.perm.long().cpu()[rows]
         # The rank's MLP input arrives in the order of `rows`: no permutation left.
         return inputs, shard_rows_quantized(down, rows, None, keep_bias=rank == 0)
     if isinstance(down, Linear):
-        inputs = torch.tensor_split(torch.arange(down.in_features), world)[rank]
-        if inputs.numel() == 0:
-            raise TensorParallelError(f"{down.in_features} MLP columns for {world} ranks")
+        inputs = mlp_inputs(None, down.in_features, rank=rank, world=world)
         return inputs, shard_rows_dense(down, inputs, keep_bias=rank == 0)
     raise TensorParallelError(f"cannot shard a {type(down).__name__} down projection")
 
 
 def shard_mlp(
-    mlp: GatedMLP | FusedGatedMLP, *, rank: int, world: int, group: dist.ProcessGroup | None
+    mlp: GatedMLP | FusedGatedMLP,
+    *,
+    rank: int,
+    world: int,
+    group: dist.ProcessGroup | None,
+    loaded: bool = False,
 ) -> None:
+    """`loaded`: as for shard_attention (down_proj wrapped, nothing cut)."""
+    if loaded:
+        mlp.down_proj = AllReduceLinear(mlp.down_proj, group)
+        return
     inputs, down = _mlp_inputs(mlp.down_proj, rank=rank, world=world)
     if isinstance(mlp, FusedGatedMLP) or mlp.gate_up_proj is not None:
         # Stored so (Phi-3) or built so by the build plan: [gate | up] columns.
@@ -178,12 +220,20 @@ def shard_mlp(
 
 
 def shard_model(
-    model: CausalLM, *, rank: int, world: int, group: dist.ProcessGroup | None = None
+    model: CausalLM,
+    *,
+    rank: int,
+    world: int,
+    group: dist.ProcessGroup | None = None,
+    loaded: LoadedVocab | None = None,
 ) -> CausalLM:
     """Shard every attention and gated MLP, the embeddings and the head of `model` in place
-    for `rank` of `world`."""
+    for `rank` of `world`. `loaded`: the load read only this rank's parts of the weights
+    (cut_load.RankCuts), and these are the whole vocabulary's sizes; what is left is wrapping
+    the parts into the rank's modules."""
     if world < 1 or not 0 <= rank < world:
         raise TensorParallelError(f"rank {rank} of world size {world} is not valid")
+    cut = loaded is not None
     layers = model.model.layers
     for index, layer in enumerate(layers):
         attns = [m for m in layer.modules() if isinstance(m, Attention)]
@@ -193,9 +243,9 @@ def shard_model(
                 f"layer {index} ({type(layer).__name__}) is not one attention + one gated MLP: "
                 "tensor parallelism supports dense decoder layers only (not mixture-of-experts)"
             )
-        shard_attention(attns[0], rank=rank, world=world, group=group)
-        shard_mlp(mlps[0], rank=rank, world=world, group=group)
-    shard_vocab(model, rank=rank, world=world, group=group)
+        shard_attention(attns[0], rank=rank, world=world, group=group, loaded=cut)
+        shard_mlp(mlps[0], rank=rank, world=world, group=group, loaded=cut)
+    shard_vocab(model, rank=rank, world=world, group=group, loaded=loaded)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.qweight.validate()

@@ -20,6 +20,8 @@ table in one process.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -38,6 +40,15 @@ from engine.tensor_parallel.shard import shard_columns
 # zeros), which takes the one-shot all-reduce at decode (all_reduce.py); prefill sums in the
 # table's dtype.
 FLOAT32_SUM_MAX_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class LoadedVocab:
+    """The whole model's sizes, for a rank whose load read only its vocabulary rows: the
+    embedding table's rows and the head's outputs (either may be padded beyond vocab_size)."""
+
+    table_rows: int
+    head_vocab: int
 
 
 def vocab_range(vocab: int, rank: int, world: int) -> tuple[int, int]:
@@ -113,15 +124,31 @@ def _all_gather(out: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup 
 
 
 def shard_vocab(
-    model: CausalLM, *, rank: int, world: int, group: dist.ProcessGroup | None = None
+    model: CausalLM,
+    *,
+    rank: int,
+    world: int,
+    group: dist.ProcessGroup | None = None,
+    loaded: LoadedVocab | None = None,
 ) -> None:
-    """Replace `model`'s embeddings and head by this rank's vocabulary rows, in place."""
+    """Replace `model`'s embeddings and head by this rank's vocabulary rows, in place.
+    `loaded`: the load read only those rows and columns (cut_load.py): keep them as they are.
+    """
     # The table's and the head's own sizes (a checkpoint may pad either beyond vocab_size).
     embed = model.model.embed_tokens
     table = embed.weight
     if not isinstance(table, torch.Tensor) or table.dim() != 2:
         raise TensorParallelError(f"cannot cut a {type(embed).__name__} by vocabulary rows")
     head = model.lm_head
+    if loaded is not None:
+        vocab = loaded.head_vocab
+        lo, _ = vocab_range(loaded.table_rows, rank, world)
+        slice_ = VocabParallelEmbedding(table, lo, group)
+        model.model.embed_tokens = slice_
+        if isinstance(head, Linear) and head.weight is table:  # tied: the slice's rows
+            head.weight = slice_.weight
+        model.lm_head = VocabParallelHead(head, world=world, vocab=vocab, group=group)
+        return
     lo, hi = vocab_range(table.shape[0], rank, world)
     # A clone: a view of the rows would keep the whole table's storage alive.
     slice_ = VocabParallelEmbedding(table[lo:hi].clone(), lo, group)
