@@ -17,6 +17,7 @@ from webui import (
     lora_lab,
     lora_panel,
     model_tab,
+    notebook_restore,
     notebook_tab,
     parameters_tab,
     sampler_controls,
@@ -107,6 +108,7 @@ def build_app(ctx: AppContext) -> gr.Blocks:
         banner = gr.Markdown(preparing or "", visible=bool(preparing), elem_id="startup-status")
         # Polls only while the default model is prepared (served at once meanwhile).
         ticker = gr.Timer(2.0, active=bool(preparing))
+        remembered_notebook = notebook_restore.holder()
         with gr.Tabs(elem_id="tabs"):
             with gr.Tab("Chat", id="chat", elem_id="tab-chat"):
                 chat = chat_tab.build(ctx, remembered)
@@ -151,14 +153,14 @@ def build_app(ctx: AppContext) -> gr.Blocks:
                 gr.update(choices=ctx.user_data.chat_choices(), value=None),
                 messages,
                 messages,
-                name,
+                gr.update(value=name, interactive=True),
                 revision,
                 gr.update(interactive=True),
-                gr.update(value=notebook_tab.remembered_text(saved), interactive=True),
+                notebook_tab.remembered_text(saved),
                 gr.update(value=preparing_now or "", visible=bool(preparing_now)),
             ]
 
-        demo.load(
+        page_load = demo.load(
             on_page_load,
             None,
             [
@@ -175,11 +177,12 @@ def build_app(ctx: AppContext) -> gr.Blocks:
                 chat.chat_name,
                 chat.revision,
                 chat.text,
-                notebook.text,
+                remembered_notebook,
                 banner,
             ],
             show_progress="hidden",
         )
+        notebook_restore.wire(page_load, remembered_notebook)
 
         def on_page_unload(request: gr.Request) -> None:
             # The per-session counts of ended jobs would otherwise grow with every page ever
@@ -216,7 +219,8 @@ def build_app(ctx: AppContext) -> gr.Blocks:
 def launch_kwargs(ctx: AppContext) -> dict[str, Any]:
     css = CSS + extensions.custom_css()
     js = extensions.custom_js()
-    kwargs: dict[str, Any] = {"css": css, "theme": gr.themes.Soft(), "head": SHORTCUTS_JS}
+    head = SHORTCUTS_JS + notebook_restore.HEAD_JS
+    kwargs: dict[str, Any] = {"css": css, "theme": gr.themes.Soft(), "head": head}
     if js:
         kwargs["js"] = js
     return kwargs

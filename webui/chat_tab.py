@@ -99,6 +99,9 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> ChatTab:
                 label="Chat name",
                 elem_id="chat-name",
                 info="saved after every reply",
+                # Editable once the page load has put the latest chat's name in
+                # (app.on_page_load): a name typed before was replaced by it.
+                interactive=False,
             )
             past = gr.Dropdown(
                 ctx.user_data.chat_choices(),

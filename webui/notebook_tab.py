@@ -48,9 +48,8 @@ def build(ctx: AppContext, remembered: dict[str, Any]) -> NotebookTab:
         label="Text",
         elem_id="notebook-text",
         info="the model continues this text (no chat template)",
-        # Editable once the page load has put the remembered text in (app.on_page_load):
-        # typing before that was overwritten by the restore and lost.
-        interactive=False,
+        # The page puts the remembered text in and keeps the box read-only until then
+        # (webui.notebook_restore): typing before that would be lost.
     )
     with gr.Row():
         generate = gr.Button("Generate", variant="primary", elem_id="notebook-generate")

@@ -62,30 +62,17 @@ def _type_grammar(page, text: str) -> None:
 def _notebook_box(page):
     tab(page, "Notebook")
     box = page.locator("#notebook-text textarea")
-    # The page load's restore sets the remembered text and makes the box editable in one
-    # update (webui/app.py): once editable, a fill can no longer be overwritten by it.
-    expect(box).to_be_enabled()
+    # The page puts the remembered text in before the box is editable
+    # (webui/notebook_restore.py): a fill can no longer be overwritten by it.
+    expect(box).to_be_editable()
     return box
 
 
 def _fill_notebook(page, box, text: str) -> None:
-    """Type `text` and wait until the server has saved it (the box's change event). The
-    page load's restore of the remembered text can still land after a fill made as soon as
-    the box is editable, and replace it (seen in full-suite runs: a race of the page, left
-    open in issue 25's note); a fill made after the restore stays, so the text is typed
-    again if it was replaced."""
-    want = f"Text saved ({len(text)} characters)"
-    settled = """([text, want]) => {
-        const box = document.querySelector('#notebook-text textarea');
-        const saved = document.querySelector('#notebook-saved');
-        return box.value !== text || (saved !== null && saved.innerText.includes(want));
-    }"""
-    for _ in range(3):
-        box.fill(text)
-        page.wait_for_function(settled, arg=[text, want], timeout=SLOW)
-        if box.input_value() == text:
-            return
-    raise AssertionError(f"the notebook kept replacing the typed text: {box.input_value()!r}")
+    """Type `text` and wait until the server has saved it (the box's change event)."""
+    box.fill(text)
+    expect(page.locator("#notebook-saved")).to_contain_text(f"Text saved ({len(text)} characters)")
+    expect(box).to_have_value(text)
 
 
 def test_a_typed_grammar_constrains_the_chat_reply_and_the_notebook(page):
