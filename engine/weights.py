@@ -172,20 +172,9 @@ class WeightStore:
                 f"tensor '{name}' in {info.file.name} has shape {list(info.shape)}, "
                 f"the model expects {list(shape)}"
             )
-        if dtype is not None and not info.dtype.is_floating_point:
-            raise WeightError(
-                f"tensor '{name}' in {info.file.name} has dtype "
-                f"{str(info.dtype).removeprefix('torch.')}, the model expects a floating-point "
-                "weight (float16, bfloat16 or float32)"
-            )
+        _check_weight_dtype(name, info, dtype)
         tensor = self._read(name, info, None)
-        if dtype is None:
-            moved: torch.Tensor = tensor.to(device)
-            return moved
-        cast: torch.Tensor = tensor.to(device=device, dtype=dtype)
-        if not bool(torch.isfinite(cast).all()):
-            raise WeightError(_not_finite(name, info, tensor, cast))
-        return cast
+        return _placed(name, info, tensor, dtype, device)
 
     def get_part(
         self,
@@ -212,21 +201,10 @@ class WeightStore:
                 f"tensor '{name}' in {info.file.name}: parts {bad or runs} do not lie within "
                 f"its {size} entries along dimension {dim}"
             )
-        if dtype is not None and not info.dtype.is_floating_point:
-            raise WeightError(
-                f"tensor '{name}' in {info.file.name} has dtype "
-                f"{str(info.dtype).removeprefix('torch.')}, the model expects a floating-point "
-                "weight (float16, bfloat16 or float32)"
-            )
+        _check_weight_dtype(name, info, dtype)
         parts = [self._read(name, info, (dim, a, b)) for a, b in runs]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-        if dtype is None:
-            moved: torch.Tensor = tensor.to(device)
-            return moved
-        cast: torch.Tensor = tensor.to(device=device, dtype=dtype)
-        if not bool(torch.isfinite(cast).all()):
-            raise WeightError(_not_finite(name, info, tensor, cast))
-        return cast
+        return _placed(name, info, tensor, dtype, device)
 
     def _read(self, name: str, info: TensorInfo, part: tuple[int, int, int] | None) -> torch.Tensor:
         """The whole tensor, or (dim, a, b): indices a..b-1 along dim."""
@@ -270,6 +248,34 @@ class WeightStore:
             except BufferError:  # a view of it is still alive: the collector closes it
                 pass
         self._maps.clear()
+
+
+def _check_weight_dtype(name: str, info: TensorInfo, dtype: torch.dtype | None) -> None:
+    """A weight (`dtype` given) must be stored in a floating-point type."""
+    if dtype is not None and not info.dtype.is_floating_point:
+        raise WeightError(
+            f"tensor '{name}' in {info.file.name} has dtype "
+            f"{str(info.dtype).removeprefix('torch.')}, the model expects a floating-point "
+            "weight (float16, bfloat16 or float32)"
+        )
+
+
+def _placed(
+    name: str,
+    info: TensorInfo,
+    tensor: torch.Tensor,
+    dtype: torch.dtype | None,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """`tensor` read from the file, on `device`; with `dtype` a weight: cast, and refused if
+    not finite (a NaN or inf weight turns every logit it reaches into NaN)."""
+    if dtype is None:
+        moved: torch.Tensor = tensor.to(device)
+        return moved
+    cast: torch.Tensor = tensor.to(device=device, dtype=dtype)
+    if not bool(torch.isfinite(cast).all()):
+        raise WeightError(_not_finite(name, info, tensor, cast))
+    return cast
 
 
 def _not_finite(name: str, info: TensorInfo, stored: torch.Tensor, cast: torch.Tensor) -> str:
