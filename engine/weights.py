@@ -13,9 +13,8 @@ file (and tensor) before any weight is loaded.
 from __future__ import annotations
 
 import json
-import mmap
+import os
 import struct
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeGuard
@@ -64,7 +63,7 @@ class WeightStore:
         self.model_dir = Path(model_dir)
         self._tensors: dict[str, TensorInfo] = {}
         self._handles: dict[Path, object] = {}
-        self._maps: dict[Path, mmap.mmap] = {}
+        self._fds: dict[Path, int] = {}  # files opened for part reads
         self._stored: dict[str, str] = {}  # name -> the name in the file, where they differ
         # Bytes of tensor data read from the files so far (whole tensors and parts): a
         # tensor-parallel rank reads about its share of the model (tensor_parallel/cut_load.py).
@@ -173,7 +172,7 @@ class WeightStore:
                 f"the model expects {list(shape)}"
             )
         _check_weight_dtype(name, info, dtype)
-        tensor = self._read(name, info, None)
+        tensor = self._read(name, info)
         return _placed(name, info, tensor, dtype, device)
 
     def get_part(
@@ -202,52 +201,73 @@ class WeightStore:
                 f"its {size} entries along dimension {dim}"
             )
         _check_weight_dtype(name, info, dtype)
-        parts = [self._read(name, info, (dim, a, b)) for a, b in runs]
-        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        try:
+            tensor = self._read_runs(info, dim, runs)
+        except OSError as e:
+            raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
+        self.bytes_read += tensor.numel() * tensor.element_size()
         return _placed(name, info, tensor, dtype, device)
 
-    def _read(self, name: str, info: TensorInfo, part: tuple[int, int, int] | None) -> torch.Tensor:
-        """The whole tensor, or (dim, a, b): indices a..b-1 along dim."""
+    def _read(self, name: str, info: TensorInfo) -> torch.Tensor:
+        """The whole tensor, through safetensors."""
         try:
             handle = self._handles.get(info.file)
             if handle is None:
                 handle = self._handles[info.file] = safe_open(str(info.file), framework="pt")
-            if part is None:
-                stored = self._stored.get(name, name)
-                tensor: torch.Tensor = handle.get_tensor(stored)  # type: ignore[attr-defined]
-            else:
-                tensor = self._read_part(info, *part)
+            stored = self._stored.get(name, name)
+            tensor: torch.Tensor = handle.get_tensor(stored)  # type: ignore[attr-defined]
         except (SafetensorError, OSError) as e:  # a header our check let through
             raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
-    def _read_part(self, info: TensorInfo, dim: int, a: int, b: int) -> torch.Tensor:
-        """Indices a..b-1 along `dim`, copied out of the file's memory map: only the pages
-        holding them are read. (safetensors' own slices read the whole tensor first, as of
-        0.8, and then slice it.)"""
-        mapped = self._maps.get(info.file)
-        if mapped is None:
-            with info.file.open("rb") as f:
-                mapped = self._maps[info.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        numel = 1
-        for d in info.shape:
-            numel *= d
-        with warnings.catch_warnings():  # read-only map: nothing writes through the view
-            warnings.simplefilter("ignore", UserWarning)
-            whole = torch.frombuffer(mapped, dtype=info.dtype, count=numel, offset=info.offset)
-        whole = whole.view(info.shape)
-        piece = whole[a:b] if dim == 0 else whole[:, a:b]
-        return piece.clone(memory_format=torch.contiguous_format)
+    def _read_runs(self, info: TensorInfo, dim: int, runs: list[tuple[int, int]]) -> torch.Tensor:
+        """Indices [a, b) of each run along `dim`, read with positioned reads straight into
+        the result: only their bytes come from the file. (safetensors' own slices read the
+        whole tensor first, as of 0.8. Copying out of a memory map instead took 5x the whole
+        load's time on a 2xH100 host: 8,000 small clones and a concatenation per rank,
+        issue 33.) No torch kernel touches the data, so no thread pool runs here."""
+        fd = self._fds.get(info.file)
+        if fd is None:
+            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
+        item = info.dtype.itemsize
+        width = sum(b - a for a, b in runs)
+        if dim == 0:
+            row = item
+            for d in info.shape[1:]:
+                row *= d
+            result = torch.empty((width, *info.shape[1:]), dtype=info.dtype)
+            # (offset in the file, bytes): one read per run
+            spans = [(info.offset + a * row, (b - a) * row) for a, b in runs]
+        else:
+            rows, cols = info.shape
+            result = torch.empty((rows, width), dtype=info.dtype)
+            spans = [
+                (info.offset + (r * cols + a) * item, (b - a) * item)
+                for r in range(rows)
+                for a, b in runs
+            ]
+        out = memoryview(result.view(-1).view(torch.uint8).numpy())
+        at = 0
+        for offset, size in spans:
+            _read_exactly(fd, out[at : at + size], offset)
+            at += size
+        return result
 
     def close(self) -> None:
         self._handles.clear()
-        for mapped in self._maps.values():
-            try:
-                mapped.close()
-            except BufferError:  # a view of it is still alive: the collector closes it
-                pass
-        self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _read_exactly(fd: int, out: memoryview, offset: int) -> None:
+    """Fill `out` from the file at `offset`; a file that ends early is an error."""
+    while len(out):
+        got = os.preadv(fd, [out], offset)
+        if got == 0:
+            raise OSError(f"the file ends before byte {offset + len(out)}")
+        out, offset = out[got:], offset + got
 
 
 def _check_weight_dtype(name: str, info: TensorInfo, dtype: torch.dtype | None) -> None:
