@@ -11,6 +11,8 @@ gloo (what CI tests).
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.queues import Queue
@@ -253,8 +255,12 @@ def worker_main(rank: int, spec: ShardSpec, reports: Queue[tuple[int, str | None
         serve(model, cache, graphs, channel, spec.max_seq_len)
     except Exception as e:
         reports.put((rank, f"{type(e).__name__}: {e}"))
-        # No teardown collective: a peer may be stuck in one with this rank. The traceback
-        # goes to stderr and the process exits, which closes its links: rank 0's next
-        # message fails at once instead of waiting.
-        raise
+        reports.close()
+        reports.join_thread()  # delivered before the process ends
+        traceback.print_exc()
+        sys.stderr.flush()
+        # No teardown: a peer may be stuck in a collective with this rank, and process
+        # groups still alive at interpreter exit abort it (std::terminate). The process
+        # ends now; its links close with it, so rank 0's next message fails at once.
+        os._exit(1)
     dist.destroy_process_group()

@@ -22,7 +22,7 @@ from engine.cuda_graph import DecodeGraphs
 from engine.lora.adapter import LoraError
 from engine.lora.manager import LoraManager
 from engine.runner import ModelRunner
-from engine.tensor_parallel.errors import TensorParallelError
+from engine.tensor_parallel.errors import RankFailedError, TensorParallelError
 from engine.tensor_parallel.ranks import Ranks, leave_group, stop_workers
 
 
@@ -124,8 +124,7 @@ class TensorParallelRunner(ModelRunner):
             self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
         )
         self._send(lambda: self.channel.send_batch(batch))
-        logits: torch.Tensor = self.model(batch.on(self.device), self.cache)
-        return logits
+        return self._step(lambda: self.model(batch.on(self.device), self.cache))
 
     # forward_decode_tokens is ModelRunner's: through `graph_decode` below when a decode
     # graph fits (the tokens stay on the device), else eagerly from the read-back tokens.
@@ -143,20 +142,41 @@ class TensorParallelRunner(ModelRunner):
         size = graphs.bucket(len(sequences))
         assert size is not None
         self._send(lambda: self.channel.announce_graph_decode(size))
-        graph = graphs.stage_decode(sequences, tokens)
-        self.channel.broadcast_rows(graph.device_rows)  # rank 0 is the source
-        return graph.replay()[: len(sequences)]
+
+        def step() -> torch.Tensor:
+            graph = graphs.stage_decode(sequences, tokens)
+            self.channel.broadcast_rows(graph.device_rows)  # rank 0 is the source
+            return graph.replay()[: len(sequences)]
+
+        return self._step(step)
 
     def _send(self, message: Callable[[], None]) -> None:
-        """Run `message` (a control-plane send); a rank that stopped answering makes it
-        fail at once (its links closed with its process): raised as a TensorParallelError
-        with what is known of the failed ranks."""
+        """Run `message`, a control-plane send. It fails at once when a rank has stopped
+        (its links closed with its process): raised as a RankFailedError with what is
+        known of the failed ranks."""
         try:
             message()
-        except (RuntimeError, ValueError) as error:
+        except RuntimeError as error:
+            known = self.ranks.failures() or "see the other ranks' logs"
+            raise RankFailedError(
+                f"a tensor-parallel rank stopped answering ({known}): "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    def _step(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run this rank's share of a step. An error raised while another rank is known
+        to have failed (on the CPU, gloo's collectives fail when a peer's process ends) is
+        raised as a RankFailedError naming that rank's error; others as they are (running
+        out of memory stays an OutOfMemoryError: the scheduler undoes a lookahead step)."""
+        try:
+            return run()
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:
             known = self.ranks.failures()
-            raise TensorParallelError(
-                "a tensor-parallel rank stopped answering"
-                + (f" ({known})" if known else " (see the other ranks' logs)")
-                + f": {type(error).__name__}: {error}"
+            if not known:
+                raise
+            raise RankFailedError(
+                f"a tensor-parallel rank failed during a step ({known}): "
+                f"{type(error).__name__}: {error}"
             ) from error
