@@ -55,24 +55,38 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _jobs() -> list[tuple[list[int], dict[str, Any]]]:
-    # Three jobs decoding together (batch 3, bucket 4), greedy and seeded.
-    return [(_prompt(9, 1), GREEDY), (_prompt(14, 2), SEEDED), (_prompt(6, 3), GREEDY)]
+    # Three jobs decoding together, greedy and seeded, ending one after another: the
+    # lookahead steps move from the graph of bucket 4 to those of 2 and 1, which every
+    # rank makes in step when first used.
+    return [
+        (_prompt(9, 1), GREEDY),
+        (_prompt(14, 2), {**SEEDED, "max_new_tokens": 8}),
+        (_prompt(6, 3), {**GREEDY, "max_new_tokens": 4}),
+    ]
 
 
 def _run(engine: Engine) -> list[list[int]]:
-    """Every job's tokens, submitted at once and streamed together."""
+    """Every job's tokens, submitted at once and stepped together on this thread (a
+    stream would step them on the scheduler's step thread, out of HostReads' sight)."""
     sched = engine.scheduler
     jobs = [sched.submit(p, s) for p, s in _jobs()]
     tokens: dict[int, list[int]] = {job.id: [] for job in jobs}
-    for event in sched.stream_many(jobs):
-        tokens[event.job_id] += event.token_ids
+    while not all(job.done for job in jobs):
+        for event in sched.step():
+            tokens[event.job_id] += event.token_ids
     return [tokens[job.id] for job in jobs]
 
 
+ENGINE = str(Path(__file__).resolve().parents[2] / "engine")
+
+
 class HostReads:
-    """Calls of Tensor.tolist / Tensor.item made (at any depth) inside `within`, seen
-    through the interpreter's profiling hook: both are C methods, which it reports as
-    c_call events with the calling Python frame."""
+    """Calls of Tensor.tolist / Tensor.item that engine/ code makes (at any depth) inside
+    `within` on this thread, seen through the interpreter's profiling hook: both are C
+    methods, which it reports as c_call events with the calling Python frame. (kernels/'
+    CPU reference attention reads its index tensors: on a GPU, Triton kernels run instead.
+    `int(tensor)` makes no such event: the placeholder check of the staged rows covers any
+    way the token values could reach the host.)"""
 
     def __init__(self, within: str) -> None:
         self.within = within
@@ -88,7 +102,11 @@ class HostReads:
     def hook(self, frame: FrameType, event: str, arg: Any) -> None:
         if event != "c_call" or getattr(arg, "__name__", None) not in ("tolist", "item"):
             return
-        if isinstance(getattr(arg, "__self__", None), torch.Tensor) and self._inside(frame):
+        if (
+            isinstance(getattr(arg, "__self__", None), torch.Tensor)
+            and frame.f_code.co_filename.startswith(ENGINE)
+            and self._inside(frame)
+        ):
             self.calls.append(f"{arg.__name__} in {frame.f_code.co_filename}:{frame.f_lineno}")
 
     def __enter__(self) -> HostReads:
@@ -137,11 +155,12 @@ def test_lookahead_decode_steps_keep_their_tokens_on_the_device(mixed_model: Pat
             got = _run(tp)
         assert got == expected
         assert reads.calls == []  # no token read back inside a lookahead step
-        # 3 jobs decoding 12 tokens together: the 11 forwards after the first token's ran
-        # ahead, through the graph rows, each announced by one header.
+        # The longest job's 11 forwards after its first token ran ahead (the others' rows
+        # in them), through the graph rows, each announced by one header.
         forwards = tp.scheduler.stats()["lookahead_forwards"]
         assert forwards >= 10 and len(staged) == forwards and all(staged)
         assert channel.headers - headers >= forwards
+        assert {size for size, _ in graphs._graphs} == {1, 2, 4}  # noqa: SLF001
     finally:
         tp.unload()
 
@@ -196,6 +215,9 @@ def test_tp_decode_steps_wait_for_no_gpu_and_match_one_gpu(mixed_model: Path) ->
     try:
         runner = tp.runner
         assert isinstance(runner, TensorParallelRunner) and runner.graphs is not None
+        # Headers on the host (gloo), the rows and the forward's collectives on NCCL.
+        assert dist.get_backend(runner.channel.control) == "gloo"
+        assert dist.get_backend() == "nccl"
         _run(tp)  # captures the buckets' graphs (a capture waits for the GPU)
         original = runner.forward_decode_tokens
         steps = 0
