@@ -600,6 +600,21 @@ class DecodeGraphs:
         copied into the graph's rows on the device, after the rows' upload in stream
         order). With `lora`, the rows' adapter scales `lora_scales` [len(sequences), slots]
         (CPU) go into a LoRA graph."""
+        graph = self.stage_decode(sequences, tokens, lora=lora, lora_scales=lora_scales)
+        return graph.replay()[: len(sequences)]
+
+    def stage_decode(
+        self,
+        sequences: list[Sequence],
+        tokens: list[int] | torch.Tensor,
+        *,
+        lora: LoraManager | None = None,
+        lora_scales: torch.Tensor | None = None,
+    ) -> _Graph:
+        """`decode` up to its replay: the sequences advanced, the bucket's graph (captured
+        now if new) with the step's inputs in its device rows. Device tokens are written
+        into the rows on the device, behind the staged rows' upload (the host rows keep
+        a placeholder 0): tensor parallelism broadcasts those rows before the replay."""
         n = len(sequences)
         self._advance(sequences, [1] * n)
         size = self.bucket(n)
@@ -612,7 +627,7 @@ class DecodeGraphs:
             graph.set_tokens(tokens)
         else:
             graph.stage(sequences, tokens, lora_scales)
-        return graph.replay()[:n]
+        return graph
 
     def _advance(self, sequences: list[Sequence], counts: list[int]) -> None:
         """Reserve pages for each sequence's new tokens and move its length past them (the

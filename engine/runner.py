@@ -191,13 +191,27 @@ class ModelRunner:
         them. Without a graph for the step (CPU, cuda_graphs=False) they are read back and
         the step runs as `forward` (no LoRA: the default selection is not applied)."""
         n = len(sequences)
-        graphs = self.graphs
-        if graphs is not None and graphs.multi_token_shape(sequences, [[0]] * n) == (
+        if self.decode_graph_fits(sequences):
+            return self.graph_decode(sequences, tokens)
+        return self.forward(sequences, [[t] for t in tokens.tolist()], loras=[{}] * n)
+
+    def decode_graph_fits(self, sequences: list[Sequence]) -> bool:
+        """Whether a one-token-per-row decode graph (no LoRA) can run this step: graphs
+        are on, a bucket holds the rows and each row's next slot is inside the page table."""
+        graphs, n = self.graphs, len(sequences)
+        return graphs is not None and graphs.multi_token_shape(sequences, [[0]] * n) == (
             graphs.bucket(n),
             1,
-        ):
-            return graphs.decode(sequences, tokens)
-        return self.forward(sequences, [[t] for t in tokens.tolist()], loras=[{}] * n)
+        )
+
+    def graph_decode(
+        self, sequences: list[Sequence], tokens: list[int] | torch.Tensor
+    ) -> torch.Tensor:
+        """One decode step through the decode graph of its bucket (`decode_graph_fits`):
+        logits [len(sequences), vocab]. `tokens`: host ints or device int64 (not read
+        back). Tensor parallelism sends the step to the other ranks around it."""
+        assert self.graphs is not None
+        return self.graphs.decode(sequences, tokens)
 
     def hidden_states(
         self,

@@ -14,11 +14,14 @@ Builds the model with tools/bench.py's builder (random codes, realistic scales) 
   tp        tensor parallel over 2 GPUs (NCCL, decode as CUDA graphs)
   tp_eager  the same without CUDA graphs
 Per mode: decode tok/s at batch 1 (prompt --prompt, 128 new tokens, median of 5 after 2
-warm-ups, as tools/bench.py), prefill tok/s, load time, memory in use per GPU, and the
-greedy continuation (--greedy tokens) of a fixed prompt. Each mode writes
-<out>/<shape>-<format>-<mode>.json; every run rewrites <out>/<shape>-<format>-summary.json
-from all mode files present, with the greedy tokens of each mode compared against `single` (or the
-first mode present). Modes can run in separate invocations (each must stay under a time
+warm-ups, as tools/bench.py) two ways (`DECODE_LOOPS`): `decode_tok_s` through the
+scheduler as a server decodes (lookahead, tokens kept on the device) and
+`decode_sync_tok_s` by a hand loop that reads every token back; prefill tok/s, load time,
+memory in use per GPU, and the greedy continuation (--greedy tokens) of a fixed prompt.
+Each mode writes <out>/<shape>-<format>-<mode>.json; every run rewrites
+<out>/<shape>-<format>-summary.json from all mode files present, with the greedy tokens of
+each mode compared against `single` (or the first mode present). Modes can run in
+separate invocations (each must stay under a time
 limit); the model under --work is reused.
 """
 
@@ -40,12 +43,18 @@ from engine.held_bytes import held_bytes
 from engine.placement import GIB, PlacementError
 from engine.placement.footprint import model_footprint
 from engine.weights import WeightStore
-from tools.bench import SHAPES, build_model
+from tools.bench import SHAPES, build_model, scheduler_decode_tok_s
 
 ROOT = Path(__file__).resolve().parent.parent
 
 MODES = ("single", "split", "split_eager", "autosplit", "tp", "tp_eager")
 NEW_TOKENS = 128
+DECODE_LOOPS = {
+    "decode_tok_s": "one greedy job through engine.scheduler, as a server runs it "
+    "(lookahead: one decode step in flight, its token fed on the device), first token to last",
+    "decode_sync_tok_s": "runner.forward + argmax + int() per step (a host read of every "
+    "token before the next step is launched)",
+}
 
 
 def _used_gib() -> dict[str, float]:
@@ -143,7 +152,10 @@ def measure(engine: Engine, prompt: list[int], greedy_prompt: list[int], greedy:
     return {
         "greedy_tokens": tokens,
         "greedy_logits_finite": finite,
-        "decode_tok_s": median(decode),
+        # The serving path: one job through the scheduler (tools/bench.py's), lookahead.
+        "decode_tok_s": scheduler_decode_tok_s(engine, prompt),
+        "decode_sync_tok_s": median(decode),
+        "decode_loops": DECODE_LOOPS,
         "prefill_tok_s": median(prefill),
     }
 
@@ -209,6 +221,7 @@ def summarize(out: Path, prefix: str) -> dict:
     speed = {
         m: {
             "decode_tok_s": round(r["decode_tok_s"], 1),
+            "decode_sync_tok_s": round(r.get("decode_sync_tok_s", 0.0), 1),
             "prefill_tok_s": round(r["prefill_tok_s"]),
             "vs_single": round(r["decode_tok_s"] / single, 2) if single else None,
         }

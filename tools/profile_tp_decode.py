@@ -6,9 +6,11 @@
 Builds (or reuses) tools/bench.py's random-weight model with `--layers` decoder layers (a
 70B shape of 8 layers builds and loads in seconds; per layer it is the 70B model), loads
 it on one GPU (`single`) and with tensor parallelism over 2 GPUs (`tp`: NCCL, decode CUDA
-graphs), prefills --prompt tokens and times --steps greedy decode steps as
-tools/multigpu_check.py does (runner.forward + argmax, a host sync each step). Then the same
-steps run under torch.profiler on rank 0 (this process; the other rank runs in its own
+graphs), prefills --prompt tokens and times --steps greedy decode steps two ways (`LOOPS`):
+through the scheduler as a server runs them (lookahead: one step in flight, tokens kept on
+the device; `tok_s`) and by hand (runner.forward + argmax + a host read each step;
+`sync_tok_s`). Then the --loop's steps (default: the scheduler's) run under torch.profiler
+on rank 0 (this process; the other rank runs in its own
 spawned process and is not traced: its lateness shows on rank 0 as all-reduce time, since
 a one-shot all-reduce waits for every peer inside its kernel). Per mode it writes the
 chrome trace and reports, per token:
@@ -48,6 +50,13 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("sampling", r"argmax|reduce|softmax|topk|max"),
 )
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# The decode loops timed (both) and profiled (--loop).
+LOOPS = {
+    "scheduler": "one greedy job through engine.scheduler (the serving path): lookahead, "
+    "one decode step in flight, its token fed on the device",
+    "sync": "runner.forward + argmax + int() per step: a host read of every token before "
+    "the next step is launched",
+}
 WAITS = (
     "cudaStreamSynchronize",
     "cudaDeviceSynchronize",
@@ -142,8 +151,9 @@ def analyze(events: Iterable[dict[str, Any]], steps: int, top: int = 5) -> dict[
 def _format(mode: str, result: dict[str, Any]) -> str:
     a = result["profile"]
     lines = [
-        f"== {mode}: {result['tok_s']:.1f} tok/s unprofiled "
-        f"({1e6 / result['tok_s']:.0f} µs/token), load {result['load_s']:.1f} s",
+        f"== {mode}: {result['tok_s']:.1f} tok/s unprofiled through the scheduler "
+        f"({1e6 / result['tok_s']:.0f} µs/token), {result['sync_tok_s']:.1f} by the hand "
+        f"loop; load {result['load_s']:.1f} s; profiled: the {result['profiled_loop']} loop",
         "   torch allocated/reserved GB per rank: "
         + ", ".join(
             f"{m.get('torch_allocated', 0) / 1e9:.2f}/{m.get('torch_reserved', 0) / 1e9:.2f}"
@@ -204,14 +214,25 @@ def run_mode(mode: str, path: Path, args: argparse.Namespace, out: Path) -> dict
             return n / (time.perf_counter() - t)
 
         decode(8)  # captures the decode graph (every rank in step)
-        tok_s = statistics.median(decode(args.steps) for _ in range(3))
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync_tok_s = statistics.median(decode(args.steps) for _ in range(3))
+        seq.release(engine.cache)
+        tok_s = statistics.median(
+            scheduler_decode(engine, prompt.tolist(), args.steps) for _ in range(3)
+        )
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        if args.loop == "scheduler":
+            scheduler_decode(engine, prompt.tolist(), args.steps, prof)
+        else:
+            seq = Sequence()
+            token = int(engine.runner.prefill(seq, prompt.tolist())[-1].argmax())
+            prof.start()
             decode(args.steps)
             _sync()
+            prof.stop()
+            seq.release(engine.cache)
         trace = out / f"tp_profile-{args.shape}-L{args.layers}-{mode}.trace.json"
         prof.export_chrome_trace(str(trace))
         events = json.loads(trace.read_text())["traceEvents"]
-        seq.release(engine.cache)
     finally:
         (engine.abort if engine.tp_world_size > 1 else engine.unload)()
     return {
@@ -219,9 +240,41 @@ def run_mode(mode: str, path: Path, args: argparse.Namespace, out: Path) -> dict
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         "load_s": round(load_s, 2),
         "rank_memory": memory,
+        # tok_s: the serving path (LOOPS["scheduler"]); sync_tok_s: the hand loop.
         "tok_s": tok_s,
+        "sync_tok_s": sync_tok_s,
+        "loops": LOOPS,
+        "profiled_loop": args.loop,
         "profile": analyze(events, args.steps),
     }
+
+
+def scheduler_decode(
+    engine: Any, prompt: list[int], steps: int, profiler: Any | None = None
+) -> float:
+    """Decode tok/s of one greedy job of `steps` + 1 tokens through the scheduler, from its
+    first token's event to its last (as tools/bench.py's scheduler_decode_tok_s): the
+    lookahead keeps one decode step in flight, fed its token on the device. `profiler`
+    (torch.profiler) is started at the first token and stopped after the last."""
+    settings = {"max_new_tokens": steps + 1, "temperature": 0, "ban_eos_token": True}
+    job = engine.scheduler.submit(prompt, settings)
+    first = None
+    tokens = 0
+    for event in engine.scheduler.stream_many([job]):
+        if not event.token_ids:
+            continue
+        if first is None:
+            if profiler is not None:
+                profiler.start()
+            first = time.perf_counter()
+            tokens -= len(event.token_ids)
+        tokens += len(event.token_ids)
+    _sync()
+    assert first is not None and tokens > 0, "the job produced no tokens after its first"
+    elapsed = time.perf_counter() - first
+    if profiler is not None:
+        profiler.stop()
+    return tokens / elapsed
 
 
 def main() -> None:
@@ -236,6 +289,12 @@ def main() -> None:
     )
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument(
+        "--loop",
+        default="scheduler",
+        choices=list(LOOPS),
+        help="the decode loop profiled (both are timed)",
+    )
     p.add_argument("--work", default="/tmp/kestrel-prof")
     p.add_argument("--out", default=".")
     args = p.parse_args()

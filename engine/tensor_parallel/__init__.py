@@ -2,7 +2,7 @@
 
 shard.py      slicing one dense or quantized linear by columns or rows (exact, no dequant)
 transform.py  a loaded model -> one rank's shard (heads, MLP columns, all-reduces)
-protocol.py   what rank 0 broadcasts each step
+protocol.py   what rank 0 sends each step: headers over gloo (host), graph rows on the device
 rank.py       building a rank's shard and cache; the worker loop of ranks > 0
 launch.py     rank 0: the launcher (spawns or joins the ranks, builds an Engine around...)
 runner.py     ...a TensorParallelRunner: broadcasts each step, holds and stops the ranks

@@ -81,6 +81,7 @@ def launch_tensor_parallel(
     tokenizer = Tokenizer.from_dir(model_dir)
     os.environ.update(NCCL_ENV)  # inherited by the spawned ranks, set before NCCL init
     workers: list[BaseProcess] = []
+    reports: Queue[tuple[int, str | None]] | None = None
     if launched is None:
         context = mp.get_context("spawn")
         reports = context.Queue()
@@ -91,14 +92,14 @@ def launch_tensor_parallel(
         for worker in workers:
             worker.start()
     try:
-        init_rank(spec, 0)
+        channel = init_rank(spec, 0)
         try:
             model, cache, graphs, _ = build_rank(spec, 0)
         except Exception as e:
             if launched is not None:  # the other ranks wait for every rank's word
                 _gather_load_errors(f"{type(e).__name__}: {e}")
             raise
-        if launched is None:
+        if reports is not None:
             _wait_ready(workers, reports)
         else:
             failed = _gather_load_errors(None)
@@ -116,7 +117,9 @@ def launch_tensor_parallel(
         world_size=world_size,
         device=spec.device(0),
         devices=[str(spec.device(rank)) for rank in range(world_size)],
+        channel=channel,
         workers=workers,
+        reports=reports if launched is None else None,
         launched=launched is not None,
         memory=memory,
     )
@@ -205,7 +208,7 @@ def serve_launched_rank(model_dir: str | Path, options: EngineOptions | None = N
     spec, _, _ = _shard_spec(Path(model_dir), options or EngineOptions(), launched.world_size,
                              launched)  # fmt: skip
     os.environ.update(NCCL_ENV)
-    init_rank(spec, launched.rank)
+    channel = init_rank(spec, launched.rank)
     try:
         try:
             model, cache, graphs, _ = build_rank(spec, launched.rank)
@@ -217,7 +220,7 @@ def serve_launched_rank(model_dir: str | Path, options: EngineOptions | None = N
             rank, error = failed[0]
             raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
         exchange_rank_memory(rank_memory(model, cache, spec.device(launched.rank)))
-        serve(model, cache, graphs, spec.device(launched.rank))
+        serve(model, cache, graphs, channel, spec.max_seq_len)
         if dist.get_backend() == "gloo":
             dist.barrier()  # rank 0's unload waits here too (TensorParallelRunner.release)
     finally:

@@ -11,6 +11,8 @@ gloo (what CI tests).
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.queues import Queue
@@ -74,7 +76,10 @@ class ShardSpec:
         return "nccl" if self.device_type == "cuda" else "gloo"
 
 
-def init_rank(spec: ShardSpec, rank: int) -> None:
+def init_rank(spec: ShardSpec, rank: int) -> protocol.Channel:
+    """Join the process group (this rank's GPU made current first) and open the channel
+    rank 0 sends its steps over (protocol.py: its gloo group is made right after joining,
+    at the same point on every rank)."""
     os.environ.update(NCCL_ENV)
     if spec.device_type == "cuda":
         torch.cuda.set_device(spec.device(rank))
@@ -85,6 +90,7 @@ def init_rank(spec: ShardSpec, rank: int) -> None:
         world_size=spec.world_size,
         timeout=timedelta(seconds=spec.timeout_s),
     )
+    return protocol.Channel.open(spec.device(rank))
 
 
 def build_rank(
@@ -198,31 +204,42 @@ def _staging(spec: ShardSpec, config: ModelConfig, device: torch.device) -> Plac
 
 
 def serve(
-    model: CausalLM, cache: PagedKVCache, graphs: DecodeGraphs | None, device: torch.device
+    model: CausalLM,
+    cache: PagedKVCache,
+    graphs: DecodeGraphs | None,
+    channel: protocol.Channel,
+    max_seq_len: int,
 ) -> None:
-    """Ranks > 0: run what rank 0 announces until STOP."""
+    """Ranks > 0: run what rank 0 announces until STOP. Nothing here reads the device:
+    the host takes the next header while the GPU still runs the last step."""
     with torch.inference_mode():
         while True:
-            header = protocol.receive_header(device)
+            header = channel.receive_header()
             command = header[0]
             if command == protocol.STOP:
                 return
             if command == protocol.FORWARD:
-                model(protocol.receive_batch(header, device), cache)
+                model(channel.receive_batch(header), cache)
             elif command == protocol.GRAPH_DECODE:
-                assert graphs is not None, "rank 0 replays decode graphs, this rank has none"
-                graph = graphs.graph(header[1])
-                protocol.broadcast_rows(graph.device_rows)
+                if graphs is None:
+                    raise RuntimeError("rank 0 replays decode graphs, this rank has none")
+                graph = graphs.graph(header[1])  # captured now if new, as on rank 0
+                channel.broadcast_rows(graph.device_rows)
                 graph.replay()
+            elif command == protocol.GRAPHS:
+                if graphs is not None:
+                    raise RuntimeError("rank 0 made decode graphs twice")
+                graphs = DecodeGraphs(model, cache, max_seq_len, capture=bool(header[1]))
             else:
                 raise RuntimeError(f"unknown tensor-parallel command {command}")
 
 
 def worker_main(rank: int, spec: ShardSpec, reports: Queue[tuple[int, str | None]]) -> None:
     """Entry point of a spawned rank (> 0). Reports (rank, None) when ready to serve, or
-    (rank, error text) if building its shard failed."""
+    (rank, error text) if building its shard failed or, later, a step failed (rank 0 adds
+    it to the error it raises when the rank stops answering)."""
     try:
-        init_rank(spec, rank)
+        channel = init_rank(spec, rank)
     except Exception as e:  # noqa: BLE001 - the message goes back to rank 0
         reports.put((rank, f"process-group init failed: {type(e).__name__}: {e}"))
         return
@@ -235,6 +252,15 @@ def worker_main(rank: int, spec: ShardSpec, reports: Queue[tuple[int, str | None
     reports.put((rank, None))
     try:
         exchange_rank_memory(rank_memory(model, cache, spec.device(rank)))
-        serve(model, cache, graphs, spec.device(rank))
-    finally:
-        dist.destroy_process_group()
+        serve(model, cache, graphs, channel, spec.max_seq_len)
+    except Exception as e:
+        reports.put((rank, f"{type(e).__name__}: {e}"))
+        reports.close()
+        reports.join_thread()  # delivered before the process ends
+        traceback.print_exc()
+        sys.stderr.flush()
+        # No teardown: a peer may be stuck in a collective with this rank, and process
+        # groups still alive at interpreter exit abort it (std::terminate). The process
+        # ends now; its links close with it, so rank 0's next message fails at once.
+        os._exit(1)
+    dist.destroy_process_group()

@@ -3,11 +3,15 @@ process leaves the group."""
 
 from __future__ import annotations
 
+import queue
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 
 import torch
 import torch.distributed as dist
+
+from engine.tensor_parallel.protocol import Channel
 
 
 @dataclass
@@ -15,14 +19,36 @@ class Ranks:
     """`world_size` ranks of one process group; this process is rank 0 on `device`.
     `workers`: the processes this one spawned for ranks 1.. (none under torchrun, whose
     ranks were `launched` by torchrun). `devices`: every rank's device, by rank.
-    `memory`: what every rank held once loaded, by rank (rank.rank_memory)."""
+    `memory`: what every rank held once loaded, by rank (rank.rank_memory). `channel`:
+    what rank 0 sends its steps over (protocol.py). `reports`: where the spawned ranks
+    write the error of a step that failed on them."""
 
     world_size: int
     device: torch.device
     devices: list[str]
+    channel: Channel
     workers: list[BaseProcess] = field(default_factory=list)
+    reports: Queue[tuple[int, str | None]] | None = None
     launched: bool = False
     memory: list[dict[str, int]] = field(default_factory=list)
+
+    def failures(self) -> str:
+        """What is known of ranks that stopped: the errors the spawned ranks reported and
+        their exit codes ('' when none is known; torchrun's ranks report to its log)."""
+        known = []
+        if self.reports is not None:
+            while True:
+                try:
+                    rank, error = self.reports.get(timeout=0.5)
+                except (queue.Empty, OSError, ValueError):
+                    break
+                if error is not None:
+                    known.append(f"rank {rank} failed: {error}")
+        for rank, worker in enumerate(self.workers, start=1):
+            worker.join(timeout=1.0)  # one that failed is on its way out
+            if not worker.is_alive() and worker.exitcode not in (None, 0):
+                known.append(f"rank {rank} exited with code {worker.exitcode}")
+        return "; ".join(known)
 
 
 def stop_workers(workers: list[BaseProcess]) -> None:

@@ -1,12 +1,16 @@
-"""Rank 0's model runner of a tensor-parallel model: each forward is first broadcast to
-the other ranks (engine/tensor_parallel/protocol.py), which run the same forward on their
-shards; decode steps replay CUDA graphs on every rank in step (all-reduces captured
-inside), other steps run eagerly. The runner holds the other ranks (`Ranks`, from
+"""Rank 0's model runner of a tensor-parallel model: each forward is first announced to
+the other ranks (engine/tensor_parallel/protocol.py: headers over a gloo group on the
+host, a decode graph's rows over the default group on the device), which run the same
+forward on their shards; decode steps replay CUDA graphs on every rank in step
+(all-reduces captured inside), other steps run eagerly. The lookahead's decode steps keep
+their tokens on the device (`forward_decode_tokens`): nothing in a graph decode step
+waits for a GPU, on any rank. The runner holds the other ranks (`Ranks`, from
 engine/tensor_parallel/launch.py): releasing it stops them and leaves the group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -14,10 +18,11 @@ import torch.distributed as dist
 
 from engine.architectures.base import CausalLM
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
+from engine.cuda_graph import DecodeGraphs
 from engine.lora.adapter import LoraError
 from engine.lora.manager import LoraManager
 from engine.runner import ModelRunner
-from engine.tensor_parallel import protocol
+from engine.tensor_parallel.errors import RankFailedError, TensorParallelError
 from engine.tensor_parallel.ranks import Ranks, leave_group, stop_workers
 
 
@@ -33,6 +38,7 @@ class TensorParallelRunner(ModelRunner):
     ) -> None:
         super().__init__(model, cache, loras, **options)
         self.ranks = ranks
+        self.channel = ranks.channel
         self.device = ranks.device  # rank 0's
 
     @property
@@ -52,8 +58,11 @@ class TensorParallelRunner(ModelRunner):
         shard, wait for the spawned processes to end and leave the group."""
         stopped = False
         if self.model is not None and dist.is_initialized():
-            protocol.send_stop(self.device)
-            stopped = True
+            try:
+                self.channel.send_stop()
+                stopped = True
+            except (RuntimeError, ValueError):
+                pass  # a rank is gone already: the others are stopped below
         super().release()
         ranks = self.ranks
         for worker in ranks.workers:
@@ -76,6 +85,19 @@ class TensorParallelRunner(ModelRunner):
         if dist.is_initialized():
             dist.destroy_process_group()
 
+    def enable_decode_graphs(
+        self, *, capture: bool = True, split_at: Collection[int] = ()
+    ) -> DecodeGraphs:
+        """Decode graphs on every rank (`capture=False`: their static buffers run
+        eagerly, which is how the CPU tests take the graph decode path)."""
+        if self.graphs is not None:
+            raise RuntimeError("decode graphs are already enabled on this engine")
+        if split_at:
+            raise TensorParallelError("a tensor-parallel rank's graph is one segment")
+        self._send(lambda: self.channel.announce_graphs(capture))
+        self.graphs = DecodeGraphs(self.model, self.cache, self.max_seq_len, capture=capture)
+        return self.graphs
+
     def forward(
         self,
         sequences: list[Sequence],
@@ -91,36 +113,70 @@ class TensorParallelRunner(ModelRunner):
         refused."""
         if any(loras or []) or self.loras.default:
             raise LoraError("LoRA adapters are not supported with tensor parallelism yet")
-        graphs = self.graphs
         if (
-            graphs is not None
-            and not all_logits
+            not all_logits
             and logits_counts is None
             and all(len(t) == 1 for t in new_tokens)
-            and graphs.bucket(len(sequences)) is not None
+            and self.decode_graph_fits(sequences)
         ):
-            size = graphs.bucket(len(sequences))
-            assert size is not None
-            for seq in sequences:
-                seq.reserve(self.cache, seq.length + 1)
-                seq.length += 1
-            # Header first: the other ranks capture a new bucket's graph in step with us.
-            protocol.announce_graph_decode(size, self.device)
-            graph = graphs.graph(size)
-            graph.stage(sequences, [t[0] for t in new_tokens])
-            protocol.broadcast_rows(graph.device_rows)  # rank 0 is the source
-            return graph.replay()[: len(sequences)]
+            return self.graph_decode(sequences, [t[0] for t in new_tokens])
         batch = ForwardBatch.build(
             self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
         )
-        protocol.send_batch(batch, self.device)
-        logits: torch.Tensor = self.model(batch.on(self.device), self.cache)
-        return logits
+        self._send(lambda: self.channel.send_batch(batch))
+        return self._step(lambda: self.model(batch.on(self.device), self.cache))
 
-    def forward_decode_tokens(
-        self, sequences: list[Sequence], tokens: torch.Tensor
+    # forward_decode_tokens is ModelRunner's: through `graph_decode` below when a decode
+    # graph fits (the tokens stay on the device), else eagerly from the read-back tokens.
+
+    def graph_decode(
+        self, sequences: list[Sequence], tokens: list[int] | torch.Tensor
     ) -> torch.Tensor:
-        """The lookahead's decode step: the tokens are read back and broadcast with the
-        step (the other ranks' graphs take host rows)."""
-        n = len(sequences)
-        return self.forward(sequences, [[t] for t in tokens.tolist()], loras=[{}] * n)
+        """One decode step through every rank's decode graph of its bucket. The header goes
+        first (host, gloo), so that a new bucket's graph is captured on every rank in step;
+        then the rows staged here (device `tokens` written into them on the device, never
+        read back) are broadcast into the other ranks' graph rows on the stream, and every
+        rank replays."""
+        graphs = self.graphs
+        assert graphs is not None
+        size = graphs.bucket(len(sequences))
+        assert size is not None
+        self._send(lambda: self.channel.announce_graph_decode(size))
+
+        def step() -> torch.Tensor:
+            graph = graphs.stage_decode(sequences, tokens)
+            self.channel.broadcast_rows(graph.device_rows)  # rank 0 is the source
+            return graph.replay()[: len(sequences)]
+
+        return self._step(step)
+
+    def _send(self, message: Callable[[], None]) -> None:
+        """Run `message`, a control-plane send. It fails at once when a rank has stopped
+        (its links closed with its process): raised as a RankFailedError with what is
+        known of the failed ranks."""
+        try:
+            message()
+        except RuntimeError as error:
+            known = self.ranks.failures() or "see the other ranks' logs"
+            raise RankFailedError(
+                f"a tensor-parallel rank stopped answering ({known}): "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    def _step(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run this rank's share of a step. An error raised while another rank is known
+        to have failed (on the CPU, gloo's collectives fail when a peer's process ends) is
+        raised as a RankFailedError naming that rank's error; others as they are (running
+        out of memory stays an OutOfMemoryError: the scheduler undoes a lookahead step)."""
+        try:
+            return run()
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:
+            known = self.ranks.failures()
+            if not known:
+                raise
+            raise RankFailedError(
+                f"a tensor-parallel rank failed during a step ({known}): "
+                f"{type(error).__name__}: {error}"
+            ) from error
