@@ -239,6 +239,6 @@ def test_tp_decode_steps_wait_for_no_gpu_and_match_one_gpu(mixed_model: Path) ->
         # Greedy rows equal one GPU's; the seeded row draws from logits the ranks sum in
         # another order, so it is compared for its length only.
         assert got[0] == expected[0] and got[2] == expected[2]
-        assert len(got[1]) == SEEDED["max_new_tokens"]
+        assert len(got[1]) == _jobs()[1][1]["max_new_tokens"]
     finally:
         tp.unload()
