@@ -102,7 +102,7 @@ def _port_problem(args: argparse.Namespace) -> str | None:
 
     host = cli.host(args)
     wanted = [] if args.nowebui else [(args.port, "--port")]
-    if args.api:
+    if args.api or "openai" in args.extensions:  # the extension is the API server (TGW's way)
         wanted.append((args.api_port, "--api-port"))
     if len(wanted) == 2 and args.port == args.api_port and args.port != 0:
         return f"--port and --api-port are both {args.port}: give them different ports"

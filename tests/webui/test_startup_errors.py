@@ -83,8 +83,10 @@ def test_ui_port_in_use(tmp_path: Path, busy_port: int) -> None:
     _nothing_loaded(result, tmp_path)
 
 
-def test_ui_api_port_in_use(tmp_path: Path, busy_port: int) -> None:
-    flags = ("--port", str(_free_port()), "--api", "--api-port", str(busy_port))
+@pytest.mark.parametrize("api", [("--api",), ("--extensions", "openai")])
+def test_ui_api_port_in_use(tmp_path: Path, busy_port: int, api: tuple[str, ...]) -> None:
+    # `--extensions openai` starts the same API server as `--api` (TGW's two spellings).
+    flags = ("--port", str(_free_port()), *api, "--api-port", str(busy_port))
     result = run(_ui(tmp_path, *flags), tmp_path)
     assert result.returncode == 2
     line = _one_message(result)
