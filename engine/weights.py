@@ -251,7 +251,7 @@ class WeightStore:
                 for r in range(rows)
                 for a, b in runs
             ]
-        out = memoryview(result.view(-1).view(torch.uint8).numpy())
+        out = result.view(-1).view(torch.uint8).numpy().data
         at = 0
         for offset, size in spans:
             _read_exactly(fd, out[at : at + size], offset)
@@ -273,7 +273,7 @@ class WeightStore:
         scratch = torch.empty((min(block, rows), cols), dtype=info.dtype)
         for r in range(0, rows, block):
             n = min(block, rows - r)
-            out = memoryview(scratch[:n].view(-1).view(torch.uint8).numpy())
+            out = scratch[:n].view(-1).view(torch.uint8).numpy().data
             _read_exactly(fd, out, info.offset + r * cols * item)
             torch.index_select(scratch[:n], 1, columns, out=result[r : r + n])
 
