@@ -44,9 +44,10 @@ def _refuse_unknown_architecture(path: Path) -> None:
     if problem is None:
         return
     try:
-        arch = ModelConfig.from_dir(path).architecture
-    except ConfigError:
-        arch = None
+        arch: str | None = ModelConfig.from_dir(path).architecture
+    except ConfigError:  # a config Kestrel cannot read may still name its architecture
+        named = (_raw_config(path) or {}).get("architectures")
+        arch = named[0] if isinstance(named, list) and named and isinstance(named[0], str) else None
     if arch is None or arch in ARCHITECTURES:
         raise LoaderError(f"cannot load {path}: {problem}")
     raise LoaderError(

@@ -138,6 +138,20 @@ def test_missing_path(tmp_path: Path) -> None:
     assert result.returncode == 1 and "nor an existing path" in _one_message(result)
 
 
+def test_unknown_architecture_with_a_config_kestrel_cannot_read(tmp_path: Path) -> None:
+    # Only the architecture and model type, none of the sizes Kestrel's config needs: the
+    # message still says first what Kestrel runs.
+    model = tmp_path / "bare"
+    model.mkdir()
+    config = {"architectures": ["FooBarForCausalLM"], "model_type": "foobar"}
+    (model / "config.json").write_text(json.dumps(config))
+    result = run(["-m", "loader", str(model), "--device", "cpu"], tmp_path)
+    assert result.returncode == 1
+    line = _one_message(result)
+    assert "architecture 'FooBarForCausalLM' is not supported. Kestrel runs" in line
+    assert "LlamaForCausalLM" in line and "'foobar'" in line
+
+
 def test_unknown_architecture(tmp_path: Path) -> None:
     # A config and tokenizer but no weights: had any loader started loading, the error would
     # be about missing weights, not the architecture.
