@@ -224,10 +224,11 @@ class WeightStore:
 
     def _read_runs(self, info: TensorInfo, dim: int, runs: list[tuple[int, int]]) -> torch.Tensor:
         """Indices [a, b) of each run along `dim`, read with positioned reads straight into
-        the result: only their bytes come from the file. (safetensors' own slices read the
+        the result: only their bytes come from the file (whole rows for columns in narrow runs,
+        see _read_rows_and_gather). (safetensors' own slices read the
         whole tensor first, as of 0.8. Copying out of a memory map instead took 5x the whole
         load's time on a 2xH100 host: 8,000 small clones and a concatenation per rank,
-        issue 33.) No torch kernel touches the data, so no thread pool runs here."""
+        issue 33.)"""
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
@@ -278,10 +279,17 @@ class WeightStore:
             torch.index_select(scratch[:n], 1, columns, out=result[r : r + n])
 
     def close(self) -> None:
+        """Let go of the files (a store is used by one thread at a time)."""
         self._handles.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+    def __del__(self) -> None:  # a load that failed midway never reached close()
+        try:
+            self.close()
+        except (OSError, AttributeError):  # half-built, or the interpreter is exiting
+            pass
 
 
 _PAGE = 4096  # bytes: the least a read from disk brings in

@@ -39,6 +39,9 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(model, cache, loras, **options)
         self.ranks = ranks
         self.channel = ranks.channel
+        # Set when a step failed on this rank after the other ranks were sent it: they are
+        # out of step with it, so the engine stops and every later call says why.
+        self.broken: str | None = None
         self.device = ranks.device  # rank 0's
 
     @property
@@ -111,6 +114,7 @@ class TensorParallelRunner(ModelRunner):
         sends the rows to keep in the batch's logits_indices, so the other ranks need
         nothing new. LoRA adapters are not sent to the other ranks yet: a selection is
         refused."""
+        self._check_in_step()
         if any(loras or []) or self.loras.default:
             raise LoraError("LoRA adapters are not supported with tensor parallelism yet")
         if (
@@ -137,10 +141,13 @@ class TensorParallelRunner(ModelRunner):
         then the rows staged here (device `tokens` written into them on the device, never
         read back) are broadcast into the other ranks' graph rows on the stream, and every
         rank replays."""
+        self._check_in_step()
         graphs = self.graphs
         assert graphs is not None
         size = graphs.bucket(len(sequences))
         assert size is not None
+        for seq in sequences:  # pages first: a full cache then fails before any rank starts
+            seq.reserve(self.cache, seq.length + 1)
         self._send(lambda: self.channel.announce_graph_decode(size))
 
         def step() -> torch.Tensor:
@@ -150,10 +157,16 @@ class TensorParallelRunner(ModelRunner):
 
         return self._step(step)
 
+    def _check_in_step(self) -> None:
+        """After a step that left the ranks out of step (they were stopped), say why."""
+        if self.broken is not None:
+            raise RankFailedError(self.broken)
+
     def _send(self, message: Callable[[], None]) -> None:
         """Run `message`, a control-plane send. It fails at once when a rank has stopped
         (its links closed with its process): raised as a RankFailedError with what is
         known of the failed ranks."""
+        self._check_in_step()
         try:
             message()
         except RuntimeError as error:
@@ -164,19 +177,24 @@ class TensorParallelRunner(ModelRunner):
             ) from error
 
     def _step(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run this rank's share of a step. An error raised while another rank is known
-        to have failed (on the CPU, gloo's collectives fail when a peer's process ends) is
-        raised as a RankFailedError naming that rank's error; others as they are (running
-        out of memory stays an OutOfMemoryError: the scheduler undoes a lookahead step)."""
+        """Run this rank's share of a step, whose header the other ranks already have. Any
+        error here leaves the ranks out of step (the others queued the whole step's
+        collectives, this rank only some), and a later collective would pair with another
+        rank's different one: a hang or wrong tokens. So the other ranks are stopped and
+        the error is a RankFailedError, naming a failed rank's error where one is known.
+        (Running out of memory too: the scheduler's undo of a lookahead step cannot undo
+        what the other ranks have queued.)"""
         try:
             return run()
-        except torch.OutOfMemoryError:
-            raise
-        except RuntimeError as error:
+        except Exception as error:
             known = self.ranks.failures()
-            if not known:
-                raise
-            raise RankFailedError(
-                f"a tensor-parallel rank failed during a step ({known}): "
-                f"{type(error).__name__}: {error}"
-            ) from error
+            cause = f"{type(error).__name__}: {error}"
+            if known:
+                self.broken = f"a tensor-parallel rank failed during a step ({known}): {cause}"
+            else:
+                self.broken = (
+                    "a tensor-parallel step failed on rank 0 after the other ranks had started "
+                    f"it, so they were stopped; load the model again ({cause})"
+                )
+            self.abort()
+            raise RankFailedError(self.broken) from error

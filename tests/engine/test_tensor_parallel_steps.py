@@ -179,9 +179,37 @@ def test_a_step_that_fails_on_another_rank_raises_its_error(mixed_model: Path) -
         with pytest.raises(RankFailedError, match="rank 1 failed: RuntimeError: rank 0 replays"):
             list(tp.scheduler.stream_many([job]))
         assert job.done and job.error is not None
-        # Its process is gone: the next step's announcement fails at once, with its exit.
+        # The ranks were stopped: the next step fails at once, saying why.
+        assert not any(worker.is_alive() for worker in runner.ranks.workers)
         job = tp.scheduler.submit(_prompt(5, 2), GREEDY)
-        with pytest.raises(RankFailedError, match="stopped answering .*rank 1 exited with code 1"):
+        with pytest.raises(RankFailedError, match="rank 1 failed: RuntimeError: rank 0 replays"):
+            list(tp.scheduler.stream_many([job]))
+    finally:
+        tp.unload()
+
+
+def test_a_step_that_fails_on_rank_0_stops_the_other_ranks(mixed_model: Path) -> None:
+    # Rank 1 has the step's header and queued its collectives; rank 0 fails before its own
+    # (out of memory while staging the rows). Going on would pair the ranks' collectives
+    # wrongly, so the step's error stops every rank, and every later call says so.
+    tp = launch_tensor_parallel(mixed_model, _options(), 2)
+    try:
+        runner = tp.runner
+        assert isinstance(runner, TensorParallelRunner)
+        graphs = runner.enable_decode_graphs(capture=False)
+
+        def out_of_memory(*args: Any) -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory (staged by the test)")
+
+        graphs.stage_decode = out_of_memory  # type: ignore[method-assign]
+        job = tp.scheduler.submit(_prompt(9, 1), GREEDY)
+        expected = "failed on rank 0 .* stopped; load the model again .*OutOfMemoryError"
+        with pytest.raises(RankFailedError, match=expected):
+            list(tp.scheduler.stream_many([job]))
+        assert job.done and job.error is not None
+        assert not any(worker.is_alive() for worker in runner.ranks.workers)
+        job = tp.scheduler.submit(_prompt(5, 2), GREEDY)
+        with pytest.raises(RankFailedError, match=expected):
             list(tp.scheduler.stream_many([job]))
     finally:
         tp.unload()
