@@ -540,12 +540,18 @@ class DecodeGraphs:
     def forward_prompt(self, seq: Sequence, tokens: list[int], bucket: int) -> torch.Tensor:
         """The logits [1, vocab] of a fresh prompt's last token (`prompt_bucket` gave
         `bucket`), through the prompt graph of that many tokens."""
+        # Out of the shared pool before another prompt graph can overwrite it.
+        return self.stage_prompt(seq, tokens, bucket).replay().clone()
+
+    def stage_prompt(self, seq: Sequence, tokens: list[int], bucket: int) -> _Graph:
+        """`forward_prompt` up to its replay: the sequence advanced, the bucket's prompt
+        graph (captured now if new) with the prompt in its device rows (which tensor
+        parallelism broadcasts before the replay)."""
         self._advance([seq], [len(tokens)])
         graph = self.prompt_graph(bucket)
         graph.stage_many([seq], [tokens])
         self.prompt_steps += 1
-        # Out of the shared pool before another prompt graph can overwrite it.
-        return graph.replay().clone()
+        return graph
 
     def prompt_graph(self, bucket: int) -> _Graph:
         """The prompt graph of `bucket` tokens, captured on first use."""
@@ -570,13 +576,31 @@ class DecodeGraphs:
         """A step of a few tokens per sequence (`multi_token_shape` gave `shape`): the
         logits of each sequence's last `logits_counts[b]` new tokens (default 1), in order,
         as ModelRunner.forward returns them."""
+        graph = self.stage_many(sequences, new_tokens, shape)
+        return self.many_logits(graph.replay(), new_tokens, shape, logits_counts)
+
+    def stage_many(
+        self, sequences: list[Sequence], new_tokens: list[list[int]], shape: tuple[int, int]
+    ) -> _Graph:
+        """`forward_many` up to its replay: the sequences advanced, the graph of `shape`
+        (captured now if new) with the step's inputs in its device rows."""
         B, T = shape
         self._advance(sequences, [len(t) for t in new_tokens])
         graph = self.graph(B, tokens_per_row=T)
         graph.stage_many(sequences, new_tokens)
-        logits = graph.replay()
+        return graph
+
+    @staticmethod
+    def many_logits(
+        logits: torch.Tensor,
+        new_tokens: list[list[int]],
+        shape: tuple[int, int],
+        logits_counts: list[int] | None = None,
+    ) -> torch.Tensor:
+        """The rows `forward_many` returns out of its graph's logits [B * T, vocab]."""
+        T = shape[1]
         if T == 1:
-            return logits[: len(sequences)]
+            return logits[: len(new_tokens)]
         rows: list[int] = []
         for b, tokens in enumerate(new_tokens):
             keep = min(logits_counts[b] if logits_counts else 1, len(tokens))

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from engine.cache import ForwardBatch
 from engine.samplers.batched import host_to_device
 
-FORWARD, GRAPH_DECODE, STOP, GRAPHS = 1, 2, 3, 4
+FORWARD, GRAPH_DECODE, STOP, GRAPHS, GRAPH_PROMPT, GRAPH_MANY = 1, 2, 3, 4, 5, 6
 HEADER = 8
 # A rank > 0 waits for rank 0's next step for as long as the server stays idle, in a gloo
 # receive: with the process group's own timeout (30 min by default) an idle server's ranks
@@ -94,6 +94,18 @@ class Channel:
         `batch_size`; its input rows follow through `broadcast_rows`."""
         self._send_header([GRAPH_DECODE, batch_size])
 
+    def announce_graph_prompt(self, bucket: int) -> None:
+        """Rank 0: the next step replays (capturing it first if new) the prompt graph of
+        `bucket` tokens (a fresh prompt's prefill); its input rows follow as a decode
+        graph's do."""
+        self._send_header([GRAPH_PROMPT, bucket])
+
+    def announce_graph_many(self, batch_size: int, tokens_per_row: int) -> None:
+        """Rank 0: the next step replays (capturing it first if new) the graph of
+        `batch_size` rows of `tokens_per_row` new tokens (a short prompt or chunk, a
+        speculative verification); its input rows follow as a decode graph's do."""
+        self._send_header([GRAPH_MANY, batch_size, tokens_per_row])
+
     def announce_graphs(self, capture: bool) -> None:
         """Rank 0: every rank makes its decode graphs now (`capture=False`: their static
         buffers run eagerly, as on the CPU)."""
@@ -101,7 +113,7 @@ class Channel:
 
     # -- data plane (device) ---------------------------------------------------------
     def broadcast_rows(self, rows: torch.Tensor) -> None:
-        """A decode graph's input rows (device), from rank 0 into every rank's copy,
+        """A graph's input rows (device), from rank 0 into every rank's copy,
         queued on the stream."""
         dist.broadcast(rows, src=0)
 

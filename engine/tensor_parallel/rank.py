@@ -226,6 +226,15 @@ def serve(
                 graph = graphs.graph(header[1])  # captured now if new, as on rank 0
                 channel.broadcast_rows(graph.device_rows)
                 graph.replay()
+            elif command in (protocol.GRAPH_PROMPT, protocol.GRAPH_MANY):
+                if graphs is None:
+                    raise RuntimeError("rank 0 replays graphs, this rank has none")
+                if command == protocol.GRAPH_PROMPT:
+                    graph = graphs.prompt_graph(header[1])
+                else:
+                    graph = graphs.graph(header[1], tokens_per_row=header[2])
+                channel.broadcast_rows(graph.device_rows)
+                graph.replay()
             elif command == protocol.GRAPHS:
                 if graphs is not None:
                     raise RuntimeError("rank 0 made decode graphs twice")

@@ -124,6 +124,10 @@ class TensorParallelRunner(ModelRunner):
             and self.decode_graph_fits(sequences)
         ):
             return self.graph_decode(sequences, [t[0] for t in new_tokens])
+        if self.graphs is not None and not all_logits:
+            logits = self._graph_forward(sequences, new_tokens, logits_counts)
+            if logits is not None:
+                return logits
         batch = ForwardBatch.build(
             self.cache, sequences, new_tokens, all_logits=all_logits, logits_counts=logits_counts
         )
@@ -156,6 +160,47 @@ class TensorParallelRunner(ModelRunner):
             return graph.replay()[: len(sequences)]
 
         return self._step(step)
+
+    def _graph_forward(
+        self,
+        sequences: list[Sequence],
+        new_tokens: list[list[int]],
+        logits_counts: list[int] | None,
+    ) -> torch.Tensor | None:
+        """A step of a few tokens per row, or a fresh prompt, through a graph on every rank
+        (as ModelRunner.forward takes them on one device), or None when none fits. Eager,
+        a prompt pays the host's launch of every kernel on every rank: 512 tokens of an
+        8B model prefilled at a quarter of one GPU's speed."""
+        graphs = self.graphs
+        assert graphs is not None
+        shape = graphs.multi_token_shape(sequences, new_tokens)
+        bucket = None
+        if shape is None and logits_counts is None:
+            bucket = graphs.prompt_bucket(sequences, new_tokens)
+        if shape is None and bucket is None:
+            return None
+        for seq, tokens in zip(sequences, new_tokens, strict=True):
+            seq.reserve(self.cache, seq.length + len(tokens))  # a full cache fails here
+        if shape is not None:
+            B, T = shape
+            self._send(lambda: self.channel.announce_graph_many(B, T))
+
+            def many() -> torch.Tensor:
+                graph = graphs.stage_many(sequences, new_tokens, (B, T))
+                self.channel.broadcast_rows(graph.device_rows)
+                return graphs.many_logits(graph.replay(), new_tokens, (B, T), logits_counts)
+
+            return self._step(many)
+        assert bucket is not None
+        self._send(lambda: self.channel.announce_graph_prompt(bucket))
+
+        def prompt() -> torch.Tensor:
+            graph = graphs.stage_prompt(sequences[0], new_tokens[0], bucket)
+            self.channel.broadcast_rows(graph.device_rows)
+            # Out of the shared pool before another prompt graph can overwrite it.
+            return graph.replay().clone()
+
+        return self._step(prompt)
 
     def _check_in_step(self) -> None:
         """After a step that left the ranks out of step (they were stopped), say why."""

@@ -165,6 +165,36 @@ def test_lookahead_decode_steps_keep_their_tokens_on_the_device(mixed_model: Pat
         tp.unload()
 
 
+def _one_at_a_time(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    return [
+        [t for e in engine.scheduler.stream_many([engine.scheduler.submit(p, GREEDY)])
+         for t in e.token_ids]
+        for p in prompts
+    ]  # fmt: skip
+
+
+def test_prompts_and_short_steps_run_through_every_ranks_graphs(mixed_model: Path) -> None:
+    # A fresh prompt goes through a prompt graph and a few tokens through a multi-token
+    # graph, on every rank, as on one device (eager, rank by rank, a prompt paid the host's
+    # launch of every kernel on every rank: an 8B prefill at a quarter of one GPU's speed).
+    prompts = [_prompt(40, 1), _prompt(5, 2), _prompt(100, 3)]
+    one = Engine.load(mixed_model, _options())
+    try:
+        expected = _one_at_a_time(one, prompts)
+    finally:
+        one.unload()
+    tp = launch_tensor_parallel(mixed_model, _options(), 2)
+    try:
+        runner = tp.runner
+        assert isinstance(runner, TensorParallelRunner)
+        graphs = tp.enable_decode_graphs(capture=False)  # on every rank
+        assert _one_at_a_time(tp, prompts) == expected
+        assert graphs.prompt_steps == 2 and set(graphs._prompt_graphs) == {64, 128}  # noqa: SLF001
+        assert (1, 8) in graphs._graphs  # noqa: SLF001 - the 5-token prompt
+    finally:
+        tp.unload()
+
+
 def test_a_step_that_fails_on_another_rank_raises_its_error(mixed_model: Path) -> None:
     tp = launch_tensor_parallel(mixed_model, _options(), 2)
     try:
