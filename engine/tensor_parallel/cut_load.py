@@ -86,15 +86,16 @@ class _Order:
 
 
 def runs_of(values: torch.Tensor) -> Runs:
-    """Maximal runs [a, b) of consecutive integers in sorted, distinct `values`."""
-    v = values.tolist()
-    runs: Runs = []
-    for x in v:
-        if runs and runs[-1][1] == x:
-            runs[-1] = (runs[-1][0], x + 1)
-        else:
-            runs.append((x, x + 1))
-    return runs
+    """Maximal runs [a, b) of consecutive integers in sorted, distinct `values` (found with
+    tensor operations: a vocabulary part has 64k values, and a 70B load makes thousands of
+    these calls)."""
+    v = values.long().flatten()
+    if v.numel() == 0:
+        return []
+    breaks = torch.nonzero(v[1:] != v[:-1] + 1).flatten() + 1
+    starts = torch.cat([v[:1], v[breaks]])
+    ends = torch.cat([v[breaks - 1] + 1, v[-1:] + 1])
+    return list(zip(starts.tolist(), ends.tolist(), strict=True))
 
 
 def covering_runs(index: torch.Tensor, align: int, size: int) -> Runs:
@@ -107,8 +108,10 @@ def covering_runs(index: torch.Tensor, align: int, size: int) -> Runs:
 
 def local_index(index: torch.Tensor, runs: Runs) -> torch.Tensor:
     """Where each value of `index` sits in the concatenation of `runs`."""
-    starts = torch.tensor([a for a, _ in runs])
-    offsets = torch.tensor([0, *torch.tensor([b - a for a, b in runs]).cumsum(0).tolist()[:-1]])
+    bounds = torch.tensor(runs, dtype=torch.long).reshape(-1, 2)
+    starts = bounds[:, 0].contiguous()
+    lengths = bounds[:, 1] - starts
+    offsets = torch.cumsum(lengths, 0) - lengths
     which = torch.searchsorted(starts, index.long(), right=True) - 1
     return index.long() - starts[which] + offsets[which]
 
