@@ -329,7 +329,7 @@ class WeightStore:
 
 _PAGE = 4096  # bytes: the least a read from disk brings in
 _BLOCK_BYTES = 16 << 20  # whole rows read at once when their columns are gathered
-_MAX_GAP = 256 << 10  # bytes skipped within one read call (read into a scratch buffer)
+_MAX_GAP = 16 << 10  # bytes skipped within a read call: copying them costs about a call
 _MAX_CALL_BYTES = 64 << 20  # bytes of the file one read call spans at most
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers a call
 

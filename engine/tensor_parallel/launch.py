@@ -43,7 +43,7 @@ from engine.tensor_parallel.rank import (
 )
 from engine.tensor_parallel.ranks import Ranks, leave_group
 from engine.tensor_parallel.runner import TensorParallelRunner
-from engine.tensor_parallel.spawned import SpawnedRanks, take_ranks
+from engine.tensor_parallel.spawned import SpawnedRanks, discard_prestarted, take_ranks
 from engine.tokenizer import Tokenizer
 
 READY_TIMEOUT_S = 3600.0  # a 70B shard reads ~40 GB from disk
@@ -68,6 +68,7 @@ def launch_tensor_parallel(
     model_dir = Path(model_dir)
     launched = launched_rank()
     if launched is not None:
+        discard_prestarted()  # torchrun started the ranks
         if launched.rank != 0:
             raise TensorParallelError(
                 f"this is rank {launched.rank} of a torchrun launch: ranks other than 0 "
@@ -79,9 +80,13 @@ def launch_tensor_parallel(
                 "ranks (WORLD_SIZE)"
             )
     with phases.phase("shard spec"):
-        spec, config, max_seq_len = _shard_spec(
-            model_dir, options, world_size, launched, phases.origin
-        )
+        try:
+            spec, config, max_seq_len = _shard_spec(
+                model_dir, options, world_size, launched, phases.origin
+            )
+        except BaseException:
+            discard_prestarted()  # ranks the caller started for this launch
+            raise
     os.environ.update(NCCL_ENV)  # inherited by ranks spawned now, set before NCCL init
     spawned: SpawnedRanks | None = None
     if launched is None:

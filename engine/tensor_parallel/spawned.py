@@ -71,6 +71,14 @@ def prestart(world_size: int) -> None:
         _prestarted = spawn_ranks(world_size)
 
 
+def discard_prestarted() -> None:
+    """Stop prestarted ranks that no launch took (the load failed or went another way)."""
+    global _prestarted
+    ranks, _prestarted = _prestarted, None
+    if ranks is not None:
+        ranks.stop()
+
+
 def take_ranks(world_size: int) -> SpawnedRanks:
     """The prestarted ranks when they are `world_size`'s and all alive, else new ones."""
     global _prestarted
