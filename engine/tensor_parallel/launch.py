@@ -1,7 +1,8 @@
 """Rank 0 of a tensor-parallel model: the launcher.
 
-`launch_tensor_parallel(model_dir, options, world_size)` spawns ranks 1..W-1 (torch
-multiprocessing, one process per GPU) or, under torchrun, takes the ranks torchrun started
+`launch_tensor_parallel(model_dir, options, world_size)` spawns ranks 1..W-1 (one process
+per GPU, first thing, so that their start-up overlaps rank 0's; or takes those the caller
+prestarted: spawned.py) or, under torchrun, takes the ranks torchrun started
 (those run `serve_launched_rank`: engine/tensor_parallel/launched.py); it joins them in a
 process group (NCCL on GPUs, gloo on the CPU), builds its own shard (the built model,
 transformed: engine/tensor_parallel/transform.py) and waits until every rank has built
