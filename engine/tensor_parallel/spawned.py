@@ -95,7 +95,8 @@ def spawn_ranks(world_size: int) -> SpawnedRanks:
     context = mp.get_context("spawn")
     reports: Queue[tuple[int, str | None]] = context.Queue()
     spawned_at = time.time()
-    processes, specs = [], []
+    processes: list[BaseProcess] = []
+    specs: list[Connection] = []
     for rank in range(1, world_size):
         receive, send = context.Pipe(duplex=False)
         process = context.Process(
