@@ -71,10 +71,13 @@ class WeightStore:
         # in runs narrower than a page are read as whole rows: see _read_rows_and_gather.)
         self.bytes_read = 0
         # What the reads cost: bytes brought in from the files (whole rows included), read
-        # calls, and seconds spent reading (tensor-parallel load phases, load_phases.py).
+        # calls, seconds spent reading, and seconds spent placing what was read (the cast,
+        # the finite check and the copy to the device: tensor-parallel load phases,
+        # engine/tensor_parallel/load_phases.py).
         self.file_bytes = 0
         self.read_calls = 0
         self.read_seconds = 0.0
+        self.place_seconds = 0.0
         for file in self._files():
             for name, info in _read_header(file).items():
                 if name in self._tensors:
@@ -180,7 +183,7 @@ class WeightStore:
             )
         _check_weight_dtype(name, info, dtype)
         tensor = self._read(name, info)
-        return _placed(name, info, tensor, dtype, device)
+        return self._place(name, info, tensor, dtype, device)
 
     def get_part(
         self,
@@ -215,7 +218,21 @@ class WeightStore:
             raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
         self.read_seconds += time.perf_counter() - started
         self.bytes_read += tensor.numel() * tensor.element_size()
-        return _placed(name, info, tensor, dtype, device)
+        return self._place(name, info, tensor, dtype, device)
+
+    def _place(
+        self,
+        name: str,
+        info: TensorInfo,
+        tensor: torch.Tensor,
+        dtype: torch.dtype | None,
+        device: torch.device | str,
+    ) -> torch.Tensor:
+        started = time.perf_counter()
+        try:
+            return _placed(name, info, tensor, dtype, device)
+        finally:
+            self.place_seconds += time.perf_counter() - started
 
     def _read(self, name: str, info: TensorInfo) -> torch.Tensor:
         """The whole tensor, through safetensors."""

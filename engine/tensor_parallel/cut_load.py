@@ -34,6 +34,8 @@ beats thousands of slices) and cut in memory.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,10 +130,20 @@ class RankCuts:
         self.cuts: dict[str, Columns | Rows] = {}
         self._orders: dict[str, _Order] = {}
         self.vocab: LoadedVocab | None = None  # set by prepare
+        # Host seconds deciding the parts and cutting pieces (load_phases.py's counts).
+        self.plan_seconds = 0.0
+        self.cut_seconds = 0.0
 
     # --- deciding the parts ----------------------------------------------------------------
 
     def prepare(self, model: nn.Module, store: WeightStore) -> None:
+        started = time.perf_counter()
+        try:
+            self._prepare(model, store)
+        finally:
+            self.plan_seconds += time.perf_counter() - started
+
+    def _prepare(self, model: nn.Module, store: WeightStore) -> None:
         from engine.tensor_parallel.transform import attention_inputs, mlp_inputs
 
         for name, module in model.named_modules():
@@ -290,7 +302,7 @@ class RankCuts:
                 (local == torch.arange(local.numel())).all()
             ):
                 return piece  # the piece is the part, in order: nothing left to cut (or copy)
-            return shard_columns(piece, local)
+            return self._timed_cut(lambda: shard_columns(piece, local))
         assert cut.rows is not None
         if fmt == "gptq":
             tensors, rows = self._gptq_rows(store, name, cut.rows, in_features, quantization_config)
@@ -300,7 +312,16 @@ class RankCuts:
         else:
             tensors, rows = self._exl2_rows(store, name, cut.rows, in_features)
             piece = load(tensors, tensors["q_invperm"].numel(), out_features)
-        return shard_rows_quantized(piece, rows, cut.perm, keep_bias=cut.keep_bias)
+        return self._timed_cut(
+            lambda: shard_rows_quantized(piece, rows, cut.perm, keep_bias=cut.keep_bias)
+        )
+
+    def _timed_cut(self, cut: Callable[[], nn.Module]) -> nn.Module:
+        started = time.perf_counter()
+        try:
+            return cut()
+        finally:
+            self.cut_seconds += time.perf_counter() - started
 
     def _gptq_bits(self, store: WeightStore, name: str, qcfg: dict[str, Any] | None, k: int) -> int:
         bits = (qcfg or {}).get("bits")

@@ -124,12 +124,14 @@ def build_rank(
             config=config,
             placement=placement,
             store=store,
+            phases=phases,
         )
     phases.counts.update(
         weight_bytes_kept=store.bytes_read,
         file_bytes_read=store.file_bytes,
         read_calls=store.read_calls,
         read_s=round(store.read_seconds, 3),
+        place_s=round(store.place_seconds, 3),  # cast, finite check, copy to the device
     )
     with phases.phase("move to device"):
         move_model(model, device)
@@ -173,11 +175,14 @@ def load_rank_shard(
     config: ModelConfig,
     placement: Placement,
     store: WeightStore | None = None,
+    phases: LoadPhases | None = None,
 ) -> CausalLM:
     """Rank `rank`'s shard of the model, reading only its parts of the weights
     (cut_load.py), not yet moved to `device` from where `placement` staged it. `store`:
-    the model's WeightStore to read through (it counts the bytes read)."""
+    the model's WeightStore to read through (it counts the bytes read). `phases`: where the
+    cut plan and the cuts add their seconds."""
     cuts = RankCuts(rank, world)
+    phases = phases if phases is not None else LoadPhases()
     # The pieces read are mostly the shards themselves now, so they stay in the staging pool;
     # what it can leave unused is the repacking temporaries and the few linears read whole
     # and cut (cut_load.py), which later pieces reuse during the load. rank_memory's
@@ -193,6 +198,7 @@ def load_rank_shard(
             store=store,
         )
     cuts.finish(model)
+    phases.counts.update(cut_plan_s=round(cuts.plan_seconds, 3), cut_s=round(cuts.cut_seconds, 3))
     assert cuts.vocab is not None
     return shard_model(model, rank=rank, world=world, loaded=cuts.vocab)
 
