@@ -16,12 +16,15 @@ imports them (load_phases.py records both).
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import TYPE_CHECKING
+
+from engine.tensor_parallel.errors import TensorParallelError
 
 if TYPE_CHECKING:
     from engine.tensor_parallel.rank import ShardSpec
@@ -42,10 +45,27 @@ class SpawnedRanks:
         return all(p.is_alive() for p in self.processes)
 
     def send_spec(self, spec: ShardSpec) -> None:
-        for conn in self.specs:
-            conn.send(spec)
+        for rank, (conn, process) in enumerate(zip(self.specs, self.processes, strict=True), 1):
+            try:
+                conn.send(spec)
+            except OSError:  # the rank is gone (its start-up or imports failed)
+                process.join(timeout=5.0)
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} exited with code {process.exitcode} before "
+                    f"it was given its shard{self._reported(rank)}"
+                ) from None
             conn.close()
         self.specs = []
+
+    def _reported(self, rank: int) -> str:
+        """': <error>' when `rank` put its error on the reports queue, else ''."""
+        try:
+            while True:
+                reported, error = self.reports.get(timeout=1.0)
+                if reported == rank and error is not None:
+                    return f": {error}"
+        except (queue.Empty, OSError, ValueError):
+            return ""
 
     def stop(self) -> None:
         """Terminate the ranks still alive (no collective: a rank may be stuck in one, or
@@ -118,9 +138,15 @@ def rank_main(
     """A spawned rank: import the engine, wait for the ShardSpec, then be the rank
     (rank.worker_main). Returns quietly when rank 0 closes the pipe without a spec."""
     entered = time.time()
-    from engine.tensor_parallel.load_phases import LoadPhases
-    from engine.tensor_parallel.rank import worker_main  # torch and the engine: the long part
+    try:
+        from engine.tensor_parallel.load_phases import LoadPhases
+        from engine.tensor_parallel.rank import worker_main  # torch and the engine: long
 
+    except Exception as e:  # a broken install: rank 0 says so instead of waiting
+        reports.put((rank, f"importing the engine failed: {type(e).__name__}: {e}"))
+        reports.close()
+        reports.join_thread()
+        raise
     imported = time.time()
     try:
         spec = specs.recv()

@@ -13,6 +13,8 @@ import pytest
 
 import loader
 from engine.tensor_parallel import spawned
+from engine.tensor_parallel.errors import TensorParallelError
+from engine.tensor_parallel.rank import ShardSpec
 from helpers.mixed_model import build_mixed_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,6 +95,18 @@ def test_a_rank_whose_launch_never_comes_ends_by_itself():
     for process in ranks.processes:
         process.join(timeout=300)
         assert process.exitcode == 0
+
+
+def test_a_rank_gone_before_its_spec_is_a_clear_error():
+    ranks = spawned.spawn_ranks(2)
+    try:
+        ranks.processes[0].kill()
+        ranks.processes[0].join(timeout=60)
+        spec = ShardSpec("m", 2, "cpu", "float32", "fp16", 64, 1, 64, 1.0, False, "tcp://x")
+        with pytest.raises(TensorParallelError, match="rank 1 exited with code -9 before it was"):
+            ranks.send_spec(spec)
+    finally:
+        ranks.stop()
 
 
 @pytest.mark.slow
