@@ -35,12 +35,12 @@ def _prestart_ranks(argv: list[str]) -> None:
     """`--tp N` (N > 1, not under torchrun): start the other ranks now, before this process
     imports torch (building the full parser lists the loaders, which imports it), so that
     their start-up and imports run beside this one's (engine/tensor_parallel/spawned.py)."""
-    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     early.add_argument("--tp", type=int, nargs="?", const=0, default=None)
     early.add_argument("--loader", default=None)
     try:
         known, _ = early.parse_known_args(argv)
-    except SystemExit:  # a malformed --tp: the full parser says so
+    except argparse.ArgumentError:  # a malformed --tp: the full parser says so
         return
     if known.tp and known.tp > 1 and known.loader in (None, "kestrel") and not launched_rank():
         spawned.prestart(known.tp)
