@@ -68,7 +68,7 @@ class ShardSpec:
     # several machines); None: every rank on this one, rank r on cuda:r.
     local_world_size: int | None = None
     # time.time() when rank 0 began the launch: the origin of the load phases of the ranks it
-    # spawned (load_phases.py); 0: each rank's own start (torchrun).
+    # spawned (load_phases.py). Under torchrun each rank's own start.
     started_at: float = 0.0
 
     def device(self, rank: int) -> torch.device:
