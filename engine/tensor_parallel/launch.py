@@ -27,18 +27,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.architectures.base import CausalLM
+from engine.cache import PagedKVCache
 from engine.config import ModelConfig
 from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
 from engine.loading import resolve_device, resolve_dtype
 from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.launched import LaunchedRank, launched_rank
 from engine.tensor_parallel.load_phases import LoadPhases
+from engine.tensor_parallel.protocol import Channel
 from engine.tensor_parallel.rank import (
     NCCL_ENV,
     ShardSpec,
-    build_rank,
     exchange_rank_reports,
+    finish_rank,
     init_rank,
+    load_rank,
     rank_memory,
     serve,
 )
@@ -102,24 +106,10 @@ def launch_tensor_parallel(
             spawned.send_spec(spec)
         with phases.phase("tokenizer"):
             tokenizer = Tokenizer.from_dir(model_dir)
-        with phases.phase("join group"):
-            channel = init_rank(spec, 0)
-        try:
-            model, cache, graphs, _ = build_rank(spec, 0, phases)
-        except Exception as e:
-            if launched is not None:  # the other ranks wait for every rank's word
-                _gather_load_errors(f"{type(e).__name__}: {e}")
-            raise
-        with phases.phase("wait for ranks"):
-            if reports is not None:
-                _wait_ready(workers, reports)
-            else:
-                failed = _gather_load_errors(None)
-                if failed:
-                    rank, error = failed[0]
-                    raise TensorParallelError(
-                        f"tensor-parallel rank {rank} failed to load: {error}"
-                    )
+        # Every rank loads its shard before joining the group: this one reads while the
+        # ranks it spawned still start up and import.
+        model, cache, channel = _load_then_join(spec, 0, phases, workers, reports)
+        graphs = finish_rank(model, cache, spec, 0, phases)
         with phases.phase("exchange reports"):
             memory, load_phases = exchange_rank_reports(
                 rank_memory(model, cache, spec.device(0)), phases
@@ -236,24 +226,50 @@ def serve_launched_rank(model_dir: str | Path, options: EngineOptions | None = N
     spec, _, _ = _shard_spec(Path(model_dir), options or EngineOptions(), launched.world_size,
                              launched, phases.origin)  # fmt: skip
     os.environ.update(NCCL_ENV)
-    with phases.phase("join group"):
-        channel = init_rank(spec, launched.rank)
     try:
-        try:
-            model, cache, graphs, _ = build_rank(spec, launched.rank, phases)
-        except Exception as e:
-            _gather_load_errors(f"{type(e).__name__}: {e}")
-            raise
-        failed = _gather_load_errors(None)
-        if failed:
-            rank, error = failed[0]
-            raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
+        model, cache, channel = _load_then_join(spec, launched.rank, phases, [], None)
+        graphs = finish_rank(model, cache, spec, launched.rank, phases)
         exchange_rank_reports(rank_memory(model, cache, spec.device(launched.rank)), phases)
         serve(model, cache, graphs, channel, spec.max_seq_len)
         if dist.get_backend() == "gloo":
             dist.barrier()  # rank 0's unload waits here too (TensorParallelRunner.release)
     finally:
-        leave_group(launched=True)
+        if dist.is_initialized():  # not when joining the group itself failed
+            leave_group(launched=True)
+
+
+def _load_then_join(
+    spec: ShardSpec,
+    rank: int,
+    phases: LoadPhases,
+    workers: list[BaseProcess],
+    reports: Queue[tuple[int, str | None]] | None,
+) -> tuple[CausalLM, PagedKVCache, Channel]:
+    """This rank's shard and cache, then the group, once every rank has loaded: spawned
+    ranks say so on `reports` before they join (one that failed never joins, and rank 0
+    must not wait for it in the rendezvous); torchrun's ranks all join and exchange their
+    outcome, so that all of them raise if one failed."""
+    if reports is not None:
+        model, cache, _ = load_rank(spec, rank, phases)
+        with phases.phase("wait for ranks"):
+            _wait_ready(workers, reports)
+        with phases.phase("join group"):
+            return model, cache, init_rank(spec, rank)
+    error = None
+    try:
+        model, cache, _ = load_rank(spec, rank, phases)
+    except Exception as e:
+        error = e
+    with phases.phase("join group"):
+        channel = init_rank(spec, rank)
+    with phases.phase("wait for ranks"):
+        failed = _gather_load_errors(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failed:
+        other, text = failed[0]
+        raise TensorParallelError(f"tensor-parallel rank {other} failed to load: {text}")
+    return model, cache, channel
 
 
 def _gather_load_errors(error: str | None) -> list[tuple[int, str]]:

@@ -81,13 +81,19 @@ class ShardSpec:
         return "nccl" if self.device_type == "cuda" else "gloo"
 
 
+def use_rank_device(spec: ShardSpec, rank: int) -> None:
+    """Make this rank's GPU current (kernels launch on the current device) and set the NCCL
+    environment, before anything touches the GPU or NCCL."""
+    os.environ.update(NCCL_ENV)
+    if spec.device_type == "cuda":
+        torch.cuda.set_device(spec.device(rank))
+
+
 def init_rank(spec: ShardSpec, rank: int) -> protocol.Channel:
     """Join the process group (this rank's GPU made current first) and open the channel
     rank 0 sends its steps over (protocol.py: its gloo group is made right after joining,
     at the same point on every rank)."""
-    os.environ.update(NCCL_ENV)
-    if spec.device_type == "cuda":
-        torch.cuda.set_device(spec.device(rank))
+    use_rank_device(spec, rank)
     dist.init_process_group(
         spec.backend,
         init_method=spec.init_method,
@@ -101,9 +107,21 @@ def init_rank(spec: ShardSpec, rank: int) -> protocol.Channel:
 def build_rank(
     spec: ShardSpec, rank: int, phases: LoadPhases | None = None
 ) -> tuple[CausalLM, PagedKVCache, DecodeGraphs | None, ModelConfig]:
-    """This rank's model shard, its KV cache (its KV heads only) and decode graphs.
-    `phases`: where to note how long each step took (load_phases.py)."""
+    """This rank's model shard, its KV cache (its KV heads only) and decode graphs, in a
+    process that has joined the group (or, on the CPU, needs none): load_rank, then
+    finish_rank. `phases`: where to note how long each step took (load_phases.py)."""
     phases = phases if phases is not None else LoadPhases()
+    model, cache, config = load_rank(spec, rank, phases)
+    return model, cache, finish_rank(model, cache, spec, rank, phases), config
+
+
+def load_rank(
+    spec: ShardSpec, rank: int, phases: LoadPhases
+) -> tuple[CausalLM, PagedKVCache, ModelConfig]:
+    """The part of a rank's start that needs no process group: its shard read, cut and on
+    its device, and its KV cache. The ranks do this before they join the group, so that the
+    ones already started read while the others still start up."""
+    use_rank_device(spec, rank)
     device = spec.device(rank)
     # torch's symmetric memory pulls in sympy on first use (2.1 s of an 8B TP load on
     # 2xH100): imported beside the weight reads, done by the all-reduce set-up.
@@ -135,15 +153,22 @@ def build_rank(
     )
     with phases.phase("move to device"):
         move_model(model, device)
-    # After the process group, at the same point on every rank (its set-up is a collective).
-    with phases.phase("all-reduce set-up"):
-        use_all_reduce(model, GroupAllReduce(None, device))
     with phases.phase("cache"):
         cache = _rank_cache(spec, config, model, device)
-    graphs = None
+    return model, cache, config
+
+
+def finish_rank(
+    model: CausalLM, cache: PagedKVCache, spec: ShardSpec, rank: int, phases: LoadPhases
+) -> DecodeGraphs | None:
+    """After joining the group, at the same point on every rank (the all-reduce's set-up
+    is a collective): the all-reduces, and the decode graphs' holder."""
+    device = spec.device(rank)
+    with phases.phase("all-reduce set-up"):
+        use_all_reduce(model, GroupAllReduce(None, device))
     if spec.cuda_graphs and device.type == "cuda":
-        graphs = DecodeGraphs(model, cache, spec.max_seq_len)
-    return model, cache, graphs, config
+        return DecodeGraphs(model, cache, spec.max_seq_len)
+    return None
 
 
 def _rank_cache(
@@ -280,24 +305,26 @@ def worker_main(
     reports: Queue[tuple[int, str | None]],
     phases: LoadPhases | None = None,
 ) -> None:
-    """A spawned rank (> 0), once it has its spec (spawned.py). Reports (rank, None) when
-    ready to serve, or (rank, error text) if building its shard failed or, later, a step
-    failed (rank 0 adds it to the error it raises when the rank stops answering)."""
+    """A spawned rank (> 0), once it has its spec (spawned.py). Loads its shard, reports
+    (rank, None), then joins the group (rank 0 joins once every rank has reported: a rank
+    that failed before joining cannot leave it waiting in the rendezvous). Reports (rank,
+    error text) if loading failed or, later, a step failed (rank 0 adds it to the error it
+    raises when the rank stops answering)."""
     phases = phases if phases is not None else LoadPhases(origin=spec.started_at or time.time())
     try:
-        with phases.phase("join group"):
-            channel = init_rank(spec, rank)
+        model, cache, _ = load_rank(spec, rank, phases)
     except Exception as e:  # noqa: BLE001 - the message goes back to rank 0
-        reports.put((rank, f"process-group init failed: {type(e).__name__}: {e}"))
-        return
-    try:
-        model, cache, graphs, _ = build_rank(spec, rank, phases)
-    except Exception as e:  # noqa: BLE001
         reports.put((rank, f"{type(e).__name__}: {e}"))
-        dist.destroy_process_group()
         return
     reports.put((rank, None))
     try:
+        with phases.phase("join group"):
+            channel = init_rank(spec, rank)
+    except Exception as e:  # noqa: BLE001
+        reports.put((rank, f"process-group init failed: {type(e).__name__}: {e}"))
+        return
+    try:
+        graphs = finish_rank(model, cache, spec, rank, phases)
         exchange_rank_reports(rank_memory(model, cache, spec.device(rank)), phases)
         serve(model, cache, graphs, channel, spec.max_seq_len)
     except Exception as e:

@@ -5,11 +5,14 @@ no launch takes end."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 import loader
 from engine.tensor_parallel import spawned
@@ -85,6 +88,23 @@ def test_prestarted_ranks_of_another_size_or_never_taken_are_stopped(mixed_model
     spawned.discard_prestarted()
     assert spawned._prestarted is None
     assert all(not p.is_alive() for p in left.processes)
+
+
+def test_a_rank_that_fails_to_load_is_named_and_rank_0_does_not_wait_for_it(
+    mixed_model: Path, tmp_path: Path
+):
+    # The last vocabulary row, which only rank 1 reads, is NaN: rank 1 fails its load and
+    # never joins the group; rank 0, which loads before joining, must not wait for it there.
+    broken = tmp_path / "broken"
+    shutil.copytree(mixed_model, broken)
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.embed_tokens.weight"][-1, 0] = float("nan")
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(
+        loader.LoaderError, match=r"rank 1 failed to load: WeightError: tensor 'model.embed_tok"
+    ):
+        loader.load(broken, "kestrel", device="cpu", dtype="float32", tp=2)
+    assert not torch.distributed.is_initialized()
 
 
 def test_a_rank_whose_launch_never_comes_ends_by_itself():
