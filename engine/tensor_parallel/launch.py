@@ -3,14 +3,16 @@
 `launch_tensor_parallel(model_dir, options, world_size)` spawns ranks 1..W-1 (one process
 per GPU, first thing, so that their start-up overlaps rank 0's; or takes those the caller
 prestarted: spawned.py) or, under torchrun, takes the ranks torchrun started
-(those run `serve_launched_rank`: engine/tensor_parallel/launched.py); it joins them in a
-process group (NCCL on GPUs, gloo on the CPU), builds its own shard (the built model,
-transformed: engine/tensor_parallel/transform.py) and waits until every rank has built
-its own. It returns an ordinary `Engine` (tokenizer, scheduler, page bookkeeping) whose
-runner is a `TensorParallelRunner` (engine/tensor_parallel/runner.py): the runner owns
-the other ranks, broadcasts each step to them (they run the same forward on their shards)
-and stops them when the engine unloads. Decode steps replay CUDA graphs on every rank
-(all-reduces captured inside); prefill and mixed steps run eagerly.
+(those run `serve_launched_rank`: engine/tensor_parallel/launched.py). Every rank loads
+its own shard (only its parts of the checkpoint: cut_load.py) before they join one process
+group (NCCL on GPUs, gloo on the CPU): rank 0 reads while the ranks it spawned still
+start, and joins once each has said it loaded, so a rank that failed is never waited for.
+Then the all-reduces are set up on every rank. It returns an ordinary `Engine`
+(tokenizer, scheduler, page bookkeeping) whose runner is a `TensorParallelRunner`
+(engine/tensor_parallel/runner.py): the runner owns the other ranks, broadcasts each step
+to them (they run the same forward on their shards) and stops them when the engine
+unloads. Decode steps replay CUDA graphs on every rank (all-reduces captured inside);
+prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
