@@ -16,9 +16,8 @@ from typing import Any
 
 import loader
 from engine.sampling_settings import SamplingSettingsError
+from engine.tensor_parallel import spawned
 from engine.tensor_parallel.launched import launched_rank
-from loader.hub import resolve_model
-from loader.kestrel_loader import serve_tensor_parallel_rank
 from loader.program_name import program_name
 
 # The checkout's models/ (where ui.py looks too), wherever the command is run from.
@@ -26,6 +25,32 @@ MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:
+        spawned.discard_prestarted()  # ranks started for a load that never took them
+
+
+def _prestart_ranks(argv: list[str]) -> None:
+    """`--tp N` (N > 1, not under torchrun): start the other ranks now, before this process
+    imports torch (building the full parser lists the loaders, which imports it), so that
+    their start-up and imports run beside this one's (engine/tensor_parallel/spawned.py)."""
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    early.add_argument("--tp", type=int, nargs="?", const=0, default=None)
+    early.add_argument("--loader", default=None)
+    try:
+        known, _ = early.parse_known_args(argv)
+    except argparse.ArgumentError:  # a malformed --tp: the full parser says so
+        return
+    if known.tp and known.tp > 1 and known.loader in (None, "kestrel") and not launched_rank():
+        spawned.prestart(known.tp)
+
+
+def _main(argv: list[str] | None) -> int:
+    _prestart_ranks(sys.argv[1:] if argv is None else argv)
+    from loader.hub import resolve_model
+    from loader.kestrel_loader import serve_tensor_parallel_rank
+
     parser = argparse.ArgumentParser(prog=program_name("python -m loader"), description=__doc__)
     parser.add_argument(
         "model",

@@ -20,9 +20,11 @@ the same bits afterwards.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,40 @@ log = logging.getLogger(__name__)
 # algorithms move fewer bytes per rank than a one-shot read of every peer's whole buffer.
 ONE_SHOT_MAX_BYTES = 256 << 10
 
+# What the symmetric-memory set-up imports on first use: its pool's shape check goes
+# through torch._check, which imports torch.fx's symbolic shapes and with them sympy (2.1 to
+# 2.5 s of a TP load on a 2xH100 host, most of it compiling sympy where no bytecode cache
+# was written). preimport_symmetric_memory starts that in a thread when a rank begins its
+# load, so that it runs beside the weight reads instead of after them.
+_SYMMETRIC_MEMORY_IMPORTS = (
+    "torch.distributed._symmetric_memory",
+    "torch.fx.experimental.symbolic_shapes",
+)
+_preimport: threading.Thread | None = None
+
+
+def _uses_symmetric_memory(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("KESTREL_TP_ALLREDUCE") != "nccl"
+
+
+def preimport_symmetric_memory(device: torch.device) -> None:
+    """Import what the symmetric-memory all-reduce needs, in a background thread (a rank on
+    a GPU; nothing elsewhere). GroupAllReduce waits for it. An import that fails here fails
+    again, with its message, where the set-up imports it."""
+    global _preimport
+    if _preimport is not None or not _uses_symmetric_memory(device):
+        return
+
+    def run() -> None:
+        for name in _SYMMETRIC_MEMORY_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - reported by the set-up's own import
+                return
+
+    _preimport = threading.Thread(target=run, name="kestrel-symm-mem-import", daemon=True)
+    _preimport.start()
+
 
 class GroupAllReduce:
     """Sums tensors over a process group; built once per rank, shared by its linears."""
@@ -41,8 +77,10 @@ class GroupAllReduce:
         self.group = group
         self.buffer: torch.Tensor | None = None
         self.group_name = ""
-        if device.type != "cuda" or os.environ.get("KESTREL_TP_ALLREDUCE") == "nccl":
+        if not _uses_symmetric_memory(device):
             return
+        if _preimport is not None:
+            _preimport.join()
         try:
             import torch.distributed._symmetric_memory as symm_mem
 

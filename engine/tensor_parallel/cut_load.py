@@ -34,6 +34,8 @@ beats thousands of slices) and cut in memory.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,15 +88,16 @@ class _Order:
 
 
 def runs_of(values: torch.Tensor) -> Runs:
-    """Maximal runs [a, b) of consecutive integers in sorted, distinct `values`."""
-    v = values.tolist()
-    runs: Runs = []
-    for x in v:
-        if runs and runs[-1][1] == x:
-            runs[-1] = (runs[-1][0], x + 1)
-        else:
-            runs.append((x, x + 1))
-    return runs
+    """Maximal runs [a, b) of consecutive integers in sorted, distinct `values` (found with
+    tensor operations: a vocabulary part has 64k values, and a 70B load makes thousands of
+    these calls)."""
+    v = values.long().flatten()
+    if v.numel() == 0:
+        return []
+    breaks = torch.nonzero(v[1:] != v[:-1] + 1).flatten() + 1
+    starts = torch.cat([v[:1], v[breaks]])
+    ends = torch.cat([v[breaks - 1] + 1, v[-1:] + 1])
+    return list(zip(starts.tolist(), ends.tolist(), strict=True))
 
 
 def covering_runs(index: torch.Tensor, align: int, size: int) -> Runs:
@@ -107,8 +110,10 @@ def covering_runs(index: torch.Tensor, align: int, size: int) -> Runs:
 
 def local_index(index: torch.Tensor, runs: Runs) -> torch.Tensor:
     """Where each value of `index` sits in the concatenation of `runs`."""
-    starts = torch.tensor([a for a, _ in runs])
-    offsets = torch.tensor([0, *torch.tensor([b - a for a, b in runs]).cumsum(0).tolist()[:-1]])
+    bounds = torch.tensor(runs, dtype=torch.long).reshape(-1, 2)
+    starts = bounds[:, 0].contiguous()
+    lengths = bounds[:, 1] - starts
+    offsets = torch.cumsum(lengths, 0) - lengths
     which = torch.searchsorted(starts, index.long(), right=True) - 1
     return index.long() - starts[which] + offsets[which]
 
@@ -125,10 +130,20 @@ class RankCuts:
         self.cuts: dict[str, Columns | Rows] = {}
         self._orders: dict[str, _Order] = {}
         self.vocab: LoadedVocab | None = None  # set by prepare
+        # Host seconds deciding the parts and cutting pieces (load_phases.py's counts).
+        self.plan_seconds = 0.0
+        self.cut_seconds = 0.0
 
     # --- deciding the parts ----------------------------------------------------------------
 
     def prepare(self, model: nn.Module, store: WeightStore) -> None:
+        started = time.perf_counter()
+        try:
+            self._prepare(model, store)
+        finally:
+            self.plan_seconds += time.perf_counter() - started
+
+    def _prepare(self, model: nn.Module, store: WeightStore) -> None:
         from engine.tensor_parallel.transform import attention_inputs, mlp_inputs
 
         for name, module in model.named_modules():
@@ -287,7 +302,7 @@ class RankCuts:
                 (local == torch.arange(local.numel())).all()
             ):
                 return piece  # the piece is the part, in order: nothing left to cut (or copy)
-            return shard_columns(piece, local)
+            return self._timed_cut(lambda: shard_columns(piece, local))
         assert cut.rows is not None
         if fmt == "gptq":
             tensors, rows = self._gptq_rows(store, name, cut.rows, in_features, quantization_config)
@@ -297,7 +312,16 @@ class RankCuts:
         else:
             tensors, rows = self._exl2_rows(store, name, cut.rows, in_features)
             piece = load(tensors, tensors["q_invperm"].numel(), out_features)
-        return shard_rows_quantized(piece, rows, cut.perm, keep_bias=cut.keep_bias)
+        return self._timed_cut(
+            lambda: shard_rows_quantized(piece, rows, cut.perm, keep_bias=cut.keep_bias)
+        )
+
+    def _timed_cut(self, cut: Callable[[], nn.Module]) -> nn.Module:
+        started = time.perf_counter()
+        try:
+            return cut()
+        finally:
+            self.cut_seconds += time.perf_counter() - started
 
     def _gptq_bits(self, store: WeightStore, name: str, qcfg: dict[str, Any] | None, k: int) -> int:
         bits = (qcfg or {}).get("bits")

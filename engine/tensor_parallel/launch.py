@@ -1,15 +1,18 @@
 """Rank 0 of a tensor-parallel model: the launcher.
 
-`launch_tensor_parallel(model_dir, options, world_size)` spawns ranks 1..W-1 (torch
-multiprocessing, one process per GPU) or, under torchrun, takes the ranks torchrun started
-(those run `serve_launched_rank`: engine/tensor_parallel/launched.py); it joins them in a
-process group (NCCL on GPUs, gloo on the CPU), builds its own shard (the built model,
-transformed: engine/tensor_parallel/transform.py) and waits until every rank has built
-its own. It returns an ordinary `Engine` (tokenizer, scheduler, page bookkeeping) whose
-runner is a `TensorParallelRunner` (engine/tensor_parallel/runner.py): the runner owns
-the other ranks, broadcasts each step to them (they run the same forward on their shards)
-and stops them when the engine unloads. Decode steps replay CUDA graphs on every rank
-(all-reduces captured inside); prefill and mixed steps run eagerly.
+`launch_tensor_parallel(model_dir, options, world_size)` spawns ranks 1..W-1 (one process
+per GPU, first thing, so that their start-up overlaps rank 0's; or takes those the caller
+prestarted: spawned.py) or, under torchrun, takes the ranks torchrun started
+(those run `serve_launched_rank`: engine/tensor_parallel/launched.py). Every rank loads
+its own shard (only its parts of the checkpoint: cut_load.py) before they join one process
+group (NCCL on GPUs, gloo on the CPU): rank 0 reads while the ranks it spawned still
+start, and joins once each has said it loaded, so a rank that failed is never waited for.
+Then the all-reduces are set up on every rank. It returns an ordinary `Engine`
+(tokenizer, scheduler, page bookkeeping) whose runner is a `TensorParallelRunner`
+(engine/tensor_parallel/runner.py): the runner owns the other ranks, broadcasts each step
+to them (they run the same forward on their shards) and stops them when the engine
+unloads. Decode steps replay CUDA graphs on every rank (all-reduces captured inside);
+prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -25,25 +28,29 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from engine.architectures.base import CausalLM
+from engine.cache import PagedKVCache
 from engine.config import ModelConfig
 from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
 from engine.loading import resolve_device, resolve_dtype
 from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.launched import LaunchedRank, launched_rank
+from engine.tensor_parallel.load_phases import LoadPhases
+from engine.tensor_parallel.protocol import Channel
 from engine.tensor_parallel.rank import (
     NCCL_ENV,
     ShardSpec,
-    build_rank,
-    exchange_rank_memory,
+    exchange_rank_reports,
+    finish_rank,
     init_rank,
+    load_rank,
     rank_memory,
     serve,
-    worker_main,
 )
-from engine.tensor_parallel.ranks import Ranks, leave_group, stop_workers
+from engine.tensor_parallel.ranks import Ranks, leave_group
 from engine.tensor_parallel.runner import TensorParallelRunner
+from engine.tensor_parallel.spawned import SpawnedRanks, discard_prestarted, take_ranks
 from engine.tokenizer import Tokenizer
 
 READY_TIMEOUT_S = 3600.0  # a 70B shard reads ~40 GB from disk
@@ -64,9 +71,11 @@ def launch_tensor_parallel(
     started, joined through torch.distributed's environment rendezvous."""
     options = options or EngineOptions()
     started = time.perf_counter()
+    phases = LoadPhases()
     model_dir = Path(model_dir)
     launched = launched_rank()
     if launched is not None:
+        discard_prestarted()  # torchrun started the ranks
         if launched.rank != 0:
             raise TensorParallelError(
                 f"this is rank {launched.rank} of a torchrun launch: ranks other than 0 "
@@ -77,38 +86,39 @@ def launch_tensor_parallel(
                 f"tp={world_size} asked for, but torchrun started {launched.world_size} "
                 "ranks (WORLD_SIZE)"
             )
-    spec, config, max_seq_len = _shard_spec(model_dir, options, world_size, launched)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    os.environ.update(NCCL_ENV)  # inherited by the spawned ranks, set before NCCL init
-    workers: list[BaseProcess] = []
-    reports: Queue[tuple[int, str | None]] | None = None
-    if launched is None:
-        context = mp.get_context("spawn")
-        reports = context.Queue()
-        workers = [
-            context.Process(target=worker_main, args=(rank, spec, reports), daemon=True)
-            for rank in range(1, world_size)
-        ]
-        for worker in workers:
-            worker.start()
-    try:
-        channel = init_rank(spec, 0)
+    with phases.phase("shard spec"):
         try:
-            model, cache, graphs, _ = build_rank(spec, 0)
-        except Exception as e:
-            if launched is not None:  # the other ranks wait for every rank's word
-                _gather_load_errors(f"{type(e).__name__}: {e}")
+            spec, config, max_seq_len = _shard_spec(
+                model_dir, options, world_size, launched, phases.origin
+            )
+        except BaseException:
+            discard_prestarted()  # ranks the caller started for this launch
             raise
-        if reports is not None:
-            _wait_ready(workers, reports)
-        else:
-            failed = _gather_load_errors(None)
-            if failed:
-                rank, error = failed[0]
-                raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
-        memory = exchange_rank_memory(rank_memory(model, cache, spec.device(0)))
+    os.environ.update(NCCL_ENV)  # inherited by ranks spawned now, set before NCCL init
+    spawned: SpawnedRanks | None = None
+    if launched is None:
+        # First, before the tokenizer: a new rank takes seconds to start and import torch.
+        # Ranks prestarted by the caller (spawned.prestart) have done so already.
+        with phases.phase("spawn ranks"):
+            spawned = take_ranks(world_size)
+    workers: list[BaseProcess] = spawned.processes if spawned is not None else []
+    reports: Queue[tuple[int, str | None]] | None = spawned.reports if spawned else None
+    try:
+        if spawned is not None:
+            spawned.send_spec(spec)
+        with phases.phase("tokenizer"):
+            tokenizer = Tokenizer.from_dir(model_dir)
+        # Every rank loads its shard before joining the group: this one reads while the
+        # ranks it spawned still start up and import.
+        model, cache, channel = _load_then_join(spec, 0, phases, workers, reports)
+        graphs = finish_rank(model, cache, spec, 0, phases)
+        with phases.phase("exchange reports"):
+            memory, load_phases = exchange_rank_reports(
+                rank_memory(model, cache, spec.device(0)), phases
+            )
     except BaseException:
-        stop_workers(workers)
+        if spawned is not None:
+            spawned.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
@@ -122,7 +132,9 @@ def launch_tensor_parallel(
         reports=reports if launched is None else None,
         launched=launched is not None,
         memory=memory,
+        load_phases=load_phases,
     )
+    engine_started = time.time()
     engine = Engine(
         config,
         model,
@@ -134,11 +146,17 @@ def launch_tensor_parallel(
         runner_factory=functools.partial(TensorParallelRunner, ranks=ranks),
     )
     engine.runner.graphs = graphs
+    phases.add("engine", engine_started, time.time())
+    load_phases[0] = phases.report()
     return engine
 
 
 def _shard_spec(
-    model_dir: Path, options: EngineOptions, world_size: int, launched: LaunchedRank | None
+    model_dir: Path,
+    options: EngineOptions,
+    world_size: int,
+    launched: LaunchedRank | None,
+    started_at: float,
 ) -> tuple[ShardSpec, ModelConfig, int]:
     """What every rank builds its shard from, checked; the same on every rank of a
     torchrun launch, which computes it from the same command line."""
@@ -192,6 +210,7 @@ def _shard_spec(
         init_method="env://" if launched is not None else f"tcp://127.0.0.1:{_free_port()}",
         deterministic=options.deterministic,
         local_world_size=launched.local_world_size if launched is not None else None,
+        started_at=started_at,
     )
     return spec, config, max_seq_len
 
@@ -205,26 +224,54 @@ def serve_launched_rank(model_dir: str | Path, options: EngineOptions | None = N
             "serve_launched_rank runs in ranks 1.. of a torchrun launch (RANK, WORLD_SIZE, "
             "LOCAL_RANK, MASTER_ADDR and MASTER_PORT set); rank 0 loads the engine"
         )
+    phases = LoadPhases()
     spec, _, _ = _shard_spec(Path(model_dir), options or EngineOptions(), launched.world_size,
-                             launched)  # fmt: skip
+                             launched, phases.origin)  # fmt: skip
     os.environ.update(NCCL_ENV)
-    channel = init_rank(spec, launched.rank)
     try:
-        try:
-            model, cache, graphs, _ = build_rank(spec, launched.rank)
-        except Exception as e:
-            _gather_load_errors(f"{type(e).__name__}: {e}")
-            raise
-        failed = _gather_load_errors(None)
-        if failed:
-            rank, error = failed[0]
-            raise TensorParallelError(f"tensor-parallel rank {rank} failed to load: {error}")
-        exchange_rank_memory(rank_memory(model, cache, spec.device(launched.rank)))
+        model, cache, channel = _load_then_join(spec, launched.rank, phases, [], None)
+        graphs = finish_rank(model, cache, spec, launched.rank, phases)
+        exchange_rank_reports(rank_memory(model, cache, spec.device(launched.rank)), phases)
         serve(model, cache, graphs, channel, spec.max_seq_len)
         if dist.get_backend() == "gloo":
             dist.barrier()  # rank 0's unload waits here too (TensorParallelRunner.release)
     finally:
-        leave_group(launched=True)
+        if dist.is_initialized():  # not when joining the group itself failed
+            leave_group(launched=True)
+
+
+def _load_then_join(
+    spec: ShardSpec,
+    rank: int,
+    phases: LoadPhases,
+    workers: list[BaseProcess],
+    reports: Queue[tuple[int, str | None]] | None,
+) -> tuple[CausalLM, PagedKVCache, Channel]:
+    """This rank's shard and cache, then the group, once every rank has loaded: spawned
+    ranks say so on `reports` before they join (one that failed never joins, and rank 0
+    must not wait for it in the rendezvous); torchrun's ranks all join and exchange their
+    outcome, so that all of them raise if one failed."""
+    if reports is not None:
+        model, cache, _ = load_rank(spec, rank, phases)
+        with phases.phase("wait for ranks"):
+            _wait_ready(workers, reports)
+        with phases.phase("join group"):
+            return model, cache, init_rank(spec, rank)
+    error = None
+    try:
+        model, cache, _ = load_rank(spec, rank, phases)
+    except Exception as e:
+        error = e
+    with phases.phase("join group"):
+        channel = init_rank(spec, rank)
+    with phases.phase("wait for ranks"):
+        failed = _gather_load_errors(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failed:
+        other, text = failed[0]
+        raise TensorParallelError(f"tensor-parallel rank {other} failed to load: {text}")
+    return model, cache, channel
 
 
 def _gather_load_errors(error: str | None) -> list[tuple[int, str]]:

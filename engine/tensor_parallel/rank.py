@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,8 +30,9 @@ from engine.loading import DTYPES, load_causal_lm
 from engine.placement import Placement
 from engine.placement.footprint import model_footprint
 from engine.tensor_parallel import protocol
-from engine.tensor_parallel.all_reduce import GroupAllReduce
+from engine.tensor_parallel.all_reduce import GroupAllReduce, preimport_symmetric_memory
 from engine.tensor_parallel.cut_load import RankCuts
+from engine.tensor_parallel.load_phases import LoadPhases
 from engine.tensor_parallel.staging import staging_placement, staging_pool
 from engine.tensor_parallel.transform import move_model, shard_model, use_all_reduce
 from engine.weights import WeightStore
@@ -65,6 +67,9 @@ class ShardSpec:
     # Ranks per machine: rank r uses GPU r % local_world_size of its machine (torchrun over
     # several machines); None: every rank on this one, rank r on cuda:r.
     local_world_size: int | None = None
+    # time.time() when rank 0 began the launch: the origin of the load phases of the ranks it
+    # spawned (load_phases.py). Under torchrun each rank's own start.
+    started_at: float = 0.0
 
     def device(self, rank: int) -> torch.device:
         if self.device_type != "cuda":
@@ -76,13 +81,19 @@ class ShardSpec:
         return "nccl" if self.device_type == "cuda" else "gloo"
 
 
+def use_rank_device(spec: ShardSpec, rank: int) -> None:
+    """Make this rank's GPU current (kernels launch on the current device) and set the NCCL
+    environment, before anything touches the GPU or NCCL."""
+    os.environ.update(NCCL_ENV)
+    if spec.device_type == "cuda":
+        torch.cuda.set_device(spec.device(rank))
+
+
 def init_rank(spec: ShardSpec, rank: int) -> protocol.Channel:
     """Join the process group (this rank's GPU made current first) and open the channel
     rank 0 sends its steps over (protocol.py: its gloo group is made right after joining,
     at the same point on every rank)."""
-    os.environ.update(NCCL_ENV)
-    if spec.device_type == "cuda":
-        torch.cuda.set_device(spec.device(rank))
+    use_rank_device(spec, rank)
     dist.init_process_group(
         spec.backend,
         init_method=spec.init_method,
@@ -94,43 +105,89 @@ def init_rank(spec: ShardSpec, rank: int) -> protocol.Channel:
 
 
 def build_rank(
-    spec: ShardSpec, rank: int
+    spec: ShardSpec, rank: int, phases: LoadPhases | None = None
 ) -> tuple[CausalLM, PagedKVCache, DecodeGraphs | None, ModelConfig]:
-    """This rank's model shard, its KV cache (its KV heads only) and decode graphs."""
-    config = ModelConfig.from_dir(spec.model_dir)
+    """This rank's model shard, its KV cache (its KV heads only) and decode graphs, in a
+    process that has joined the group (or, on the CPU, needs none): load_rank, then
+    finish_rank. `phases`: where to note how long each step took (load_phases.py)."""
+    phases = phases if phases is not None else LoadPhases()
+    model, cache, config = load_rank(spec, rank, phases)
+    return model, cache, finish_rank(model, cache, spec, rank, phases), config
+
+
+def load_rank(
+    spec: ShardSpec, rank: int, phases: LoadPhases
+) -> tuple[CausalLM, PagedKVCache, ModelConfig]:
+    """The part of a rank's start that needs no process group: its shard read, cut and on
+    its device, and its KV cache. The ranks do this before they join the group, so that the
+    ones already started read while the others still start up."""
+    use_rank_device(spec, rank)
     device = spec.device(rank)
-    dtype = DTYPES[spec.dtype]
-    set_deterministic_sums(spec.deterministic)  # a spawned rank starts with the default
-    placement = _staging(spec, config, device)
-    model = load_rank_shard(
-        spec.model_dir,
-        rank=rank,
-        world=spec.world_size,
-        device=device,
-        dtype=dtype,
-        config=config,
-        placement=placement,
+    # torch's symmetric memory pulls in sympy on first use (2.1 s of an 8B TP load on
+    # 2xH100): imported beside the weight reads, done by the all-reduce set-up.
+    preimport_symmetric_memory(device)
+    with phases.phase("staging plan"):
+        config = ModelConfig.from_dir(spec.model_dir)
+        dtype = DTYPES[spec.dtype]
+        set_deterministic_sums(spec.deterministic)  # a spawned rank starts with the default
+        placement = _staging(spec, config, device)
+    store = WeightStore(spec.model_dir)
+    with phases.phase("read and cut shard"):
+        model = load_rank_shard(
+            spec.model_dir,
+            rank=rank,
+            world=spec.world_size,
+            device=device,
+            dtype=dtype,
+            config=config,
+            placement=placement,
+            store=store,
+            phases=phases,
+        )
+    phases.counts.update(
+        weight_bytes_kept=store.bytes_read,
+        file_bytes_read=store.file_bytes,
+        read_calls=store.read_calls,
+        read_s=round(store.read_seconds, 3),
+        place_s=round(store.place_seconds, 3),  # cast, finite check, copy to the device
     )
-    move_model(model, device)
-    # After the process group, at the same point on every rank (its set-up is a collective).
-    use_all_reduce(model, GroupAllReduce(None, device))
+    with phases.phase("move to device"):
+        move_model(model, device)
+    with phases.phase("cache"):
+        cache = _rank_cache(spec, config, model, device)
+    return model, cache, config
+
+
+def finish_rank(
+    model: CausalLM, cache: PagedKVCache, spec: ShardSpec, rank: int, phases: LoadPhases
+) -> DecodeGraphs | None:
+    """After joining the group, at the same point on every rank (the all-reduce's set-up
+    is a collective): the all-reduces, and the decode graphs' holder."""
+    device = spec.device(rank)
+    with phases.phase("all-reduce set-up"):
+        use_all_reduce(model, GroupAllReduce(None, device))
+    if spec.cuda_graphs and device.type == "cuda":
+        return DecodeGraphs(model, cache, spec.max_seq_len)
+    return None
+
+
+def _rank_cache(
+    spec: ShardSpec, config: ModelConfig, model: CausalLM, device: torch.device
+) -> PagedKVCache:
+    """The rank's rotary tables and KV cache (its KV heads)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the staged whole layers, now cut, and their pool
     model.setup_rotary(spec.max_seq_len, rope_alpha=spec.rope_alpha, rope_scale=spec.rope_scale)
-    cache = PagedKVCache(
+    return PagedKVCache(
         num_layers=config.num_hidden_layers,
         num_kv_heads=config.num_key_value_heads // spec.world_size,
         head_dim=config.head_dim,
         num_pages=spec.cache_pages,
         page_size=spec.page_size,
-        dtype=dtype,
+        dtype=DTYPES[spec.dtype],
         layer_devices=model.layer_devices,
         cache_type=spec.cache_type,
     )
-    graphs = None
-    if spec.cuda_graphs and device.type == "cuda":
-        graphs = DecodeGraphs(model, cache, spec.max_seq_len)
-    return model, cache, graphs, config
 
 
 def load_rank_shard(
@@ -143,11 +200,14 @@ def load_rank_shard(
     config: ModelConfig,
     placement: Placement,
     store: WeightStore | None = None,
+    phases: LoadPhases | None = None,
 ) -> CausalLM:
     """Rank `rank`'s shard of the model, reading only its parts of the weights
     (cut_load.py), not yet moved to `device` from where `placement` staged it. `store`:
-    the model's WeightStore to read through (it counts the bytes read)."""
+    the model's WeightStore to read through (it counts the bytes read). `phases`: where the
+    cut plan and the cuts add their seconds."""
     cuts = RankCuts(rank, world)
+    phases = phases if phases is not None else LoadPhases()
     # The pieces read are mostly the shards themselves now, so they stay in the staging pool;
     # what it can leave unused is the repacking temporaries and the few linears read whole
     # and cut (cut_load.py), which later pieces reuse during the load. rank_memory's
@@ -163,6 +223,7 @@ def load_rank_shard(
             store=store,
         )
     cuts.finish(model)
+    phases.counts.update(cut_plan_s=round(cuts.plan_seconds, 3), cut_s=round(cuts.cut_seconds, 3))
     assert cuts.vocab is not None
     return shard_model(model, rank=rank, world=world, loaded=cuts.vocab)
 
@@ -181,12 +242,16 @@ def rank_memory(model: CausalLM, cache: PagedKVCache, device: torch.device) -> d
     return report
 
 
-def exchange_rank_memory(report: dict[str, int]) -> list[dict[str, int]]:
-    """Every rank's rank_memory, by rank (a collective: every rank calls it once it is
-    ready, before serving)."""
-    reports: list[dict[str, int] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    return [r or {} for r in reports]
+def exchange_rank_reports(
+    memory: dict[str, int], phases: LoadPhases
+) -> tuple[list[dict[str, int]], list[dict[str, object]]]:
+    """Every rank's rank_memory and load phases, by rank (a collective: every rank calls it
+    once it is ready, before serving)."""
+    reports: list[tuple[dict[str, int], dict[str, object]] | None] = [None] * (
+        dist.get_world_size()
+    )
+    dist.all_gather_object(reports, (memory, phases.report()))
+    return [r[0] if r else {} for r in reports], [r[1] if r else {} for r in reports]
 
 
 def _staging(spec: ShardSpec, config: ModelConfig, device: torch.device) -> Placement:
@@ -243,24 +308,33 @@ def serve(
                 raise RuntimeError(f"unknown tensor-parallel command {command}")
 
 
-def worker_main(rank: int, spec: ShardSpec, reports: Queue[tuple[int, str | None]]) -> None:
-    """Entry point of a spawned rank (> 0). Reports (rank, None) when ready to serve, or
-    (rank, error text) if building its shard failed or, later, a step failed (rank 0 adds
-    it to the error it raises when the rank stops answering)."""
+def worker_main(
+    rank: int,
+    spec: ShardSpec,
+    reports: Queue[tuple[int, str | None]],
+    phases: LoadPhases | None = None,
+) -> None:
+    """A spawned rank (> 0), once it has its spec (spawned.py). Loads its shard, reports
+    (rank, None), then joins the group (rank 0 joins once every rank has reported: a rank
+    that failed before joining cannot leave it waiting in the rendezvous). Reports (rank,
+    error text) if loading failed or, later, a step failed (rank 0 adds it to the error it
+    raises when the rank stops answering)."""
+    phases = phases if phases is not None else LoadPhases(origin=spec.started_at or time.time())
     try:
-        channel = init_rank(spec, rank)
+        model, cache, _ = load_rank(spec, rank, phases)
     except Exception as e:  # noqa: BLE001 - the message goes back to rank 0
-        reports.put((rank, f"process-group init failed: {type(e).__name__}: {e}"))
-        return
-    try:
-        model, cache, graphs, _ = build_rank(spec, rank)
-    except Exception as e:  # noqa: BLE001
         reports.put((rank, f"{type(e).__name__}: {e}"))
-        dist.destroy_process_group()
         return
     reports.put((rank, None))
     try:
-        exchange_rank_memory(rank_memory(model, cache, spec.device(rank)))
+        with phases.phase("join group"):
+            channel = init_rank(spec, rank)
+    except Exception as e:  # noqa: BLE001
+        reports.put((rank, f"process-group init failed: {type(e).__name__}: {e}"))
+        return
+    try:
+        graphs = finish_rank(model, cache, spec, rank, phases)
+        exchange_rank_reports(rank_memory(model, cache, spec.device(rank)), phases)
         serve(model, cache, graphs, channel, spec.max_seq_len)
     except Exception as e:
         reports.put((rank, f"{type(e).__name__}: {e}"))

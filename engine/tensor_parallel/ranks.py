@@ -19,7 +19,8 @@ class Ranks:
     """`world_size` ranks of one process group; this process is rank 0 on `device`.
     `workers`: the processes this one spawned for ranks 1.. (none under torchrun, whose
     ranks were `launched` by torchrun). `devices`: every rank's device, by rank.
-    `memory`: what every rank held once loaded, by rank (rank.rank_memory). `channel`:
+    `memory`: what every rank held once loaded, by rank (rank.rank_memory); `load_phases`:
+    how long each step of each rank's load took (load_phases.py). `channel`:
     what rank 0 sends its steps over (protocol.py). `reports`: where the spawned ranks
     write the error of a step that failed on them."""
 
@@ -31,6 +32,8 @@ class Ranks:
     reports: Queue[tuple[int, str | None]] | None = None
     launched: bool = False
     memory: list[dict[str, int]] = field(default_factory=list)
+    # Where each rank's load time went, by rank (load_phases.py).
+    load_phases: list[dict[str, object]] = field(default_factory=list)
 
     def failures(self) -> str:
         """What is known of ranks that stopped: the errors the spawned ranks reported and

@@ -90,3 +90,41 @@ def test_gathered_columns_across_blocks_of_rows(
         assert torch.equal(part, _cut(tensors["a.int32"], 1, RUNS))
     finally:
         store.close()
+
+
+def test_one_column_run_a_row_is_read_in_one_call(tmp_path: Path) -> None:
+    # A TP rank's q/k/v columns: one run a row. A read per row made ~1,700 calls a layer (8B).
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "model.safetensors")
+    store = WeightStore(tmp_path)
+    try:
+        part = store.get_part("a.int32", 1, WIDE)
+        assert torch.equal(part, _cut(tensors["a.int32"], 1, WIDE))
+        assert store.read_calls == 1
+        # from the first wanted byte to the last: the columns between rows come along
+        assert store.file_bytes == (15 * 24 + 14 - 2) * 4
+        assert store.bytes_read == 16 * 12 * 4
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("max_gap", "iov_max", "calls"), [(47, 1024, 16), (48, 5, 6), (48, 1024, 1)]
+)
+def test_spans_split_where_a_gap_is_too_wide_or_buffers_run_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_gap: int, iov_max: int, calls: int
+) -> None:
+    # Rows of 24 int32 (96 bytes) of which 12 are kept: 48 bytes between one row's run and
+    # the next row's. A wider gap than _MAX_GAP ends a call; so does the call's buffer limit
+    # (at 5 buffers: a run, then a gap and a run twice, so 16 rows take 6 calls).
+    monkeypatch.setattr(weights, "_MAX_GAP", max_gap)
+    monkeypatch.setattr(weights, "_IOV_MAX", iov_max)
+    tensors = _tensors()
+    save_file(tensors, tmp_path / "model.safetensors")
+    store = WeightStore(tmp_path)
+    try:
+        part = store.get_part("a.int32", 1, WIDE)
+        assert torch.equal(part, _cut(tensors["a.int32"], 1, WIDE))
+        assert store.read_calls == calls
+    finally:
+        store.close()
