@@ -130,6 +130,7 @@ def _serve_rank(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:
         print(f"error: cannot serve {args.model!r}: {error}", file=sys.stderr)
         return 2
+    print("rank 0 unloaded the model: this rank stops", file=sys.stderr)
     return 0
 
 
