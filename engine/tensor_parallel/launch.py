@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 
 from engine.architectures.base import CausalLM
 from engine.cache import PagedKVCache
@@ -89,7 +90,7 @@ def launch_tensor_parallel(
                 f"tp={world_size} asked for, but torchrun started {launched.world_size} "
                 "ranks (WORLD_SIZE)"
             )
-    store: dist.Store | None = None
+    store: Store | None = None
     with phases.phase("shard spec"):
         try:
             if launched is not None:
@@ -263,7 +264,7 @@ def _load_then_join(
     phases: LoadPhases,
     workers: list[BaseProcess],
     reports: Queue[tuple[int, str | None]] | None,
-    store: dist.Store | None = None,
+    store: Store | None = None,
 ) -> tuple[CausalLM, PagedKVCache, Channel]:
     """This rank's shard and cache, then the group, once every rank has loaded: spawned
     ranks say so on `reports` before they join (one that failed never joins, and rank 0

@@ -27,7 +27,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
+from torch.distributed.rendezvous import rendezvous
 
 from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.launched import LaunchedRank
@@ -36,18 +37,18 @@ from engine.tensor_parallel.rank import ShardSpec
 _KEY = "shard_spec"
 
 
-def rendezvous_store(timeout_s: float) -> dist.Store:
+def rendezvous_store(timeout_s: float) -> Store:
     """torchrun's store, reached as init_process_group's env:// reaches it (MASTER_ADDR,
     MASTER_PORT, RANK, WORLD_SIZE). Rank 0 may have to wait here until every rank has
     connected (when rank 0 hosts the store)."""
-    store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    store: Store = next(rendezvous("env://", timeout=timedelta(seconds=timeout_s)))[0]
     return store
 
 
-def _keys(store: dist.Store) -> dist.Store:
+def _keys(store: Store) -> Store:
     # A restarted launch (torchrun --max-restarts) reuses the agent's store: one key per try.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"kestrel/{attempt}", store)
+    return PrefixStore(f"kestrel/{attempt}", store)
 
 
 def config_digest(model_dir: str | Path) -> str:
@@ -55,9 +56,10 @@ def config_digest(model_dir: str | Path) -> str:
     return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
 
 
-def publish_spec(store: dist.Store, spec: ShardSpec | None, error: str | None = None) -> None:
+def publish_spec(store: Store, spec: ShardSpec | None, error: str | None = None) -> None:
     """Rank 0: the spec every rank loads with, or why rank 0 will not load (so that the
     other ranks stop with that error instead of waiting for a spec that never comes)."""
+    message: dict[str, object]
     if spec is None:
         message = {"error": error or "rank 0 failed before loading"}
     else:
@@ -66,7 +68,7 @@ def publish_spec(store: dist.Store, spec: ShardSpec | None, error: str | None = 
 
 
 def receive_spec(
-    store: dist.Store, launched: LaunchedRank, model_dir: Path, started_at: float, timeout_s: float
+    store: Store, launched: LaunchedRank, model_dir: Path, started_at: float, timeout_s: float
 ) -> ShardSpec:
     """Ranks 1..: rank 0's spec, with this rank's own model directory (the same model:
     checked), ranks per machine and load clock."""
