@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
 import loader
 from engine.sampling_settings import SamplingSettingsError
 from engine.tensor_parallel import spawned
 from engine.tensor_parallel.launched import launched_rank
+from loader.placement_args import add_placement_arguments, placement_options
 from loader.program_name import program_name
 
 # The checkout's models/ (where ui.py looks too), wherever the command is run from.
@@ -71,30 +71,7 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: a GPU)")
     parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32")
     parser.add_argument("--max-seq-len", type=int, default=None)
-    parser.add_argument(
-        "--gpu-split",
-        default=None,
-        help="layer split: GiB per GPU, comma-separated (e.g. 20,24)",
-    )
-    parser.add_argument(
-        "--autosplit", action="store_true", help="layer split from each GPU's free memory"
-    )
-    parser.add_argument(
-        "--gpu-reserve", type=float, default=None, help="GiB left free per GPU (auto split)"
-    )
-    parser.add_argument(
-        "--cpu-offload", action="store_true", help="run layers that fit no GPU on the CPU"
-    )
-    parser.add_argument(
-        "--tp",
-        type=int,
-        nargs="?",
-        const=0,
-        default=None,
-        metavar="N",
-        help="tensor parallel over N GPUs (one process each); without N: every GPU, or every "
-        "rank when started by torchrun (several machines: see the README)",
-    )
+    add_placement_arguments(parser)
     parser.add_argument(
         "--cache-type",
         default="fp16",
@@ -178,14 +155,8 @@ def _main(argv: list[str] | None) -> int:
         rank = launched_rank()
         if args.tp is not None and rank is not None and rank.rank > 0:
             # torchrun started this process as another rank: serve rank 0, print nothing.
-            serve_tensor_parallel_rank(
-                Path(args.model),
-                device=args.device,
-                dtype=args.dtype,
-                max_seq_len=args.max_seq_len,
-                cache_type=args.cache_type,
-                **kestrel_options,
-            )
+            # It loads with rank 0's options, which rank 0 sends (not this command line's).
+            serve_tensor_parallel_rank(Path(args.model))
             return 0
         model = loader.load(
             args.model,
@@ -193,7 +164,7 @@ def _main(argv: list[str] | None) -> int:
             device=args.device,
             dtype=args.dtype,
             max_seq_len=args.max_seq_len,
-            **_placement_args(args),
+            **placement_options(args),
             **kestrel_options,
             cache_type=args.cache_type,
         )
@@ -233,29 +204,6 @@ def _main(argv: list[str] | None) -> int:
             file=sys.stderr,
         )
     return 0
-
-
-def _placement_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Layer split / offload / tensor-parallel options; only those given are passed."""
-    out: dict[str, Any] = {}
-    if args.gpu_split:
-        try:
-            out["gpu_split"] = [float(v) for v in args.gpu_split.split(",")]
-        except ValueError:
-            raise ValueError(
-                f"--gpu-split takes GiB per GPU like 20,24; got {args.gpu_split!r}"
-            ) from None
-    if args.autosplit:
-        out["autosplit"] = True
-    if args.gpu_reserve is not None:
-        out["gpu_reserve_gb"] = args.gpu_reserve
-    if args.cpu_offload:
-        out["cpu_offload"] = True
-    if args.tp:
-        out["tp"] = args.tp
-    elif args.tp == 0:  # --tp without N
-        out["tensor_parallel"] = True
-    return out
 
 
 def _lora_spec(spec: str) -> tuple[str, float]:

@@ -148,26 +148,14 @@ def _tp_world_size(tensor_parallel: bool, tp: object, device: str | None) -> int
     return count
 
 
-def serve_tensor_parallel_rank(
-    path: Path,
-    *,
-    device: str | None = None,
-    dtype: str | None = None,
-    max_seq_len: int | None = None,
-    cache_type: str = "fp16",
-    **options: Any,
-) -> None:
-    """Ranks 1.. of a torchrun launch (`torchrun ... -m loader MODEL --tp`): build this
-    rank's shard from the options rank 0 loads with, and serve rank 0 until it unloads."""
+def serve_tensor_parallel_rank(path: Path) -> None:
+    """Ranks 1.. of a torchrun launch (`torchrun ... -m loader MODEL --tp`, or the API
+    server): build this rank's shard of `path` with the options rank 0 loads with (rank 0
+    sends them: engine/tensor_parallel/shared_spec.py), and serve rank 0 until it unloads."""
     from engine.tensor_parallel.launch import serve_launched_rank
 
-    options.pop("tp", None)
-    options.pop("tensor_parallel", None)
-    engine_options = EngineOptions(
-        device=device, dtype=dtype, max_seq_len=max_seq_len, cache_type=cache_type, **options
-    )
     try:
-        serve_launched_rank(path, engine_options)
+        serve_launched_rank(path)
     except TensorParallelError as e:
         raise LoaderError(str(e)) from e
 

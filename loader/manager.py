@@ -37,6 +37,10 @@ class UnknownNameError(LoaderError):
     """A model or LoRA name that is not an entry of its directory."""
 
 
+class ModelPinnedError(LoaderError):
+    """The loaded model cannot be switched or unloaded on request (the reason says why)."""
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     name: str
@@ -135,6 +139,17 @@ class ModelManager:
         self._model: LoadedModel | None = None
         self._name: str | None = None
         self._options: dict[str, Any] = {}
+        self._pinned: str | None = None
+
+    def pin(self, reason: str) -> None:
+        """Refuse model loads and unload requests from now on, saying `reason` (e.g. ranks
+        torchrun started cannot be started again); `unload()` itself, for shutdown, works."""
+        self._pinned = reason
+
+    def check_switch(self) -> None:
+        """Raise ModelPinnedError when the model may not be switched or unloaded on request."""
+        if self._pinned is not None:
+            raise ModelPinnedError(self._pinned)
 
     # -- listing ----------------------------------------------------------------------
     def list_models(self) -> list[ModelEntry]:
@@ -203,6 +218,7 @@ class ModelManager:
         A bad name, or a bad value of a control in the loader's settings schema, fails
         before anything is unloaded. On a later failure the manager holds no model and the
         error propagates: a half-loaded model never stays around holding memory."""
+        self.check_switch()
         path = self.resolve_model(name)
         draft = options.get("draft_model")
         load_options = dict(options)

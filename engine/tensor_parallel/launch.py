@@ -3,7 +3,8 @@
 `launch_tensor_parallel(model_dir, options, world_size)` spawns ranks 1..W-1 (one process
 per GPU, first thing, so that their start-up overlaps rank 0's; or takes those the caller
 prestarted: spawned.py) or, under torchrun, takes the ranks torchrun started
-(those run `serve_launched_rank`: engine/tensor_parallel/launched.py). Every rank loads
+(those run `serve_launched_rank`: engine/tensor_parallel/launched.py; they load with the
+spec rank 0 resolved, sent through torchrun's store: shared_spec.py). Every rank loads
 its own shard (only its parts of the checkpoint: cut_load.py) before they join one process
 group (NCCL on GPUs, gloo on the CPU): rank 0 reads while the ranks it spawned still
 start, and joins once each has said it loaded, so a rank that failed is never waited for.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import queue
+import signal
 import socket
 import time
 from multiprocessing.process import BaseProcess
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 
 from engine.architectures.base import CausalLM
 from engine.cache import PagedKVCache
@@ -50,6 +53,7 @@ from engine.tensor_parallel.rank import (
 )
 from engine.tensor_parallel.ranks import Ranks, leave_group
 from engine.tensor_parallel.runner import TensorParallelRunner
+from engine.tensor_parallel.shared_spec import publish_spec, receive_spec, rendezvous_store
 from engine.tensor_parallel.spawned import SpawnedRanks, discard_prestarted, take_ranks
 from engine.tokenizer import Tokenizer
 
@@ -86,14 +90,21 @@ def launch_tensor_parallel(
                 f"tp={world_size} asked for, but torchrun started {launched.world_size} "
                 "ranks (WORLD_SIZE)"
             )
+    store: Store | None = None
     with phases.phase("shard spec"):
         try:
+            if launched is not None:
+                store = rendezvous_store(READY_TIMEOUT_S)
             spec, config, max_seq_len = _shard_spec(
                 model_dir, options, world_size, launched, phases.origin
             )
-        except BaseException:
+        except BaseException as e:
             discard_prestarted()  # ranks the caller started for this launch
+            if store is not None:  # torchrun's other ranks wait for the spec: say why not
+                publish_spec(store, None, f"{type(e).__name__}: {e}")
             raise
+    if store is not None:
+        publish_spec(store, spec)  # the ranks torchrun started load with exactly this
     os.environ.update(NCCL_ENV)  # inherited by ranks spawned now, set before NCCL init
     spawned: SpawnedRanks | None = None
     if launched is None:
@@ -110,7 +121,7 @@ def launch_tensor_parallel(
             tokenizer = Tokenizer.from_dir(model_dir)
         # Every rank loads its shard before joining the group: this one reads while the
         # ranks it spawned still start up and import.
-        model, cache, channel = _load_then_join(spec, 0, phases, workers, reports)
+        model, cache, channel = _load_then_join(spec, 0, phases, workers, reports, store)
         graphs = finish_rank(model, cache, spec, 0, phases)
         with phases.phase("exchange reports"):
             memory, load_phases = exchange_rank_reports(
@@ -158,8 +169,8 @@ def _shard_spec(
     launched: LaunchedRank | None,
     started_at: float,
 ) -> tuple[ShardSpec, ModelConfig, int]:
-    """What every rank builds its shard from, checked; the same on every rank of a
-    torchrun launch, which computes it from the same command line."""
+    """What every rank builds its shard from, checked. Only rank 0 computes it; under
+    torchrun the other ranks receive it (shared_spec.py says why)."""
     if world_size < 2:
         raise TensorParallelError(f"tensor parallelism needs 2 or more ranks, got {world_size}")
     if options.gpu_split or options.autosplit or options.cpu_offload:
@@ -215,9 +226,10 @@ def _shard_spec(
     return spec, config, max_seq_len
 
 
-def serve_launched_rank(model_dir: str | Path, options: EngineOptions | None = None) -> None:
-    """A rank other than 0 of a torchrun launch: build this rank's shard from the same
-    options rank 0 was given, then run what rank 0 announces until it unloads the model."""
+def serve_launched_rank(model_dir: str | Path) -> None:
+    """A rank other than 0 of a torchrun launch: build this rank's shard of `model_dir` (this
+    machine's copy of rank 0's model) with the spec rank 0 resolved from its options, then
+    run what rank 0 announces until it unloads the model."""
     launched = launched_rank()
     if launched is None or launched.rank == 0:
         raise TensorParallelError(
@@ -225,13 +237,19 @@ def serve_launched_rank(model_dir: str | Path, options: EngineOptions | None = N
             "LOCAL_RANK, MASTER_ADDR and MASTER_PORT set); rank 0 loads the engine"
         )
     phases = LoadPhases()
-    spec, _, _ = _shard_spec(Path(model_dir), options or EngineOptions(), launched.world_size,
-                             launched, phases.origin)  # fmt: skip
+    with phases.phase("shard spec"):
+        store = rendezvous_store(READY_TIMEOUT_S)
+        spec = receive_spec(store, launched, Path(model_dir), phases.origin, READY_TIMEOUT_S)
     os.environ.update(NCCL_ENV)
     try:
-        model, cache, channel = _load_then_join(spec, launched.rank, phases, [], None)
+        model, cache, channel = _load_then_join(spec, launched.rank, phases, [], None, store)
         graphs = finish_rank(model, cache, spec, launched.rank, phases)
         exchange_rank_reports(rank_memory(model, cache, spec.device(launched.rank)), phases)
+        # Ctrl+C reaches every process of the terminal's group, and torchrun passes its
+        # SIGINT/SIGTERM on to its ranks: rank 0 answers by unloading, which stops this rank
+        # through the serving loop. Dying here first would leave rank 0's stop unanswered.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         serve(model, cache, graphs, channel, spec.max_seq_len)
         if dist.get_backend() == "gloo":
             dist.barrier()  # rank 0's unload waits here too (TensorParallelRunner.release)
@@ -246,6 +264,7 @@ def _load_then_join(
     phases: LoadPhases,
     workers: list[BaseProcess],
     reports: Queue[tuple[int, str | None]] | None,
+    store: Store | None = None,
 ) -> tuple[CausalLM, PagedKVCache, Channel]:
     """This rank's shard and cache, then the group, once every rank has loaded: spawned
     ranks say so on `reports` before they join (one that failed never joins, and rank 0
@@ -263,7 +282,7 @@ def _load_then_join(
     except Exception as e:
         error = e
     with phases.phase("join group"):
-        channel = init_rank(spec, rank)
+        channel = init_rank(spec, rank, store)
     with phases.phase("wait for ranks"):
         failed = _gather_load_errors(None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:

@@ -20,6 +20,7 @@ from multiprocessing.queues import Queue
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
 
 from engine.architectures.base import CausalLM
 from engine.cache import PagedKVCache
@@ -89,18 +90,25 @@ def use_rank_device(spec: ShardSpec, rank: int) -> None:
         torch.cuda.set_device(spec.device(rank))
 
 
-def init_rank(spec: ShardSpec, rank: int) -> protocol.Channel:
+def init_rank(spec: ShardSpec, rank: int, store: Store | None = None) -> protocol.Channel:
     """Join the process group (this rank's GPU made current first) and open the channel
     rank 0 sends its steps over (protocol.py: its gloo group is made right after joining,
-    at the same point on every rank)."""
+    at the same point on every rank). `store`: one this process reached already (torchrun's,
+    launch.py), used instead of `spec.init_method`."""
     use_rank_device(spec, rank)
-    dist.init_process_group(
-        spec.backend,
-        init_method=spec.init_method,
-        rank=rank,
-        world_size=spec.world_size,
-        timeout=timedelta(seconds=spec.timeout_s),
-    )
+    timeout = timedelta(seconds=spec.timeout_s)
+    if store is not None:
+        # The prefix init_process_group puts on a store it makes itself from an init_method.
+        group_store = PrefixStore("default_pg", store)
+        dist.init_process_group(
+            spec.backend, store=group_store, rank=rank, world_size=spec.world_size,
+            timeout=timeout,
+        )  # fmt: skip
+    else:
+        dist.init_process_group(
+            spec.backend, init_method=spec.init_method, rank=rank,
+            world_size=spec.world_size, timeout=timeout,
+        )  # fmt: skip
     return protocol.Channel.open(spec.device(rank))
 
 

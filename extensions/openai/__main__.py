@@ -6,21 +6,30 @@
 The model is a name in --models-dir or a path to a model directory; without --model the
 server starts with none loaded (load one through /v1/internal/model/load). --extensions
 loads TGW-style extensions (extensions/<name>/script.py) whose hooks apply to API requests.
+
+One model over several GPUs or machines, with ranks torchrun starts (rank 0 serves HTTP;
+the others serve rank 0 until it unloads at shutdown):
+
+    torchrun --nnodes 1 --nproc-per-node 2 -m extensions.openai --model NAME --tp
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 import loader
 from extensions.openai.load_defaults import with_cache_default
 from extensions.openai.server import run_api_server
 from loader.hub import resolve_model
 from loader.manager import ModelManager, UnknownNameError
+from loader.placement_args import add_placement_arguments, placement_options
 from loader.program_name import program_name
+from loader.torchrun import LaunchedRank, launched_rank
 from serving import extensions, shared
 from serving.ports import port_problem
 
@@ -42,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: a GPU)")
     parser.add_argument("--dtype", default=None, help="float16, bfloat16 or float32")
     parser.add_argument("--max-seq-len", type=int, default=None)
+    add_placement_arguments(parser)
     parser.add_argument(
         "--cache-tokens", type=int, default=None,
         help="KV cache size in tokens, shared by concurrent requests (kestrel loader)",
@@ -77,6 +87,7 @@ def load_model(manager: ModelManager, args: argparse.Namespace) -> None:
         }.items()
         if v is not None
     }
+    options.update(placement_options(args))
     fraction = args.cache_memory_fraction
     try:
         path = manager.resolve_model(args.model)
@@ -91,9 +102,55 @@ def load_model(manager: ModelManager, args: argparse.Namespace) -> None:
     manager.load(args.model, args.loader, **options)
 
 
+# Why /v1/internal/model/load and unload are refused under torchrun.
+PINNED = (
+    "this server runs one model over the ranks torchrun started (--tp under torchrun); "
+    "they cannot be started again for another model: restart torchrun with the new --model"
+)
+
+
+def _torchrun_problem(args: argparse.Namespace, launched: LaunchedRank) -> str | None:
+    if args.tp is None:
+        return (
+            f"started by torchrun (rank {launched.rank} of {launched.world_size}) without "
+            "--tp: give --tp to run one model over torchrun's ranks"
+        )
+    if not args.model:
+        return "under torchrun, --model is needed: its ranks load it at start"
+    return None
+
+
+def _serve_rank(args: argparse.Namespace) -> int:
+    """A rank > 0 of torchrun: no port, no server; this machine's copy of the model, loaded
+    with rank 0's options (rank 0 sends them), served to rank 0 until it unloads."""
+    from loader.kestrel_loader import serve_tensor_parallel_rank
+
+    try:
+        serve_tensor_parallel_rank(resolve_model(args.model, args.models_dir))
+    except (ValueError, OSError) as error:
+        print(f"error: cannot serve {args.model!r}: {error}", file=sys.stderr)
+        return 2
+    print("rank 0 unloaded the model: this rank stops", file=sys.stderr)
+    return 0
+
+
+def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    # After the server stops, uvicorn raises the signal it caught again; SIGTERM's default
+    # would end the process before the model is unloaded (which stops torchrun's ranks).
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    launched = launched_rank()
+    if launched is not None:
+        problem = _torchrun_problem(args, launched)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        if launched.rank > 0:
+            return _serve_rank(args)
     manager = ModelManager(args.models_dir, args.loras_dir)
     shared.manager = manager
     shared.args = args
@@ -111,13 +168,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot load {args.model!r}: {error}", file=sys.stderr)
             return 2
         print(f"model: {manager.name}", file=sys.stderr)
-    extensions.load_extensions([e for e in args.extensions if e != "openai"])
-    origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
-    run_api_server(
-        host, args.port, args.api_key, args.admin_key, block=True, manager=manager,
-        cors_origins=origins, log_level="info",
-    )  # fmt: skip
-    manager.unload()
+    if launched is not None:
+        manager.pin(PINNED)
+    try:
+        extensions.load_extensions([e for e in args.extensions if e != "openai"])
+        origins = [o.strip() for o in args.cors_origins.split(",") if o.strip()]
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
+        run_api_server(
+            host, args.port, args.api_key, args.admin_key, block=True, manager=manager,
+            cors_origins=origins, log_level="info",
+        )  # fmt: skip
+    except KeyboardInterrupt:  # Ctrl+C: uvicorn stopped the server and raised it again
+        pass
+    finally:
+        manager.unload()  # under torchrun this stops the other ranks
+        print("model unloaded", file=sys.stderr)
     return 0
 
 

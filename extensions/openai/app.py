@@ -47,7 +47,7 @@ from extensions.openai.schemas import (
     LoraRequest,
 )
 from loader.base import LoadedModel
-from loader.manager import ModelManager, UnknownNameError
+from loader.manager import ModelManager, ModelPinnedError, UnknownNameError
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
 RESERVED_LOAD_ARGS = {"self", "name", "loader_name", "progress"}
@@ -221,6 +221,10 @@ def create_app(
                 "max_seq_len, cache_tokens, cache_type)",
                 param=f"args.{reserved[0]}",
             )
+        try:
+            manager.check_switch()  # before any option is looked at
+        except ModelPinnedError as error:
+            raise error_for(error) from error
         args = dict(body.args)
         try:
             args = with_cache_default(args, manager.resolve_model(body.model_name), body.loader)
@@ -231,6 +235,7 @@ def create_app(
 
     @app.post("/v1/internal/model/unload", dependencies=admin)
     async def admin_unload_model() -> dict[str, Any]:
+        await blocking(manager.check_switch)
         await blocking(manager.unload)
         return {"status": "unloaded"}
 

@@ -28,7 +28,7 @@ from loader.errors import (
     SamplingSettingsError,
     SchedulerError,
 )
-from loader.manager import ModelNotLoadedError, UnknownNameError
+from loader.manager import ModelNotLoadedError, ModelPinnedError, UnknownNameError
 
 log = logging.getLogger(__name__)
 MAX_MESSAGE_CHARS = 1000
@@ -80,6 +80,8 @@ def error_for(error: BaseException, prompt_param: str = "messages") -> ApiError:
         return ApiError(
             503, f"{message}: load one first", type="server_error", code="model_not_loaded"
         )
+    if isinstance(error, ModelPinnedError):  # before LoaderError's 400: the request is fine
+        return ApiError(409, message, param="model_name", code="model_pinned")
     if isinstance(error, UnknownNameError):
         return ApiError(404, message, param="model_name", code="model_not_found")
     if isinstance(error, UnsupportedFeatureError):

@@ -61,3 +61,32 @@ def test_a_rank_uses_the_gpu_of_its_own_machine() -> None:
     assert [spec.device(r) for r in range(4)] == [torch.device("cuda", i) for i in (0, 1, 0, 1)]
     spawned = ShardSpec("m", 2, "cuda", "float16", "fp16", 64, 1, 64, 1.0, False, "tcp://x")
     assert spawned.device(1) == torch.device("cuda", 1)
+
+
+def test_other_ranks_take_rank_0s_spec_through_the_store(tmp_path: Path) -> None:
+    # Rank 0's spec (its cache size, sequence length, dtype ...) is what rank 1 loads with;
+    # only where the model lives on rank 1's machine, its ranks per machine and its clock
+    # are its own. A different model there, or rank 0 failing first, is said by name.
+    from torch.distributed import TCPStore
+
+    from engine.tensor_parallel.errors import TensorParallelError
+    from engine.tensor_parallel.shared_spec import publish_spec, receive_spec
+
+    here, there, other = tmp_path / "here", tmp_path / "there", tmp_path / "other"
+    for path, layers in ((here, 2), (there, 2), (other, 3)):
+        path.mkdir()
+        (path / "config.json").write_text(f'{{"num_hidden_layers": {layers}}}')
+    spec = ShardSpec(str(here), 2, "cpu", "float32", "q8", 96, 7, 16, 1.0, False, "env://",
+                     local_world_size=2, started_at=1.0)  # fmt: skip
+    rank1 = LaunchedRank(rank=1, world_size=2, local_rank=1, local_world_size=2)
+    store = TCPStore("127.0.0.1", _free_port(), is_master=True, wait_for_workers=False)
+    publish_spec(store, spec)
+    got = receive_spec(store, rank1, there, started_at=5.0, timeout_s=10)
+    assert got == ShardSpec(str(there), 2, "cpu", "float32", "q8", 96, 7, 16, 1.0, False,
+                            "env://", local_world_size=2, started_at=5.0)  # fmt: skip
+    with pytest.raises(TensorParallelError, match="config.json files differ"):
+        receive_spec(store, rank1, other, started_at=5.0, timeout_s=10)
+    failed = TCPStore("127.0.0.1", _free_port(), is_master=True, wait_for_workers=False)
+    publish_spec(failed, None, "ValueError: max_seq_len must be positive, got -1")
+    with pytest.raises(TensorParallelError, match="rank 0 did not load: ValueError: max_seq"):
+        receive_spec(failed, rank1, there, started_at=5.0, timeout_s=10)
