@@ -75,3 +75,30 @@ def test_threads_share_a_read_and_the_part_is_the_same(
             assert store.read_calls == calls
     finally:
         store.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_parts_read_onto_a_gpu_through_pinned_buffers_equal_the_host_reads(
+    tmp_path: Path,
+) -> None:
+    # Rows, one run a row, and narrow runs gathered on the GPU, through 2 pinned buffers of
+    # 10 rows: more chunks than buffers, so buffers are reused while copies may still run.
+    store, tensors = _store(tmp_path)
+    store.reader = StagedReader(chunk_bytes=10 * 64 * 4, buffers=2, threads=2)
+    gpu = torch.device("cuda", 0)
+    cases = [
+        (0, [(0, 7), (9, 30), (31, 40)]),
+        (1, [(3, 40)]),
+        (1, [(a, a + 4) for a in range(0, 64, 8)]),
+    ]
+    try:
+        for name, whole in tensors.items():
+            for dim, runs in cases:
+                part = store.get_part(name, dim, runs, device=gpu)
+                assert part.device == gpu
+                assert torch.equal(part.cpu(), _cut(whole, dim, runs)), (name, dim, runs)
+        assert store.reader.buffer_allocations == 2
+        assert all(b.is_pinned() for b in store.reader._buffers)
+    finally:
+        store.close()
