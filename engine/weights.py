@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from engine.errors import KestrelError
 from engine.paths import PathConfinementError, confined_path, hub_snapshot_repo
+from engine.staged_reads import StagedReader
 
 _DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F64": (torch.float64, 8),
@@ -74,9 +75,11 @@ class WeightStore:
         # calls, seconds spent reading, and seconds spent placing what was read (the cast,
         # the finite check and the copy to the device: tensor-parallel load phases,
         # engine/tensor_parallel/load_phases.py).
-        self.file_bytes = 0
-        self.read_calls = 0
+        self._whole_bytes = 0
+        self._whole_calls = 0
         self.read_seconds = 0.0
+        # Part reads: threads, reused staging buffers, asynchronous copies to a GPU.
+        self.reader = StagedReader()
         self.place_seconds = 0.0
         for file in self._files():
             for name, info in _read_header(file).items():
@@ -213,7 +216,7 @@ class WeightStore:
         _check_weight_dtype(name, info, dtype)
         started = time.perf_counter()
         try:
-            tensor = self._read_runs(info, dim, runs)
+            tensor = self._read_runs(info, dim, runs, torch.device(device))
         except OSError as e:
             raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
         self.read_seconds += time.perf_counter() - started
@@ -247,17 +250,20 @@ class WeightStore:
             raise WeightError(f"{info.file}: cannot read tensor '{name}' ({e})") from None
         self.read_seconds += time.perf_counter() - started
         self.bytes_read += tensor.numel() * tensor.element_size()
-        self.file_bytes += tensor.numel() * tensor.element_size()
-        self.read_calls += 1
+        self._whole_bytes += tensor.numel() * tensor.element_size()
+        self._whole_calls += 1
         return tensor
 
-    def _read_runs(self, info: TensorInfo, dim: int, runs: list[tuple[int, int]]) -> torch.Tensor:
-        """Indices [a, b) of each run along `dim`, read with positioned reads straight into
-        the result: only their bytes come from the file (whole rows for columns in narrow runs,
-        see _read_rows_and_gather). (safetensors' own slices read the
-        whole tensor first, as of 0.8. Copying out of a memory map instead took 5x the whole
-        load's time on a 2xH100 host: 8,000 small clones and a concatenation per rank,
-        issue 33.)"""
+    def _read_runs(
+        self, info: TensorInfo, dim: int, runs: list[tuple[int, int]], device: torch.device
+    ) -> torch.Tensor:
+        """Indices [a, b) of each run along `dim`, read with positioned reads into the result
+        on `device`: only their bytes come from the file (whole rows for columns in narrow
+        runs, gathered where the result lives). A GPU's bytes go through the reader's reused
+        pinned buffers and asynchronous copies (engine/staged_reads.py). (safetensors' own
+        slices read the whole tensor first, as of 0.8. Copying out of a memory map instead
+        took 5x the whole load's time on a 2xH100 host: 8,000 small clones and a
+        concatenation per rank, issue 33.)"""
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY)
@@ -267,71 +273,42 @@ class WeightStore:
             row = item
             for d in info.shape[1:]:
                 row *= d
-            result = torch.empty((width, *info.shape[1:]), dtype=info.dtype)
+            result = torch.empty((width, *info.shape[1:]), dtype=info.dtype, device=device)
             # (offset in the file, bytes): one read per run
             spans = [(info.offset + a * row, (b - a) * row) for a, b in runs]
         else:
             rows, cols = info.shape
-            result = torch.empty((rows, width), dtype=info.dtype)
+            result = torch.empty((rows, width), dtype=info.dtype, device=device)
             if len(runs) > 1 and width * item < len(runs) * _PAGE:
-                self._read_rows_and_gather(fd, info, runs, result)
+                # Columns in runs narrower than a page on average (a TP rank's gate/up
+                # columns come in 128-column blocks, 512 bytes a row): a read per row and
+                # run would touch every page of the rows anyway, in millions of calls (2.1
+                # million for an 8B rank, 6.3 s on a 2xH100 host). Whole rows, gathered.
+                columns = torch.cat([torch.arange(a, b) for a, b in runs])
+                self.reader.gather_columns(fd, info.offset, result, columns, cols)
                 return result
             spans = [
                 (info.offset + (r * cols + a) * item, (b - a) * item)
                 for r in range(rows)
                 for a, b in runs
             ]
-        self._read_spans(fd, result.view(-1).view(torch.uint8).numpy().data, spans)
+        self.reader.read_into(fd, result, spans)
         return result
 
-    def _read_spans(self, fd: int, out: memoryview, spans: list[tuple[int, int]]) -> None:
-        """Each (offset in the file, bytes) span, in order, into consecutive bytes of `out`.
-        Spans at most _MAX_GAP apart share one preadv call, the bytes between them landing
-        in a scratch buffer: a rank's q/k/v columns are one run a row, and a read per row
-        made about 1,700 calls a layer for an 8B model, 3,500 for a 70B (the gaps are
-        smaller than the kernel's read-ahead, so the disk reads them anyway)."""
-        scratch: memoryview | None = None
-        at, i = 0, 0
-        while i < len(spans):
-            start, size = spans[i]
-            vectors, end = [out[at : at + size]], start + size
-            at, i = at + size, i + 1
-            while i < len(spans) and len(vectors) < _IOV_MAX - 1:
-                offset, size = spans[i]
-                gap = offset - end
-                if not 0 <= gap <= _MAX_GAP or offset + size - start > _MAX_CALL_BYTES:
-                    break
-                if gap:
-                    scratch = scratch if scratch is not None else memoryview(bytearray(_MAX_GAP))
-                    vectors.append(scratch[:gap])
-                vectors.append(out[at : at + size])
-                at, end, i = at + size, offset + size, i + 1
-            _read_vectors(fd, vectors, start)
-            self.file_bytes += end - start
-            self.read_calls += 1
+    @property
+    def file_bytes(self) -> int:
+        """Bytes brought in from the files so far (whole tensors, parts, whole rows and the
+        gaps read through included)."""
+        return self._whole_bytes + self.reader.file_bytes
 
-    def _read_rows_and_gather(
-        self, fd: int, info: TensorInfo, runs: list[tuple[int, int]], result: torch.Tensor
-    ) -> None:
-        """Columns in runs narrower than a page on average (a TP rank's gate/up columns come
-        in 128-column blocks, 512 bytes a row): a read per row and run would touch every page
-        of the rows anyway, in millions of calls (2.1 million for an 8B rank, 6.3 s on a
-        2xH100 host). So whole rows are read in blocks and their columns gathered."""
-        rows, cols = info.shape
-        item = info.dtype.itemsize
-        columns = torch.cat([torch.arange(a, b) for a, b in runs])
-        block = max(1, _BLOCK_BYTES // (cols * item))
-        scratch = torch.empty((min(block, rows), cols), dtype=info.dtype)
-        for r in range(0, rows, block):
-            n = min(block, rows - r)
-            out = scratch[:n].view(-1).view(torch.uint8).numpy().data
-            _read_exactly(fd, out, info.offset + r * cols * item)
-            self.file_bytes += len(out)
-            self.read_calls += 1
-            torch.index_select(scratch[:n], 1, columns, out=result[r : r + n])
+    @property
+    def read_calls(self) -> int:
+        return self._whole_calls + self.reader.read_calls
 
     def close(self) -> None:
-        """Let go of the files (a store is used by one thread at a time)."""
+        """Let go of the files and the reader's buffers (a store is used by one thread at a
+        time)."""
+        self.reader.close()
         self._handles.clear()
         for fd in self._fds.values():
             os.close(fd)
@@ -345,36 +322,6 @@ class WeightStore:
 
 
 _PAGE = 4096  # bytes: the least a read from disk brings in
-_BLOCK_BYTES = 16 << 20  # whole rows read at once when their columns are gathered
-_MAX_GAP = 16 << 10  # bytes skipped within a read call: copying them costs about a call
-_MAX_CALL_BYTES = 64 << 20  # bytes of the file one read call spans at most
-_IOV_MAX = 1024  # buffers one preadv takes at most (IOV_MAX on Linux and macOS)
-
-
-def _read_exactly(fd: int, out: memoryview, offset: int) -> None:
-    """Fill `out` from the file at `offset`; a file that ends early is an error."""
-    while len(out):
-        got = os.preadv(fd, [out], offset)
-        if got == 0:
-            raise OSError(f"the file ends before byte {offset + len(out)}")
-        out, offset = out[got:], offset + got
-
-
-def _read_vectors(fd: int, vectors: list[memoryview], offset: int) -> None:
-    """Fill `vectors` in order from the file's bytes at `offset`; a short read goes on where
-    it stopped, and a file that ends early is an error."""
-    first = 0
-    while first < len(vectors):
-        got = os.preadv(fd, vectors[first:] if first else vectors, offset)
-        if got == 0:
-            left = sum(len(v) for v in vectors[first:])
-            raise OSError(f"the file ends before byte {offset + left}")
-        offset += got
-        while first < len(vectors) and got >= len(vectors[first]):
-            got -= len(vectors[first])
-            first += 1
-        if got:
-            vectors[first] = vectors[first][got:]
 
 
 def _check_weight_dtype(name: str, info: TensorInfo, dtype: torch.dtype | None) -> None:

@@ -133,6 +133,10 @@ class RankCuts:
         # Host seconds deciding the parts and cutting pieces (load_phases.py's counts).
         self.plan_seconds = 0.0
         self.cut_seconds = 0.0
+        # Host seconds in load_quantized_linear for the pieces read: the move to the device
+        # where a piece was read elsewhere, validation and repacking, and (on a GPU) the
+        # waits its reads of the device forced on the copies queued before.
+        self.repack_seconds = 0.0
 
     # --- deciding the parts ----------------------------------------------------------------
 
@@ -277,25 +281,29 @@ class RankCuts:
         fmt = linear_format(store, name)
 
         def load(tensors: dict[str, torch.Tensor], k: int, n: int) -> QuantizedLinear:
-            return load_quantized_linear(
-                store,
-                name,
-                in_features=k,
-                out_features=n,
-                device=device,
-                quantization_config=quantization_config,
-                tensors=tensors,
-            )
+            started = time.perf_counter()
+            try:
+                return load_quantized_linear(
+                    store,
+                    name,
+                    in_features=k,
+                    out_features=n,
+                    device=device,
+                    quantization_config=quantization_config,
+                    tensors=tensors,
+                )
+            finally:
+                self.repack_seconds += time.perf_counter() - started
 
         if isinstance(cut, Columns):
             if int(cut.cols.max()) >= out_features:
                 raise ValueError(f"column {int(cut.cols.max())} outside {out_features} outputs")
             if fmt == "gptq":
                 tensors, runs = self._gptq_columns(
-                    store, name, cut.cols, quantization_config, in_features
+                    store, name, cut.cols, quantization_config, in_features, device
                 )
             else:
-                tensors, runs = self._exl2_columns(store, name, cut.cols)
+                tensors, runs = self._exl2_columns(store, name, cut.cols, device)
             piece = load(tensors, in_features, sum(b - a for a, b in runs))
             local = local_index(cut.cols, runs)
             if local.numel() == piece.qweight.out_features and bool(
@@ -305,12 +313,14 @@ class RankCuts:
             return self._timed_cut(lambda: shard_columns(piece, local))
         assert cut.rows is not None
         if fmt == "gptq":
-            tensors, rows = self._gptq_rows(store, name, cut.rows, in_features, quantization_config)
+            tensors, rows = self._gptq_rows(
+                store, name, cut.rows, in_features, quantization_config, device
+            )
             piece = load(tensors, tensors["g_idx"].numel(), out_features)
             if piece.qweight.perm is not None:  # rows of the piece, in its runtime order
                 rows = torch.argsort(piece.qweight.perm.long().cpu())[rows]
         else:
-            tensors, rows = self._exl2_rows(store, name, cut.rows, in_features)
+            tensors, rows = self._exl2_rows(store, name, cut.rows, in_features, device)
             piece = load(tensors, tensors["q_invperm"].numel(), out_features)
         return self._timed_cut(
             lambda: shard_rows_quantized(piece, rows, cut.perm, keep_bias=cut.keep_bias)
@@ -334,15 +344,18 @@ class RankCuts:
         cols: torch.Tensor,
         qcfg: dict[str, Any] | None,
         k: int,
+        device: torch.device,
     ) -> tuple[dict[str, torch.Tensor], Runs]:
         p = f"{name}."
         n = store.info(p + "qweight").shape[1]
         per_word = 32 // self._gptq_bits(store, name, qcfg, k)  # qzeros packs columns so
         runs = covering_runs(cols, per_word, n)
+        # Read onto the device the piece is repacked on: a GPU's bytes go through the
+        # store's pinned buffers and asynchronous copies (engine/staged_reads.py).
         tensors = {
-            "qweight": store.get_part(p + "qweight", 1, runs),
-            "scales": store.get_part(p + "scales", 1, runs),
-            "qzeros": store.get_part(p + "qzeros", 1, _words(runs, per_word)),
+            "qweight": store.get_part(p + "qweight", 1, runs, device=device),
+            "scales": store.get_part(p + "scales", 1, runs, device=device),
+            "qzeros": store.get_part(p + "qzeros", 1, _words(runs, per_word), device=device),
         }
         if p + "g_idx" in store:
             tensors["g_idx"] = store.get(p + "g_idx")
@@ -351,15 +364,15 @@ class RankCuts:
         return tensors, runs
 
     def _exl2_columns(
-        self, store: WeightStore, name: str, cols: torch.Tensor
+        self, store: WeightStore, name: str, cols: torch.Tensor, device: torch.device
     ) -> tuple[dict[str, torch.Tensor], Runs]:
         p = f"{name}."
         width = store.info(p + "q_weight").shape[1]
         # q_scale packs 8 columns a word; the stored width is a multiple of 8 (validated).
         runs = covering_runs(cols, 8, width)
         tensors = {
-            "q_weight": store.get_part(p + "q_weight", 1, runs),
-            "q_scale": store.get_part(p + "q_scale", 1, _words(runs, 8)),
+            "q_weight": store.get_part(p + "q_weight", 1, runs, device=device),
+            "q_scale": store.get_part(p + "q_scale", 1, _words(runs, 8), device=device),
             "q_scale_max": store.get(p + "q_scale_max"),
             "q_groups": store.get(p + "q_groups"),
             "q_invperm": store.get(p + "q_invperm"),
@@ -378,6 +391,7 @@ class RankCuts:
         rows: torch.Tensor,
         k: int,
         qcfg: dict[str, Any] | None,
+        device: torch.device,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The words of qweight holding the rank's rows (in the original order), their
         groups renumbered in order, and where each kept runtime row sits among the piece's
@@ -396,9 +410,9 @@ class RankCuts:
         used = torch.unique(groups)
         group_runs = runs_of(used)
         tensors = {
-            "qweight": store.get_part(p + "qweight", 0, word_runs),
-            "scales": store.get_part(p + "scales", 0, group_runs),
-            "qzeros": store.get_part(p + "qzeros", 0, group_runs),
+            "qweight": store.get_part(p + "qweight", 0, word_runs, device=device),
+            "scales": store.get_part(p + "scales", 0, group_runs, device=device),
+            "qzeros": store.get_part(p + "qzeros", 0, group_runs, device=device),
             "g_idx": torch.searchsorted(used, groups).to(torch.int32),
         }
         if p + "bias" in store:
@@ -406,7 +420,7 @@ class RankCuts:
         return tensors, torch.searchsorted(piece_rows, original)
 
     def _exl2_rows(
-        self, store: WeightStore, name: str, rows: torch.Tensor, k: int
+        self, store: WeightStore, name: str, rows: torch.Tensor, k: int, device: torch.device
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The rank's groups (whole) as one EXL2 linear of their rows in the stored order,
         and where each kept row sits in it."""
@@ -428,9 +442,9 @@ class RankCuts:
         )
         group_runs = runs_of(torch.tensor(used))
         tensors = {
-            "q_weight": store.get_part(p + "q_weight", 0, qrow_runs),
-            "q_scale": store.get_part(p + "q_scale", 0, group_runs),
-            "q_scale_max": store.get_part(p + "q_scale_max", 0, group_runs),
+            "q_weight": store.get_part(p + "q_weight", 0, qrow_runs, device=device),
+            "q_scale": store.get_part(p + "q_scale", 0, group_runs, device=device),
+            "q_scale_max": store.get_part(p + "q_scale_max", 0, group_runs, device=device),
             # exllamav2 reads the offsets as uint16: stored as int16, wrapping.
             "q_groups": torch.tensor(pairs, dtype=torch.int32).to(torch.int16),
             # The piece's rows stay in the stored order: the cut gets its own permutation.

@@ -8,6 +8,16 @@ slow load shows which rank waited for what. Times are seconds since rank 0 began
 for ranks this machine spawned (one clock), or since the rank's own start under torchrun
 (machines' clocks differ).
 
+Counts beside the spans (rank.load_rank): the weight files' bytes and read calls, read_s
+(positioned reads, staging waits included), place_s (cast and finite check of dense
+tensors), cut_plan_s, cut_s, repack_s (load_quantized_linear on the pieces read: the
+move to the device of a piece read elsewhere, validation, repacking, the syncs those
+force), shard_s, stage_buffers and stage_wait_s (engine/staged_reads.py), and
+read_cut_other_s: the rest of the read-and-cut phase, which ends with a device sync so
+that the copies and kernels it queued are its own. A 70B TP=2 load had ~18 s of that
+phase outside every counter: the quantized pieces' pageable copies to the GPU in
+load_quantized_linear were timed by none (issue 33).
+
 Nothing here imports torch: the spawned ranks note their start-up before importing it.
 """
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import weights
+from engine import staged_reads
+from engine.staged_reads import StagedReader
 from engine.weights import WeightError, WeightStore
 
 RUNS = [(0, 3), (5, 6), (9, 16)]  # narrow: columns are gathered from whole rows
@@ -77,14 +78,12 @@ def test_a_file_cut_short_after_opening_names_the_file_and_tensor(tmp_path: Path
         store.close()
 
 
-def test_gathered_columns_across_blocks_of_rows(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_gathered_columns_across_blocks_of_rows(tmp_path: Path) -> None:
     # Blocks of 5 rows of the 16: three whole blocks and one of a single row.
-    monkeypatch.setattr(weights, "_BLOCK_BYTES", 5 * 24 * 4)
     tensors = _tensors()
     save_file(tensors, tmp_path / "model.safetensors")
     store = WeightStore(tmp_path)
+    store.reader = StagedReader(chunk_bytes=5 * 24 * 4)
     try:
         part = store.get_part("a.int32", 1, RUNS)
         assert torch.equal(part, _cut(tensors["a.int32"], 1, RUNS))
@@ -115,10 +114,10 @@ def test_spans_split_where_a_gap_is_too_wide_or_buffers_run_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_gap: int, iov_max: int, calls: int
 ) -> None:
     # Rows of 24 int32 (96 bytes) of which 12 are kept: 48 bytes between one row's run and
-    # the next row's. A wider gap than _MAX_GAP ends a call; so does the call's buffer limit
+    # the next row's. A wider gap than MAX_GAP ends a call; so does the call's buffer limit
     # (at 5 buffers: a run, then a gap and a run twice, so 16 rows take 6 calls).
-    monkeypatch.setattr(weights, "_MAX_GAP", max_gap)
-    monkeypatch.setattr(weights, "_IOV_MAX", iov_max)
+    monkeypatch.setattr(staged_reads, "MAX_GAP", max_gap)
+    monkeypatch.setattr(staged_reads, "IOV_MAX", iov_max)
     tensors = _tensors()
     save_file(tensors, tmp_path / "model.safetensors")
     store = WeightStore(tmp_path)
