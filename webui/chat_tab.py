@@ -221,48 +221,65 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
         raw: tuple[Any, ...],
     ) -> Iterator[tuple[Any, ...]]:
         """Stream `make(prompt)` as the assistant message after `keep`, then save the chat.
-        Yields (chatbot, history, status, past, name, revision) while the page is this
-        job's; once New chat detached it, nothing more goes to the page.
+        Yields (chatbot, history, status, past, name, revision); `to_page` passes them on
+        while the page is this job's.
 
         The chat is saved under the name the page shows at the end (a rename typed
         meanwhile reaches the job through `rename_chat`), and the name box is written only
         when the save had to pick another name: an update with the name the reply began
         with would land after whatever the user typed since, and undo it."""
         job.name_chat(name)
+        values = params.values(raw)
+        ctx.user_data.update_settings(parameters=values, system_prompt=system_prompt)
+        final, status = keep, ""
+        for progress in make(messages_for(prompt, system_prompt), values, job.stop):
+            reply = [{"role": "assistant", "content": progress.text}] if progress.text else []
+            final, status = keep + reply, _status_html(progress)
+            yield final, final, status, *_unchanged(3)
+        if not final:
+            return
+        name = job.chat_name or name
         try:
-            values = params.values(raw)
-            ctx.user_data.update_settings(parameters=values, system_prompt=system_prompt)
-            final, status = keep, ""
-            for progress in make(messages_for(prompt, system_prompt), values, job.stop):
-                reply = [{"role": "assistant", "content": progress.text}] if progress.text else []
-                final, status = keep + reply, _status_html(progress)
+            seen = seen_revision(revision, name)
+            saved = ctx.user_data.save_chat(name, final, system_prompt, seen)
+        except StorageError as e:
+            err = (
+                "<div class='kestrel-error' id='chat-error'>Reply not saved: "
+                f"{html.escape(str(e))}</div>"
+            )
+            yield final, final, err, *_unchanged(3)
+            return
+        if job.detached.is_set():  # the page shows another chat: its Past chats can wait
+            return
+        past = gr.update(choices=ctx.user_data.chat_choices(), value=saved.name)
+        if saved.forked:
+            why = (
+                f"A saved chat is named **{html.escape(name)}** already"
+                if seen is None
+                else f"Another page saved **{html.escape(name)}** meanwhile"
+            )
+            status += f"<br>{why}, so this conversation was saved as **{saved.name}**."
+        shown = saved.name if saved.forked else gr.update()
+        yield final, final, status, past, shown, (saved.name, saved.revision)
+
+    def to_page(job: Job, updates: Iterator[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+        """The page updates of `job` while the page is still its own (New chat and Open
+        detach it: it goes on and saves its chat, and sends the page nothing more), then
+        one that changes nothing; the job ends with the stream.
+
+        Why that last one: Gradio ends a streamed event with one more message, which repeats
+        the last values the handler yielded, and sends it once the handler has returned. A
+        detached reply returns only after it has stopped and saved its chat, so on a busy
+        machine that repeat came after the new chat was shown and painted the old
+        conversation into it (the history kept the new chat's, so the next message lost
+        the chat's turns from the page). Ending on an update that changes nothing makes the
+        repeat harmless whenever it lands, for every run: one that ends just as New chat is
+        pressed too."""
+        try:
+            for update in updates:
                 if job.may_update_page():
-                    yield final, final, status, *_unchanged(3)
-            if not final:
-                return
-            name = job.chat_name or name
-            try:
-                seen = seen_revision(revision, name)
-                saved = ctx.user_data.save_chat(name, final, system_prompt, seen)
-            except StorageError as e:
-                if job.may_update_page():
-                    err = (
-                        "<div class='kestrel-error' id='chat-error'>Reply not saved: "
-                        f"{html.escape(str(e))}</div>"
-                    )
-                    yield final, final, err, *_unchanged(3)
-                return
-            if job.may_update_page():
-                past = gr.update(choices=ctx.user_data.chat_choices(), value=saved.name)
-                if saved.forked:
-                    why = (
-                        f"A saved chat is named **{html.escape(name)}** already"
-                        if seen is None
-                        else f"Another page saved **{html.escape(name)}** meanwhile"
-                    )
-                    status += f"<br>{why}, so this conversation was saved as **{saved.name}**."
-                shown = saved.name if saved.forked else gr.update()
-                yield final, final, status, past, shown, (saved.name, saved.revision)
+                    yield update
+            yield _nothing()
         finally:
             ctx.end_job(job)
 
@@ -301,44 +318,44 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
     def reply(request: gr.Request, job_id, history, system_prompt, name, revision, *raw):
         job = job_of(request, job_id)
         if job is None:  # detached before it began
+            yield _nothing()
             return
         if not history or history[-1]["role"] != "user":
-            ctx.end_job(job)
+            yield from to_page(job, iter(()))
             return
-        yield from run(
-            generation.chat_reply, job, history, history, system_prompt, name, revision, raw
+        yield from to_page(
+            job,
+            run(generation.chat_reply, job, history, history, system_prompt, name, revision, raw),
         )
 
     def regenerate(request: gr.Request, job_id, history, system_prompt, name, revision, *raw):
         job = job_of(request, job_id)
         if job is None:
+            yield _nothing()
             return
         keep = history[:-1] if history and history[-1]["role"] == "assistant" else history
         if not keep or keep[-1]["role"] != "user":
-            ctx.end_job(job)
-            yield history, history, "Nothing to regenerate.", *_unchanged(3)
+            msg = "Nothing to regenerate."
+            yield from to_page(job, iter([(history, history, msg, *_unchanged(3))]))
             return
-        yield from run(generation.chat_reply, job, keep, keep, system_prompt, name, revision, raw)
+        yield from to_page(
+            job, run(generation.chat_reply, job, keep, keep, system_prompt, name, revision, raw)
+        )
 
     def cont(request: gr.Request, job_id, history, system_prompt, name, revision, *raw):
         job = job_of(request, job_id)
         if job is None:
+            yield _nothing()
             return
         if not history or history[-1]["role"] != "assistant":
-            ctx.end_job(job)
             msg = "Nothing to continue: send a message first."
-            yield history, history, msg, *_unchanged(3)
+            yield from to_page(job, iter([(history, history, msg, *_unchanged(3))]))
             return
         # The prompt holds the reply so far; its text grows in place (TGW's Continue).
-        yield from run(
-            generation.continue_reply,
+        keep = history[:-1]
+        yield from to_page(
             job,
-            history,
-            history[:-1],
-            system_prompt,
-            name,
-            revision,
-            raw,
+            run(generation.continue_reply, job, history, keep, system_prompt, name, revision, raw),
         )
 
     def rename(request: gr.Request, name: str) -> None:
@@ -358,16 +375,19 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
 
     def open_chat(request: gr.Request, name: str | None) -> tuple[Any, ...]:
         if not name:
-            return *_unchanged(2), "Choose a past chat first.", *_unchanged(3)
+            return *_unchanged(2), "Choose a past chat first.", *_unchanged(5)
         try:
             messages, system_prompt = ctx.user_data.load_chat(name)
             revision = ctx.user_data.chat_revision(name)
         except StorageError as e:
             err = f"<div class='kestrel-error' id='chat-error'>{html.escape(str(e))}</div>"
-            return *_unchanged(2), err, *_unchanged(3)
+            return *_unchanged(2), err, *_unchanged(5)
         ctx.detach(session(request))  # a reply still streaming belongs to the other chat
         saved_at = _saved_at(name, revision)
-        return messages, messages, f"Opened **{name}**.", name, saved_at, system_prompt
+        opened = f"Opened **{name}**."
+        # Send is back at once, as after New chat: the detached reply is no longer this page's.
+        idle = (gr.update(visible=True), gr.update(visible=False))
+        return messages, messages, opened, name, saved_at, system_prompt, *idle
 
     def delete_chat(name: str | None) -> tuple[Any, str]:
         if not name:  # nothing chosen, or the confirmation was declined
@@ -402,18 +422,15 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
     # they detached the reply, so they never rename it.
     tab.chat_name.change(rename, [tab.chat_name], None, queue=False, trigger_mode="always_last")
     cleared = [tab.chatbot, tab.history, tab.status, tab.chat_name, tab.revision, *buttons]
-    # The detached reply's last update may still be on its way to the browser (each event
-    # streams on its own), and land after the cleared chat: once it has gone quiet, the
-    # empty chat is sent once more, after anything it sent before.
-    tab.clear.click(clear, None, cleared).then(
-        lambda: ([], ""), None, [tab.chatbot, tab.status], show_progress="hidden"
-    )
+    # No update of the reply it detached can follow (`to_page`): the empty chat stays.
+    tab.clear.click(clear, None, cleared)
     # The Chatbot's trash icon presses New chat (webui.app's page script).
     tab.load_past.click(
         open_chat,
         [tab.past],
-        [tab.chatbot, tab.history, tab.status, tab.chat_name, tab.revision, tab.system_prompt],
-    ).then(lambda history: history, [tab.history], [tab.chatbot], show_progress="hidden")
+        [tab.chatbot, tab.history, tab.status, tab.chat_name, tab.revision, tab.system_prompt]
+        + buttons,
+    )
     tab.delete_past.click(
         delete_chat,
         [tab.past],
@@ -428,3 +445,9 @@ def _saved_at(name: str, revision: int | None) -> SavedAt | None:
 
 def _unchanged(n: int) -> list[Any]:
     return [gr.update() for _ in range(n)]
+
+
+def _nothing() -> tuple[Any, ...]:
+    """A chat reply's update that changes nothing (of chatbot, history, status, past, name,
+    revision)."""
+    return tuple(_unchanged(6))

@@ -37,9 +37,10 @@ class Job:
     """One generation of one browser session (a chat reply or a notebook completion).
 
     `stop` ends it early. `detached` means the page has moved on (New chat, cleared chat):
-    the job still finishes and saves to its own chat, but sends the page nothing more.
-    `quiet` is set once it will send nothing more, so a New chat's empty page is never
-    followed by one last update of the old conversation."""
+    the job still finishes and saves to its own chat, but sends the page nothing that
+    changes it. `quiet` is set once every update of the page it will send is on its way
+    (ahead of whatever the page is sent next), so a New chat's empty page is never followed
+    by an update of the old conversation (webui.chat_tab's `to_page`)."""
 
     id: int
     session: str

@@ -13,7 +13,8 @@ knew them, the value included. Typed before that frame, the text is replaced by 
 earlier value and that value is saved (a busy browser draws late: seen in CI as "Text saved
 (17 characters)", the default text's length, after typing 20). The script takes a value
 written into the editable box over what was typed as such a replay and puts the typed text
-back; its input event saves it. Runs write the box while it is disabled: not replays.
+back; its input event saves it. Runs write the box while it is disabled: not replays; and
+what was typed before Generate was pressed is never put back over a run's output.
 """
 
 from __future__ import annotations
@@ -90,6 +91,17 @@ HEAD_JS = """
     }
     box.readOnly = false;
   }
+  // From Generate on, the box's text is the run's to write: a write that follows is never a
+  // replay to undo. Without this, a short run whose updates reach the box only once it is
+  // editable again (Gradio writes a tab's held props on a frame that comes late on a busy
+  // machine, value and `interactive` together) would have its output replaced by the text
+  // typed before it, and that text saved over it. Capture phase: before Gradio's handler.
+  window.addEventListener("click", (event) => {
+    if (event.target.closest && event.target.closest("#notebook-generate")) {
+      typed = null;
+      putBack = 0;
+    }
+  }, true);
   // Kept for the page's life: a box put on the page again is guarded too.
   new MutationObserver(restore).observe(document, { childList: true, subtree: true });
   window.kestrelRestoreNotebook = (value) => {

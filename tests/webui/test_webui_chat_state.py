@@ -31,6 +31,7 @@ from helpers.browser import (
 )
 from helpers.browser import send as click_send
 from helpers.model_factory import make_tiny_llama
+from serving.storage import locked
 
 sync_api = require_browser()
 expect = sync_api.expect
@@ -260,6 +261,118 @@ def test_clearing_during_a_reply_detaches_it(context, server, dirs, how):
     # The old one was stopped and saved under its own name, with what was written.
     kept = saved_chat(dirs, old)["messages"]
     assert kept[0]["content"] == f"old conversation {how}" and kept[1]["role"] == "assistant"
+
+
+# Which of the page's queued events have ended, as the page itself received them: a fetch of
+# the event stream goes through unchanged, and each message is noted once the page's own
+# reader has had it and its handlers have run (a task queued when the chunk is handed over).
+EVENT_LOG = """
+(() => {
+  const seen = { joins: 0, streamed: new Set(), ended: new Set() };
+  window.kestrelTestEvents = seen;
+  // Every event the page asked for has ended, except streamed ones still running.
+  window.kestrelTestOnlyStreamsRunning = () => {
+    const running = [...seen.streamed].filter((id) => !seen.ended.has(id)).length;
+    return seen.joins === seen.ended.size + running;
+  };
+  window.kestrelTestStreamsEnded = () =>
+    seen.streamed.size > 0 && [...seen.streamed].every((id) => seen.ended.has(id));
+  function note(part) {
+    for (const line of part.split("\\n")) {
+      if (!line.startsWith("data:")) continue;
+      let message;
+      try { message = JSON.parse(line.slice(5)); } catch (e) { continue; }
+      if (message.msg === "process_generating") seen.streamed.add(message.event_id);
+      if (message.msg === "process_completed") seen.ended.add(message.event_id);
+    }
+  }
+  const fetchFirst = window.fetch.bind(window);
+  window.fetch = async (input, init) => {
+    const url = typeof input === "string" ? input : input.url;
+    if (url.includes("/queue/join")) seen.joins += 1;
+    const response = await fetchFirst(input, init);
+    if (!url.includes("/queue/data") || response.body === null) return response;
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let text = "";
+    const body = new ReadableStream({
+      async pull(controller) {  // only when the page reads: it takes the chunk at once
+        const { value, done } = await reader.read();
+        if (done) { controller.close(); return; }
+        controller.enqueue(value);
+        text += decoder.decode(value, { stream: true });
+        const parts = text.split("\\n\\n");
+        text = parts.pop();
+        setTimeout(() => parts.forEach(note), 0);
+      },
+      cancel(reason) { return reader.cancel(reason); },
+    }, { highWaterMark: 0 });
+    const { status, statusText, headers } = response;
+    return new Response(body, { status, statusText, headers });
+  };
+})();
+"""
+
+
+def next_frames(page) -> None:
+    """Until the page has drawn twice more (what its handlers changed is on the page)."""
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+
+
+@pytest.mark.parametrize("how", ["new-chat", "trash", "open"])
+def test_a_detached_reply_that_ends_late_never_repaints_the_chat_shown(context, server, dirs, how):
+    """Gradio ends a streamed event with one more message that repeats the last values the
+    handler yielded, sent once the handler returns. A reply cut off by New chat (or the
+    trash icon, or Open) returns only after it has saved its chat: at load 8 that came after
+    the new chat was shown, and the old conversation came back into it. Here the reply's
+    save waits on the chats folder's lock, held as another Kestrel process saving a chat
+    would hold it, until the page has shown the new chat and finished every other event."""
+    context.add_init_script(EVENT_LOG)
+    page = open_page(context, server)
+    expected: list[str] = []
+    if how == "open":
+        settle(page, 3, ban_eos=True)
+        new_chat(page)
+        send(page, "a past chat to open")
+        wait_done(page)
+        expected = ["a past chat to open"]
+    settle(page, LONG, ban_eos=True)
+    new_chat(page)
+    send(page, f"old conversation, left by {how}")
+    wait_streaming(page)
+    old = chat_name(page)
+    name_box = page.locator("#chat-name textarea, #chat-name input").first
+    with locked(dirs["user"] / "chats" / "held.json"):
+        if how == "new-chat":
+            page.click("#chat-clear")
+        elif how == "trash":
+            page.locator("#chatbot button[aria-label='Clear']").click()
+        else:
+            choose(page, "chat-past", "a past chat to open")
+            page.click("#chat-open")
+            expect(page.locator("#chat-status")).to_contain_text("Opened")
+        expect(name_box).not_to_have_value(old)
+        expect(page.locator("#chat-send")).to_be_visible()
+        expect(user_messages(page)).to_have_count(len(expected))
+        # Everything the page asked for has ended but the old reply, whose save waits.
+        page.wait_for_function("kestrelTestOnlyStreamsRunning()")
+        assert not (dirs["user"] / "chats" / f"{old}.json").exists()
+    # The old reply saves its chat now, and its event ends; the page has it all.
+    page.wait_for_function("kestrelTestStreamsEnded()")
+    next_frames(page)
+    assert user_messages(page).all_inner_texts() == expected
+    assert bot_messages(page).count() == len(expected)
+    kept = saved_chat(dirs, old)["messages"]
+    assert kept[0]["content"] == f"old conversation, left by {how}"
+    assert kept[1]["role"] == "assistant"
+    # The chat shown goes on with its own turns only.
+    shown = chat_name(page)
+    settle(page, 3, ban_eos=True)
+    send(page, "new conversation")
+    wait_done(page)
+    expect(user_messages(page)).to_have_count(len(expected) + 1)
+    users = [m["content"] for m in saved_chat(dirs, shown)["messages"] if m["role"] == "user"]
+    assert users == [*expected, "new conversation"]
 
 
 def rename(page, name: str):
