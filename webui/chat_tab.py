@@ -361,10 +361,20 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
     def rename(request: gr.Request, name: str) -> None:
         ctx.rename_chat(session(request), name)
 
-    def idle(request: gr.Request) -> tuple[Any, Any]:
-        """Send back, unless this page started another reply meanwhile."""
-        running = ctx.is_running(session(request))
-        return gr.update(visible=not running), gr.update(visible=running)
+    def settle(request: gr.Request, history: list[Message]) -> tuple[Any, Any, Any]:
+        """Once a reply's event has ended on the page: the chat shown is the page's own
+        again, and Send is back, unless this page started another reply meanwhile (its
+        stream paints the chat, and it settles the page when it ends).
+
+        Why the chat is painted again: the page applies each event's updates in a loop of
+        that event's own, awaiting each, so a reply cut off by New chat, the trash icon or
+        Open can have an update of its old conversation applied after the new chat was
+        shown (seen once in a hundred runs at idle, more often under load). This runs when
+        that loop has applied all of the reply's updates, and `history` is the chat the page
+        shows now (a detached reply no longer writes it: `to_page`)."""
+        if ctx.is_running(session(request)):
+            return gr.update(), gr.update(visible=False), gr.update(visible=True)
+        return history, gr.update(visible=True), gr.update(visible=False)
 
     def stop(request: gr.Request) -> None:
         ctx.stop(session(request))
@@ -403,17 +413,18 @@ def wire(ctx: AppContext, tab: ChatTab, params: ParametersTab) -> None:
     gen = dict(concurrency_limit=None, show_progress="hidden")
     buttons = [tab.send, tab.stop]
     fast = dict(queue=False, show_progress="hidden")
+    settled = dict(fn=settle, inputs=[tab.history], outputs=[tab.chatbot, *buttons], **fast)
     for trigger in (tab.text.submit, tab.send.click):
         trigger(
             add_user,
             [tab.text, tab.history],
             [tab.text, tab.history, tab.chatbot, tab.job, *buttons],
             show_progress="hidden",  # queued: its refusal is a toast the user sees
-        ).success(reply, inputs, chat_outputs, **gen).then(idle, None, buttons, **fast)
+        ).success(reply, inputs, chat_outputs, **gen).then(**settled)
     for button, handler in ((tab.regenerate, regenerate), (tab.cont, cont)):
         button.click(begin, None, [tab.job, *buttons], show_progress="hidden").success(
             handler, inputs, chat_outputs, **gen
-        ).then(idle, None, buttons, **fast)
+        ).then(**settled)
     tab.stop.click(stop, None, None, queue=False)
     # Every change of the name reaches a running reply, in order and the last one always
     # ("always_last": one request at a time per page, then the latest value). `change`, not
