@@ -265,15 +265,16 @@ def test_clearing_during_a_reply_detaches_it(context, server, dirs, how):
 
 # What the page's events did, as the page itself received them, and one way to reorder them.
 # Each message of the event stream is noted once the page's own reader has had it and its
-# handlers have run (a task queued when the chunk is handed over). With `hold()`, the
-# stream's streamed updates are held back until another event's end has been handed over,
-# then handed over after it: the page's own order when it applies one event's update after
+# handlers have run (a task queued when the chunk is handed over). While `on`, the stream's
+# streamed updates are held back; `kestrelTestRelease()` hands them over, after whatever the
+# page has applied meanwhile: the page's own order when it applies one event's update after
 # another's (each event's updates are applied in a loop of that event's own, awaiting each).
 # Answers to the page's unqueued calls are counted once the page has read them.
 EVENT_LOG = """
 (() => {
   const seen = { joins: 0, streamed: new Set(), ended: new Set(), calls: 0, answered: 0 };
-  const held = { on: false, parts: [], released: 0 };
+  const held = { on: false, parts: [], released: 0, stream: null };
+  const encoder = new TextEncoder();
   window.kestrelTestEvents = seen;
   window.kestrelTestHold = held;
   // Every event the page asked for has ended, except streamed ones still running.
@@ -295,24 +296,26 @@ EVENT_LOG = """
     if (message.msg === "process_generating") seen.streamed.add(message.event_id);
     if (message.msg === "process_completed") seen.ended.add(message.event_id);
   }
+  function handOver(controller, out) {
+    controller.enqueue(encoder.encode(out.map(([part]) => part + "\\n\\n").join("")));
+    setTimeout(() => out.forEach(([, message]) => note(message)), 0);
+  }
   // The parts to hand over now, in order, for one complete part of the stream.
-  function route(part) {
+  function route(controller, part) {
     const message = parse(part);
     if (held.on && message && message.msg === "process_generating") {
       held.parts.push([part, message]);
+      held.stream = controller;
       return [];
     }
-    const out = [[part, message]];
-    const another = message && message.msg === "process_completed"
-      && !seen.streamed.has(message.event_id);
-    if (held.on && another && held.parts.length) {
-      out.push(...held.parts);
-      held.released += held.parts.length;
-      held.parts = [];
-      held.on = false;
-    }
-    return out;
+    return [[part, message]];
   }
+  window.kestrelTestRelease = () => {
+    held.on = false;
+    if (held.parts.length) handOver(held.stream, held.parts);
+    held.released += held.parts.length;
+    held.parts = [];
+  };
   const fetchFirst = window.fetch.bind(window);
   window.fetch = async (input, init) => {
     const url = typeof input === "string" ? input : input.url;
@@ -334,7 +337,6 @@ EVENT_LOG = """
     if (!url.includes("/queue/data") || response.body === null) return response;
     const reader = response.body.getReader();
     const decoder = new TextDecoder();
-    const encoder = new TextEncoder();
     let text = "";
     const body = new ReadableStream({
       async pull(controller) {  // only when the page reads: it takes the parts at once
@@ -344,10 +346,9 @@ EVENT_LOG = """
           text += decoder.decode(value, { stream: true });
           const parts = text.split("\\n\\n");
           text = parts.pop();
-          const out = parts.flatMap(route);
+          const out = parts.flatMap((part) => route(controller, part));
           if (!out.length) continue;
-          controller.enqueue(encoder.encode(out.map(([part]) => part + "\\n\\n").join("")));
-          setTimeout(() => out.forEach(([, message]) => note(message)), 0);
+          handOver(controller, out);
           return;
         }
       },
@@ -392,7 +393,7 @@ def test_a_detached_reply_applied_late_never_stays_in_the_chat_shown(context, se
     with locked(dirs["user"] / "chats" / "held.json"):
         if how == "open":
             choose(page, "chat-past", "a past chat to open")
-        # The reply's next update waits for the new chat's, and is applied after it.
+        # The reply's next update is held back, and applied once the new chat is shown.
         page.evaluate("kestrelTestHold.on = true")
         page.wait_for_function("kestrelTestHold.parts.length > 0")
         if how == "new-chat":
@@ -403,8 +404,12 @@ def test_a_detached_reply_applied_late_never_stays_in_the_chat_shown(context, se
             page.click("#chat-open")
         expect(name_box).not_to_have_value(old)
         expect(page.locator("#chat-send")).to_be_visible()
+        if how == "open":
+            expect(user_messages(page).first).to_have_text("a past chat to open")
+        else:
+            expect(user_messages(page)).to_have_count(0)
+        page.evaluate("kestrelTestRelease()")
         # The old conversation was painted over the chat shown: what this test is about.
-        page.wait_for_function("kestrelTestHold.released > 0")
         expect(user_messages(page).first).to_have_text(f"old conversation, left by {how}")
         # Everything the page asked for has ended but the old reply, whose save waits.
         page.wait_for_function("kestrelTestOnlyStreamsRunning()")
