@@ -77,7 +77,18 @@ def settle(page, max_new_tokens: int, *, ban_eos: bool, preset: str | None = Non
     if preset:
         choose(page, "preset", preset)
         expect(page.locator("#params-status")).to_contain_text(f"Preset {preset} loaded")
-    set_value(page, "param-max_new_tokens", max_new_tokens)
+    # The tab's first frames may still write the page load's remembered value over what was
+    # typed (Gradio writes a hidden tab's held props late on a busy machine; seen in CI as a
+    # 3-token reply where 3000 were asked for, the previous test's value): type it again
+    # until it stays for two frames.
+    tokens = page.locator("#param-max_new_tokens input[type=number]").first
+    for _ in range(5):
+        set_value(page, "param-max_new_tokens", max_new_tokens)
+        next_frames(page)
+        next_frames(page)
+        if tokens.input_value() == str(max_new_tokens):
+            break
+    expect(tokens).to_have_value(str(max_new_tokens))
     box = page.locator("#param-ban_eos_token input")
     if box.is_checked() != ban_eos:
         box.click()
