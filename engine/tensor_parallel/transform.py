@@ -9,9 +9,16 @@ the embedding rows and an all-gather of the logits: vocab.py):
   row-parallel over the same query-head inputs and its partial outputs are summed;
 - MLP: gate/up (or gate_up_proj) are column-parallel and down_proj row-parallel over the
   same intermediate columns, then summed. For a quantized down_proj the rank takes whole
-  quantization groups round-robin (group g on rank g % W): its shard keeps the kernels'
-  per-group fast path and the ranks get a like mix of EXL2 bit widths; gate/up then take
-  exactly the intermediate columns those rows read.
+  quantization groups, so that its shard keeps the kernels' per-group path (split_k.py's
+  chunks_in_groups); gate/up then take exactly the intermediate columns those rows read.
+  GPTQ: an even contiguous block of groups. Without act-order that is a contiguous block
+  of intermediate columns, so each rank reads only its half of each gate/up row and its
+  block of down_proj's rows (issue 33: with round-robin groups, 128-column runs, every
+  rank read whole gate/up rows, 30.8 of a 70B model's 37 GB to keep 19). With act-order
+  (g_idx) a group's columns are scattered whichever groups a rank takes; a contiguous
+  column block would split every group instead. EXL2: round-robin (group g on rank
+  g % W): q_perm scatters a group's columns anyway, and its bit widths fall group by group
+  (non-increasing), so contiguous blocks would give the first rank the widest codes.
 
 The embeddings and the head are cut by vocabulary rows (vocab.py: the embedding rows are
 summed, the logits gathered, so every rank ends with the whole vocabulary's logits; rank
@@ -161,16 +168,25 @@ def shard_attention(
     attn.spec = replace(s, num_heads=hq, num_kv_heads=hk)
 
 
-def mlp_inputs(row_group: torch.Tensor | None, size: int, *, rank: int, world: int) -> torch.Tensor:
+def mlp_inputs(
+    row_group: torch.Tensor | None, size: int, *, rank: int, world: int, interleave: bool = False
+) -> torch.Tensor:
     """The down projection's rows this rank keeps. Quantized (`row_group`: the group of each
-    runtime row, `size` groups): whole groups round-robin, group g on rank g % world.
+    runtime row, `size` groups): whole groups, an even contiguous block of them, or with
+    `interleave` round-robin, group g on rank g % world (EXL2: see the module docstring).
     Dense (None; `size` inputs): an even contiguous share."""
     if row_group is None:
         inputs = torch.tensor_split(torch.arange(size), world)[rank]
         if inputs.numel() == 0:
             raise TensorParallelError(f"{size} MLP columns for {world} ranks")
         return inputs
-    rows = torch.nonzero(row_group % world == rank).flatten()
+    if interleave:
+        mine = row_group % world == rank
+    else:
+        block = torch.tensor_split(torch.arange(size), world)[rank]
+        lo, hi = (int(block[0]), int(block[-1]) + 1) if block.numel() else (0, 0)
+        mine = (row_group >= lo) & (row_group < hi)
+    rows = torch.nonzero(mine).flatten()
     if rows.numel() == 0:
         raise TensorParallelError(
             f"down_proj has {size} quantization groups, fewer than {world} ranks"
@@ -183,7 +199,13 @@ def _mlp_inputs(down: nn.Module, *, rank: int, world: int) -> tuple[torch.Tensor
     in that order."""
     if isinstance(down, QuantizedLinear):
         qw = down.qweight
-        rows = mlp_inputs(qw.row_group.long().cpu(), qw.num_groups, rank=rank, world=world)
+        rows = mlp_inputs(
+            qw.row_group.long().cpu(),
+            qw.num_groups,
+            rank=rank,
+            world=world,
+            interleave=down.format == "exl2",
+        )
         inputs = rows if qw.perm is None else qw.perm.long().cpu()[rows]
         # The rank's MLP input arrives in the order of `rows`: no permutation left.
         return inputs, shard_rows_quantized(down, rows, None, keep_bias=rank == 0)
