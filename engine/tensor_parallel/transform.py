@@ -23,6 +23,7 @@ sharded (refused clearly).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -46,6 +47,8 @@ from engine.tensor_parallel.shard import (
 from engine.tensor_parallel.site_reduce import SiteAllReduce, fused_enabled
 from engine.tensor_parallel.vocab import LoadedVocab, VocabParallelEmbedding, shard_vocab
 from kernels.quant_matmul import quant_matmul
+
+log = logging.getLogger(__name__)
 
 # Up to this many rows (decode batches), quantized partial products are summed in float32
 # and rounded to the activation dtype once, as a single GPU rounds its float32 accumulator:
@@ -147,7 +150,13 @@ def _use_sites(model: CausalLM, reduce: GroupAllReduce, device: torch.device) ->
         return
     for linear in linears:
         linear.fuse_kernels = model.fuse_kernels  # set_kernel_fusion switches both
-    wire_sites(model.model.layers, linears, sites)
+    deferred = wire_sites(model.model.layers, linears, sites)
+    log.info(
+        "tensor parallel: %d decode all-reduces on the site kernel, %d of them fused with "
+        "the next residual add + norm",
+        len(linears),
+        deferred,
+    )
 
 
 def _row_shard(linear: nn.Module, inputs: torch.Tensor, *, rank: int) -> nn.Module:
