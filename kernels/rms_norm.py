@@ -73,6 +73,23 @@ def rms_norm_reference(
 
 
 @triton.jit
+def rms_norm_row(
+    x, w, D, eps, x_dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr, EMULATE_BF16: tl.constexpr
+):
+    """The norm of one row held in registers: x [BLOCK_D] float32 (the row's values, already
+    rounded to `x_dtype`; 0 past D), w the weight as float32. Returns the float32 output
+    before its cast. Shared with kernels/tp_all_reduce.py, whose fused norm must give the
+    same bits as this kernel's (same code, launched with the same BLOCK_D and warps)."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = x * rstd
+    if UNIT_OFFSET:
+        out = y * (1.0 + w)
+    else:
+        out = w * cast_rtne(y, x_dtype, EMULATE_BF16).to(tl.float32)
+    return out
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     residual_ptr,  # HAS_RESIDUAL: the stream x is added to; else unused (x again)
@@ -118,13 +135,8 @@ def _rms_norm_kernel(
             )
             tl.store(residual_out_row + cols, summed, mask=mask)
             x = summed.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = x * rstd
-        if UNIT_OFFSET:
-            out = y * (1.0 + w)
-        else:
-            out = w * cast_rtne(y, x_dtype, EMULATE_BF16).to(tl.float32)
+        out = rms_norm_row(x, w, D, eps, x_dtype, UNIT_OFFSET, EMULATE_BF16)
         tl.store(out_row + cols, cast_rtne(out, out_dtype, EMULATE_BF16), mask=mask)
     else:
         # Per-lane partial sums, reduced once at the end: fewer cross-warp reductions.
