@@ -92,6 +92,20 @@ def launch_tensor_parallel(
                 f"tp={world_size} asked for, but torchrun started {launched.world_size} "
                 "ranks (WORLD_SIZE)"
             )
+    try:
+        _refuse_options(options, world_size)
+    except BaseException:
+        discard_prestarted()  # ranks the caller started for this launch
+        raise
+    os.environ.update(NCCL_ENV)  # inherited by ranks spawned now, set before NCCL init
+    spawned: SpawnedRanks | None = None
+    if launched is None:
+        # First of all (before the config, the tokenizer and the weights): a new rank takes
+        # seconds to start and import torch and the engine, and everything rank 0 does
+        # before its own reads is time the ranks' start-up can hide behind. Ranks
+        # prestarted by the caller (spawned.prestart) are taken as they are.
+        with phases.phase("spawn ranks"):
+            spawned = take_ranks(world_size)
     store: Store | None = None
     with phases.phase("shard spec"):
         try:
@@ -101,19 +115,13 @@ def launch_tensor_parallel(
                 model_dir, options, world_size, launched, phases.origin
             )
         except BaseException as e:
-            discard_prestarted()  # ranks the caller started for this launch
+            if spawned is not None:
+                spawned.stop()  # waiting for a spec that never comes: end them now
             if store is not None:  # torchrun's other ranks wait for the spec: say why not
                 publish_spec(store, None, f"{type(e).__name__}: {e}")
             raise
     if store is not None:
         publish_spec(store, spec)  # the ranks torchrun started load with exactly this
-    os.environ.update(NCCL_ENV)  # inherited by ranks spawned now, set before NCCL init
-    spawned: SpawnedRanks | None = None
-    if launched is None:
-        # First, before the tokenizer: a new rank takes seconds to start and import torch.
-        # Ranks prestarted by the caller (spawned.prestart) have done so already.
-        with phases.phase("spawn ranks"):
-            spawned = take_ranks(world_size)
     workers: list[BaseProcess] = spawned.processes if spawned is not None else []
     reports: Queue[tuple[int, str | None]] | None = spawned.reports if spawned else None
     try:
@@ -164,15 +172,8 @@ def launch_tensor_parallel(
     return engine
 
 
-def _shard_spec(
-    model_dir: Path,
-    options: EngineOptions,
-    world_size: int,
-    launched: LaunchedRank | None,
-    started_at: float,
-) -> tuple[ShardSpec, ModelConfig, int]:
-    """What every rank builds its shard from, checked. Only rank 0 computes it; under
-    torchrun the other ranks receive it (shared_spec.py says why)."""
+def _refuse_options(options: EngineOptions, world_size: int) -> None:
+    """What no tensor-parallel launch can do, known before any rank is started."""
     if world_size < 2:
         raise TensorParallelError(f"tensor parallelism needs 2 or more ranks, got {world_size}")
     if options.gpu_split or options.autosplit or options.cpu_offload:
@@ -189,6 +190,17 @@ def _shard_spec(
             f"cache_type '{options.cache_type}' is not supported yet "
             f"(available: {', '.join(CACHE_TYPES)})"
         )
+
+
+def _shard_spec(
+    model_dir: Path,
+    options: EngineOptions,
+    world_size: int,
+    launched: LaunchedRank | None,
+    started_at: float,
+) -> tuple[ShardSpec, ModelConfig, int]:
+    """What every rank builds its shard from, checked. Only rank 0 computes it; under
+    torchrun the other ranks receive it (shared_spec.py says why)."""
     config = ModelConfig.from_dir(model_dir)
     if config.num_key_value_heads % world_size or config.num_attention_heads % world_size:
         raise TensorParallelError(

@@ -91,6 +91,11 @@ def prestart(world_size: int) -> None:
         _prestarted = spawn_ranks(world_size)
 
 
+def has_prestarted() -> bool:
+    """Whether ranks started by `prestart` wait for a launch to take them."""
+    return _prestarted is not None
+
+
 def discard_prestarted() -> None:
     """Stop prestarted ranks that no launch took (the load failed or went another way)."""
     global _prestarted
