@@ -38,8 +38,15 @@ ONE_SHOT_MAX_BYTES = 256 << 10
 # What the symmetric-memory set-up imports on first use: its pool's shape check goes
 # through torch._check, which imports torch.fx's symbolic shapes and with them sympy (2.1 to
 # 2.5 s of a TP load on a 2xH100 host, most of it compiling sympy where no bytecode cache
-# was written). preimport_symmetric_memory starts that in a thread when a rank begins its
-# load, so that it runs beside the weight reads instead of after them.
+# was written). preimport_symmetric_memory starts that in a thread where the rank would
+# otherwise wait (for its spec, for the other ranks, in the group's rendezvous), never
+# beside the weight reads: while a thread imports, every torch call of the reading thread
+# gives up the GIL and waits for it again behind the import (a torch op releases it; the
+# importer only yields it every switch interval), so the reads and cuts all but stop for
+# the whole import. On the CPU, 3000 small torch ops took 0.23 s beside a 0.22 s import of
+# sympy instead of 0.013 alone, and a 2-layer 70B shard's load 3.3-3.7 s instead of 2.7-2.9;
+# on 2x H100 the cut plan, the first torch work of a rank's read, took 1.4-2.7 s where the
+# CPU needs 0.1 (issue 33).
 _SYMMETRIC_MEMORY_IMPORTS = (
     "torch.distributed._symmetric_memory",
     "torch.fx.experimental.symbolic_shapes",
@@ -68,6 +75,14 @@ def preimport_symmetric_memory(device: torch.device) -> None:
 
     _preimport = threading.Thread(target=run, name="kestrel-symm-mem-import", daemon=True)
     _preimport.start()
+
+
+def finish_symmetric_memory_imports(device: torch.device) -> None:
+    """Import what the symmetric-memory set-up needs now, or wait for the thread
+    preimport_symmetric_memory started (nothing where it is not used)."""
+    preimport_symmetric_memory(device)
+    if _preimport is not None:
+        _preimport.join()
 
 
 class GroupAllReduce:

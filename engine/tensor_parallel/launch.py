@@ -37,6 +37,7 @@ from engine.cache import PagedKVCache
 from engine.config import ModelConfig
 from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
 from engine.loading import resolve_device, resolve_dtype
+from engine.tensor_parallel.all_reduce import preimport_symmetric_memory
 from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.launched import LaunchedRank, launched_rank
 from engine.tensor_parallel.leave import ServingRank, abandon_group, leave_group
@@ -290,6 +291,8 @@ def _load_then_join(
     outcome, so that all of them raise if one failed."""
     if reports is not None:
         model, cache, _ = load_rank(spec, rank, phases)
+        # While this rank waits for the others (all_reduce.py says why not during the reads).
+        preimport_symmetric_memory(spec.device(rank))
         with phases.phase("wait for ranks"):
             _wait_ready(workers, reports)
         with phases.phase("join group"):
@@ -299,6 +302,7 @@ def _load_then_join(
         model, cache, _ = load_rank(spec, rank, phases)
     except Exception as e:
         error = e
+    preimport_symmetric_memory(spec.device(rank))  # beside the rendezvous's wait
     with phases.phase("join group"):
         channel = init_rank(spec, rank, store)
     with phases.phase("wait for ranks"):
