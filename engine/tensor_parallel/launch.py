@@ -24,6 +24,7 @@ import queue
 import signal
 import socket
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from pathlib import Path
@@ -128,11 +129,23 @@ def launch_tensor_parallel(
     try:
         if spawned is not None:
             spawned.send_spec(spec)
-        with phases.phase("tokenizer"):
-            tokenizer = Tokenizer.from_dir(model_dir)
+        tokenizers: list[Tokenizer] = []
+
+        def load_tokenizer() -> None:
+            with phases.phase("tokenizer"):
+                tokenizers.append(Tokenizer.from_dir(model_dir))
+
+        if launched is not None:
+            # Before the load: a failure after it would leave torchrun's other ranks waiting
+            # in the rendezvous, and they would not know why.
+            load_tokenizer()
         # Every rank loads its shard before joining the group: this one reads while the
-        # ranks it spawned still start up and import.
-        model, cache, channel = _load_then_join(spec, 0, phases, workers, reports, store)
+        # ranks it spawned still start up and import, and loads the tokenizer (a fifth of a
+        # second) once it waits for them, not before its reads.
+        model, cache, channel = _load_then_join(
+            spec, 0, phases, workers, reports, store, load_tokenizer if launched is None else None
+        )
+        tokenizer = tokenizers[0]
         graphs = finish_rank(model, cache, spec, 0, phases)
         with phases.phase("exchange reports"):
             memory, load_phases = exchange_rank_reports(
@@ -284,15 +297,19 @@ def _load_then_join(
     workers: list[BaseProcess],
     reports: Queue[tuple[int, str | None]] | None,
     store: Store | None = None,
+    while_waiting: Callable[[], None] | None = None,
 ) -> tuple[CausalLM, PagedKVCache, Channel]:
     """This rank's shard and cache, then the group, once every rank has loaded: spawned
     ranks say so on `reports` before they join (one that failed never joins, and rank 0
     must not wait for it in the rendezvous); torchrun's ranks all join and exchange their
-    outcome, so that all of them raise if one failed."""
+    outcome, so that all of them raise if one failed. `while_waiting`: rank 0's own work
+    that can wait until its shard is read (spawned ranks only), done before it waits."""
     if reports is not None:
         model, cache, _ = load_rank(spec, rank, phases)
         # While this rank waits for the others (all_reduce.py says why not during the reads).
         preimport_symmetric_memory(spec.device(rank))
+        if while_waiting is not None:
+            while_waiting()
         with phases.phase("wait for ranks"):
             _wait_ready(workers, reports)
         with phases.phase("join group"):

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import loader
 from engine.tensor_parallel import spawned
@@ -128,13 +129,17 @@ print(json.dumps(seen))
     assert seen["left"] is False
 
 
-def test_a_launch_spawns_its_ranks_before_it_reads_the_config(mixed_model: Path):
+def test_a_launch_spawns_its_ranks_before_it_reads_the_config_or_the_tokenizer(
+    mixed_model: Path,
+):
     tp = loader.load(mixed_model, "kestrel", device="cpu", dtype="float32", tp=2)
     try:
         spans = tp.engine.runner.ranks.load_phases[0]["spans"]
         names = [name for name, _, _ in spans]
-        assert names[:3] == ["spawn ranks", "shard spec", "tokenizer"]
-        assert names.index("spawn ranks") < names.index("read and cut shard")
+        assert names[:3] == ["spawn ranks", "shard spec", "staging plan"]
+        # Rank 0 reads first; its tokenizer, which the ranks do not need, waits for that.
+        order = [names.index(n) for n in ("read and cut shard", "tokenizer", "wait for ranks")]
+        assert order == sorted(order)
     finally:
         tp.unload()
 
@@ -176,3 +181,15 @@ def test_a_command_line_starts_ranks_only_for_a_tp_load_it_makes():
         early_ranks.discard()
     assert not spawned.has_prestarted()
     assert all(not p.is_alive() for p in ranks.processes)
+
+
+def test_a_broken_tokenizer_read_after_the_shard_stops_the_ranks(mixed_model: Path, tmp_path: Path):
+    # Rank 0 loads the tokenizer while it waits for the other ranks: its error must still
+    # end the launch cleanly (no rank left running, no process group left behind).
+    broken = tmp_path / "m"
+    shutil.copytree(mixed_model, broken)
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer\.json: cannot load"):
+        loader.load(broken, "kestrel", device="cpu", dtype="float32", tp=2)
+    assert multiprocessing.active_children() == []
+    assert not torch.distributed.is_initialized()
