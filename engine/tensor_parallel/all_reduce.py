@@ -95,10 +95,9 @@ def launch_symmetric_group(group: dist.ProcessGroup | None) -> str:
     model, so its second launch would rendezvous over the first launch's store while the
     new ranks use the new one, and every rank would wait forever (seen on 2x H100: a second
     TP load in one process hung in symmetric memory's rendezvous). Rank 0 draws a name per
-    launch, sends it to the others, and registers the group under it too. A collective:
-    every rank calls it at one point."""
+    launch and sends it to the others. A collective: every rank calls it at one point."""
     import torch.distributed.distributed_c10d as c10d
-    from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory
+    from torch._C._distributed_c10d import _SymmetricMemory
 
     world = group if group is not None else dist.group.WORLD
     assert world is not None
@@ -107,9 +106,6 @@ def launch_symmetric_group(group: dist.ProcessGroup | None) -> str:
     name = str(names[0])
     store = c10d.PrefixStore(f"symmetric_memory-{name}", c10d._get_process_group_store(world))
     _SymmetricMemory.set_group_info(name, dist.get_rank(world), dist.get_world_size(world), store)
-    # The rendezvous and the one-shot kernel resolve the group by this name (torch 2.11 does);
-    # destroying the world group unregisters it with the others.
-    _register_process_group(name, world)
     return name
 
 
