@@ -130,10 +130,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    from engine.tensor_parallel.all_reduce import launch_symmetric_group
     from engine.tensor_parallel.site_reduce import SiteAllReduce
 
-    sites = SiteAllReduce.build(None, device, args.sites, HIDDEN, launch_symmetric_group(None))
+    sites = SiteAllReduce.build(None, device, args.sites, HIDDEN)
     assert sites is not None, "the site all-reduce could not be set up (see the log)"
     max_rows = sites.buffers.max_rows
     outputs: dict[str, Any] = {"checksum": 0.0}

@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import threading
-import uuid
 
 import torch
 import torch.distributed as dist
@@ -86,29 +85,6 @@ def finish_symmetric_memory_imports(device: torch.device) -> None:
         _preimport.join()
 
 
-def launch_symmetric_group(group: dist.ProcessGroup | None) -> str:
-    """Register this launch's symmetric memory under a name of its own, and return it.
-
-    Not the process group's own name: torch names the default group "0" in every launch and
-    keeps, per process and name, the store of the first group registered under it (it
-    refuses to register a name twice). Rank 0 is the caller's process and outlives a TP
-    model, so its second launch would rendezvous over the first launch's store while the
-    new ranks use the new one, and every rank would wait forever (seen on 2x H100: a second
-    TP load in one process hung in symmetric memory's rendezvous). Rank 0 draws a name per
-    launch and sends it to the others. A collective: every rank calls it at one point."""
-    import torch.distributed.distributed_c10d as c10d
-    from torch._C._distributed_c10d import _SymmetricMemory
-
-    world = group if group is not None else dist.group.WORLD
-    assert world is not None
-    names = [f"kestrel-tp-{uuid.uuid4().hex}" if dist.get_rank(world) == 0 else ""]
-    dist.broadcast_object_list(names, src=dist.get_global_rank(world, 0), group=world)
-    name = str(names[0])
-    store = c10d.PrefixStore(f"symmetric_memory-{name}", c10d._get_process_group_store(world))
-    _SymmetricMemory.set_group_info(name, dist.get_rank(world), dist.get_world_size(world), store)
-    return name
-
-
 class GroupAllReduce:
     """Sums tensors over a process group; built once per rank, shared by its linears."""
 
@@ -123,7 +99,9 @@ class GroupAllReduce:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            name = launch_symmetric_group(group)
+            world = group if group is not None else dist.group.WORLD
+            assert world is not None
+            name = world.group_name
             buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // 4, dtype=torch.float32, device=device)
             symm_mem.rendezvous(buffer, name)
         except Exception as error:  # no P2P between the GPUs, no symmetric memory in torch

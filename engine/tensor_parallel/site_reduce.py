@@ -67,18 +67,11 @@ class SiteAllReduce:
 
     @classmethod
     def build(
-        cls,
-        group: dist.ProcessGroup | None,
-        device: torch.device,
-        sites: int,
-        hidden: int,
-        group_name: str,
+        cls, group: dist.ProcessGroup | None, device: torch.device, sites: int, hidden: int
     ) -> SiteAllReduce | None:
         """The rank's site buffers for `sites` sites of `hidden` outputs, or None where the
-        kernel can't be used (logged). A collective: every rank calls it at one point.
-        `group_name`: the launch's symmetric-memory name (all_reduce.launch_symmetric_group),
-        empty where the launch has none."""
-        if hidden > MAX_FUSED_D or sites < 2 or not group_name:
+        kernel can't be used (logged). A collective: every rank calls it at one point."""
+        if hidden > MAX_FUSED_D or sites < 2:
             return None
         site_floats = SITE_BYTES // 4
         max_rows = min(MAX_SITE_ROWS, site_floats // hidden)
@@ -94,7 +87,7 @@ class SiteAllReduce:
             # Zero flags before any peer can publish into them: the barrier below orders
             # this rank's zeroing before every peer's first kernel (stream order).
             buffer[data_floats:].view(torch.int32).zero_()
-            handle = symm_mem.rendezvous(buffer, group_name)
+            handle = symm_mem.rendezvous(buffer, world_group.group_name)
             # buffer_ptrs are the allocations' bases; the tensor may start inside one.
             offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
             data_bases = torch.tensor(

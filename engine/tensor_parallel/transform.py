@@ -152,7 +152,7 @@ def _use_sites(model: CausalLM, reduce: GroupAllReduce, device: torch.device) ->
     widths = {linear.out_features for linear in linears}
     if len(linears) < 2 or len(widths) != 1:
         return
-    sites = SiteAllReduce.build(reduce.group, device, len(linears), widths.pop(), reduce.group_name)
+    sites = SiteAllReduce.build(reduce.group, device, len(linears), widths.pop())
     if sites is None:
         return
     for linear in linears:
