@@ -54,8 +54,39 @@ _SYMMETRIC_MEMORY_IMPORTS = (
 _preimport: threading.Thread | None = None
 
 
+# Whether this process has set up symmetric memory for a TP launch. Rank 0 is the caller's
+# own process and outlives a TP model; on 2x H100 (torch 2.11) its second launch hung in
+# symmetric memory's rendezvous, every rank waiting for the others, whether the launch
+# registered under the default group's name or under a name of its own (the spawned ranks
+# are new processes each time). So a process sets it up once; its later launches (unload,
+# then load again in the same process) use NCCL for these messages, a few per cent slower
+# at batch-1 decode. torchrun's ranks launch once and are not affected.
+_symmetric_memory_set_up = False
+
+
 def _uses_symmetric_memory(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("KESTREL_TP_ALLREDUCE") != "nccl"
+
+
+def symmetric_memory_allowed() -> bool:
+    """Whether a TP launch in this process may still set up symmetric memory (see
+    _symmetric_memory_set_up): not if an earlier launch here did."""
+    return not _symmetric_memory_set_up
+
+
+def symmetric_memory_agreed(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether every rank of the launch may set up symmetric memory: the new ranks always
+    may, rank 0 (the caller's process) only on its first launch, and all of them must take
+    the same path or the set-up's rendezvous would wait forever. A collective."""
+    allowed = torch.tensor([1 if symmetric_memory_allowed() else 0], device=device)
+    dist.all_reduce(allowed, op=dist.ReduceOp.MIN, group=group)
+    return bool(allowed.item())
+
+
+def note_symmetric_memory_set_up() -> None:
+    """Record that this process has set up symmetric memory for a TP launch."""
+    global _symmetric_memory_set_up
+    _symmetric_memory_set_up = True
 
 
 def preimport_symmetric_memory(device: torch.device) -> None:
@@ -94,6 +125,13 @@ class GroupAllReduce:
         self.group_name = ""
         if not _uses_symmetric_memory(device):
             return
+        if not symmetric_memory_agreed(group, device):
+            log.warning(
+                "tensor parallel: this process set up symmetric memory for an earlier TP "
+                "launch and cannot do it again; small all-reduces use NCCL (start a new "
+                "process for the faster path)"
+            )
+            return
         if _preimport is not None:
             _preimport.join()
         try:
@@ -112,6 +150,7 @@ class GroupAllReduce:
                 error,
             )
             return
+        note_symmetric_memory_set_up()
         self.buffer, self.group_name = buffer, name
 
     @property
