@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
         check_model_dir,
         check_options,
         detect,
-        load,
         register,
         settings_schema,
     )
@@ -46,10 +46,29 @@ _EXPORTS: dict[str, str] = {
     "check_model_dir": "loader.registry",
     "check_options": "loader.registry",
     "detect": "loader.registry",
-    "load": "loader.registry",
     "register": "loader.registry",
     "_registered": "loader.registry",
 }
+
+
+def load(path: str | Path, loader: str | None = None, **options: Any) -> LoadedModel:
+    """Load the model at `path` with `loader` (None: the first that can), options as
+    loader/registry.py's `load` takes them (device, dtype, max_seq_len, cache_type,
+    gpu_split, autosplit, tensor_parallel, progress and the loader's own, such as tp).
+
+    With `tp=N` (N > 1) the other ranks start first, before this imports torch and the
+    engine (if it has not yet), so that their start-up runs beside this process's
+    (loader/early_ranks.py); a load that does not take them stops them."""
+    from loader import early_ranks
+
+    started = early_ranks.prestart_for(options.get("tp"), loader)
+    try:
+        from loader.registry import load as load_with
+
+        return load_with(path, loader, **options)
+    finally:
+        if started:
+            early_ranks.discard()  # nothing when the launch took them
 
 
 def __getattr__(name: str) -> Any:

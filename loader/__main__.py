@@ -15,8 +15,8 @@ from pathlib import Path
 
 import loader
 from engine.sampling_settings import SamplingSettingsError
-from engine.tensor_parallel import spawned
 from engine.tensor_parallel.launched import launched_rank
+from loader import early_ranks
 from loader.placement_args import add_placement_arguments, placement_options
 from loader.program_name import program_name
 
@@ -28,26 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     finally:
-        spawned.discard_prestarted()  # ranks started for a load that never took them
-
-
-def _prestart_ranks(argv: list[str]) -> None:
-    """`--tp N` (N > 1, not under torchrun): start the other ranks now, before this process
-    imports torch (building the full parser lists the loaders, which imports it), so that
-    their start-up and imports run beside this one's (engine/tensor_parallel/spawned.py)."""
-    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    early.add_argument("--tp", type=int, nargs="?", const=0, default=None)
-    early.add_argument("--loader", default=None)
-    try:
-        known, _ = early.parse_known_args(argv)
-    except argparse.ArgumentError:  # a malformed --tp: the full parser says so
-        return
-    if known.tp and known.tp > 1 and known.loader in (None, "kestrel") and not launched_rank():
-        spawned.prestart(known.tp)
+        early_ranks.discard()  # ranks started for a load that never took them
 
 
 def _main(argv: list[str] | None) -> int:
-    _prestart_ranks(sys.argv[1:] if argv is None else argv)
+    # --tp N: the other ranks start now, before this process imports torch (building the
+    # parser below lists the loaders, which imports it), so that their start-up runs beside
+    # this one's.
+    early_ranks.prestart_from_argv(sys.argv[1:] if argv is None else argv)
     from loader.hub import resolve_model
     from loader.kestrel_loader import serve_tensor_parallel_rank
 

@@ -38,8 +38,15 @@ ONE_SHOT_MAX_BYTES = 256 << 10
 # What the symmetric-memory set-up imports on first use: its pool's shape check goes
 # through torch._check, which imports torch.fx's symbolic shapes and with them sympy (2.1 to
 # 2.5 s of a TP load on a 2xH100 host, most of it compiling sympy where no bytecode cache
-# was written). preimport_symmetric_memory starts that in a thread when a rank begins its
-# load, so that it runs beside the weight reads instead of after them.
+# was written). preimport_symmetric_memory starts that in a thread where the rank would
+# otherwise wait (for its spec, for the other ranks, in the group's rendezvous), never
+# beside the weight reads: while a thread imports, every torch call of the reading thread
+# gives up the GIL and waits for it again behind the import (a torch op releases it; the
+# importer only yields it every switch interval), so the reads and cuts all but stop for
+# the whole import. On the CPU, 3000 small torch ops took 0.23 s beside a 0.22 s import of
+# sympy instead of 0.013 alone, and a 2-layer 70B shard's load 3.3-3.7 s instead of 2.7-2.9;
+# on 2x H100 the cut plan, the first torch work of a rank's read, took 1.4-2.7 s where the
+# CPU needs 0.1 (issue 33).
 _SYMMETRIC_MEMORY_IMPORTS = (
     "torch.distributed._symmetric_memory",
     "torch.fx.experimental.symbolic_shapes",
@@ -47,8 +54,39 @@ _SYMMETRIC_MEMORY_IMPORTS = (
 _preimport: threading.Thread | None = None
 
 
+# Whether this process has set up symmetric memory for a TP launch. Rank 0 is the caller's
+# own process and outlives a TP model; on 2x H100 (torch 2.11) its second launch hung in
+# symmetric memory's rendezvous, every rank waiting for the others, whether the launch
+# registered under the default group's name or under a name of its own (the spawned ranks
+# are new processes each time). So a process sets it up once; its later launches (unload,
+# then load again in the same process) use NCCL for these messages, a few per cent slower
+# at batch-1 decode. torchrun's ranks launch once and are not affected.
+_symmetric_memory_set_up = False
+
+
 def _uses_symmetric_memory(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("KESTREL_TP_ALLREDUCE") != "nccl"
+
+
+def symmetric_memory_allowed() -> bool:
+    """Whether a TP launch in this process may still set up symmetric memory (see
+    _symmetric_memory_set_up): not if an earlier launch here did."""
+    return not _symmetric_memory_set_up
+
+
+def symmetric_memory_agreed(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether every rank of the launch may set up symmetric memory: the new ranks always
+    may, rank 0 (the caller's process) only on its first launch, and all of them must take
+    the same path or the set-up's rendezvous would wait forever. A collective."""
+    allowed = torch.tensor([1 if symmetric_memory_allowed() else 0], device=device)
+    dist.all_reduce(allowed, op=dist.ReduceOp.MIN, group=group)
+    return bool(allowed.item())
+
+
+def note_symmetric_memory_set_up() -> None:
+    """Record that this process has set up symmetric memory for a TP launch."""
+    global _symmetric_memory_set_up
+    _symmetric_memory_set_up = True
 
 
 def preimport_symmetric_memory(device: torch.device) -> None:
@@ -70,6 +108,14 @@ def preimport_symmetric_memory(device: torch.device) -> None:
     _preimport.start()
 
 
+def finish_symmetric_memory_imports(device: torch.device) -> None:
+    """Import what the symmetric-memory set-up needs now, or wait for the thread
+    preimport_symmetric_memory started (nothing where it is not used)."""
+    preimport_symmetric_memory(device)
+    if _preimport is not None:
+        _preimport.join()
+
+
 class GroupAllReduce:
     """Sums tensors over a process group; built once per rank, shared by its linears."""
 
@@ -78,6 +124,13 @@ class GroupAllReduce:
         self.buffer: torch.Tensor | None = None
         self.group_name = ""
         if not _uses_symmetric_memory(device):
+            return
+        if not symmetric_memory_agreed(group, device):
+            log.warning(
+                "tensor parallel: this process set up symmetric memory for an earlier TP "
+                "launch and cannot do it again; small all-reduces use NCCL (start a new "
+                "process for the faster path)"
+            )
             return
         if _preimport is not None:
             _preimport.join()
@@ -97,6 +150,7 @@ class GroupAllReduce:
                 error,
             )
             return
+        note_symmetric_memory_set_up()
         self.buffer, self.group_name = buffer, name
 
     @property

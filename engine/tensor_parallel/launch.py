@@ -24,6 +24,7 @@ import queue
 import signal
 import socket
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from pathlib import Path
@@ -37,6 +38,7 @@ from engine.cache import PagedKVCache
 from engine.config import ModelConfig
 from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
 from engine.loading import resolve_device, resolve_dtype
+from engine.tensor_parallel.all_reduce import preimport_symmetric_memory
 from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.launched import LaunchedRank, launched_rank
 from engine.tensor_parallel.leave import ServingRank, abandon_group, leave_group
@@ -92,6 +94,20 @@ def launch_tensor_parallel(
                 f"tp={world_size} asked for, but torchrun started {launched.world_size} "
                 "ranks (WORLD_SIZE)"
             )
+    try:
+        _refuse_options(options, world_size)
+    except BaseException:
+        discard_prestarted()  # ranks the caller started for this launch
+        raise
+    os.environ.update(NCCL_ENV)  # inherited by ranks spawned now, set before NCCL init
+    spawned: SpawnedRanks | None = None
+    if launched is None:
+        # First of all (before the config, the tokenizer and the weights): a new rank takes
+        # seconds to start and import torch and the engine, and everything rank 0 does
+        # before its own reads is time the ranks' start-up can hide behind. Ranks
+        # prestarted by the caller (spawned.prestart) are taken as they are.
+        with phases.phase("spawn ranks"):
+            spawned = take_ranks(world_size)
     store: Store | None = None
     with phases.phase("shard spec"):
         try:
@@ -101,29 +117,35 @@ def launch_tensor_parallel(
                 model_dir, options, world_size, launched, phases.origin
             )
         except BaseException as e:
-            discard_prestarted()  # ranks the caller started for this launch
+            if spawned is not None:
+                spawned.stop()  # waiting for a spec that never comes: end them now
             if store is not None:  # torchrun's other ranks wait for the spec: say why not
                 publish_spec(store, None, f"{type(e).__name__}: {e}")
             raise
     if store is not None:
         publish_spec(store, spec)  # the ranks torchrun started load with exactly this
-    os.environ.update(NCCL_ENV)  # inherited by ranks spawned now, set before NCCL init
-    spawned: SpawnedRanks | None = None
-    if launched is None:
-        # First, before the tokenizer: a new rank takes seconds to start and import torch.
-        # Ranks prestarted by the caller (spawned.prestart) have done so already.
-        with phases.phase("spawn ranks"):
-            spawned = take_ranks(world_size)
     workers: list[BaseProcess] = spawned.processes if spawned is not None else []
     reports: Queue[tuple[int, str | None]] | None = spawned.reports if spawned else None
     try:
         if spawned is not None:
             spawned.send_spec(spec)
-        with phases.phase("tokenizer"):
-            tokenizer = Tokenizer.from_dir(model_dir)
+        tokenizers: list[Tokenizer] = []
+
+        def load_tokenizer() -> None:
+            with phases.phase("tokenizer"):
+                tokenizers.append(Tokenizer.from_dir(model_dir))
+
+        if launched is not None:
+            # Before the load: a failure after it would leave torchrun's other ranks waiting
+            # in the rendezvous, and they would not know why.
+            load_tokenizer()
         # Every rank loads its shard before joining the group: this one reads while the
-        # ranks it spawned still start up and import.
-        model, cache, channel = _load_then_join(spec, 0, phases, workers, reports, store)
+        # ranks it spawned still start up and import, and loads the tokenizer (a fifth of a
+        # second) once it waits for them, not before its reads.
+        model, cache, channel = _load_then_join(
+            spec, 0, phases, workers, reports, store, load_tokenizer if launched is None else None
+        )
+        tokenizer = tokenizers[0]
         graphs = finish_rank(model, cache, spec, 0, phases)
         with phases.phase("exchange reports"):
             memory, load_phases = exchange_rank_reports(
@@ -164,15 +186,8 @@ def launch_tensor_parallel(
     return engine
 
 
-def _shard_spec(
-    model_dir: Path,
-    options: EngineOptions,
-    world_size: int,
-    launched: LaunchedRank | None,
-    started_at: float,
-) -> tuple[ShardSpec, ModelConfig, int]:
-    """What every rank builds its shard from, checked. Only rank 0 computes it; under
-    torchrun the other ranks receive it (shared_spec.py says why)."""
+def _refuse_options(options: EngineOptions, world_size: int) -> None:
+    """What no tensor-parallel launch can do, known before any rank is started."""
     if world_size < 2:
         raise TensorParallelError(f"tensor parallelism needs 2 or more ranks, got {world_size}")
     if options.gpu_split or options.autosplit or options.cpu_offload:
@@ -189,6 +204,17 @@ def _shard_spec(
             f"cache_type '{options.cache_type}' is not supported yet "
             f"(available: {', '.join(CACHE_TYPES)})"
         )
+
+
+def _shard_spec(
+    model_dir: Path,
+    options: EngineOptions,
+    world_size: int,
+    launched: LaunchedRank | None,
+    started_at: float,
+) -> tuple[ShardSpec, ModelConfig, int]:
+    """What every rank builds its shard from, checked. Only rank 0 computes it; under
+    torchrun the other ranks receive it (shared_spec.py says why)."""
     config = ModelConfig.from_dir(model_dir)
     if config.num_key_value_heads % world_size or config.num_attention_heads % world_size:
         raise TensorParallelError(
@@ -271,13 +297,19 @@ def _load_then_join(
     workers: list[BaseProcess],
     reports: Queue[tuple[int, str | None]] | None,
     store: Store | None = None,
+    while_waiting: Callable[[], None] | None = None,
 ) -> tuple[CausalLM, PagedKVCache, Channel]:
     """This rank's shard and cache, then the group, once every rank has loaded: spawned
     ranks say so on `reports` before they join (one that failed never joins, and rank 0
     must not wait for it in the rendezvous); torchrun's ranks all join and exchange their
-    outcome, so that all of them raise if one failed."""
+    outcome, so that all of them raise if one failed. `while_waiting`: rank 0's own work
+    that can wait until its shard is read (spawned ranks only), done before it waits."""
     if reports is not None:
         model, cache, _ = load_rank(spec, rank, phases)
+        # While this rank waits for the others (all_reduce.py says why not during the reads).
+        preimport_symmetric_memory(spec.device(rank))
+        if while_waiting is not None:
+            while_waiting()
         with phases.phase("wait for ranks"):
             _wait_ready(workers, reports)
         with phases.phase("join group"):
@@ -287,6 +319,7 @@ def _load_then_join(
         model, cache, _ = load_rank(spec, rank, phases)
     except Exception as e:
         error = e
+    preimport_symmetric_memory(spec.device(rank))  # beside the rendezvous's wait
     with phases.phase("join group"):
         channel = init_rank(spec, rank, store)
     with phases.phase("wait for ranks"):

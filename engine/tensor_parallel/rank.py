@@ -33,7 +33,11 @@ from engine.loading import DTYPES, load_causal_lm
 from engine.placement import Placement
 from engine.placement.footprint import model_footprint
 from engine.tensor_parallel import protocol
-from engine.tensor_parallel.all_reduce import GroupAllReduce, preimport_symmetric_memory
+from engine.tensor_parallel.all_reduce import (
+    GroupAllReduce,
+    finish_symmetric_memory_imports,
+    preimport_symmetric_memory,
+)
 from engine.tensor_parallel.cut_load import RankCuts
 from engine.tensor_parallel.leave import ServingRank, leave_group
 from engine.tensor_parallel.load_phases import LoadPhases
@@ -144,9 +148,8 @@ def load_rank(
     ones already started read while the others still start up."""
     use_rank_device(spec, rank)
     device = spec.device(rank)
-    # torch's symmetric memory pulls in sympy on first use (2.1 s of an 8B TP load on
-    # 2xH100): imported beside the weight reads, done by the all-reduce set-up.
-    preimport_symmetric_memory(device)
+    # Nothing is imported in a thread from here on: it would stall the reads (all_reduce.py's
+    # preimport_symmetric_memory says why); the ranks start those imports where they wait.
     with phases.phase("staging plan"):
         config = ModelConfig.from_dir(spec.model_dir)
         dtype = DTYPES[spec.dtype]
@@ -198,6 +201,8 @@ def finish_rank(
     """After joining the group, at the same point on every rank (the all-reduce's set-up
     is a collective): the all-reduces, and the decode graphs' holder."""
     device = spec.device(rank)
+    with phases.phase("symmetric-memory imports"):  # started where the rank waited, if it did
+        finish_symmetric_memory_imports(device)
     with phases.phase("all-reduce set-up"):
         use_all_reduce(model, GroupAllReduce(None, device))
     if spec.cuda_graphs and device.type == "cuda":
@@ -363,6 +368,8 @@ def worker_main(
     except Exception as e:  # noqa: BLE001 - the message goes back to rank 0
         reports.put((rank, f"{type(e).__name__}: {e}"))
         return
+    # Beside the report and the rendezvous: this rank waits there if rank 0 is not done.
+    preimport_symmetric_memory(spec.device(rank))
     reports.put((rank, None))
     try:
         with phases.phase("join group"):

@@ -91,6 +91,11 @@ def prestart(world_size: int) -> None:
         _prestarted = spawn_ranks(world_size)
 
 
+def has_prestarted() -> bool:
+    """Whether ranks started by `prestart` wait for a launch to take them."""
+    return _prestarted is not None
+
+
 def discard_prestarted() -> None:
     """Stop prestarted ranks that no launch took (the load failed or went another way)."""
     global _prestarted
@@ -148,6 +153,12 @@ def rank_main(
         reports.join_thread()
         raise
     imported = time.time()
+    if not specs.poll():
+        # Rank 0 has not sent the spec yet (it started this rank ahead of its own imports):
+        # the symmetric-memory imports run now, while this rank waits, not later beside its
+        # reads (all_reduce.py's preimport_symmetric_memory says why). On a CUDA build of
+        # torch the ranks are GPUs' (a gloo run on such a machine imports them for nothing).
+        _preimport_on_cuda_builds()
     try:
         spec = specs.recv()
     except EOFError:  # rank 0 stopped before sending it (its launch failed, or it exited)
@@ -159,3 +170,12 @@ def rank_main(
     phases.add("import", entered, imported)
     phases.add("wait for spec", imported, time.time())
     worker_main(rank, spec, reports, phases)
+
+
+def _preimport_on_cuda_builds() -> None:
+    import torch
+
+    from engine.tensor_parallel.all_reduce import preimport_symmetric_memory
+
+    if torch.version.cuda is not None:
+        preimport_symmetric_memory(torch.device("cuda"))

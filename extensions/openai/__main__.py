@@ -25,6 +25,7 @@ from types import FrameType
 import loader
 from extensions.openai.load_defaults import with_cache_default
 from extensions.openai.server import run_api_server
+from loader import early_ranks
 from loader.hub import resolve_model
 from loader.manager import ModelManager, UnknownNameError
 from loader.placement_args import add_placement_arguments, placement_options
@@ -141,6 +142,16 @@ def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # --model with --tp N: the other ranks start first, so that their start-up (seconds of
+    # imports) runs beside this process's port check, model resolution and load set-up.
+    early_ranks.prestart_from_argv(sys.argv[1:] if argv is None else argv, model_flag="--model")
+    try:
+        return _main(argv)
+    finally:
+        early_ranks.discard()  # ranks that no load took (it failed, or went another way)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     launched = launched_rank()

@@ -59,7 +59,7 @@ def test_prestarted_ranks_serve_the_launch_and_every_rank_reports_its_phases(mix
             # every rank read its shard through the weight files' reads
             assert 0 < report["weight_bytes_kept"] <= report["file_bytes_read"]
             assert report["read_calls"] > 0
-        assert _names(zero)[:3] == ["shard spec", "spawn ranks", "tokenizer"]
+        assert _names(zero)[:3] == ["spawn ranks", "shard spec", "staging plan"]
         assert _names(one)[:3] == ["process start", "import", "wait for spec"]
         # Rank 1 began before the launch did (its times count from the launch's start),
         # and had imported torch and the engine before it was given its spec.
