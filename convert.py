@@ -16,7 +16,9 @@ import argparse
 import sys
 
 from engine.quantizer import ConvertError, ConvertOptions, convert
-from engine.quantizer.pipeline import DEFAULT_ROWS, FAST_ROWS
+from engine.quantizer.gptq import DEFAULT_DAMP
+from engine.quantizer.optimize import DEFAULT_NORM
+from engine.quantizer.pipeline import DEFAULT_ROWS, FAST_ROWS, MAX_NORM, MIN_NORM
 
 
 def _rows_text(table: dict[str, tuple[int, int, int, int]], device: str) -> str:
@@ -67,6 +69,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument(
+        "-d",
+        "--damp",
+        type=float,
+        default=DEFAULT_DAMP,
+        help="GPTQ damping, a fraction of the Hessian's mean diagonal added to it (default "
+        f"{DEFAULT_DAMP:g}; exllamav2 uses 0.12). More damping trusts the calibration "
+        "inputs' correlations less. With -m it applies to the quantization pass only",
+    )
+    p.add_argument(
+        "--error_norm",
+        type=float,
+        default=DEFAULT_NORM,
+        help="the bit allocation minimizes the sum of the measured module errors to this "
+        f"power (default {DEFAULT_NORM:g}, the total noise; {MIN_NORM:g}-{MAX_NORM:g}). Higher "
+        "values weigh the worst modules more and spread the bits more evenly, a hedge "
+        "when the calibration text differs from what the model will read",
+    )
+    p.add_argument(
         "--rtn",
         action="store_true",
         help="round to nearest instead of GPTQ, same bit allocation (a baseline to compare)",
@@ -97,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         progress=not args.quiet,
         rtn=args.rtn,
+        damp=args.damp,
+        error_norm=args.error_norm,
         threads=args.threads,
     )
     try:

@@ -43,6 +43,7 @@ from engine.config import ConfigError, ModelConfig
 from engine.cpu_threads import cpu_threads
 from engine.loading import resolve_device
 from engine.quantizer import calibration as cal
+from engine.quantizer.gptq import DEFAULT_DAMP
 from engine.quantizer.job import Job, JobMismatchError, atomic_write_text
 from engine.quantizer.measure import gptq_runs, measure_layer
 from engine.quantizer.model import (
@@ -51,7 +52,7 @@ from engine.quantizer.model import (
     UnsupportedModelError,
     supported_for_conversion,
 )
-from engine.quantizer.optimize import BudgetError
+from engine.quantizer.optimize import DEFAULT_NORM, BudgetError
 from engine.quantizer.profiles import HEAD_PROFILES
 from engine.quantizer.quantize import (
     quantize_head,
@@ -77,6 +78,8 @@ Measurement = dict[str, Any]
 
 QUANTIZER_VERSION = "kestrel-0.1.0"
 MIN_BITS, MAX_BITS = 2.0, 8.0
+MAX_DAMP = 10.0  # beyond this GPTQ is rounding to nearest with extra steps
+MIN_NORM, MAX_NORM = 1.0, 16.0  # 16: the largest error alone decides, for any practical table
 # (rows, length, measure rows, measure length) per device. The defaults put quality first;
 # `fast` is the earlier default, for quick tries (SmolLM2-135M in about 8 minutes on two
 # loaded CPU cores). Issue 29's measurements (README, "Quantize a model"): the mixed
@@ -114,7 +117,11 @@ class ConvertOptions:
     fast: bool = False  # FAST_ROWS instead of DEFAULT_ROWS where rows/lengths are not given
     resume: bool = True
     device: str | None = None
-    damp: float = 0.1
+    # GPTQ damping: this fraction of the Hessian's mean diagonal is added to its diagonal
+    # (measuring and quantizing; a reused measurement keeps the damping it was made with).
+    damp: float = DEFAULT_DAMP
+    # The bit allocation minimizes Σ err^error_norm over the measured modules (optimize.py).
+    error_norm: float = DEFAULT_NORM
     rtn: bool = False  # round to nearest instead of GPTQ (a baseline for comparisons)
     shard_mb: int = 8192
     progress: bool = True
@@ -179,6 +186,9 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         "rtn": options.rtn,
         "score_tokens": _score_tokens(options, device),
     }
+    if options.error_norm != DEFAULT_NORM:
+        # Only when set: an OUT.partial from before the option existed still resumes.
+        settings["error_norm"] = options.error_norm
     try:
         job = Job.open(partial, settings, resume=options.resume)
     except JobMismatchError as e:
@@ -239,6 +249,12 @@ def _check_options(o: ConvertOptions) -> None:
         raise ConvertError("pass either a measurement to reuse (-m) or one to save (-om)")
     if o.measure_only and not o.measurement_out:
         raise ConvertError("measure_only needs measurement_out, the file to save it in")
+    if not isinstance(o.damp, (int, float)) or not 0 < float(o.damp) <= MAX_DAMP:
+        raise ConvertError(f"damping must lie in (0, {MAX_DAMP:g}], got {o.damp}")
+    if not isinstance(o.error_norm, (int, float)) or not MIN_NORM <= o.error_norm <= MAX_NORM:
+        raise ConvertError(
+            f"the error norm must lie in {MIN_NORM:g}-{MAX_NORM:g}, got {o.error_norm}"
+        )
     if o.shard_mb <= 0:
         raise ConvertError(f"shard size must be positive, got {o.shard_mb} MB")
     if o.threads is not None and (not isinstance(o.threads, int) or o.threads <= 0):
@@ -381,9 +397,16 @@ def _run(
 
     # -- optimize ----------------------------------------------------------------------
     if job.get("strategy") is None:
-        strategy, predicted, objective = choose_strategy(lm, measurement, float(s["bits"]))
+        norm = float(s.get("error_norm", DEFAULT_NORM))
+        strategy, predicted, objective = choose_strategy(
+            lm, measurement, float(s["bits"]), error_norm=norm
+        )
         job.update(strategy=strategy, predicted_bpw=predicted)
-        _say(o, f"strategy: {predicted:.4f} bpw for the decoder, Σ err² {objective:.5f}")
+        _say(
+            o,
+            f"strategy: {predicted:.4f} bpw for the decoder, Σ err² {objective:.5f} "
+            f"(minimizing Σ err^{norm:g})",
+        )
     strategy = job.get("strategy")
 
     # -- quantize ----------------------------------------------------------------------

@@ -55,6 +55,11 @@ FLAG_CASES = [
     ("length-negative", ["-b", "4", "-l", "-64"], r"length must be a positive integer, got -64"),
     ("shard-size-zero", ["-b", "4", "-ss", "0"], r"shard size must be positive, got 0 MB"),
     ("device-nonsense", ["-b", "4", "--device", "tpu"], r"device 'tpu' is not supported"),
+    ("damp-zero", ["-b", "4", "-d", "0"], r"damping must lie in \(0, 10\], got 0\.0"),
+    ("damp-nan", ["-b", "4", "--damp", "nan"], r"damping must lie in \(0, 10\], got nan"),
+    ("damp-text", ["-b", "4", "-d", "high"], r"argument -d/--damp: invalid float value"),
+    ("norm-below-one", ["-b", "4", "--error_norm", "0.5"], r"error norm must lie in 1-16"),
+    ("norm-inf", ["-b", "4", "--error_norm", "inf"], r"error norm must lie in 1-16, got inf"),
     ("measure-both-ways", ["-b", "4", "-m", "a.json", "-om", "b.json"], r"either a measurement"),
 ]
 

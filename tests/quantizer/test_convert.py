@@ -329,7 +329,8 @@ def test_fast_scale_fit_matches_converter_fit():
         assert torch.equal(ref[1], fast[1])
 
 
-def test_allocation_is_optimal_under_budget():
+@pytest.mark.parametrize("norm", [2.0, 1.0, 3.5])
+def test_allocation_is_optimal_under_budget(norm):
     import itertools
     import random
 
@@ -341,15 +342,50 @@ def test_allocation_is_optimal_under_budget():
         ]
         low = sum(min(b for b, _ in s) for s in slots)
         budget = rng.randint(low, low + 100)
-        choice = allocate(slots, budget, resolution=budget)
+        choice = allocate(slots, budget, resolution=budget, norm=norm)
         cost = sum(slots[s][j][0] for s, j in enumerate(choice))
-        value = sum(slots[s][j][1] ** 2 for s, j in enumerate(choice))
+        value = sum(slots[s][j][1] ** norm for s, j in enumerate(choice))
         best = min(
-            sum(slots[s][j][1] ** 2 for s, j in enumerate(c))
+            sum(slots[s][j][1] ** norm for s, j in enumerate(c))
             for c in itertools.product(*(range(len(s)) for s in slots))
             if sum(slots[s][j][0] for s, j in enumerate(c)) <= budget
         )
         assert cost <= budget and value == pytest.approx(best)
+
+
+def test_a_higher_error_norm_evens_out_the_errors():
+    # One bit to give: to A (errors 0.45 and 0.5, Σ² 0.4525) or to B (0.6 and 0, Σ² 0.36).
+    # The noise power (norm 2) wants B; norm 4 the smaller largest error, A.
+    slots = [[(1, 0.6), (2, 0.45)], [(1, 0.5), (2, 0.0)]]
+    assert allocate(slots, 3, resolution=3) == [0, 1]
+    assert allocate(slots, 3, resolution=3, norm=4.0) == [1, 0]
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="error norm"):
+            allocate(slots, 3, norm=bad)
+
+
+def test_error_norm_and_damp_reach_the_conversion(converted, tiny, tmp_path):
+    """The strategy a conversion records is the one its error norm chooses (at a width
+    where norms 2 and 16 choose differently), and both options are in its settings."""
+    from engine.quantizer.model import LayerwiseModel
+    from engine.quantizer.strategy import choose_strategy
+
+    _, meas = converted
+    measurement = json.loads(meas.read_text())
+    lm = LayerwiseModel(tiny, device=torch.device("cpu"), dtype=torch.float32)
+    widths = [b / 4 for b in range(12, 32)]  # 3.0-7.75: the tiny shapes need 2.73 at least
+    bits = next(
+        b
+        for b in widths
+        if choose_strategy(lm, measurement, b)[0]
+        != choose_strategy(lm, measurement, b, error_norm=16.0)[0]
+    )
+    out = tmp_path / "norm16"
+    opts = _options(bits, measurement_in=meas, error_norm=16.0, damp=0.25, stop_after_layers=1)
+    assert not convert(tiny, out, opts).finished
+    job = json.loads((tmp_path / "norm16.partial" / "job.json").read_text())
+    assert job["state"]["strategy"] == choose_strategy(lm, measurement, bits, error_norm=16.0)[0]
+    assert job["settings"]["error_norm"] == 16.0 and job["settings"]["damp"] == 0.25
 
 
 def test_head_profiles_cover_exllamav2_head_bits():
