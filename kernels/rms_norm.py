@@ -41,7 +41,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rows up to this many elements are held in registers (one read of x); longer rows loop over
 # D twice (sum of squares, then scale) and read x twice. 16384 covers every common hidden
 # size, including Llama-3-405B's.
-_MAX_SINGLE_PASS_D = 16384
+MAX_SINGLE_PASS_D = 16384
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -177,9 +177,12 @@ def _rms_norm_kernel(
 _INTERPRETED = is_interpreted(_rms_norm_kernel)
 
 
-def _num_warps(block_d: int) -> int:
-    # About 16 row elements per thread (32 for the widest single-pass rows): the row stays in
-    # registers without spills, and short rows don't leave most of a program's threads idle.
+def norm_num_warps(block_d: int) -> int:
+    """Warps for a norm program over rows of block_d elements (kernels/tp_all_reduce.py
+    launches its fused norm with the same, so both give the same bits).
+
+    About 16 row elements per thread (32 for the widest single-pass rows): the row stays in
+    registers without spills, and short rows don't leave most of a program's threads idle."""
     return max(1, min(16, block_d // 512))
 
 
@@ -194,7 +197,7 @@ def _launch(
 ) -> None:
     # x2d [N, D] (and residual2d) with unit last-dim stride; rows may be strided.
     D = x2d.shape[1]
-    single_pass = D <= _MAX_SINGLE_PASS_D
+    single_pass = D <= MAX_SINGLE_PASS_D
     block_d = triton.next_power_of_2(D) if single_pass else 4096
     has_residual = residual2d is not None
     # Without a residual the kernel never touches those pointers; pass x and out again.
@@ -220,7 +223,7 @@ def _launch(
             BLOCK_D=block_d,
             N_BLOCKS=triton.cdiv(D, block_d),
             EMULATE_BF16=_INTERPRETED,
-            num_warps=_num_warps(block_d),
+            num_warps=norm_num_warps(block_d),
             USE_PDL=pdl,
             launch_pdl=pdl,
         )

@@ -65,10 +65,10 @@ from kernels.backend import (
     pdl_wait,
     programmatic_launch,
 )
-from kernels.rms_norm import _MAX_SINGLE_PASS_D, _num_warps, rms_norm_row
+from kernels.rms_norm import MAX_SINGLE_PASS_D, norm_num_warps, rms_norm_row
 
 # Rows held in registers as the norm kernel holds them (one program per row, single pass).
-MAX_FUSED_D = _MAX_SINGLE_PASS_D
+MAX_FUSED_D = MAX_SINGLE_PASS_D
 
 
 @dataclass(frozen=True)
@@ -245,7 +245,7 @@ def _launch(
             EMULATE_BF16=_INTERPRETED,
             USE_PDL=pdl,
             MAX_SPINS=max_spins,
-            num_warps=_num_warps(block_d),
+            num_warps=norm_num_warps(block_d),
             launch_pdl=pdl,
         )
 

@@ -69,10 +69,7 @@ class TensorParallelRunner(ModelRunner):
                 stopped = True
             except (RuntimeError, ValueError):
                 pass  # a rank is gone already: the others are stopped below
-        graphs = self.graphs
-        if graphs is not None and graphs.drop_lora_graphs in self.loras.listeners:
-            self.loras.listeners.remove(graphs.drop_lora_graphs)
-        del graphs
+        self.stop_lora_graph_listener()
         report = released_graphs(self)
         super().release()
         if dist.is_initialized():

@@ -23,6 +23,7 @@ comparisons); KESTREL_TP_ALLREDUCE=nccl turns all of symmetric memory off.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -119,9 +120,7 @@ class SiteAllReduce:
         """The site's float32 slice viewed as `shape` ([..., hidden]) for the GEMV's partial,
         or None where these rows don't fit (the caller takes another path)."""
         hidden = shape[-1]
-        rows = 1
-        for n in shape[:-1]:
-            rows *= n
+        rows = math.prod(shape[:-1])
         if not self.buffers.fits(rows, hidden):
             return None
         return self.buffers.site_slice(site, rows, hidden).view(shape)
