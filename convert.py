@@ -87,6 +87,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "when the calibration text differs from what the model will read",
     )
     p.add_argument(
+        "--error_reference",
+        choices=("layer", "module"),
+        default="layer",
+        help="what a measured module's output error is divided by: the residual stream after "
+        "the whole layer (layer, the default) or right after that module (module, as "
+        "exllamav2 does: an attention is judged against the stream it writes into, not "
+        "against the MLP's output that follows it). Measuring only, so not with -m",
+    )
+    p.add_argument(
+        "--heldout_scoring",
+        "--heldout-scoring",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="score each measured candidate on the last fraction F of the measuring rows, "
+        "with its GPTQ Hessian from the rows before them, so that the allocation does not "
+        "favour what fits the calibration text itself (0 < F < 1, e.g. 0.5; default 0: "
+        "Hessians and scores from every row, as exllamav2). Measuring only, so not with -m",
+    )
+    p.add_argument(
         "--rtn",
         action="store_true",
         help="round to nearest instead of GPTQ, same bit allocation (a baseline to compare)",
@@ -119,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         rtn=args.rtn,
         damp=args.damp,
         error_norm=args.error_norm,
+        error_reference=args.error_reference,
+        heldout=args.heldout_scoring,
         threads=args.threads,
     )
     try:

@@ -388,6 +388,62 @@ def test_error_norm_and_damp_reach_the_conversion(converted, tiny, tmp_path):
     assert job["settings"]["error_norm"] == 16.0 and job["settings"]["damp"] == 0.25
 
 
+def _first_layer_measurement(tiny: Path, out: Path, **kw) -> dict:
+    """The job of a measurement stopped after layer 0: {"settings", "state"}."""
+    opts = _options(4.0, measurement_out=out.with_suffix(".json"), measure_only=True, **kw)
+    assert not convert(
+        tiny, out, ConvertOptions(**{**opts.__dict__, "stop_after_layers": 1})
+    ).finished
+    return json.loads((out.with_name(out.name + ".partial") / "job.json").read_text())
+
+
+def test_error_reference_and_heldout_reach_the_measurement(converted, tiny, tmp_path):
+    """Each option changes the errors it should (against the shared measurement, made with
+    the defaults on the same rows), is recorded in the measurement and the job's settings,
+    and a resume with the other value is refused."""
+    _, meas = converted
+    shared = json.loads(meas.read_text())
+    assert shared["scoring"] == {"error_reference": "layer", "heldout": 0.0, "hessian_rows": 4,
+                                 "scored_rows": 4, "damp": 0.1}  # fmt: skip
+    base = shared["layers"][0]
+
+    job = _first_layer_measurement(tiny, tmp_path / "module", error_reference="module")
+    assert job["settings"]["error_reference"] == "module" and "heldout" not in job["settings"]
+    got = job["state"]["measurement"]
+    assert got["scoring"]["error_reference"] == "module"
+    # The MLP is judged against the layer's output either way; the attention is not.
+    assert got["layers"][0]["mlp"] == base["mlp"]
+    assert all(
+        a["err"] != b["err"] for a, b in zip(got["layers"][0]["attn"], base["attn"], strict=True)
+    )
+    with pytest.raises(ConvertError, match=r"\(error_reference\).*-nr"):
+        _first_layer_measurement(tiny, tmp_path / "module")
+
+    job = _first_layer_measurement(tiny, tmp_path / "held", heldout=0.5)
+    assert job["settings"]["heldout"] == 0.5 and "error_reference" not in job["settings"]
+    got = job["state"]["measurement"]
+    assert got["scoring"] == {"error_reference": "layer", "heldout": 0.5, "hessian_rows": 2,
+                              "scored_rows": 2, "damp": 0.1}  # fmt: skip
+    for kind in ("attn", "mlp"):
+        assert all(
+            a["err"] != b["err"] for a, b in zip(got["layers"][0][kind], base[kind], strict=True)
+        )
+    with pytest.raises(ConvertError, match=r"\(heldout\).*-nr"):
+        _first_layer_measurement(tiny, tmp_path / "held", heldout=0.25)
+
+
+def test_a_measurement_without_scoring_settings_still_serves(converted, tiny, tmp_path):
+    """Files written before the measurement recorded how it scored (the shipped SmolLM2
+    one, loader/data, among them) still load and convert."""
+    _, meas = converted
+    old = json.loads(meas.read_text())
+    del old["scoring"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    opts = _options(4.0, measurement_in=path, stop_after_layers=1)
+    assert convert(tiny, tmp_path / "out", opts).quantized_now == [0]
+
+
 def test_head_profiles_cover_exllamav2_head_bits():
     assert sorted(HEAD_PROFILES) == [2, 3, 4, 5, 6, 8]
 
