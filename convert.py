@@ -16,7 +16,9 @@ import argparse
 import sys
 
 from engine.quantizer import ConvertError, ConvertOptions, convert
-from engine.quantizer.pipeline import DEFAULT_ROWS, FAST_ROWS
+from engine.quantizer.gptq import DEFAULT_DAMP
+from engine.quantizer.optimize import DEFAULT_NORM
+from engine.quantizer.pipeline import DEFAULT_ROWS, FAST_ROWS, MAX_NORM, MIN_NORM
 
 
 def _rows_text(table: dict[str, tuple[int, int, int, int]], device: str) -> str:
@@ -67,6 +69,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     p.add_argument(
+        "-d",
+        "--damp",
+        type=float,
+        default=DEFAULT_DAMP,
+        help="GPTQ damping, a fraction of the Hessian's mean diagonal added to it (default "
+        f"{DEFAULT_DAMP:g}; exllamav2 uses 0.12). More damping trusts the calibration "
+        "inputs' correlations less. With -m it applies to the quantization pass only",
+    )
+    p.add_argument(
+        "--error_norm",
+        type=float,
+        default=DEFAULT_NORM,
+        help="the bit allocation minimizes the sum of the measured module errors to this "
+        f"power (default {DEFAULT_NORM:g}, the total noise; {MIN_NORM:g}-{MAX_NORM:g}). Higher "
+        "values weigh the worst modules more and spread the bits more evenly, a hedge "
+        "when the calibration text differs from what the model will read",
+    )
+    p.add_argument(
+        "--error_reference",
+        choices=("layer", "module"),
+        default="layer",
+        help="what a measured module's output error is divided by: the residual stream after "
+        "the whole layer (layer, the default) or right after that module (module, as "
+        "exllamav2 does: an attention is judged against the stream it writes into, not "
+        "against the MLP's output that follows it). Measuring only, so not with -m",
+    )
+    p.add_argument(
+        "--heldout_scoring",
+        "--heldout-scoring",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="score each measured candidate on the last fraction F of the measuring rows, "
+        "with its GPTQ Hessian from the rows before them, so that the allocation does not "
+        "favour what fits the calibration text itself (0 < F < 1, e.g. 0.5; default 0: "
+        "Hessians and scores from every row, as exllamav2). Measuring only, so not with -m",
+    )
+    p.add_argument(
         "--rtn",
         action="store_true",
         help="round to nearest instead of GPTQ, same bit allocation (a baseline to compare)",
@@ -97,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         progress=not args.quiet,
         rtn=args.rtn,
+        damp=args.damp,
+        error_norm=args.error_norm,
+        error_reference=args.error_reference,
+        heldout=args.heldout_scoring,
         threads=args.threads,
     )
     try:

@@ -1,23 +1,39 @@
 """Measurement: how much error each candidate bit mix of a module puts into the residual
 stream, layer by layer, with unquantized states fed forward (as exllamav2 measures).
 
-    out_states, record = measure_layer(runner, i, states, scale_search="coarse")
+    out_states, record = measure_layer(runner, i, states, scale_search="coarse",
+                                       error_reference="layer", heldout=0.0)
 
 For each module of the layer (attention, MLP) and each `ModuleCandidate` of its table,
 every linear is GPTQ-quantized at the candidate's profile (each (linear, profile) once,
 all profiles of a linear in one sweep: gptq.gptq_quantize_many),
 the module is run on its calibration inputs, and the candidate is scored
 
-    err = sqrt(mean over tokens t of ‖y_cand[t] − y_ref[t]‖² / ‖h_out[t]‖²)
+    err = sqrt(mean over tokens t of ‖y_cand[t] − y_ref[t]‖² / ‖s[t]‖²)
 
-with y the module's output and h_out the layer's (unquantized) output: the relative error
-the module injects into the residual stream, per token. Per token, because the stream of
-a row's first token (the attention sink) grows to 100x the norm of the others in
-mid-depth layers (SmolLM2: 26 000 against 200); a per-row Frobenius ratio, as exllamav2
-computes it, is then dominated by that one token and calls those layers' modules nearly
-error-free, and the allocation starves them. The module's last linear (o_proj, down_proj)
-produces its output, so candidates that differ only there share one forward of the rest
-of the module and differ by one matmul.
+with y the module's output and s the (unquantized) residual stream it is compared with:
+- `error_reference="layer"` (the default): s is the layer's output, after the MLP, for
+  both modules. In a layer whose MLP writes huge activations into the stream (SmolLM2's
+  layer 0) the attention's errors then look 20-30x smaller than elsewhere.
+- `error_reference="module"`: s is the stream right after the module (attention: h plus
+  the attention's output, the input of the norm in front of the MLP; MLP: the layer's
+  output), as exllamav2 normalizes.
+The ratio is per token, because the stream of a row's first token (the attention sink)
+grows to 100x the norm of the others in mid-depth layers (SmolLM2: 26 000 against 200); a
+per-row Frobenius ratio, as exllamav2 computes it, is then dominated by that one token and
+calls those layers' modules nearly error-free, and the allocation starves them. The
+module's last linear (o_proj, down_proj) produces its output, so candidates that differ
+only there share one forward of the rest of the module and differ by one matmul.
+
+Rows (`scoring_rows`): by default the GPTQ Hessians use every measuring row and candidates
+are scored on the same rows (in-sample, as exllamav2 does; the first rows holding
+`score_tokens` tokens when that is set). With `heldout=f` (0 < f < 1) the last
+round(f·R) rows (at least one, at most R−1) are only scored and the Hessians come from the
+rows before them, so a candidate is not scored on the text its GPTQ was fitted to: the
+in-sample optimism, largest at the cheapest rungs, no longer favours the calibration text.
+Contiguous blocks, not alternate rows: calibration rows interleave their sources (one of
+each in turn), so a block holds a turn of every source where alternate rows would not.
+The two parts run as two forwards of their rows, so measuring costs no more forwards.
 
 `record` is JSON-ready: {"attn": [{"profiles": {role: profile name}, "err": e}, ...],
 "mlp": [...]}.
@@ -35,8 +51,31 @@ from torch import nn
 from engine.modules import Linear
 from engine.quantizer.capture import Capture, capture_layer
 from engine.quantizer.gptq import gptq_quantize_many, prepare_hessian
-from engine.quantizer.model import CalibrationRunner, ModuleSpec, module_specs
+from engine.quantizer.model import CalibrationRunner, ModuleSpec, mid_stream_path, module_specs
 from engine.quantizer.profiles import LADDER, ROLE_OF_LINEAR, ModuleCandidate, module_candidates
+
+ERROR_REFERENCES = ("layer", "module")
+
+
+def scoring_rows(
+    rows: int, length: int, *, heldout: float = 0.0, score_tokens: int | None = None
+) -> tuple[int, int]:
+    """(fit, scored) of `rows` measuring rows. In-sample (heldout 0) the Hessians take
+    every row (fit = rows) and the scoring the first `scored`; held out, the Hessians take
+    the first `fit` rows and the scoring the first `scored` of the rows after them."""
+    if not 0.0 <= heldout < 1.0:
+        raise ValueError(f"the held-out fraction must lie in [0, 1), got {heldout}")
+    fit, scored = rows, rows
+    if heldout > 0:
+        if rows < 2:
+            raise ValueError(
+                f"held-out scoring needs at least 2 measuring rows, the calibration gave {rows}"
+            )
+        scored = min(rows - 1, max(1, round(heldout * rows)))
+        fit = rows - scored
+    if score_tokens is not None:
+        scored = max(1, min(scored, score_tokens // length))
+    return fit, scored
 
 
 def role_of(linear: str) -> str:
@@ -65,27 +104,52 @@ def measure_layer(
     scale_search: str = "coarse",
     damp: float = 0.1,
     score_tokens: int | None = None,
+    error_reference: str = "layer",
+    heldout: float = 0.0,
     tick: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, dict[str, list[dict[str, Any]]]]:
     """(reference layer output [R, L, hidden], measurement record) for one loaded layer.
 
-    Hessians use every row; candidates are scored on the first rows holding
-    `score_tokens` tokens (all when None): a relative error over a million values is a
-    stable statistic, and the scoring forwards are most of the measurement's time."""
+    The Hessians and the scored rows are `scoring_rows`' (module docstring): scoring on
+    the first rows holding `score_tokens` tokens, when set, is enough because a relative
+    error over a million values is a stable statistic, and the scoring forwards are most of
+    the measurement's time."""
+    if error_reference not in ERROR_REFERENCES:
+        raise ValueError(
+            f"error reference must be one of {', '.join(ERROR_REFERENCES)}, got {error_reference!r}"
+        )
     layer = runner.lm.layers[layer_idx]
     specs = module_specs(layer)
     first = [g.names[0] for spec in specs for g in spec.groups]
     paths = [spec.path for spec in specs]
-    out, cap = capture_layer(runner, layer_idx, states, hessians=first, inputs=paths, outputs=paths)
-    assert out is not None
-    rows = states.shape[0]
-    if score_tokens is not None:
-        rows = max(1, min(rows, score_tokens // states.shape[1]))
-    stream_norm = out[:rows].float().norm(dim=-1).clamp_min(1e-12)  # [rows, L]
+    mid = mid_stream_path(layer) if error_reference == "module" else None
+    kept = [*paths, mid] if mid else paths
+    total = states.shape[0]
+    fit, rows = scoring_rows(total, states.shape[1], heldout=heldout, score_tokens=score_tokens)
+    if fit == total:
+        out, cap = capture_layer(
+            runner, layer_idx, states, hessians=first, inputs=kept, outputs=paths
+        )
+        assert out is not None
+        scored_out = out[:rows]
+    else:
+        # Two forwards, one per part: the fitting rows give the Hessians alone, the scored
+        # rows the module inputs and outputs (nothing of the fitting rows is kept).
+        fit_out, fitted = capture_layer(runner, layer_idx, states[:fit], hessians=first)
+        rest_out, cap = capture_layer(runner, layer_idx, states[fit:], inputs=kept, outputs=paths)
+        assert fit_out is not None and rest_out is not None
+        cap.hessians = fitted.hessians
+        out = torch.cat([fit_out, rest_out])
+        scored_out = rest_out[:rows]
+    out_norm = scored_out.float().norm(dim=-1).clamp_min(1e-12)  # [rows, L]
+    stream_norms = {spec.kind: out_norm for spec in specs}
+    if mid:
+        after_attn = cap.inputs.pop(mid)[:rows]
+        stream_norms["attn"] = after_attn.float().norm(dim=-1).clamp_min(1e-12)
     record: dict[str, list[dict[str, Any]]] = {}
     for spec in specs:
         record[spec.kind] = _measure_module(
-            runner, layer_idx, layer, spec, cap, stream_norm, scale_search, damp, tick
+            runner, layer_idx, layer, spec, cap, stream_norms[spec.kind], scale_search, damp, tick
         )
     return out, record
 

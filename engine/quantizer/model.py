@@ -9,6 +9,7 @@ for one chunk and shared by all layers (layers run one after another).
 `linear_groups(layer)` lists a layer's linears as the quantizer treats them: the attention
 and the MLP (the two measured modules), each an ordered list of `LinearGroup`s of linears
 that read the same input (q/k/v, gate/up), so one Hessian serves a group.
+`mid_stream_path(layer)` names the norm whose input is the stream between the two.
 
 `supported_for_conversion(config)` refuses what the quantizer cannot handle yet (any
 architecture the engine lacks, and MoE models) with the list of supported ones.
@@ -94,6 +95,15 @@ def module_specs(layer: nn.Module) -> list[ModuleSpec]:
                 spec.groups.append(LinearGroup([f"{path}.{n}" for n in present]))
         specs.append(spec)
     return specs
+
+
+def mid_stream_path(layer: nn.Module) -> str:
+    """The norm whose input is the residual stream right after the attention (h plus the
+    attention's output, Gemma's post-attention norm applied): the MLP's pre-norm."""
+    for name in ("pre_feedforward_layernorm", "post_attention_layernorm"):
+        if isinstance(getattr(layer, name, None), nn.Module):
+            return name
+    raise UnsupportedModelError(f"{type(layer).__name__}: no norm in front of the MLP")
 
 
 class LayerwiseModel:

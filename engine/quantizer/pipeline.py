@@ -43,15 +43,16 @@ from engine.config import ConfigError, ModelConfig
 from engine.cpu_threads import cpu_threads
 from engine.loading import resolve_device
 from engine.quantizer import calibration as cal
+from engine.quantizer.gptq import DEFAULT_DAMP
 from engine.quantizer.job import Job, JobMismatchError, atomic_write_text
-from engine.quantizer.measure import gptq_runs, measure_layer
+from engine.quantizer.measure import ERROR_REFERENCES, gptq_runs, measure_layer, scoring_rows
 from engine.quantizer.model import (
     CalibrationRunner,
     LayerwiseModel,
     UnsupportedModelError,
     supported_for_conversion,
 )
-from engine.quantizer.optimize import BudgetError
+from engine.quantizer.optimize import DEFAULT_NORM, BudgetError
 from engine.quantizer.profiles import HEAD_PROFILES
 from engine.quantizer.quantize import (
     quantize_head,
@@ -77,6 +78,8 @@ Measurement = dict[str, Any]
 
 QUANTIZER_VERSION = "kestrel-0.1.0"
 MIN_BITS, MAX_BITS = 2.0, 8.0
+MAX_DAMP = 10.0  # beyond this GPTQ is rounding to nearest with extra steps
+MIN_NORM, MAX_NORM = 1.0, 16.0  # 16: the largest error alone decides, for any practical table
 # (rows, length, measure rows, measure length) per device. The defaults put quality first;
 # `fast` is the earlier default, for quick tries (SmolLM2-135M in about 8 minutes on two
 # loaded CPU cores). Issue 29's measurements (README, "Quantize a model"): the mixed
@@ -114,7 +117,16 @@ class ConvertOptions:
     fast: bool = False  # FAST_ROWS instead of DEFAULT_ROWS where rows/lengths are not given
     resume: bool = True
     device: str | None = None
-    damp: float = 0.1
+    # GPTQ damping: this fraction of the Hessian's mean diagonal is added to its diagonal
+    # (measuring and quantizing; a reused measurement keeps the damping it was made with).
+    damp: float = DEFAULT_DAMP
+    # The bit allocation minimizes Σ err^error_norm over the measured modules (optimize.py).
+    error_norm: float = DEFAULT_NORM
+    # How a measurement scores candidates (measure.py; measuring only, so not with -m):
+    # against the layer's output stream or the stream right after each module, and on the
+    # last `heldout` fraction of the measuring rows with Hessians from the others (0: off).
+    error_reference: str = "layer"
+    heldout: float = 0.0
     rtn: bool = False  # round to nearest instead of GPTQ (a baseline for comparisons)
     shard_mb: int = 8192
     progress: bool = True
@@ -179,6 +191,13 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         "rtn": options.rtn,
         "score_tokens": _score_tokens(options, device),
     }
+    # Each only when set: an OUT.partial from before the option existed still resumes.
+    if options.error_norm != DEFAULT_NORM:
+        settings["error_norm"] = options.error_norm
+    if options.error_reference != "layer":
+        settings["error_reference"] = options.error_reference
+    if options.heldout:
+        settings["heldout"] = float(options.heldout)
     try:
         job = Job.open(partial, settings, resume=options.resume)
     except JobMismatchError as e:
@@ -239,6 +258,29 @@ def _check_options(o: ConvertOptions) -> None:
         raise ConvertError("pass either a measurement to reuse (-m) or one to save (-om)")
     if o.measure_only and not o.measurement_out:
         raise ConvertError("measure_only needs measurement_out, the file to save it in")
+    if not isinstance(o.damp, (int, float)) or not 0 < float(o.damp) <= MAX_DAMP:
+        raise ConvertError(f"damping must lie in (0, {MAX_DAMP:g}], got {o.damp}")
+    if not isinstance(o.error_norm, (int, float)) or not MIN_NORM <= o.error_norm <= MAX_NORM:
+        raise ConvertError(
+            f"the error norm must lie in {MIN_NORM:g}-{MAX_NORM:g}, got {o.error_norm}"
+        )
+    if o.error_reference not in ERROR_REFERENCES:
+        raise ConvertError(
+            f"the error reference must be one of {', '.join(ERROR_REFERENCES)}, "
+            f"got {o.error_reference!r}"
+        )
+    if not isinstance(o.heldout, (int, float)) or not 0 <= o.heldout < 1:
+        raise ConvertError(f"the held-out fraction must lie in [0, 1), got {o.heldout}")
+    if o.heldout and o.measure_rows is not None and o.measure_rows < 2:
+        raise ConvertError(
+            f"held-out scoring needs at least 2 measuring rows (-mr), got {o.measure_rows}"
+        )
+    if o.measurement_in and (o.error_reference != "layer" or o.heldout):
+        # They decide how a measurement is made; a reused one keeps what it was made with.
+        raise ConvertError(
+            "--error_reference and --heldout_scoring choose how a measurement is made; "
+            "-m reuses one as it was made (drop them, or measure again)"
+        )
     if o.shard_mb <= 0:
         raise ConvertError(f"shard size must be positive, got {o.shard_mb} MB")
     if o.threads is not None and (not isinstance(o.threads, int) or o.threads <= 0):
@@ -359,6 +401,13 @@ def _run(
                 if not job.resumed:
                     shutil.rmtree(job.path, ignore_errors=True)
                 raise ConvertError(str(e)) from None
+        if s.get("heldout") and mids.shape[0] < 2:
+            if not job.resumed:
+                shutil.rmtree(job.path, ignore_errors=True)
+            raise ConvertError(
+                "held-out scoring needs at least 2 measuring rows; the calibration text "
+                f"gives {mids.shape[0]} of {s['measure_length']} tokens"
+            )
         for what, got, want in (
             ("rows", quant_rows, s["rows"]),
             ("measure rows", mids, s["measure_rows"]),
@@ -381,9 +430,16 @@ def _run(
 
     # -- optimize ----------------------------------------------------------------------
     if job.get("strategy") is None:
-        strategy, predicted, objective = choose_strategy(lm, measurement, float(s["bits"]))
+        norm = float(s.get("error_norm", DEFAULT_NORM))
+        strategy, predicted, objective = choose_strategy(
+            lm, measurement, float(s["bits"]), error_norm=norm
+        )
         job.update(strategy=strategy, predicted_bpw=predicted)
-        _say(o, f"strategy: {predicted:.4f} bpw for the decoder, Σ err² {objective:.5f}")
+        _say(
+            o,
+            f"strategy: {predicted:.4f} bpw for the decoder, Σ err² {objective:.5f} "
+            f"(minimizing Σ err^{norm:g})",
+        )
     strategy = job.get("strategy")
 
     # -- quantize ----------------------------------------------------------------------
@@ -504,16 +560,29 @@ def _measure(
     result: ConvertResult,
 ) -> Measurement:
     n = lm.num_layers
+    device = lm.device
+    score_tokens = _score_tokens(o, device)
+    fit, scored = scoring_rows(
+        int(mrows.shape[0]), int(mrows.shape[1]), heldout=o.heldout, score_tokens=score_tokens
+    )
     record = job.get("measurement") or {
         "format": MEASUREMENT_FORMAT,
         "model": model_signature(lm),
         "calibration": {"rows": int(mrows.shape[0]), "length": int(mrows.shape[1])},
+        # How candidates were scored, for the reader (nothing reads it back; files from
+        # before this key lack it and were scored against the layer's output, in-sample).
+        "scoring": {
+            "error_reference": o.error_reference,
+            "heldout": float(o.heldout),
+            "hessian_rows": fit,
+            "scored_rows": scored,
+            "damp": float(o.damp),
+        },
         "layers": [],
     }
     done = len(record["layers"])
     if done == n:
         return record
-    device = lm.device
     runner = CalibrationRunner(lm, length=mrows.shape[1], chunk_rows=_chunk_rows(mrows, device))
     states = job.load_states("measure", done) if done else lm.embed(mrows).cpu()
     per_layer = gptq_runs(lm.layers[0])  # the bar counts GPTQ runs: rate and ETA
@@ -527,7 +596,9 @@ def _measure(
                 states,
                 scale_search=search,
                 damp=o.damp,
-                score_tokens=_score_tokens(o, device),
+                score_tokens=score_tokens,
+                error_reference=o.error_reference,
+                heldout=o.heldout,
                 tick=bar.update,
             )
             lm.unload_layer(i)

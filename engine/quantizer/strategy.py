@@ -1,7 +1,7 @@
 """From a measurement to a per-layer strategy that meets the target bits per weight.
 
     slots = measurement_slots(lm, measurement)        # (bits, err) per candidate per module
-    strategy, bpw = choose_strategy(lm, measurement, target_bpw)
+    strategy, bpw, objective = choose_strategy(lm, measurement, target_bpw, error_norm=2.0)
     check_target_feasible(lm, target_bpw)             # before any work
 
 Bits are the exact storage of what pack_exl2 writes (profiles.Profile.storage_bits), and
@@ -25,7 +25,7 @@ import torch
 from engine.modules import Linear
 from engine.quantizer.measure import role_of
 from engine.quantizer.model import LayerwiseModel, module_specs
-from engine.quantizer.optimize import BudgetError, allocate, feasible_range
+from engine.quantizer.optimize import DEFAULT_NORM, BudgetError, allocate, feasible_range
 from engine.quantizer.profiles import Profile, module_candidates
 
 MEASUREMENT_FORMAT = "kestrel-exl2-measurement-1"
@@ -106,13 +106,18 @@ def measurement_slots(
 
 
 def choose_strategy(
-    lm: LayerwiseModel, measurement: dict[str, Any], target_bpw: float
+    lm: LayerwiseModel,
+    measurement: dict[str, Any],
+    target_bpw: float,
+    *,
+    error_norm: float = DEFAULT_NORM,
 ) -> tuple[list[dict[str, dict[str, str]]], float, float]:
-    """(strategy, predicted decoder bpw, predicted Σ err²)."""
+    """(strategy, predicted decoder bpw, predicted Σ err² of the choice), the choice
+    minimizing Σ err^error_norm (optimize.allocate)."""
     numel = decoder_numel(lm)
     budget = int(numel * target_bpw)
     slots, options = measurement_slots(lm, measurement)
-    choice = allocate(slots, budget)
+    choice = allocate(slots, budget, norm=error_norm)
     strategy: list[dict[str, dict[str, str]]] = [{} for _ in range(lm.num_layers)]
     bits = 0
     objective = 0.0

@@ -55,7 +55,44 @@ FLAG_CASES = [
     ("length-negative", ["-b", "4", "-l", "-64"], r"length must be a positive integer, got -64"),
     ("shard-size-zero", ["-b", "4", "-ss", "0"], r"shard size must be positive, got 0 MB"),
     ("device-nonsense", ["-b", "4", "--device", "tpu"], r"device 'tpu' is not supported"),
+    ("damp-zero", ["-b", "4", "-d", "0"], r"damping must lie in \(0, 10\], got 0\.0"),
+    ("damp-nan", ["-b", "4", "--damp", "nan"], r"damping must lie in \(0, 10\], got nan"),
+    ("damp-text", ["-b", "4", "-d", "high"], r"argument -d/--damp: invalid float value"),
+    ("norm-below-one", ["-b", "4", "--error_norm", "0.5"], r"error norm must lie in 1-16"),
+    ("norm-inf", ["-b", "4", "--error_norm", "inf"], r"error norm must lie in 1-16, got inf"),
     ("measure-both-ways", ["-b", "4", "-m", "a.json", "-om", "b.json"], r"either a measurement"),
+    (
+        "error-reference-other",
+        ["-b", "4", "--error_reference", "stream"],
+        r"argument --error_reference: invalid choice: 'stream'",
+    ),
+    (
+        "heldout-one",
+        ["-b", "4", "--heldout_scoring", "1"],
+        r"held-out fraction must lie in \[0, 1\), got 1\.0",
+    ),
+    ("heldout-negative", ["-b", "4", "--heldout-scoring", "-0.5"], r"\[0, 1\), got -0\.5"),
+    ("heldout-nan", ["-b", "4", "--heldout_scoring", "nan"], r"\[0, 1\), got nan"),
+    (
+        "heldout-text",
+        ["-b", "4", "--heldout_scoring", "half"],
+        r"argument --heldout_scoring/--heldout-scoring: invalid float value: 'half'",
+    ),
+    (
+        "heldout-one-row",
+        ["-b", "4", "-mr", "1", "--heldout_scoring", "0.5"],
+        r"held-out scoring needs at least 2 measuring rows \(-mr\), got 1",
+    ),
+    (
+        "heldout-with-reuse",
+        ["-b", "4", "-m", "a.json", "--heldout_scoring", "0.5"],
+        r"--heldout_scoring choose how a measurement is made; -m reuses one",
+    ),
+    (
+        "reference-with-reuse",
+        ["-b", "4", "-m", "a.json", "--error_reference", "module"],
+        r"--error_reference and .* choose how a measurement is made",
+    ),
 ]
 
 
@@ -88,6 +125,14 @@ def test_bad_calibration_file(tiny, tmp_path, capsys, name, content, match):
     cal = _calibration(tmp_path, content, name)
     err = _run(tiny, tmp_path, ["-b", "4", "-c", str(cal)], capsys)
     assert re.search(match, err), err
+
+
+def test_heldout_scoring_with_one_measuring_row_of_text(tiny, tmp_path, capsys):
+    """The calibration text gives one measuring row where two were asked for: held-out
+    scoring cannot split it (found after tokenizing; nothing is left behind)."""
+    cal = _calibration(tmp_path, ("word " * 20).encode())  # 100 tokens: one row of 64
+    err = _run(tiny, tmp_path, ["-b", "4", "-c", str(cal), "--heldout_scoring", "0.5"], capsys)
+    assert "held-out scoring needs at least 2 measuring rows" in err and "gives 1 of 64" in err
 
 
 def test_calibration_is_a_directory(tiny, tmp_path, capsys):

@@ -329,7 +329,8 @@ def test_fast_scale_fit_matches_converter_fit():
         assert torch.equal(ref[1], fast[1])
 
 
-def test_allocation_is_optimal_under_budget():
+@pytest.mark.parametrize("norm", [2.0, 1.0, 3.5])
+def test_allocation_is_optimal_under_budget(norm):
     import itertools
     import random
 
@@ -341,15 +342,106 @@ def test_allocation_is_optimal_under_budget():
         ]
         low = sum(min(b for b, _ in s) for s in slots)
         budget = rng.randint(low, low + 100)
-        choice = allocate(slots, budget, resolution=budget)
+        choice = allocate(slots, budget, resolution=budget, norm=norm)
         cost = sum(slots[s][j][0] for s, j in enumerate(choice))
-        value = sum(slots[s][j][1] ** 2 for s, j in enumerate(choice))
+        value = sum(slots[s][j][1] ** norm for s, j in enumerate(choice))
         best = min(
-            sum(slots[s][j][1] ** 2 for s, j in enumerate(c))
+            sum(slots[s][j][1] ** norm for s, j in enumerate(c))
             for c in itertools.product(*(range(len(s)) for s in slots))
             if sum(slots[s][j][0] for s, j in enumerate(c)) <= budget
         )
         assert cost <= budget and value == pytest.approx(best)
+
+
+def test_a_higher_error_norm_evens_out_the_errors():
+    # One bit to give: to A (errors 0.45 and 0.5, Σ² 0.4525) or to B (0.6 and 0, Σ² 0.36).
+    # The noise power (norm 2) wants B; norm 4 the smaller largest error, A.
+    slots = [[(1, 0.6), (2, 0.45)], [(1, 0.5), (2, 0.0)]]
+    assert allocate(slots, 3, resolution=3) == [0, 1]
+    assert allocate(slots, 3, resolution=3, norm=4.0) == [1, 0]
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="error norm"):
+            allocate(slots, 3, norm=bad)
+
+
+def test_error_norm_and_damp_reach_the_conversion(converted, tiny, tmp_path):
+    """The strategy a conversion records is the one its error norm chooses (at a width
+    where norms 2 and 16 choose differently), and both options are in its settings."""
+    from engine.quantizer.model import LayerwiseModel
+    from engine.quantizer.strategy import choose_strategy
+
+    _, meas = converted
+    measurement = json.loads(meas.read_text())
+    lm = LayerwiseModel(tiny, device=torch.device("cpu"), dtype=torch.float32)
+    widths = [b / 4 for b in range(12, 32)]  # 3.0-7.75: the tiny shapes need 2.73 at least
+    bits = next(
+        b
+        for b in widths
+        if choose_strategy(lm, measurement, b)[0]
+        != choose_strategy(lm, measurement, b, error_norm=16.0)[0]
+    )
+    out = tmp_path / "norm16"
+    opts = _options(bits, measurement_in=meas, error_norm=16.0, damp=0.25, stop_after_layers=1)
+    assert not convert(tiny, out, opts).finished
+    job = json.loads((tmp_path / "norm16.partial" / "job.json").read_text())
+    assert job["state"]["strategy"] == choose_strategy(lm, measurement, bits, error_norm=16.0)[0]
+    assert job["settings"]["error_norm"] == 16.0 and job["settings"]["damp"] == 0.25
+
+
+def _first_layer_measurement(tiny: Path, out: Path, **kw) -> dict:
+    """The job of a measurement stopped after layer 0: {"settings", "state"}."""
+    opts = _options(4.0, measurement_out=out.with_suffix(".json"), measure_only=True, **kw)
+    assert not convert(
+        tiny, out, ConvertOptions(**{**opts.__dict__, "stop_after_layers": 1})
+    ).finished
+    return json.loads((out.with_name(out.name + ".partial") / "job.json").read_text())
+
+
+def test_error_reference_and_heldout_reach_the_measurement(converted, tiny, tmp_path):
+    """Each option changes the errors it should (against the shared measurement, made with
+    the defaults on the same rows), is recorded in the measurement and the job's settings,
+    and a resume with the other value is refused."""
+    _, meas = converted
+    shared = json.loads(meas.read_text())
+    assert shared["scoring"] == {"error_reference": "layer", "heldout": 0.0, "hessian_rows": 4,
+                                 "scored_rows": 4, "damp": 0.1}  # fmt: skip
+    base = shared["layers"][0]
+
+    job = _first_layer_measurement(tiny, tmp_path / "module", error_reference="module")
+    assert job["settings"]["error_reference"] == "module" and "heldout" not in job["settings"]
+    got = job["state"]["measurement"]
+    assert got["scoring"]["error_reference"] == "module"
+    # The MLP is judged against the layer's output either way; the attention is not.
+    assert got["layers"][0]["mlp"] == base["mlp"]
+    assert all(
+        a["err"] != b["err"] for a, b in zip(got["layers"][0]["attn"], base["attn"], strict=True)
+    )
+    with pytest.raises(ConvertError, match=r"\(error_reference\).*-nr"):
+        _first_layer_measurement(tiny, tmp_path / "module")
+
+    job = _first_layer_measurement(tiny, tmp_path / "held", heldout=0.5)
+    assert job["settings"]["heldout"] == 0.5 and "error_reference" not in job["settings"]
+    got = job["state"]["measurement"]
+    assert got["scoring"] == {"error_reference": "layer", "heldout": 0.5, "hessian_rows": 2,
+                              "scored_rows": 2, "damp": 0.1}  # fmt: skip
+    for kind in ("attn", "mlp"):
+        assert all(
+            a["err"] != b["err"] for a, b in zip(got["layers"][0][kind], base[kind], strict=True)
+        )
+    with pytest.raises(ConvertError, match=r"\(heldout\).*-nr"):
+        _first_layer_measurement(tiny, tmp_path / "held", heldout=0.25)
+
+
+def test_a_measurement_without_scoring_settings_still_serves(converted, tiny, tmp_path):
+    """Files written before the measurement recorded how it scored (the shipped SmolLM2
+    one, loader/data, among them) still load and convert."""
+    _, meas = converted
+    old = json.loads(meas.read_text())
+    del old["scoring"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    opts = _options(4.0, measurement_in=path, stop_after_layers=1)
+    assert convert(tiny, tmp_path / "out", opts).quantized_now == [0]
 
 
 def test_head_profiles_cover_exllamav2_head_bits():
