@@ -29,8 +29,9 @@ Rows (`scoring_rows`): by default the GPTQ Hessians use every measuring row and 
 are scored on the same rows (in-sample, as exllamav2 does; the first rows holding
 `score_tokens` tokens when that is set). With `heldout=f` (0 < f < 1) the last
 round(f·R) rows (at least one, at most R−1) are only scored and the Hessians come from the
-rows before them, so a candidate is not scored on the text its GPTQ was fitted to: the
-in-sample optimism, largest at the cheapest rungs, no longer favours the calibration text.
+rows before them, so a candidate is not scored on the text its GPTQ was fitted to and its
+in-sample optimism (held-out errors were 1.3-1.5x the in-sample ones for SmolLM2's MLPs,
+1.0-1.2x for its attention, at every rung) does not favour the calibration text.
 Contiguous blocks, not alternate rows: calibration rows interleave their sources (one of
 each in turn), so a block holds a turn of every source where alternate rows would not.
 The two parts run as two forwards of their rows, so measuring costs no more forwards.

@@ -68,17 +68,11 @@ def _uses_symmetric_memory(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("KESTREL_TP_ALLREDUCE") != "nccl"
 
 
-def symmetric_memory_allowed() -> bool:
-    """Whether a TP launch in this process may still set up symmetric memory (see
-    _symmetric_memory_set_up): not if an earlier launch here did."""
-    return not _symmetric_memory_set_up
-
-
 def symmetric_memory_agreed(group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """Whether every rank of the launch may set up symmetric memory: the new ranks always
     may, rank 0 (the caller's process) only on its first launch, and all of them must take
     the same path or the set-up's rendezvous would wait forever. A collective."""
-    allowed = torch.tensor([1 if symmetric_memory_allowed() else 0], device=device)
+    allowed = torch.tensor([0 if _symmetric_memory_set_up else 1], device=device)
     dist.all_reduce(allowed, op=dist.ReduceOp.MIN, group=group)
     return bool(allowed.item())
 
