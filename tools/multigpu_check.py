@@ -13,6 +13,7 @@ Builds the model with tools/bench.py's builder (random codes, realistic scales) 
   autosplit layer split from measured free memory (fills cuda:0 first)
   tp        tensor parallel over 2 GPUs (NCCL, decode as CUDA graphs)
   tp_eager  the same without CUDA graphs
+  tp4       tensor parallel over 4 GPUs (a 4-GPU machine), decode as CUDA graphs
 Per mode: decode tok/s at batch 1 (prompt --prompt, 128 new tokens, median of 5 after 2
 warm-ups, as tools/bench.py) two ways (`DECODE_LOOPS`): `decode_tok_s` through the
 scheduler as a server decodes (lookahead, tokens kept on the device) and
@@ -47,7 +48,9 @@ from tools.bench import SHAPES, build_model, scheduler_decode_tok_s
 
 ROOT = Path(__file__).resolve().parent.parent
 
-MODES = ("single", "split", "split_eager", "autosplit", "tp", "tp_eager")
+MODES = ("single", "split", "split_eager", "autosplit", "tp", "tp_eager", "tp4")
+# Ranks of each tensor-parallel mode.
+TP_WORLD = {"tp": 2, "tp_eager": 2, "tp4": 4}
 NEW_TOKENS = 128
 DECODE_LOOPS = {
     "decode_tok_s": "one greedy job through engine.scheduler, as a server runs it "
@@ -107,8 +110,8 @@ def load_engine(mode: str, path: Path, max_seq_len: int) -> Engine:
         return Engine.load(path, _options(max_seq_len, autosplit=True))
     from engine.tensor_parallel.launch import launch_tensor_parallel
 
-    graphs = mode == "tp"
-    return launch_tensor_parallel(path, _options(max_seq_len, cuda_graphs=graphs), 2)
+    graphs = mode != "tp_eager"
+    return launch_tensor_parallel(path, _options(max_seq_len, cuda_graphs=graphs), TP_WORLD[mode])
 
 
 def _sync() -> None:
@@ -246,8 +249,9 @@ def main() -> int:
     parser.add_argument("--work", default="/tmp/kestrel-mgpu")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "multigpu"))
     args = parser.parse_args()
-    if torch.cuda.device_count() < 2:
-        print("needs 2 CUDA GPUs", file=sys.stderr)
+    need = max([2, *(TP_WORLD.get(m, 2) for m in args.modes)])
+    if torch.cuda.device_count() < need:
+        print(f"modes {args.modes} need {need} CUDA GPUs", file=sys.stderr)
         return 1
     import triton
 
