@@ -35,22 +35,16 @@ log = logging.getLogger(__name__)
 # algorithms move fewer bytes per rank than a one-shot read of every peer's whole buffer.
 ONE_SHOT_MAX_BYTES = 256 << 10
 
-# What the symmetric-memory set-up imports on first use: its pool's shape check goes
-# through torch._check, which imports torch.fx's symbolic shapes and with them sympy (2.1 to
-# 2.5 s of a TP load on a 2xH100 host, most of it compiling sympy where no bytecode cache
-# was written). preimport_symmetric_memory starts that in a thread where the rank would
-# otherwise wait (for its spec, for the other ranks, in the group's rendezvous), never
-# beside the weight reads: while a thread imports, every torch call of the reading thread
-# gives up the GIL and waits for it again behind the import (a torch op releases it; the
-# importer only yields it every switch interval), so the reads and cuts all but stop for
-# the whole import. On the CPU, 3000 small torch ops took 0.23 s beside a 0.22 s import of
-# sympy instead of 0.013 alone, and a 2-layer 70B shard's load 3.3-3.7 s instead of 2.7-2.9;
-# on 2x H100 the cut plan, the first torch work of a rank's read, took 1.4-2.7 s where the
-# CPU needs 0.1 (issue 33).
-_SYMMETRIC_MEMORY_IMPORTS = (
-    "torch.distributed._symmetric_memory",
-    "torch.fx.experimental.symbolic_shapes",
-)
+# What the symmetric-memory set-up imports on first use (symmetric_empty keeps sympy out of
+# it). preimport_symmetric_memory starts that in a thread where the rank would otherwise
+# wait (for its spec, for the other ranks, in the group's rendezvous), never beside the
+# weight reads: while a thread imports, every torch call of the reading thread gives up the
+# GIL and waits for it again behind the import (a torch op releases it; the importer only
+# yields it every switch interval), so the reads and cuts all but stop for the whole import.
+# On the CPU, 3000 small torch ops took 0.23 s beside a 0.22 s import of sympy instead of
+# 0.013 alone; on 2x H100 the cut plan, the first torch work of a rank's read, took 1.4-2.7 s
+# beside that import where the CPU needs 0.1 (issue 33).
+_SYMMETRIC_MEMORY_IMPORTS = ("torch.distributed._symmetric_memory",)
 _preimport: threading.Thread | None = None
 
 
@@ -110,6 +104,25 @@ def finish_symmetric_memory_imports(device: torch.device) -> None:
         _preimport.join()
 
 
+def symmetric_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor of `numel` elements in symmetric memory, for a rendezvous.
+
+    Not torch's `symm_mem.empty`: in torch 2.11 it allocates from an implicit pool whose set-up
+    computes strides through torch._prims_common, and that call's first use imports torch.fx's
+    symbolic shapes and sympy (1.5-2.0 s of rank 0's critical path in a 70B TP=2 load on
+    2x H100, after its reads, issue 33). A 1-D tensor's stride is (1,), so this asks the
+    allocator directly; where that entry point is missing or refuses, torch's own `empty`."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    try:
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        return _SymmetricMemory.empty_strided_p2p((numel,), (1,), dtype, device)
+    except (ImportError, AttributeError, TypeError, RuntimeError) as error:
+        log.info("symmetric memory: direct allocation refused (%s); using symm_mem.empty", error)
+        return symm_mem.empty(numel, dtype=dtype, device=device)
+
+
 class GroupAllReduce:
     """Sums tensors over a process group; built once per rank, shared by its linears."""
 
@@ -134,7 +147,7 @@ class GroupAllReduce:
             world = group if group is not None else dist.group.WORLD
             assert world is not None
             name = world.group_name
-            buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // 4, dtype=torch.float32, device=device)
+            buffer = symmetric_empty(ONE_SHOT_MAX_BYTES // 4, torch.float32, device)
             symm_mem.rendezvous(buffer, name)
         except Exception as error:  # no P2P between the GPUs, no symmetric memory in torch
             log.warning(

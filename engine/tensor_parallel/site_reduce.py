@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine.tensor_parallel.all_reduce import symmetric_empty
 from kernels.tp_all_reduce import (
     MAX_FUSED_D,
     SiteBuffers,
@@ -83,7 +84,7 @@ class SiteAllReduce:
             world = dist.get_world_size(world_group)
             data_floats = sites * site_floats
             flag_ints = sites * world * max_rows
-            buffer = symm_mem.empty(data_floats + flag_ints, dtype=torch.float32, device=device)
+            buffer = symmetric_empty(data_floats + flag_ints, torch.float32, device)
             # Zero flags before any peer can publish into them: the barrier below orders
             # this rank's zeroing before every peer's first kernel (stream order).
             buffer[data_floats:].view(torch.int32).zero_()
