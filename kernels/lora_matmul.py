@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kernels.backend import Backend, cast_rtne, device_guard, is_interpreted, resolve_backend
 from kernels.quant_matmul.gemv_share import GemvShare
-from kernels.quant_matmul.tiles import add_partial, finish_gemv_tile
+from kernels.quant_matmul.tiles import finish_gemv_tile, store_partial
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -281,16 +281,17 @@ def _lora_expand_kernel(
 def _lora_expand_gemv_kernel(
     sums_ptr, y_ptr, counters_ptr, b_ptr, part_ptr, slot_map_ptr, seg_starts_ptr,
     seg_scales_ptr,
-    n, N, R, S, G, SPLITS, arrivals,
+    n, N, R, S, G, SPLITS, arrivals, extra_slot,
     stride_bl, stride_bn,
     GEMV_BLOCK_N: tl.constexpr, SUB_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, M_ROWS: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, M_ROWS: tl.constexpr, SLOTS: tl.constexpr,
 ):  # fmt: skip
     # The expand as extra split-K programs of a decode GEMV (kernels.quant_matmul.gemv_share.
-    # GemvShare): program (tile, sub) adds the LoRA terms of SUB_N columns of GEMV column
-    # tile `tile` to the GEMV's sums (kernels.quant_matmul.tiles.add_partial), then arrives at
-    # the tile's counter; the last arrival (this or a GEMV program) writes y. No
-    # read-modify-write of y, no ordering against the GEMV, and one rounding of base + delta.
+    # GemvShare): program (tile, sub) stores the LoRA terms of SUB_N columns of GEMV column
+    # tile `tile` in the workspace's slot `extra_slot` (kernels.quant_matmul.tiles.
+    # store_partial), then arrives at the tile's counter; the last arrival (this or a GEMV
+    # program) sums the slots in order and writes y. No read-modify-write of y, no ordering
+    # against the GEMV, and one rounding of base + delta.
     tile = tl.program_id(0)
     sub = tl.program_id(1)
     cols = tile * GEMV_BLOCK_N + sub * SUB_N + tl.arange(0, SUB_N)
@@ -298,6 +299,15 @@ def _lora_expand_gemv_kernel(
     rank = tl.arange(0, BLOCK_R)
     rank_mask = rank < R
     splits = tl.arange(0, BLOCK_SPLITS)
+    slot_stride = M_ROWS * n
+    # The slot is not zeroed between calls: every row of these columns below n is written,
+    # as 0 where no segment adds (rows without one, columns of y past b's N). The barrier
+    # orders these stores before the terms' stores to the same addresses, which threads of
+    # another layout may hold.
+    for m in tl.static_range(M_ROWS):
+        zeros = tl.zeros([SUB_N], tl.float32)
+        store_partial(sums_ptr, extra_slot, slot_stride, m * n + cols, zeros, cols < n)
+    tl.debug_barrier()
     for g in range(0, G):
         row = tl.load(seg_starts_ptr + g)
         has_row = row < tl.load(seg_starts_ptr + g + 1)
@@ -307,11 +317,12 @@ def _lora_expand_gemv_kernel(
             S, SPLITS, stride_bl, stride_bn, BLOCK_R, SUB_N,
         )  # fmt: skip
         if has_row:
-            add_partial(sums_ptr, row * n + cols, acc, col_ok)
+            store_partial(sums_ptr, extra_slot, slot_stride, row * n + cols, acc, col_ok)
     tile_cols = tile * GEMV_BLOCK_N + tl.arange(0, GEMV_BLOCK_N)
     finish_gemv_tile(
-        sums_ptr, y_ptr, counters_ptr + tile, arrivals, n, tile_cols, tile_cols < n, M_ROWS
-    )
+        sums_ptr, y_ptr, counters_ptr + tile, arrivals, n, tile_cols, tile_cols < n, M_ROWS,
+        SLOTS,
+    )  # fmt: skip
 
 
 # Elements of one program's tile of A ([R, K]) in the shrink, and of B ([N, R]) in the
@@ -416,10 +427,10 @@ def lora_expand_into_gemv(
         _lora_expand_gemv_kernel[(share.tiling.n_tiles, block_n // sub_n)](
             share.sums, share.y, share.counters, b, partials,
             slot_map.to(torch.int32), seg_starts.to(torch.int32), seg_scales.to(torch.float32),
-            n, b.shape[1], b.shape[2], slots, groups, splits, share.arrivals,
+            n, b.shape[1], b.shape[2], slots, groups, splits, share.arrivals, share.extra_slot,
             b.stride(0), b.stride(1),
             GEMV_BLOCK_N=block_n, SUB_N=sub_n, BLOCK_R=block_r,
-            BLOCK_SPLITS=triton.next_power_of_2(max(splits, 1)), M_ROWS=m,
+            BLOCK_SPLITS=triton.next_power_of_2(max(splits, 1)), M_ROWS=m, SLOTS=share.slots,
         )  # fmt: skip
 
 

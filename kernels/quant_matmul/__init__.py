@@ -46,19 +46,19 @@ Paths, by the number of activation rows M (thresholds and `choose_path` in paths
   which hands the same block back on the next call of that size (a reusable scratch without
   a global).
 
-Reduction: split-K partials and the segments are summed with relaxed atomic adds into one
-[M, n] buffer (int64 fixed point for float16 outputs, so the sum does not depend on the
-order of arrival and decode is bitwise reproducible; float32 otherwise: see tiles.py). One
-launch per Segment (at most 6; the plane layout is a compile-time constant of the unpacking
-code), all adding into the same buffer; the first one adds the bias. Atomics rather than a
-second reduction pass: the partials stay in L2 (no [splits, M, n] buffer written and read
-back) and there is no extra launch. Float32 atomics would let the summation order vary from
-run to run, flipping the last float32 bit and, rarely, the rounding to 16 bits; integer sums
-cannot. The GEMV sums into a per-device workspace that is zero between calls: the last
-program of each column tile (an atomic counter per tile) writes y in x's dtype and zeroes
-its part again, so a decode linear is one launch per segment and nothing else (a zero-fill
-and a cast kernel cost as much as a small GEMV). The mid-M path sums into the same workspace
-and finishes its tiles the same way.
+Reduction: every split-K program (of every segment's launch) stores its float32 partial
+in its own slot of a per-device workspace, [slots, M, n]; the last program of each tile (an
+atomic counter per tile, set back to 0 by that program) adds the tile's slots in slot order
+0, 1, 2, ... and writes y in x's dtype. The order of the float32 additions is fixed, so the
+sum does not depend on which program finished first and decode is bitwise reproducible for
+every output dtype (issue 31: float32 atomics flipped the last bit from run to run and,
+rarely, the rounding to 16 bits and a token). One launch per Segment (at most 6; the plane
+layout is a compile-time constant of the unpacking code), each with its own range of
+slots; the first one adds the bias. No second reduction kernel and no zero-fill: every
+slot read is written by the same call, so a decode linear is one launch per segment and
+nothing else (a zero-fill and a cast kernel cost as much as a small GEMV). The partials
+stay in L2 (written once, read once by the tile's last program). The mid-M path stores and
+finishes its tiles the same way.
 
 Modules: layout.py the runtime layout; reference.py the torch references; paths.py the
 path choice and the argument checks; dispatch.py the public functions; gemv.py the decode

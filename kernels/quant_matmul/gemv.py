@@ -20,15 +20,13 @@ from kernels.backend import (
 )
 from kernels.quant_matmul.layout import QuantizedWeight, per_group_zeros
 from kernels.quant_matmul.split_k import (
-    check_fixed_point_arrivals,
     chunks_in_groups,
     plane_args,
     plane_meta,
     split_iters,
     split_k_workspace,
-    sums_view,
 )
-from kernels.quant_matmul.tiles import add_partial, finish_gemv_tile, zero_points
+from kernels.quant_matmul.tiles import finish_gemv_tile, store_partial, zero_points
 
 _GEMV_BLOCK_K = 32  # rows per chunk: the least group size of EXL2, one group per chunk
 
@@ -43,8 +41,8 @@ class GemvConfig:
         by every thread, so more columns per thread share that cost, until the registers
         run out (M codes * x).
     programs_per_sm: split-K target, counted over all segments: enough resident warps to
-        keep the loads in flight, few enough that the float32 atomics (n per split) stay
-        cheap next to the weight bytes.
+        keep the loads in flight, few enough that the partials (n floats per split, stored
+        and read back by each tile's last program) stay cheap next to the weight bytes.
     max_iters: chunks of _GEMV_BLOCK_K rows per program (a loop, not unrolled).
     prefetch: load the next chunk's packed words before working on this one (registers
         as a two-stage pipeline), so a program keeps a load in flight while it computes.
@@ -201,11 +199,10 @@ def _gemv_zero_term(
         return tl.sum(row_zero * row_scale * xv[:, None], axis=0)
 
 
-@triton.jit(do_not_specialize=["add_bias", "arrivals"])
+@triton.jit(do_not_specialize=["add_bias", "arrivals", "slot_base"])
 def _gemv_kernel(
     x_ptr,  # [M, k], unit column stride
-    out_ptr,  # [M, n] sums, contiguous, added to atomically (the zeroed workspace: int64
-    # fixed point for float16 y, float32 otherwise; see add_partial)
+    out_ptr,  # float32 [SLOTS, M, n]: the workspace's partial slots (see store_partial)
     y_ptr,  # [M, n] in x's dtype, contiguous: written by each column tile's last program
     counter_ptr,  # int32 [column tiles], zero on entry: programs of the tile done so far
     p0_ptr,
@@ -225,7 +222,8 @@ def _gemv_kernel(
     rows_per_split,  # ITERS * BLOCK_K
     add_bias,  # 1 for the first segment's launch of a weight with a bias (run time: one
     # compiled kernel serves every segment)
-    arrivals,  # programs per column tile over all segments' launches
+    arrivals,  # programs per column tile over all segments' launches (and added kernels')
+    slot_base,  # this segment's first slot: the splits of the segments launched before it
     float_magic,  # 0x4B000000 (see _gemv_plane)
     HAS_PERM: tl.constexpr,
     GROUPED: tl.constexpr,  # every chunk lies in one group (checked on the host)
@@ -237,6 +235,7 @@ def _gemv_kernel(
     P1_SHIFT: tl.constexpr,
     M_ROWS: tl.constexpr,  # 1..4: one accumulator each, unrolled
     ITERS: tl.constexpr,  # chunks per split (a constexpr: see the loop)
+    SLOTS: tl.constexpr,  # partial slots per column tile, summed in order by the last one
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # a multiple of 32
     PREFETCH: tl.constexpr,  # load chunk it + 1's words before working on chunk it
@@ -418,14 +417,18 @@ def _gemv_kernel(
     acc1 += bias
     acc2 += bias
     acc3 += bias
-    add_partial(out_ptr, cols, acc0, col_ok)
+    slot = slot_base + pid_k
+    slot_stride = M_ROWS * n
+    store_partial(out_ptr, slot, slot_stride, cols, acc0, col_ok)
     if M_ROWS > 1:
-        add_partial(out_ptr, n + cols, acc1, col_ok)
+        store_partial(out_ptr, slot, slot_stride, n + cols, acc1, col_ok)
     if M_ROWS > 2:
-        add_partial(out_ptr, 2 * n + cols, acc2, col_ok)
+        store_partial(out_ptr, slot, slot_stride, 2 * n + cols, acc2, col_ok)
     if M_ROWS > 3:
-        add_partial(out_ptr, 3 * n + cols, acc3, col_ok)
-    finish_gemv_tile(out_ptr, y_ptr, counter_ptr + pid_n, arrivals, n, cols, col_ok, M_ROWS)
+        store_partial(out_ptr, slot, slot_stride, 3 * n + cols, acc3, col_ok)
+    finish_gemv_tile(
+        out_ptr, y_ptr, counter_ptr + pid_n, arrivals, n, cols, col_ok, M_ROWS, SLOTS
+    )
 
 
 def _gemv_block_n(M: int, n: int, grouped: bool, config: GemvConfig) -> int:
@@ -470,6 +473,13 @@ def gemv_tiling(x2d: torch.Tensor, qw: QuantizedWeight) -> GemvTiling:
     )
 
 
+def gemv_slots(tiling: GemvTiling, extra_arrivals: int = 0) -> int:
+    """Partial slots per column tile: one per split-K program of every segment, and one
+    that the `extra_arrivals` programs of added kernels share (they write disjoint columns:
+    kernels/quant_matmul/gemv_share.py)."""
+    return tiling.arrivals + (1 if extra_arrivals > 0 else 0)
+
+
 def launch_gemv(
     x2d: torch.Tensor,
     qw: QuantizedWeight,
@@ -477,9 +487,11 @@ def launch_gemv(
     tiling: GemvTiling | None = None,
     extra_arrivals: int = 0,
 ) -> None:
-    """y [M, n] (x's dtype) = x2d [M <= 4, k] @ W (+ bias): one launch per segment, summing
-    in the device's self-resetting workspace (see finish_gemv_tile). `extra_arrivals`
-    programs of other kernels per column tile add to the same sums (see GemvShare).
+    """y [M, n] (x's dtype) = x2d [M <= 4, k] @ W (+ bias): one launch per segment, each
+    program storing its partial in its own slot of the device's workspace, summed in slot
+    order by each column tile's last program (see finish_gemv_tile). `extra_arrivals`
+    programs of other kernels per column tile write one more slot, after the GEMV's
+    (`gemv_slots`; see GemvShare).
 
     If the GPU-side gaps between these launches show in decode profiles, the next step is
     one launch per linear: the split-K axis spanning all segments, with a branch per segment
@@ -493,18 +505,18 @@ def launch_gemv(
     bias = qw.bias if qw.bias is not None else qw.scales
     segments = [s for s in qw.segments if s.row_end > s.row_start]
     arrivals = t.arrivals + extra_arrivals
-    workspace, counters = split_k_workspace(x2d.device, M * n, n_tiles)
-    out32 = sums_view(workspace, y.dtype)
-    check_fixed_point_arrivals(arrivals)
+    slots = gemv_slots(t, extra_arrivals)
+    workspace, counters = split_k_workspace(x2d.device, slots * M * n, n_tiles)
     pdl = programmatic_launch(x2d)
     first = True
+    slot_base = 0
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start
         p0, p1, p0_stride, p1_stride = plane_args(segment)
         grid = (n_tiles, triton.cdiv(seg_rows, rows_per_split))
         _gemv_kernel[grid](
             x2d,
-            out32,
+            workspace,
             y,
             counters,
             p0,
@@ -524,6 +536,7 @@ def launch_gemv(
             rows_per_split,
             int(first and qw.bias is not None),
             arrivals,
+            slot_base,
             _FLOAT_MAGIC,
             HAS_PERM=qw.perm is not None,
             GROUPED=grouped,
@@ -531,6 +544,7 @@ def launch_gemv(
             **plane_meta(segment),
             M_ROWS=M,
             ITERS=iters,
+            SLOTS=slots,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             PREFETCH=t.prefetch,
@@ -539,3 +553,4 @@ def launch_gemv(
             launch_pdl=pdl,
         )
         first = False
+        slot_base += grid[1]

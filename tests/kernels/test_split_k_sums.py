@@ -1,65 +1,49 @@
-"""The split-K workspace (kernels/quant_matmul/split_k.py): with deterministic sums, float16
-outputs sum as fixed point and do not depend on the order in which partials arrive; float32
-sums (the default) may. On a GPU, repeated matmuls never read a half-finished sum (issue 31:
-the last program of a tile zeroed sums that a replica thread had not read yet)."""
+"""The split-K workspace (kernels/quant_matmul/split_k.py, tiles.py): each program stores its
+partial in its own slot and the last program of a tile adds the slots in slot order, so the
+sum does not depend on the order in which programs finish (issue 31: float32 atomics did,
+and GPU decode changed between runs). On a GPU, repeated matmuls never read a half-finished
+sum and give the same bits every call."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-import kernels.backend as backend
-from kernels.quant_matmul.split_k import (
-    check_fixed_point_arrivals,
-    sums_view,
-)
-from kernels.quant_matmul.tiles import (
-    FIXED_POINT_LIMIT,
-    FIXED_POINT_SCALE,
-    MAX_FIXED_POINT_ARRIVALS,
-    add_partial,
-    take_sums,
-)
-
-
-@pytest.fixture
-def deterministic() -> Iterator[None]:
-    before = backend.deterministic_sums()
-    backend.set_deterministic_sums(True)
-    yield
-    backend.set_deterministic_sums(before)
+from kernels.quant_matmul.split_k import split_k_workspace
+from kernels.quant_matmul.tiles import finish_gemv_tile, store_partial
 
 
 @triton.jit
-def _add_in_order_kernel(partials_ptr, order_ptr, sums_ptr, out_ptr, n, PARTS: tl.constexpr,
-                         BLOCK: tl.constexpr):  # fmt: skip
-    # Program i adds partial order[i]; the interpreter runs programs in index order, so the
-    # order of arrival is `order`. The last program reads the sums back.
+def _arrive_in_order_kernel(partials_ptr, order_ptr, sums_ptr, y_ptr, counter_ptr, n,
+                            PARTS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    # Program i is split order[i]: it stores partial order[i] in slot order[i] and arrives.
+    # The interpreter runs programs in index order, so the order of arrival is `order`; the
+    # last to arrive writes y.
     i = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n
     part = tl.load(order_ptr + i)
-    add_partial(sums_ptr, cols, tl.load(partials_ptr + part * n + cols, mask=ok), ok)
-    if i == PARTS - 1:
-        tl.store(out_ptr + cols, take_sums(sums_ptr, cols, ok), mask=ok)
+    store_partial(sums_ptr, part, n, cols, tl.load(partials_ptr + part * n + cols, mask=ok), ok)
+    finish_gemv_tile(sums_ptr, y_ptr, counter_ptr, PARTS, n, cols, ok, 1, PARTS)
 
 
-def _sum_in_order(partials: torch.Tensor, order: list[int], out_dtype: torch.dtype):
+def _sum_in_order(
+    partials: torch.Tensor, order: list[int], out_dtype: torch.dtype, workspace_fill: float = 0.0
+) -> torch.Tensor:
     parts, n = partials.shape
-    workspace = torch.zeros(n, dtype=torch.int64, device=partials.device)
-    sums = sums_view(workspace, out_dtype)
-    out = torch.empty(n, dtype=torch.float32, device=partials.device)
+    sums = torch.full((parts * n,), workspace_fill, dtype=torch.float32, device=partials.device)
+    counter = torch.zeros(1, dtype=torch.int32, device=partials.device)
+    y = torch.empty(n, dtype=out_dtype, device=partials.device)
     order_t = torch.tensor(order, dtype=torch.int32, device=partials.device)
-    _add_in_order_kernel[(parts,)](
-        partials, order_t, sums, out, n, PARTS=parts, BLOCK=triton.next_power_of_2(n)
+    _arrive_in_order_kernel[(parts,)](
+        partials, order_t, sums, y, counter, n, PARTS=parts, BLOCK=triton.next_power_of_2(n)
     )
-    assert not workspace.any(), "take_sums leaves the workspace zeroed"
-    return out
+    assert counter.item() == 0, "the last program sets the tile's counter back to 0"
+    return y
 
 
 def _partials(parts: int, n: int, device: str) -> torch.Tensor:
@@ -69,76 +53,86 @@ def _partials(parts: int, n: int, device: str) -> torch.Tensor:
     return base.to(device)
 
 
-@pytest.mark.parametrize("device", ["cpu"])
-def test_fixed_point_sums_ignore_the_order_of_arrival(device: str, deterministic: None) -> None:
+def _interpreter_only() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the order of arrival is only controlled in the interpreter")
-    partials = _partials(24, 64, device)
-    orders = [list(range(24)), list(reversed(range(24)))]
-    orders += [torch.randperm(24, generator=torch.Generator().manual_seed(s)).tolist()
-               for s in range(6)]  # fmt: skip
-    fixed = [_sum_in_order(partials, o, torch.float16) for o in orders]
-    backend.set_deterministic_sums(False)  # float16 outputs, float32 atomics
-    floats = [_sum_in_order(partials, o, torch.float16) for o in orders]
-    for result in fixed[1:]:
-        assert torch.equal(result, fixed[0])
-    # The property is not vacuous: float32 sums of the same partials do change bits with
-    # the order (this is what made GPU decode differ between runs).
-    assert any(not torch.equal(result, floats[0]) for result in floats[1:])
-    # And the fixed-point sum is as accurate as float32 sums are.
-    exact = partials.double().sum(0)
-    assert (fixed[0].double() - exact).abs().max() <= 1e-6 * exact.abs().max()
 
 
-def test_fixed_point_clamps_non_finite_partials_to_overflow(deterministic: None) -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs the kernel on CPU tensors")
-    partials = torch.tensor([[1.0, -2.0, float("nan")], [float("inf"), 3.0, 0.5]])
-    out = _sum_in_order(partials, [0, 1], torch.float16)
-    assert out[1] == 1.0
-    # Beyond float16's range: the cast to float16 gives inf, as float sums would.
-    assert out[0].half().isinf() and out[2].half().isinf()
-    assert FIXED_POINT_LIMIT > 16 * 65504 and FIXED_POINT_SCALE == 2.0**32
-    # 1024 clamped partials fit the 64 bits.
-    assert MAX_FIXED_POINT_ARRIVALS * FIXED_POINT_LIMIT * FIXED_POINT_SCALE < 2.0**63
+def _orders(parts: int) -> list[list[int]]:
+    orders = [list(range(parts)), list(reversed(range(parts)))]
+    gen = torch.Generator().manual_seed(0)
+    return orders + [torch.randperm(parts, generator=gen).tolist() for _ in range(6)]
 
 
-def test_too_many_partials_are_refused_by_name() -> None:
-    check_fixed_point_arrivals(MAX_FIXED_POINT_ARRIVALS)
-    with pytest.raises(ValueError, match="split-K partials"):
-        check_fixed_point_arrivals(MAX_FIXED_POINT_ARRIVALS + 1)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("parts", [24, 5])  # 3 unrolled groups of 8; the tail loop alone
+def test_slot_sums_ignore_the_order_of_arrival(out_dtype: torch.dtype, parts: int) -> None:
+    _interpreter_only()
+    partials = _partials(parts, 64, "cpu")
+    results = [_sum_in_order(partials, order, out_dtype) for order in _orders(parts)]
+    for result in results[1:]:
+        assert torch.equal(result, results[0])
+    # The sum is the float32 sum in slot order 0, 1, 2, ..., rounded once to y's dtype
+    # (bfloat16 aside: Triton 3.6's interpreter truncates to it, see kernels.backend.cast_rtne).
+    want = torch.zeros(64, dtype=torch.float32)
+    for part in partials:
+        want = want + part
+    if out_dtype != torch.bfloat16:
+        assert torch.equal(results[0], want.to(out_dtype))
 
 
-def test_the_workspace_view_follows_the_switch(deterministic: None) -> None:
-    workspace = torch.zeros(8, dtype=torch.int64)
-    assert sums_view(workspace, torch.float16).dtype == torch.int64
-    # bfloat16 and float32 need float sums: more range than 64-bit fixed point has.
-    assert sums_view(workspace, torch.bfloat16).dtype == torch.float32
-    backend.set_deterministic_sums(False)
-    assert sums_view(workspace, torch.float16).dtype == torch.float32
+def test_the_property_is_not_vacuous() -> None:
+    # Float32 sums of these partials in the orders above do differ in bits (the order of
+    # arrival of atomics is what made GPU decode differ between runs), so equal results
+    # above come from the fixed order, not from lucky partials.
+    partials = _partials(24, 64, "cpu")
+    sums = []
+    for order in _orders(24):
+        total = torch.zeros(64, dtype=torch.float32)
+        for part in order:
+            total = total + partials[part]
+        sums.append(total)
+    assert any(not torch.equal(s, sums[0]) for s in sums[1:])
+
+
+def test_stale_workspace_contents_do_not_matter() -> None:
+    # Nothing zeroes the slots between calls: every slot read is written by the call.
+    _interpreter_only()
+    partials = _partials(11, 40, "cpu")
+    clean = _sum_in_order(partials, list(range(11)), torch.float32)
+    dirty = _sum_in_order(partials, [3, 1, 4, 0, 5, 9, 2, 6, 8, 7, 10], torch.float32, float("nan"))
+    assert torch.equal(clean, dirty)
+
+
+def test_workspace_refuses_more_than_int32_offsets() -> None:
+    with pytest.raises(ValueError, match="int32"):
+        split_k_workspace(torch.device("cpu"), 1 << 31, 1)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fixed", [False, True])
 @pytest.mark.parametrize("rows", [1, 8, 64])
-def test_repeated_matmuls_never_read_a_half_finished_sum(fixed: bool, rows: int) -> None:
-    """Before the barrier in take_sums, 1 call in 200 of a 64-row matmul on an H100 came
-    back with errors as large as the values (a replica thread read a sum another thread of
-    the finishing program had already zeroed). Every call must be right; with fixed-point
-    sums every call must also be bit-identical."""
+def test_repeated_matmuls_are_right_and_bit_identical(rows: int) -> None:
+    """Every call must be right (before a barrier in the finishing program, 1 call in 200 of
+    a 64-row matmul on an H100 read a half-finished sum) and give the same bits."""
     from helpers.quant_weights import make_weight
     from kernels.quant_matmul import dequantize_reference, quant_matmul_triton
 
-    before = backend.deterministic_sums()
-    backend.set_deterministic_sums(fixed)
-    try:
-        qw = make_weight(4096, 4096, [4], group_size=128, device="cuda", seed=1, bias=False)
-        x = torch.randn(rows, 4096, device="cuda", dtype=torch.float16)
-        want = (x.double() @ dequantize_reference(qw).double()).float()
-        outs = torch.stack([quant_matmul_triton(x, qw) for _ in range(200)]).float()
-    finally:
-        backend.set_deterministic_sums(before)
+    qw = make_weight(4096, 4096, [4], group_size=128, device="cuda", seed=1, bias=False)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.float16)
+    want = (x.double() @ dequantize_reference(qw).double()).float()
+    outs = torch.stack([quant_matmul_triton(x, qw) for _ in range(200)]).float()
     errors = (outs - want).abs().amax(dim=(1, 2))
     assert errors.max() < 0.25, f"calls {errors.gt(0.25).nonzero().flatten().tolist()} are wrong"
-    if fixed:
-        assert (outs == outs[0]).all()
+    assert (outs == outs[0]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_other_output_dtypes_are_bit_identical_too(dtype: torch.dtype) -> None:
+    from helpers.quant_weights import make_weight
+    from kernels.quant_matmul import quant_matmul_triton
+
+    qw = make_weight(4096, 4096, [4], group_size=128, device="cuda", seed=2, bias=False)
+    x = torch.randn(1, 4096, device="cuda", dtype=dtype)
+    outs = torch.stack([quant_matmul_triton(x, qw) for _ in range(100)])
+    assert (outs == outs[0]).all()
