@@ -16,8 +16,6 @@ in torch over the rows that use it, so steps that need it run eagerly (not as a 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,12 +26,11 @@ from engine.quantized_linear import QuantizedLinear
 from kernels.lora_matmul import (
     lora_expand,
     lora_expand_into_gemv,
-    lora_gemv_arrivals,
     lora_matmul,
     lora_partials_shape,
     lora_shrink,
 )
-from kernels.quant_matmul.gemv_share import gemv_share, launch_gemv_shared
+from kernels.quant_matmul.gemv_share import finish_gemv_shared, gemv_share, launch_gemv_shared
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -101,10 +98,11 @@ class LoraLinear(nn.Module):
     def _decode(self, x: torch.Tensor, seg: LoraSegments) -> torch.Tensor:
         """A decode step on CUDA (one row per segment): the shrink, then the expand, each
         one wave of small loads (kernels.lora_matmul). On a quantized base at GEMV sizes the
-        expand adds into the GEMV's own sums (GemvShare), so y is written once and nothing
-        runs after the GEMV. While a CUDA graph is captured, the LoRA kernels go on a side
-        stream: in the graph they overlap the base matmul (they need only x), which hides
-        them. Eager steps keep one stream: a switch costs more host time than it hides."""
+        expand stores its terms into a partial slot of the GEMV (GemvShare), so y is written
+        once, by the GEMV's slot sum after the join. While a CUDA graph is captured, the
+        LoRA kernels go on a side stream: in the graph they overlap the base matmul (they
+        need only x), which hides them. Eager steps keep one stream: a switch costs more
+        host time than it hides."""
         assert self.lora_a is not None and self.lora_b is not None and self.slot_map is not None
         x2 = x.reshape(-1, self.in_features)
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -122,9 +120,7 @@ class LoraLinear(nn.Module):
         share = None
         base = self.base
         if isinstance(base, QuantizedLinear) and not self.replacements:
-            share = gemv_share(
-                x2, base.qweight, functools.partial(lora_gemv_arrivals, rank=a.shape[1])
-            )
+            share = gemv_share(x2, base.qweight)
         main = torch.cuda.current_stream(x.device)
         capturing = torch.cuda.is_current_stream_capturing()
         side = _side_stream(x.device) if capturing else main
@@ -142,7 +138,9 @@ class LoraLinear(nn.Module):
             y = self._base_and_replacements(x, x2, seg)
         if capturing:
             main.wait_stream(side)
-        if share is None:
+        if share is not None:
+            finish_gemv_shared(share)  # after the join: it sums the expand's slot too
+        else:
             lora_expand(y.view(-1, self.out_features), partials, b, slot_map, starts, scales)
         return y
 

@@ -125,12 +125,17 @@ def _dot_f32(a, b, acc, INTERPRETED: tl.constexpr):
 def finish_dot_tile(
     out_ptr, y_ptr, offsets, mask, counter, arrivals, slot_stride, SLOTS: tl.constexpr
 ):
-    """`finish_gemv_tile` for a 2-D tile of the mid-M path: the last of the tile's
-    `arrivals` programs writes y[offsets] from the sum of its SLOTS slots, in slot order."""
+    """The last of a tile's `arrivals` programs writes y[offsets] from the sum of its SLOTS
+    slots, in slot order, and sets the tile's counter back to 0, so no zero-fill or cast
+    kernel runs around the matmul. The barrier makes every thread's partial stores precede
+    the counter's release (the split-K semaphore pattern); the counter's acquire orders the
+    last program's loads after every other program's stores. (The decode GEMV sums its
+    slots in a kernel of its own instead, kernels/quant_matmul/slot_sum.py: there a few
+    column tiles' last programs reading every slot alone were on the critical path.)"""
     tl.debug_barrier()
     done = tl.atomic_add(counter, 1, sem="acq_rel")
     if done == arrivals - 1:
-        sums = sum_slots(out_ptr, slot_stride, offsets, mask, SLOTS)
+        sums = sum_slots(out_ptr, slot_stride, offsets, mask, SLOTS, 8)
         tl.store(y_ptr + offsets, sums.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(counter, 0)
 

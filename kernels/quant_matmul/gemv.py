@@ -19,6 +19,7 @@ from kernels.backend import (
     programmatic_launch,
 )
 from kernels.quant_matmul.layout import QuantizedWeight, per_group_zeros
+from kernels.quant_matmul.slot_sum import launch_slot_sum
 from kernels.quant_matmul.split_k import (
     chunks_in_groups,
     plane_args,
@@ -26,7 +27,7 @@ from kernels.quant_matmul.split_k import (
     split_iters,
     split_k_workspace,
 )
-from kernels.quant_matmul.tiles import finish_gemv_tile, store_partial, zero_points
+from kernels.quant_matmul.tiles import store_partial, zero_points
 
 _GEMV_BLOCK_K = 32  # rows per chunk: the least group size of EXL2, one group per chunk
 
@@ -42,7 +43,8 @@ class GemvConfig:
         run out (M codes * x).
     programs_per_sm: split-K target, counted over all segments: enough resident warps to
         keep the loads in flight, few enough that the partials (n floats per split, stored
-        and read back by each tile's last program) stay cheap next to the weight bytes.
+        and read back by the slot sum, kernels/quant_matmul/slot_sum.py) stay cheap next to
+        the weight bytes.
     max_iters: chunks of _GEMV_BLOCK_K rows per program (a loop, not unrolled).
     prefetch: load the next chunk's packed words before working on this one (registers
         as a two-stage pipeline), so a program keeps a load in flight while it computes.
@@ -199,12 +201,10 @@ def _gemv_zero_term(
         return tl.sum(row_zero * row_scale * xv[:, None], axis=0)
 
 
-@triton.jit(do_not_specialize=["add_bias", "arrivals", "slot_base"])
+@triton.jit(do_not_specialize=["add_bias", "slot_base"])
 def _gemv_kernel(
     x_ptr,  # [M, k], unit column stride
-    out_ptr,  # float32 [SLOTS, M, n]: the workspace's partial slots (see store_partial)
-    y_ptr,  # [M, n] in x's dtype, contiguous: written by each column tile's last program
-    counter_ptr,  # int32 [column tiles], zero on entry: programs of the tile done so far
+    out_ptr,  # float32 [slots, M, n]: the workspace's partial slots (see store_partial)
     p0_ptr,
     p1_ptr,
     scales_ptr,
@@ -222,7 +222,6 @@ def _gemv_kernel(
     rows_per_split,  # ITERS * BLOCK_K
     add_bias,  # 1 for the first segment's launch of a weight with a bias (run time: one
     # compiled kernel serves every segment)
-    arrivals,  # programs per column tile over all segments' launches (and added kernels')
     slot_base,  # this segment's first slot: the splits of the segments launched before it
     float_magic,  # 0x4B000000 (see _gemv_plane)
     HAS_PERM: tl.constexpr,
@@ -235,7 +234,6 @@ def _gemv_kernel(
     P1_SHIFT: tl.constexpr,
     M_ROWS: tl.constexpr,  # 1..4: one accumulator each, unrolled
     ITERS: tl.constexpr,  # chunks per split (a constexpr: see the loop)
-    SLOTS: tl.constexpr,  # partial slots per column tile, summed in order by the last one
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # a multiple of 32
     PREFETCH: tl.constexpr,  # load chunk it + 1's words before working on chunk it
@@ -426,9 +424,7 @@ def _gemv_kernel(
         store_partial(out_ptr, slot, slot_stride, 2 * n + cols, acc2, col_ok)
     if M_ROWS > 3:
         store_partial(out_ptr, slot, slot_stride, 3 * n + cols, acc3, col_ok)
-    finish_gemv_tile(
-        out_ptr, y_ptr, counter_ptr + pid_n, arrivals, n, cols, col_ok, M_ROWS, SLOTS
-    )
+    # The slot sum (kernels/quant_matmul/slot_sum.py), launched next, writes y.
 
 
 def _gemv_block_n(M: int, n: int, grouped: bool, config: GemvConfig) -> int:
@@ -442,7 +438,8 @@ def _gemv_block_n(M: int, n: int, grouped: bool, config: GemvConfig) -> int:
 @dataclasses.dataclass(frozen=True)
 class GemvTiling:
     """How one decode GEMV splits its work: column tiles of block_n, split-K slices of
-    iters chunks of block_k rows, and the programs (arrivals) each column tile counts."""
+    iters chunks of block_k rows, and the programs (arrivals) of each column tile over all
+    segments' launches, each with a partial slot of its own."""
 
     block_k: int
     block_n: int
@@ -473,52 +470,35 @@ def gemv_tiling(x2d: torch.Tensor, qw: QuantizedWeight) -> GemvTiling:
     )
 
 
-def gemv_slots(tiling: GemvTiling, extra_arrivals: int = 0) -> int:
-    """Partial slots per column tile: one per split-K program of every segment, and one
-    that the `extra_arrivals` programs of added kernels share (they write disjoint columns:
-    kernels/quant_matmul/gemv_share.py)."""
-    return tiling.arrivals + (1 if extra_arrivals > 0 else 0)
+def gemv_slots(tiling: GemvTiling, extra_slots: int = 0) -> int:
+    """Partial slots of one call: one per split-K program of every segment (slot =
+    the program's split index over all segments' launches), then `extra_slots` for other
+    kernels' terms (kernels/quant_matmul/gemv_share.py)."""
+    return tiling.arrivals + extra_slots
 
 
-def launch_gemv(
-    x2d: torch.Tensor,
-    qw: QuantizedWeight,
-    y: torch.Tensor,
-    tiling: GemvTiling | None = None,
-    extra_arrivals: int = 0,
+def launch_gemv_partials(
+    x2d: torch.Tensor, qw: QuantizedWeight, sums: torch.Tensor, tiling: GemvTiling
 ) -> None:
-    """y [M, n] (x's dtype) = x2d [M <= 4, k] @ W (+ bias): one launch per segment, each
-    program storing its partial in its own slot of the device's workspace, summed in slot
-    order by each column tile's last program (see finish_gemv_tile). `extra_arrivals`
-    programs of other kernels per column tile write one more slot, after the GEMV's
-    (`gemv_slots`; see GemvShare).
-
-    If the GPU-side gaps between these launches show in decode profiles, the next step is
-    one launch per linear: the split-K axis spanning all segments, with a branch per segment
-    (its plane layout as constexprs).
-    """
+    """The GEMV's programs alone: each stores its float32 partial of x2d [M <= 4, k] @ W
+    (+ bias, in split 0 of the first segment) in its own slot of sums ([slots, M, n], the
+    first tiling.arrivals slots). One launch per segment."""
     M, n = x2d.shape[0], qw.out_features
-    t = tiling if tiling is not None else gemv_tiling(x2d, qw)
-    block_k, block_n, n_tiles, iters, grouped = t.block_k, t.block_n, t.n_tiles, t.iters, t.grouped
-    rows_per_split = iters * block_k
+    t = tiling
+    rows_per_split = t.iters * t.block_k
     perm = qw.perm if qw.perm is not None else qw.row_group  # dummy pointer when absent
     bias = qw.bias if qw.bias is not None else qw.scales
     segments = [s for s in qw.segments if s.row_end > s.row_start]
-    arrivals = t.arrivals + extra_arrivals
-    slots = gemv_slots(t, extra_arrivals)
-    workspace, counters = split_k_workspace(x2d.device, slots * M * n, n_tiles)
     pdl = programmatic_launch(x2d)
     first = True
     slot_base = 0
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start
         p0, p1, p0_stride, p1_stride = plane_args(segment)
-        grid = (n_tiles, triton.cdiv(seg_rows, rows_per_split))
+        grid = (t.n_tiles, triton.cdiv(seg_rows, rows_per_split))
         _gemv_kernel[grid](
             x2d,
-            workspace,
-            y,
-            counters,
+            sums,
             p0,
             p1,
             qw.scales,
@@ -535,18 +515,16 @@ def launch_gemv(
             seg_rows,
             rows_per_split,
             int(first and qw.bias is not None),
-            arrivals,
             slot_base,
             _FLOAT_MAGIC,
             HAS_PERM=qw.perm is not None,
-            GROUPED=grouped,
+            GROUPED=t.grouped,
             ZERO_PER_GROUP=per_group_zeros(qw.zeros),
             **plane_meta(segment),
             M_ROWS=M,
-            ITERS=iters,
-            SLOTS=slots,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
+            ITERS=t.iters,
+            BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k,
             PREFETCH=t.prefetch,
             USE_PDL=pdl,
             num_warps=t.num_warps,
@@ -554,3 +532,23 @@ def launch_gemv(
         )
         first = False
         slot_base += grid[1]
+
+
+def launch_gemv(
+    x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor, tiling: GemvTiling | None = None
+) -> None:
+    """y [M, n] (x's dtype or float32, contiguous) = x2d [M <= 4, k] @ W (+ bias): the
+    GEMV's programs store their partials in the device's workspace slots
+    (`launch_gemv_partials`), then the slot sum adds them in slot order into y
+    (kernels/quant_matmul/slot_sum.py): the same bits every run.
+
+    If the GPU-side gaps between these launches show in decode profiles, the next step is
+    one launch per linear: the split-K axis spanning all segments, with a branch per segment
+    (its plane layout as constexprs).
+    """
+    M, n = x2d.shape[0], qw.out_features
+    t = tiling if tiling is not None else gemv_tiling(x2d, qw)
+    slots = gemv_slots(t)
+    sums, _ = split_k_workspace(x2d.device, slots * M * n, 0)
+    launch_gemv_partials(x2d, qw, sums, t)
+    launch_slot_sum(sums, y, slots)

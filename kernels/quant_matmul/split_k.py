@@ -66,7 +66,8 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The device's SMs (_INTERPRETER_SMS off CUDA)."""
     if device.type != "cuda":
         return _INTERPRETER_SMS
     return _cuda_sm_count(device.index if device.index is not None else 0)
@@ -170,6 +171,6 @@ def split_iters(
     A power of two: it is a constexpr (see the module docstring), and every distinct value
     is one more compiled kernel per segment layout.
     """
-    target = programs_per_sm * _sm_count(device)
+    target = programs_per_sm * sm_count(device)
     splits = max(1, min(triton.cdiv(target, tiles), triton.cdiv(rows, block_k)))
     return min(max_iters, _pow2_floor(triton.cdiv(triton.cdiv(rows, splits), block_k)))

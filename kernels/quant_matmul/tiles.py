@@ -1,16 +1,18 @@
 """The Triton helpers that the quantized matmul kernels share, and that LoRA's expand uses
 to add into the decode GEMV's sums: a segment's codes and zero points inside a tile, and
-the split-K workspace's arithmetic (`store_partial`, `sum_slots`, `finish_gemv_tile`).
+the split-K workspace's arithmetic (`store_partial`, `sum_slots`).
 
 Determinism: split-K partials arrive in whatever order the programs finish. Summed with
 float32 atomics, that order could change the last bit of a sum, and rarely a token, from
 one run to the next (issue 31). So each program stores its float32 partial into its own
 slot of the workspace (slot = its split-K index over all segments' launches; LoRA's
-expand, an extra arrival, has a slot after them), and the last program of a tile, found by
-the tile's counter, adds the slots in slot order 0, 1, 2, ...: the same float32 operations
-every run, for every output dtype, so decode gives the same bits every run and process on
-one GPU. Nothing needs zeroing: every slot that is read was written by this call. The
-workspace itself (host side) is in kernels/quant_matmul/split_k.py.
+expand has a slot after them), and the slots are added in slot order 0, 1, 2, ...: the
+same float32 operations every run, for every output dtype, so decode gives the same bits
+every run and process on one GPU. The decode GEMV leaves that sum to a kernel of its own
+launched right after it (kernels/quant_matmul/slot_sum.py); the mid-M path's last program
+of each tile does it (dot.py's finish_dot_tile). Nothing needs zeroing: every slot that is
+read was written by this call. The workspace itself (host side) is in
+kernels/quant_matmul/split_k.py.
 """
 
 from __future__ import annotations
@@ -76,47 +78,30 @@ def zero_points(zeros_ptr, group, offsets, mask, ZERO_PER_GROUP):
 def store_partial(sums_ptr, slot, slot_stride, offsets, values, mask):
     """Store one program's float32 partial `values` at `offsets` of its own slot of the
     workspace ([slots, ...] with `slot_stride` elements per slot): a plain store, no atomic.
-    Every call writes every slot that its last program reads, so the workspace needs no
-    zeroing between calls. Offsets are int32: split_k_workspace keeps the slots below 2^31
+    Every call writes every slot that is read back, so the workspace needs no zeroing
+    between calls. Offsets are int32: split_k_workspace keeps the slots below 2^31
     elements."""
     tl.store(sums_ptr + slot * slot_stride + offsets, values, mask=mask)
 
 
 @triton.jit
-def sum_slots(sums_ptr, slot_stride, offsets, mask, SLOTS: tl.constexpr):
+def sum_slots(sums_ptr, slot_stride, offsets, mask, SLOTS: tl.constexpr, GROUP: tl.constexpr):
     """The float32 sum over slots 0, 1, ..., SLOTS - 1 of the workspace at `offsets`, added
-    in that order whatever order the programs finished in: the same bits every run. The
-    last program of a tile calls this after every partial has arrived. Read from L2 (.cg),
-    past an L1 that may hold the lines from an earlier call. Groups of 8 slots are unrolled
-    so that their loads fly together; the adds stay in slot order."""
+    in that order whatever order the programs that wrote them finished in: the same bits
+    every run. Called once every partial has been stored (kernels/quant_matmul/slot_sum.py,
+    dot.py's finish_dot_tile). Read from L2 (.cg), past an L1 that may hold the lines from
+    an earlier call. Groups of GROUP slots are unrolled so that their loads fly together
+    (GROUP = SLOTS: all of them); the adds stay in slot order."""
     total = tl.zeros(offsets.shape, tl.float32)
-    for group in range(SLOTS // 8):
-        for j in tl.static_range(8):
-            slot = group * 8 + j
+    for group in range(SLOTS // GROUP):
+        for j in tl.static_range(GROUP):
+            slot = group * GROUP + j
             total += tl.load(
                 sums_ptr + slot * slot_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg"
             )
-    for j in tl.static_range(SLOTS % 8):
-        slot = (SLOTS // 8) * 8 + j
+    for j in tl.static_range(SLOTS % GROUP):
+        slot = (SLOTS // GROUP) * GROUP + j
         total += tl.load(
             sums_ptr + slot * slot_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg"
         )
     return total
-
-
-@triton.jit
-def finish_gemv_tile(
-    sums_ptr, y_ptr, counter, arrivals, n, cols, col_ok, M_ROWS: tl.constexpr, SLOTS: tl.constexpr
-):
-    """The last program of a column tile to finish sums the tile's SLOTS partial slots (in
-    slot order, `sum_slots`) and writes them as y; it sets the counter back to 0, so no
-    zero-fill or cast kernel runs around the GEMV. The barrier makes every thread's partial
-    stores precede the counter's release (the split-K semaphore pattern); the counter's
-    acquire orders the last program's loads after every other program's stores."""
-    tl.debug_barrier()
-    done = tl.atomic_add(counter, 1, sem="acq_rel")
-    if done == arrivals - 1:
-        for m in tl.static_range(M_ROWS):
-            sums = sum_slots(sums_ptr, M_ROWS * n, m * n + cols, col_ok, SLOTS)
-            tl.store(y_ptr + m * n + cols, sums.to(y_ptr.dtype.element_ty), mask=col_ok)
-        tl.store(counter, 0)

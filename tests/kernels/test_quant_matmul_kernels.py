@@ -313,7 +313,7 @@ def test_several_column_tiles_and_chunks_per_program(
     monkeypatch.setattr(
         qdot, "_DOT_CONFIGS", ((1 << 62, dataclasses.replace(qdot.DotConfig(), programs_per_sm=1)),)
     )
-    monkeypatch.setattr(split_k, "_sm_count", lambda device: 1)
+    monkeypatch.setattr(split_k, "sm_count", lambda device: 1)
     qw = make_weight(256, 200, [6], device=device)
     if path == "gemv":
         x = torch.zeros(M, 256, dtype=torch.float16, device=device)

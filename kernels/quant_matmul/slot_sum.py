@@ -1,0 +1,131 @@
+"""The second half of the decode GEMV's split-K reduction: y = the sum of the workspace's
+partial slots, in slot order, by a kernel of its own launched right after the GEMV
+(`launch_slot_sum`).
+
+Why a kernel of its own (issue 31): fixed-order sums make decode bitwise reproducible, but
+when each column tile's last GEMV program summed its tile's slots, a few programs (4 column
+tiles of 1024 columns for a 4096-wide output, 32-112 slots each) read every partial alone,
+serially, at the end of the GEMV: 15% of 8B decode. Here many small programs (a few dozen
+to a few hundred columns each, every slot's load in flight at once) share that read, and
+with programmatic dependent launch (kernels/backend.py) this kernel is already resident
+when the GEMV's last program ends: it waits for the GEMV's writes, reads them from L2 and
+writes y. The GEMV itself needs no atomics, no counters and no last-program branch.
+
+The elements are y's, flattened ([M, n] contiguous, M * n of them): slot s of the
+workspace holds element i at s * M * n + i (kernels/quant_matmul/gemv.py's layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import (
+    cast_rtne,
+    is_interpreted,
+    pdl_launch_dependents,
+    pdl_wait,
+    programmatic_launch,
+)
+from kernels.quant_matmul.split_k import sm_count
+from kernels.quant_matmul.tiles import sum_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSumConfig:
+    """Launch settings of the slot sum: `block` elements of y per program, `num_warps`
+    warps each (block / (32 * num_warps) elements per thread, each with a load per slot
+    in flight)."""
+
+    block: int
+    num_warps: int
+
+
+# Loads a thread may keep in flight (elements per thread * slots) before the registers run
+# short: 8B GPTQ on an H100 has 32-113 slots per GEMV.
+_LOADS_PER_THREAD = 64
+_MIN_BLOCK = 32
+_MAX_BLOCK = 1024
+_PROGRAMS_PER_SM = 2
+_MAX_WARPS = 4
+
+
+def _pow2_floor(value: int) -> int:
+    return 1 << (max(value, 1).bit_length() - 1)
+
+
+def slot_sum_config(elements: int, slots: int, device: torch.device) -> SlotSumConfig:
+    """About _PROGRAMS_PER_SM programs per SM (every SM pulls its share of the partials
+    from L2 at once), 32 to 1024 elements each, and few enough elements per thread (at
+    most _MAX_WARPS warps) that every slot's load is in flight within _LOADS_PER_THREAD
+    registers, or one element per thread."""
+    per_thread = max(1, min(4, _pow2_floor(_LOADS_PER_THREAD // max(slots, 1))))
+    block = _pow2_floor(triton.cdiv(elements, _PROGRAMS_PER_SM * sm_count(device)))
+    block = max(_MIN_BLOCK, min(_MAX_BLOCK, _MAX_WARPS * 32 * per_thread, block))
+    return SlotSumConfig(block, max(1, min(_MAX_WARPS, block // (32 * per_thread))))
+
+
+@triton.jit
+def _slot_sum_kernel(
+    sums_ptr,  # float32 [SLOTS, elements]: the workspace (see store_partial)
+    y_ptr,  # [elements] (y [M, n] contiguous), any float dtype
+    elements,  # M * n, also the slot stride
+    SLOTS: tl.constexpr,
+    GROUP: tl.constexpr,  # max(SLOTS, 1): every slot's load unrolled (see sum_slots)
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    # Nothing to load before the wait: every input is the previous kernel's output.
+    pdl_launch_dependents(USE_PDL)
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < elements
+    pdl_wait(USE_PDL)
+    sums = sum_slots(sums_ptr, elements, offsets, mask, SLOTS, GROUP)
+    tl.store(y_ptr + offsets, cast_rtne(sums, y_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+
+
+# Triton 3.6's interpreter truncates float32 -> bfloat16: see kernels.backend.cast_rtne.
+_INTERPRETED = is_interpreted(_slot_sum_kernel)
+
+
+def launch_slot_sum(
+    sums: torch.Tensor,
+    y: torch.Tensor,
+    slots: int,
+    *,
+    pdl: bool | None = None,
+    config: SlotSumConfig | None = None,
+) -> None:
+    """y (contiguous, M * n elements) = sum over slots 0..slots-1 of sums[slot * y.numel() +
+    i], in slot order, rounded once to y's dtype. `pdl`: launch with programmatic dependent
+    launch (default: where kernels.backend.programmatic_launch says; pass False after a
+    join of streams, whose other branch PDL would not wait for). `config`: the default
+    `slot_sum_config` unless given (benchmarks sweep it)."""
+    elements = y.numel()
+    if not y.is_contiguous():
+        raise ValueError(f"y must be contiguous, got strides {y.stride()}")
+    if sums.dtype != torch.float32 or sums.numel() < slots * elements:
+        raise ValueError(
+            f"sums must be float32 with at least {slots} x {elements} elements, got "
+            f"{sums.dtype} x {sums.numel()}"
+        )
+    if elements == 0:
+        return
+    use_pdl = programmatic_launch(y) if pdl is None else pdl and programmatic_launch(y)
+    c = config if config is not None else slot_sum_config(elements, slots, y.device)
+    _slot_sum_kernel[(triton.cdiv(elements, c.block),)](
+        sums,
+        y,
+        elements,
+        SLOTS=slots,
+        GROUP=max(slots, 1),
+        BLOCK=c.block,
+        USE_PDL=use_pdl,
+        EMULATE_BF16=_INTERPRETED,
+        num_warps=c.num_warps,
+        launch_pdl=use_pdl,
+    )
