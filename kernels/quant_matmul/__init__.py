@@ -47,27 +47,29 @@ Paths, by the number of activation rows M (thresholds and `choose_path` in paths
   a global).
 
 Reduction: every split-K program (of every segment's launch) stores its float32 partial
-in its own slot of a per-device workspace, [slots, M, n]; the last program of each tile (an
-atomic counter per tile, set back to 0 by that program) adds the tile's slots in slot order
-0, 1, 2, ... and writes y in x's dtype. The order of the float32 additions is fixed, so the
-sum does not depend on which program finished first and decode is bitwise reproducible for
-every output dtype (issue 31: float32 atomics flipped the last bit from run to run and,
-rarely, the rounding to 16 bits and a token). One launch per Segment (at most 6; the plane
-layout is a compile-time constant of the unpacking code), each with its own range of
-slots; the first one adds the bias. No second reduction kernel and no zero-fill: every
-slot read is written by the same call, so a decode linear is one launch per segment and
-nothing else (a zero-fill and a cast kernel cost as much as a small GEMV). The partials
-stay in L2 (written once, read once by the tile's last program). The mid-M path stores and
-finishes its tiles the same way.
+in its own slot of a per-device workspace, [slots, M, n], and the slots are added in slot
+order 0, 1, 2, ... and rounded once into y's dtype. The order of the float32 additions is
+fixed, so the sum does not depend on which program finished first and decode is bitwise
+reproducible for every output dtype (issue 31: float32 atomics flipped the last bit from
+run to run and, rarely, the rounding to 16 bits and a token). The decode GEMV leaves the
+sum to a kernel of its own launched right after it (slot_sum.py: a few hundred small
+programs, every slot's load in flight, resident before the GEMV ends through programmatic
+dependent launch): summed by each column tile's last program instead, a few programs read
+every partial alone at the end of the GEMV and decode lost 15%. The mid-M path's tiles
+are many and small, so there the last program of each tile (an atomic counter per tile,
+set back to 0 by that program) adds its tile's slots. One launch per Segment (at most 6;
+the plane layout is a compile-time constant of the unpacking code), each with its own
+range of slots; the first one adds the bias. No zero-fill: every slot read is written by
+the same call. The partials stay in L2 (written once, read once).
 
 Modules: layout.py the runtime layout; reference.py the torch references; paths.py the
 path choice and the argument checks; dispatch.py the public functions; gemv.py the decode
-GEMV (`GemvConfig`, `launch_gemv`) and gemv_share.py its opening to other kernels'
-partials (LoRA's expand: `GemvShare`); dot.py the mid-M tensor-core path (`DotConfig`,
-`_DOT_CONFIGS`, `launch_dot`); dequantize.py the dequantization and dequantize + cuBLAS;
-what several kernels share: tiles.py inside the kernels (segment codes, zero points, the
-workspace's sums), split_k.py on the host (plane arguments, the split-K plan, the
-workspace).
+GEMV (`GemvConfig`, `launch_gemv`), slot_sum.py the sum of its partials and gemv_share.py
+its opening to other kernels' partials (LoRA's expand: `GemvShare`); dot.py the mid-M
+tensor-core path (`DotConfig`, `_DOT_CONFIGS`, `launch_dot`); dequantize.py the
+dequantization and dequantize + cuBLAS; what several kernels share: tiles.py inside the
+kernels (segment codes, zero points, the workspace's slots), split_k.py on the host (plane
+arguments, the split-K plan, the workspace).
 
 Loops have constexpr trip counts: Triton 3.6's interpreter fails on runtime loop bounds
 under numpy >= 2.4 (triton-lang/triton#9171), and the tests run the kernels there.
