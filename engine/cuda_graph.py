@@ -736,7 +736,22 @@ class DecodeGraphs:
         when a LoRA decode step next needs them."""
         self._lora_graphs.clear()
 
-    def release(self) -> None:
-        self._graphs.clear()
-        self._lora_graphs.clear()
-        self._prompt_graphs.clear()
+    def release(self) -> dict[str, int]:
+        """Drop every graph, destroying each captured CUDA graph now: how many graphs were
+        dropped (`graphs_dropped`) and how many CUDA graphs destroyed (`graphs_reset`). A
+        graph that captured an NCCL collective keeps its communicator from being destroyed
+        until the graph itself is (NCCL waits for its graphs in ncclCommDestroy): a
+        tensor-parallel rank that left the group while something still held one of its
+        graphs waited there until it was killed."""
+        dropped = reset = 0
+        for graphs in (self._graphs, self._lora_graphs, self._prompt_graphs):
+            for graph in graphs.values():
+                dropped += 1
+                for seg in graph.segments:
+                    if seg.graph is not None:
+                        torch.cuda.synchronize(seg.device)  # its pool is freed with it
+                        seg.graph.reset()
+                        seg.graph = None  # a replay of a graph still held runs eagerly
+                        reset += 1
+            graphs.clear()
+        return {"graphs_dropped": dropped, "graphs_reset": reset}

@@ -272,14 +272,19 @@ class ModelRunner:
         its ranks without a collective)."""
         self.release()
 
+    def stop_lora_graph_listener(self) -> None:
+        """Stop telling the decode graphs about adapter changes (before they are released)."""
+        graphs = self.graphs
+        if graphs is not None and graphs.drop_lora_graphs in self.loras.listeners:
+            self.loras.listeners.remove(graphs.drop_lora_graphs)
+
     def release(self) -> None:
         """Let go of the model, its K/V storage, the graphs (their memory pools) and the
         draft model (its engine is unloaded by its owner), so that unloading frees them
         even while something still holds the runner."""
         self.draft = None
         if self.graphs is not None:
-            if self.graphs.drop_lora_graphs in self.loras.listeners:
-                self.loras.listeners.remove(self.graphs.drop_lora_graphs)
+            self.stop_lora_graph_listener()
             self.graphs.release()
             self.graphs = None
         self.model = None  # type: ignore[assignment]

@@ -41,7 +41,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Rows up to this many elements are held in registers (one read of x); longer rows loop over
 # D twice (sum of squares, then scale) and read x twice. 16384 covers every common hidden
 # size, including Llama-3-405B's.
-_MAX_SINGLE_PASS_D = 16384
+MAX_SINGLE_PASS_D = 16384
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -70,6 +70,23 @@ def rms_norm_reference(
     if unit_offset:
         return (y * (1.0 + weight.float())).to(x.dtype)
     return weight * y.to(x.dtype)
+
+
+@triton.jit
+def rms_norm_row(
+    x, w, D, eps, x_dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr, EMULATE_BF16: tl.constexpr
+):
+    """The norm of one row held in registers: x [BLOCK_D] float32 (the row's values, already
+    rounded to `x_dtype`; 0 past D), w the weight as float32. Returns the float32 output
+    before its cast. Shared with kernels/tp_all_reduce.py, whose fused norm must give the
+    same bits as this kernel's (same code, launched with the same BLOCK_D and warps)."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = x * rstd
+    if UNIT_OFFSET:
+        out = y * (1.0 + w)
+    else:
+        out = w * cast_rtne(y, x_dtype, EMULATE_BF16).to(tl.float32)
+    return out
 
 
 @triton.jit
@@ -118,13 +135,8 @@ def _rms_norm_kernel(
             )
             tl.store(residual_out_row + cols, summed, mask=mask)
             x = summed.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = x * rstd
-        if UNIT_OFFSET:
-            out = y * (1.0 + w)
-        else:
-            out = w * cast_rtne(y, x_dtype, EMULATE_BF16).to(tl.float32)
+        out = rms_norm_row(x, w, D, eps, x_dtype, UNIT_OFFSET, EMULATE_BF16)
         tl.store(out_row + cols, cast_rtne(out, out_dtype, EMULATE_BF16), mask=mask)
     else:
         # Per-lane partial sums, reduced once at the end: fewer cross-warp reductions.
@@ -165,9 +177,12 @@ def _rms_norm_kernel(
 _INTERPRETED = is_interpreted(_rms_norm_kernel)
 
 
-def _num_warps(block_d: int) -> int:
-    # About 16 row elements per thread (32 for the widest single-pass rows): the row stays in
-    # registers without spills, and short rows don't leave most of a program's threads idle.
+def norm_num_warps(block_d: int) -> int:
+    """Warps for a norm program over rows of block_d elements (kernels/tp_all_reduce.py
+    launches its fused norm with the same, so both give the same bits).
+
+    About 16 row elements per thread (32 for the widest single-pass rows): the row stays in
+    registers without spills, and short rows don't leave most of a program's threads idle."""
     return max(1, min(16, block_d // 512))
 
 
@@ -182,7 +197,7 @@ def _launch(
 ) -> None:
     # x2d [N, D] (and residual2d) with unit last-dim stride; rows may be strided.
     D = x2d.shape[1]
-    single_pass = D <= _MAX_SINGLE_PASS_D
+    single_pass = D <= MAX_SINGLE_PASS_D
     block_d = triton.next_power_of_2(D) if single_pass else 4096
     has_residual = residual2d is not None
     # Without a residual the kernel never touches those pointers; pass x and out again.
@@ -208,7 +223,7 @@ def _launch(
             BLOCK_D=block_d,
             N_BLOCKS=triton.cdiv(D, block_d),
             EMULATE_BF16=_INTERPRETED,
-            num_warps=_num_warps(block_d),
+            num_warps=norm_num_warps(block_d),
             USE_PDL=pdl,
             launch_pdl=pdl,
         )

@@ -40,6 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import ConfigError, ModelConfig
+from engine.cpu_threads import cpu_threads
 from engine.loading import resolve_device
 from engine.quantizer import calibration as cal
 from engine.quantizer.job import Job, JobMismatchError, atomic_write_text
@@ -67,7 +68,7 @@ from engine.quantizer.strategy import (
     read_measurement,
     written_bpw,
 )
-from engine.quantizer.threads import cpu_threads, idle_cpu_threads
+from engine.quantizer.threads import idle_cpu_threads
 from engine.quantizer.writer import publish, write_output
 from engine.weights import WeightError
 

@@ -1,6 +1,6 @@
 """CPU threads for a conversion: the idle cores, for the conversion's duration only.
 
-    with cpu_threads(options.threads or idle_cpu_threads()):
+    with cpu_threads(options.threads or idle_cpu_threads()):  # engine/cpu_threads.py
         ...
 
 Why not torch's default (one per core): the converter is a long run of medium-sized ops,
@@ -13,8 +13,6 @@ the threads pay off again, so the count follows the load when the conversion sta
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -27,16 +25,3 @@ def idle_cpu_threads() -> int:
         return torch.get_num_threads()
     idle = (os.cpu_count() or 1) - round(busy)
     return max(1, min(torch.get_num_threads(), idle))
-
-
-@contextmanager
-def cpu_threads(count: int) -> Iterator[None]:
-    """torch uses `count` threads inside the block; the caller's count is restored after."""
-    if count <= 0:
-        raise ValueError(f"threads must be positive, got {count}")
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

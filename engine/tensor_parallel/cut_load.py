@@ -17,9 +17,10 @@ for byte (tests/engine/test_tensor_parallel_cut_load.py compares every tensor).
 - GPTQ rows (in features: o_proj, down_proj): qweight packs the input rows in their original
   order, 32/bits a word. The piece is the words holding the rank's rows, with their groups'
   scales and zeros (renumbered in order) and a g_idx for its rows: o_proj's rows are an input
-  range (contiguous even with act-order), down_proj's whole groups are contiguous without
-  act-order. With act-order a down_proj's groups scatter their rows over the whole tensor:
-  the words then cover about all of it, and that read is whole (stated, not avoided).
+  range (contiguous even with act-order), down_proj's block of whole groups is contiguous
+  without act-order, and so are the gate/up columns it reads (transform.py), one run a row.
+  With act-order a down_proj's groups scatter their rows over the whole tensor: the words
+  then cover about all of it, and that read is whole (stated, not avoided); so are gate/up's.
 - EXL2 rows: q_weight packs the stored (permuted) rows group by group, so the piece is the
   rank's groups: a down_proj's round-robin groups are read alone. An o_proj's input range
   is scattered over every group by q_perm (the act-order EXL2 writes), so that piece is the
@@ -163,7 +164,13 @@ class RankCuts:
                 else:
                     order = self._order(store, down, in_features)
                     num_groups = int(order.row_group.max()) + 1
-                    rows = mlp_inputs(order.row_group, num_groups, rank=self.rank, world=self.world)
+                    rows = mlp_inputs(
+                        order.row_group,
+                        num_groups,
+                        rank=self.rank,
+                        world=self.world,
+                        interleave=order.exl2_groups is not None,  # as transform.py
+                    )
                     inputs = rows if order.perm is None else order.perm[rows]
                     self.cuts[down] = Rows(rows, None, inputs, self.rank == 0)
                 self._gate_up(name, module, inputs, in_features)

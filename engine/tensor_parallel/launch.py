@@ -39,6 +39,7 @@ from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOption
 from engine.loading import resolve_device, resolve_dtype
 from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.launched import LaunchedRank, launched_rank
+from engine.tensor_parallel.leave import ServingRank, abandon_group, leave_group
 from engine.tensor_parallel.load_phases import LoadPhases
 from engine.tensor_parallel.protocol import Channel
 from engine.tensor_parallel.rank import (
@@ -46,12 +47,13 @@ from engine.tensor_parallel.rank import (
     ShardSpec,
     exchange_rank_reports,
     finish_rank,
+    finish_serving_rank,
     init_rank,
     load_rank,
     rank_memory,
     serve,
 )
-from engine.tensor_parallel.ranks import Ranks, leave_group
+from engine.tensor_parallel.ranks import Ranks
 from engine.tensor_parallel.runner import TensorParallelRunner
 from engine.tensor_parallel.shared_spec import publish_spec, receive_spec, rendezvous_store
 from engine.tensor_parallel.spawned import SpawnedRanks, discard_prestarted, take_ranks
@@ -240,21 +242,25 @@ def serve_launched_rank(model_dir: str | Path) -> None:
         store = rendezvous_store(READY_TIMEOUT_S)
         spec = receive_spec(store, launched, Path(model_dir), phases.origin, READY_TIMEOUT_S)
     os.environ.update(NCCL_ENV)
+    serving: ServingRank | None = None
     try:
         model, cache, channel = _load_then_join(spec, launched.rank, phases, [], None, store)
-        graphs = finish_rank(model, cache, spec, launched.rank, phases)
-        exchange_rank_reports(rank_memory(model, cache, spec.device(launched.rank)), phases)
+        serving = ServingRank(model, cache)
+        del model, cache  # held by `serving` alone: leaving lets go of all of it
+        finish_serving_rank(serving, spec, launched.rank, phases)
         # Ctrl+C reaches every process of the terminal's group, and torchrun passes its
         # SIGINT/SIGTERM on to its ranks: rank 0 answers by unloading, which stops this rank
         # through the serving loop. Dying here first would leave rank 0's stop unanswered.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        serve(model, cache, graphs, channel, spec.max_seq_len)
-        if dist.get_backend() == "gloo":
-            dist.barrier()  # rank 0's unload waits here too (TensorParallelRunner.release)
-    finally:
+        serve(serving, channel, spec.max_seq_len)
+    except BaseException:
+        if serving is not None:
+            serving.release()
         if dist.is_initialized():  # not when joining the group itself failed
-            leave_group(launched=True)
+            abandon_group()
+        raise
+    leave_group(channel, serving.release())  # with rank 0's unload (leave.py)
 
 
 def _load_then_join(

@@ -14,8 +14,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.queues import Queue
@@ -27,6 +26,7 @@ from torch._C._distributed_c10d import PrefixStore, Store
 from engine.architectures.base import CausalLM
 from engine.cache import PagedKVCache
 from engine.config import ModelConfig
+from engine.cpu_threads import cpu_threads
 from engine.cuda_graph import DecodeGraphs
 from engine.held_bytes import held_bytes
 from engine.loading import DTYPES, load_causal_lm
@@ -35,6 +35,7 @@ from engine.placement.footprint import model_footprint
 from engine.tensor_parallel import protocol
 from engine.tensor_parallel.all_reduce import GroupAllReduce, preimport_symmetric_memory
 from engine.tensor_parallel.cut_load import RankCuts
+from engine.tensor_parallel.leave import ServingRank, leave_group
 from engine.tensor_parallel.load_phases import LoadPhases
 from engine.tensor_parallel.staging import staging_placement, staging_pool
 from engine.tensor_parallel.transform import move_model, shard_model, use_all_reduce
@@ -96,19 +97,15 @@ def init_rank(spec: ShardSpec, rank: int, store: Store | None = None) -> protoco
     at the same point on every rank). `store`: one this process reached already (torchrun's,
     launch.py), used instead of `spec.init_method`."""
     use_rank_device(spec, rank)
-    timeout = timedelta(seconds=spec.timeout_s)
-    if store is not None:
+    dist.init_process_group(
+        spec.backend,
+        init_method=spec.init_method if store is None else None,
         # The prefix init_process_group puts on a store it makes itself from an init_method.
-        group_store = PrefixStore("default_pg", store)
-        dist.init_process_group(
-            spec.backend, store=group_store, rank=rank, world_size=spec.world_size,
-            timeout=timeout,
-        )  # fmt: skip
-    else:
-        dist.init_process_group(
-            spec.backend, init_method=spec.init_method, rank=rank,
-            world_size=spec.world_size, timeout=timeout,
-        )  # fmt: skip
+        store=PrefixStore("default_pg", store) if store is not None else None,
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout_s),
+    )
     return protocol.Channel.open(spec.device(rank))
 
 
@@ -119,17 +116,11 @@ def init_rank(spec: ShardSpec, rank: int, store: Store | None = None) -> protoco
 LOAD_THREADS_MAX = 4
 
 
-@contextmanager
-def load_threads(world_size: int) -> Iterator[None]:
+def load_threads(world_size: int) -> AbstractContextManager[None]:
     """torch uses at most LOAD_THREADS_MAX threads, and no more than this rank's share of
     the cores, inside the block; the process's count is restored after."""
-    before = torch.get_num_threads()
     share = max(1, (os.cpu_count() or 1) // max(world_size, 1))
-    torch.set_num_threads(max(1, min(before, share, LOAD_THREADS_MAX)))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return cpu_threads(max(1, min(torch.get_num_threads(), share, LOAD_THREADS_MAX)))
 
 
 def build_rank(
@@ -315,15 +306,13 @@ def _staging(spec: ShardSpec, config: ModelConfig, device: torch.device) -> Plac
     return staging_placement(weights, spec.world_size, device, free)
 
 
-def serve(
-    model: CausalLM,
-    cache: PagedKVCache,
-    graphs: DecodeGraphs | None,
-    channel: protocol.Channel,
-    max_seq_len: int,
-) -> None:
-    """Ranks > 0: run what rank 0 announces until STOP. Nothing here reads the device:
-    the host takes the next header while the GPU still runs the last step."""
+def serve(rank: ServingRank, channel: protocol.Channel, max_seq_len: int) -> None:
+    """Ranks > 0: run what rank 0 announces until STOP, on what `rank` holds (decode graphs
+    that rank 0 asks for are kept there too). Nothing here reads the device: the host takes
+    the next header while the GPU still runs the last step. Nothing is kept in this
+    function's locals past it: leaving (leave.py) lets go of `rank`'s graphs."""
+    model, cache = rank.model, rank.cache
+    assert model is not None and cache is not None
     with torch.inference_mode():
         while True:
             header = channel.receive_header()
@@ -332,25 +321,23 @@ def serve(
                 return
             if command == protocol.FORWARD:
                 model(channel.receive_batch(header), cache)
-            elif command == protocol.GRAPH_DECODE:
-                if graphs is None:
-                    raise RuntimeError("rank 0 replays decode graphs, this rank has none")
-                graph = graphs.graph(header[1])  # captured now if new, as on rank 0
-                channel.broadcast_rows(graph.device_rows)
-                graph.replay()
-            elif command in (protocol.GRAPH_PROMPT, protocol.GRAPH_MANY):
+            elif command in (protocol.GRAPH_DECODE, protocol.GRAPH_PROMPT, protocol.GRAPH_MANY):
+                graphs = rank.graphs
                 if graphs is None:
                     raise RuntimeError("rank 0 replays graphs, this rank has none")
-                if command == protocol.GRAPH_PROMPT:
+                # Captured now if new, as on rank 0.
+                if command == protocol.GRAPH_DECODE:
+                    graph = graphs.graph(header[1])
+                elif command == protocol.GRAPH_PROMPT:
                     graph = graphs.prompt_graph(header[1])
                 else:
                     graph = graphs.graph(header[1], tokens_per_row=header[2])
                 channel.broadcast_rows(graph.device_rows)
                 graph.replay()
             elif command == protocol.GRAPHS:
-                if graphs is not None:
+                if rank.graphs is not None:
                     raise RuntimeError("rank 0 made decode graphs twice")
-                graphs = DecodeGraphs(model, cache, max_seq_len, capture=bool(header[1]))
+                rank.graphs = DecodeGraphs(model, cache, max_seq_len, capture=bool(header[1]))
             else:
                 raise RuntimeError(f"unknown tensor-parallel command {command}")
 
@@ -365,10 +352,11 @@ def worker_main(
     (rank, None), then joins the group (rank 0 joins once every rank has reported: a rank
     that failed before joining cannot leave it waiting in the rendezvous). Reports (rank,
     error text) if loading failed or, later, a step failed (rank 0 adds it to the error it
-    raises when the rank stops answering)."""
+    raises when the rank stops answering). Told to stop, it leaves with the other ranks
+    (leave.py) and ends."""
     phases = phases if phases is not None else LoadPhases(origin=spec.started_at or time.time())
     try:
-        model, cache, _ = load_rank(spec, rank, phases)
+        serving = ServingRank(*load_rank(spec, rank, phases)[:2])
     except Exception as e:  # noqa: BLE001 - the message goes back to rank 0
         reports.put((rank, f"{type(e).__name__}: {e}"))
         return
@@ -380,9 +368,8 @@ def worker_main(
         reports.put((rank, f"process-group init failed: {type(e).__name__}: {e}"))
         return
     try:
-        graphs = finish_rank(model, cache, spec, rank, phases)
-        exchange_rank_reports(rank_memory(model, cache, spec.device(rank)), phases)
-        serve(model, cache, graphs, channel, spec.max_seq_len)
+        finish_serving_rank(serving, spec, rank, phases)
+        serve(serving, channel, spec.max_seq_len)
     except Exception as e:
         reports.put((rank, f"{type(e).__name__}: {e}"))
         reports.close()
@@ -393,4 +380,15 @@ def worker_main(
         # groups still alive at interpreter exit abort it (std::terminate). The process
         # ends now; its links close with it, so rank 0's next message fails at once.
         os._exit(1)
-    dist.destroy_process_group()
+    leave_group(channel, serving.release())
+
+
+def finish_serving_rank(
+    serving: ServingRank, spec: ShardSpec, rank: int, phases: LoadPhases
+) -> None:
+    """finish_rank for a rank > 0, then its reports exchanged with the others: it is ready to
+    serve."""
+    model, cache = serving.model, serving.cache
+    assert model is not None and cache is not None
+    serving.graphs = finish_rank(model, cache, spec, rank, phases)
+    exchange_rank_reports(rank_memory(model, cache, spec.device(rank)), phases)

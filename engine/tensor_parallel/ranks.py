@@ -1,5 +1,4 @@
-"""The other ranks of a tensor-parallel model, as rank 0's runner holds them, and how a
-process leaves the group."""
+"""The other ranks of a tensor-parallel model, as rank 0's runner holds them."""
 
 from __future__ import annotations
 
@@ -9,7 +8,6 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 
 import torch
-import torch.distributed as dist
 
 from engine.tensor_parallel.protocol import Channel
 
@@ -34,6 +32,12 @@ class Ranks:
     memory: list[dict[str, int]] = field(default_factory=list)
     # Where each rank's load time went, by rank (load_phases.py).
     load_phases: list[dict[str, object]] = field(default_factory=list)
+    # How the ranks left at unload (leave.py), by rank: what each let go of; empty when
+    # they did not meet (a rank had stopped, or did not come in time).
+    left: list[dict[str, int]] = field(default_factory=list)
+    # The spawned ranks (1..) that unload had to terminate: they had not ended by
+    # themselves once the group was gone.
+    terminated: list[int] = field(default_factory=list)
 
     def failures(self) -> str:
         """What is known of ranks that stopped: the errors the spawned ranks reported and
@@ -60,13 +64,3 @@ def stop_workers(workers: list[BaseProcess]) -> None:
         if worker.is_alive():
             worker.terminate()
             worker.join(timeout=10)
-
-
-def leave_group(*, launched: bool) -> None:
-    """Drop this process's group as it leaves tensor parallelism. Not for torchrun's ranks
-    on NCCL: there both ranks hung inside destroy_process_group (2x H100, torch 2.11, the
-    stacks of both taken after 70 s), and each process exits right after serving, which
-    frees its communicator anyway."""
-    if launched and dist.get_backend() == "nccl":
-        return
-    dist.destroy_process_group()

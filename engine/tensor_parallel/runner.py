@@ -23,7 +23,8 @@ from engine.lora.adapter import LoraError
 from engine.lora.manager import LoraManager
 from engine.runner import ModelRunner
 from engine.tensor_parallel.errors import RankFailedError, TensorParallelError
-from engine.tensor_parallel.ranks import Ranks, leave_group, stop_workers
+from engine.tensor_parallel.leave import LEAVE_TIMEOUT_S, leave_group, released_graphs
+from engine.tensor_parallel.ranks import Ranks, stop_workers
 
 
 class TensorParallelRunner(ModelRunner):
@@ -58,7 +59,9 @@ class TensorParallelRunner(ModelRunner):
 
     def release(self) -> None:
         """Stop the other ranks (they leave their serving loop), let go of this rank's
-        shard, wait for the spawned processes to end and leave the group."""
+        graphs and shard, leave the group together with the other ranks (leave.py: they
+        let go of theirs first), then wait for the spawned processes to end."""
+        ranks = self.ranks
         stopped = False
         if self.model is not None and dist.is_initialized():
             try:
@@ -66,18 +69,20 @@ class TensorParallelRunner(ModelRunner):
                 stopped = True
             except (RuntimeError, ValueError):
                 pass  # a rank is gone already: the others are stopped below
+        self.stop_lora_graph_listener()
+        report = released_graphs(self)
         super().release()
-        ranks = self.ranks
-        for worker in ranks.workers:
-            worker.join(timeout=60)
-        stop_workers(ranks.workers)
         if dist.is_initialized():
-            if stopped and ranks.launched and dist.get_backend() == "gloo":
-                # torchrun's ranks outlive this call: on gloo a rank still tearing down
-                # aborts when this process exits first, so the group is left together.
-                # (On NCCL, 2xH100, a barrier here hung; the ranks leave as spawned ones do.)
-                dist.barrier()
-            leave_group(launched=ranks.launched)
+            if stopped:
+                ranks.left = leave_group(self.channel, report) or []
+            else:  # no meeting: a rank that stopped would never come
+                stop_workers(ranks.workers)
+                dist.destroy_process_group()
+        for worker in ranks.workers:
+            # They end right after leaving; the timeout is for one that hangs in its exit.
+            worker.join(timeout=LEAVE_TIMEOUT_S)
+        ranks.terminated = [r for r, w in enumerate(ranks.workers, start=1) if w.is_alive()]
+        stop_workers(ranks.workers)
 
     def abort(self) -> None:
         """Stop the other ranks without a collective (after a failed step they may be stuck

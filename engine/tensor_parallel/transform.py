@@ -9,9 +9,16 @@ the embedding rows and an all-gather of the logits: vocab.py):
   row-parallel over the same query-head inputs and its partial outputs are summed;
 - MLP: gate/up (or gate_up_proj) are column-parallel and down_proj row-parallel over the
   same intermediate columns, then summed. For a quantized down_proj the rank takes whole
-  quantization groups round-robin (group g on rank g % W): its shard keeps the kernels'
-  per-group fast path and the ranks get a like mix of EXL2 bit widths; gate/up then take
-  exactly the intermediate columns those rows read.
+  quantization groups, so that its shard keeps the kernels' per-group path (split_k.py's
+  chunks_in_groups); gate/up then take exactly the intermediate columns those rows read.
+  GPTQ: an even contiguous block of groups. Without act-order that is a contiguous block
+  of intermediate columns, so each rank reads only its half of each gate/up row and its
+  block of down_proj's rows (issue 33: with round-robin groups, 128-column runs, every
+  rank read whole gate/up rows, 30.8 of a 70B model's 37 GB to keep 19). With act-order
+  (g_idx) a group's columns are scattered whichever groups a rank takes; a contiguous
+  column block would split every group instead. EXL2: round-robin (group g on rank
+  g % W): q_perm scatters a group's columns anyway, and its bit widths fall group by group
+  (non-increasing), so contiguous blocks would give the first rank the widest codes.
 
 The embeddings and the head are cut by vocabulary rows (vocab.py: the embedding rows are
 summed, the logits gathered, so every rank ends with the whole vocabulary's logits; rank
@@ -23,6 +30,7 @@ sharded (refused clearly).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
@@ -32,18 +40,22 @@ from torch import nn
 from engine.architectures.base import CausalLM
 from engine.linears import linear_features
 from engine.lora.batch import LoraBatch
-from engine.modules import Attention, FusedGatedMLP, GatedMLP, Linear
+from engine.modules import Attention, FusedGatedMLP, FusesKernels, GatedMLP, Linear
 from engine.quantized_linear import QuantizedLinear
 from engine.tensor_parallel.all_reduce import GroupAllReduce
 from engine.tensor_parallel.errors import TensorParallelError
+from engine.tensor_parallel.fused_sites import wire_sites
 from engine.tensor_parallel.shard import (
     rows_of_inputs,
     shard_columns,
     shard_rows_dense,
     shard_rows_quantized,
 )
+from engine.tensor_parallel.site_reduce import SiteAllReduce, fused_enabled
 from engine.tensor_parallel.vocab import LoadedVocab, VocabParallelEmbedding, shard_vocab
 from kernels.quant_matmul import quant_matmul
+
+log = logging.getLogger(__name__)
 
 # Up to this many rows (decode batches), quantized partial products are summed in float32
 # and rounded to the activation dtype once, as a single GPU rounds its float32 accumulator:
@@ -52,9 +64,14 @@ from kernels.quant_matmul import quant_matmul
 FLOAT32_REDUCE_MAX_ROWS = 64
 
 
-class AllReduceLinear(nn.Module):
+class AllReduceLinear(FusesKernels):
     """A row-parallel linear: each rank's partial product, summed over the group (by NCCL or
-    gloo until `use_all_reduce` gives it the rank's GroupAllReduce)."""
+    gloo until `use_all_reduce` gives it the rank's GroupAllReduce).
+
+    Decode rows on a GPU with symmetric memory go to the site all-reduce (site_reduce.py,
+    set by fused_sites.use_site_all_reduce): the sum and its cast in one kernel, or, where
+    `defer_sum` is set and fused kernels are on, the partial handed to the next norm,
+    which sums, adds and normalizes in one kernel."""
 
     def __init__(self, inner: nn.Module, group: dist.ProcessGroup | None) -> None:
         super().__init__()
@@ -62,6 +79,9 @@ class AllReduceLinear(nn.Module):
         self.group = group
         self.reduce: GroupAllReduce | None = None
         self.in_features, self.out_features = linear_features(inner)
+        self.sites: SiteAllReduce | None = None
+        self.site = -1
+        self.defer_sum = False
 
     def _sum(self, y: torch.Tensor) -> torch.Tensor:
         if self.reduce is not None:
@@ -78,12 +98,22 @@ class AllReduceLinear(nn.Module):
             and x.dtype != torch.float32
             and x.shape[0] <= FLOAT32_REDUCE_MAX_ROWS
         ):
+            shape = (*x.shape[:-1], inner.out_features)
+            sites = self.sites  # set on GPUs with symmetric memory (and in CPU tests)
+            staged = sites.staging(self.site, shape) if sites is not None else None
+            if staged is not None and sites is not None:
+                if x.is_cuda:
+                    quant_matmul(x, inner.qweight, out=staged)
+                else:  # the tests' ranks simulated on the CPU (float32 weight copy)
+                    staged.copy_(inner(x.float()))
+                if self.defer_sum and self.fuse_kernels:
+                    return sites.defer(self.site, staged)
+                return sites.sum(self.site, staged, x.dtype)
             if x.is_cuda and inner.out_features == inner.qweight.out_features:
                 # The kernels sum in float32 whatever x's dtype: they write the partial as
                 # float32 straight into the one-shot all-reduce's buffer when it takes the
                 # message (else a new tensor), with no cast of x and no copy: two kernels
                 # fewer per row-parallel linear (64 per token for an 8B model).
-                shape = (*x.shape[:-1], inner.out_features)
                 staged = self.reduce.staging(shape) if self.reduce is not None else None
                 if staged is not None and self.reduce is not None:
                     quant_matmul(x, inner.qweight, out=staged)
@@ -97,10 +127,43 @@ class AllReduceLinear(nn.Module):
 
 
 def use_all_reduce(model: nn.Module, reduce: GroupAllReduce) -> None:
-    """Give every row-parallel linear of a sharded model the rank's GroupAllReduce."""
+    """Give every row-parallel linear of a sharded model the rank's GroupAllReduce, and
+    where it has symmetric memory, the site all-reduce for decode (a collective: every rank
+    calls this at the same point)."""
     for module in model.modules():
         if isinstance(module, (AllReduceLinear, VocabParallelEmbedding)):
             module.reduce = reduce
+    if reduce.buffer is not None and fused_enabled() and isinstance(model, CausalLM):
+        _use_sites(model, reduce, reduce.buffer.device)
+
+
+def _site_eligible(linear: AllReduceLinear) -> bool:
+    # The quantized GEMV writes its float32 partial into the site's slice (forward).
+    inner = linear.inner
+    return isinstance(inner, QuantizedLinear) and inner.out_features == inner.qweight.out_features
+
+
+def _use_sites(model: CausalLM, reduce: GroupAllReduce, device: torch.device) -> None:
+    """The site all-reduce for every row-parallel linear whose GEMV can write its partial
+    into a site (quantized, unpadded), at least two of them: in a forward either all of
+    them take the sites or none (same rows, same width), which the race argument in
+    kernels/tp_all_reduce.py needs. The others (dense layers) keep their path."""
+    linears = [m for m in model.modules() if isinstance(m, AllReduceLinear) and _site_eligible(m)]
+    widths = {linear.out_features for linear in linears}
+    if len(linears) < 2 or len(widths) != 1:
+        return
+    sites = SiteAllReduce.build(reduce.group, device, len(linears), widths.pop())
+    if sites is None:
+        return
+    for linear in linears:
+        linear.fuse_kernels = model.fuse_kernels  # set_kernel_fusion switches both
+    deferred = wire_sites(model.model.layers, linears, sites)
+    log.info(
+        "tensor parallel: %d decode all-reduces on the site kernel, %d of them fused with "
+        "the next residual add + norm",
+        len(linears),
+        deferred,
+    )
 
 
 def _row_shard(linear: nn.Module, inputs: torch.Tensor, *, rank: int) -> nn.Module:
@@ -161,16 +224,25 @@ def shard_attention(
     attn.spec = replace(s, num_heads=hq, num_kv_heads=hk)
 
 
-def mlp_inputs(row_group: torch.Tensor | None, size: int, *, rank: int, world: int) -> torch.Tensor:
+def mlp_inputs(
+    row_group: torch.Tensor | None, size: int, *, rank: int, world: int, interleave: bool = False
+) -> torch.Tensor:
     """The down projection's rows this rank keeps. Quantized (`row_group`: the group of each
-    runtime row, `size` groups): whole groups round-robin, group g on rank g % world.
+    runtime row, `size` groups): whole groups, an even contiguous block of them, or with
+    `interleave` round-robin, group g on rank g % world (EXL2: see the module docstring).
     Dense (None; `size` inputs): an even contiguous share."""
     if row_group is None:
         inputs = torch.tensor_split(torch.arange(size), world)[rank]
         if inputs.numel() == 0:
             raise TensorParallelError(f"{size} MLP columns for {world} ranks")
         return inputs
-    rows = torch.nonzero(row_group % world == rank).flatten()
+    if interleave:
+        mine = row_group % world == rank
+    else:
+        block = torch.tensor_split(torch.arange(size), world)[rank]
+        lo, hi = (int(block[0]), int(block[-1]) + 1) if block.numel() else (0, 0)
+        mine = (row_group >= lo) & (row_group < hi)
+    rows = torch.nonzero(mine).flatten()
     if rows.numel() == 0:
         raise TensorParallelError(
             f"down_proj has {size} quantization groups, fewer than {world} ranks"
@@ -183,7 +255,13 @@ def _mlp_inputs(down: nn.Module, *, rank: int, world: int) -> tuple[torch.Tensor
     in that order."""
     if isinstance(down, QuantizedLinear):
         qw = down.qweight
-        rows = mlp_inputs(qw.row_group.long().cpu(), qw.num_groups, rank=rank, world=world)
+        rows = mlp_inputs(
+            qw.row_group.long().cpu(),
+            qw.num_groups,
+            rank=rank,
+            world=world,
+            interleave=down.format == "exl2",
+        )
         inputs = rows if qw.perm is None else qw.perm.long().cpu()[rows]
         # The rank's MLP input arrives in the order of `rows`: no permutation left.
         return inputs, shard_rows_quantized(down, rows, None, keep_bias=rank == 0)

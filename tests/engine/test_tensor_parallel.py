@@ -98,10 +98,13 @@ def _permuted(qw) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", WEIGHTS)
-def test_mlp_down_shards_take_whole_groups_round_robin(fmt: str):
+def test_mlp_down_shards_take_whole_groups(fmt: str):
+    """GPTQ ranks take an even contiguous block of whole groups, EXL2 ranks every W-th
+    group (its bit widths fall group by group: a block would give rank 0 the widest)."""
     qw = WEIGHTS[fmt]()
     full = dequantize_reference(qw)
     module = QuantizedLinear(qw, N, fmt)
+    groups = qw.row_group.long()
     seen = []
     for rank in range(2):
         inputs, down = _mlp_inputs(module, rank=rank, world=2)
@@ -110,8 +113,26 @@ def test_mlp_down_shards_take_whole_groups_round_robin(fmt: str):
         assert torch.equal(dequantize_reference(shard), full[inputs])
         # Whole groups: every local group has as many rows as the original groups (32).
         assert torch.bincount(shard.row_group.long()).tolist() == [32] * (K // 64)
+        rows = inputs if qw.perm is None else torch.argsort(qw.perm.long())[inputs]
+        kept = torch.unique(groups[rows]).tolist()
+        assert kept == (list(range(4 * rank, 4 * rank + 4)) if fmt == "gptq" else
+                        list(range(rank, 8, 2)))  # fmt: skip
         seen.append(inputs)
     assert sorted(torch.cat(seen).tolist()) == list(range(K))
+
+
+def test_gptq_without_act_order_gives_each_rank_a_contiguous_block_of_mlp_columns():
+    """Then a rank reads one run of each gate/up row and one block of down_proj's rows
+    (cut_load.py), not whole rows: its MLP columns are inputs [r*K/W, (r+1)*K/W)."""
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(4))
+    packed = quantize_rtn_gptq(w, 4, 32, sym=False, act_order=False, v2=False)
+    qw = gptq_to_runtime(GptqTensors.from_dict(packed, bits=4, checkpoint_format="gptq"))
+    assert qw.perm is None
+    module = QuantizedLinear(qw, N, "gptq")
+    for rank in range(2):
+        inputs, down = _mlp_inputs(module, rank=rank, world=2)
+        assert torch.equal(inputs, torch.arange(rank * K // 2, (rank + 1) * K // 2))
+        assert torch.equal(dequantize_reference(down.qweight), dequantize_reference(qw)[inputs])
 
 
 # --- two gloo processes ------------------------------------------------------------------

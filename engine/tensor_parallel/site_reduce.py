@@ -1,0 +1,173 @@
+"""The decode all-reduces as Kestrel's own kernel (kernels/tp_all_reduce.py), one buffer
+slice and flag set per row-parallel linear (a "site": o_proj and down_proj of each layer).
+
+What it saves against torch's one-shot all-reduce (all_reduce.py), per site and token: the
+cast kernel of the float32 sum back to the activation dtype, and with `add_rms_norm` the
+residual add + RMSNorm kernel that follows; and the kernel takes part in programmatic
+dependent launch, where torch's kernel and the cast broke the chain on both sides.
+
+The GEMV writes its float32 partial straight into the site's slice (`staging`); then
+`sum` (all-reduce + cast) or `add_rms_norm` (all-reduce + cast + residual add + norm).
+A row-parallel linear whose result goes straight into the next norm's residual add
+(engine/tensor_parallel/transform.py decides) hands its staged partial over with `defer`;
+the norm (`ReducingRMSNorm`) finds it with `take` and runs the fused kernel. Deferred
+partials are float32 and not yet summed: anything else that received one would compute
+garbage, hence `defer` refuses while one is pending, and the transform defers only where
+the layer's code is known (DecoderLayer.forward_residual).
+
+Set up once per rank, after the process group, at the same point on every rank (a
+collective: symmetric memory). KESTREL_TP_FUSED=0 keeps torch's one-shot path (for
+comparisons); KESTREL_TP_ALLREDUCE=nccl turns all of symmetric memory off.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kernels.tp_all_reduce import (
+    MAX_FUSED_D,
+    SiteBuffers,
+    site_all_reduce,
+    site_all_reduce_add_rms_norm,
+)
+
+log = logging.getLogger(__name__)
+
+# Per site, as much as torch's one-shot buffer holds (all_reduce.ONE_SHOT_MAX_BYTES): 16
+# decode rows of an 8B model (hidden 4096), 8 of a 70B (8192); larger batches take the
+# one-shot or NCCL path. 2 sites per layer: 16 MiB for 32 layers, 40 MiB for 80.
+SITE_BYTES = 256 << 10
+# Rows the flags and epochs are kept for (the most a site slice holds at hidden >= 1024).
+MAX_SITE_ROWS = 64
+
+
+def fused_enabled() -> bool:
+    """Whether the site all-reduce is used (KESTREL_TP_FUSED=0: torch's one-shot path)."""
+    return os.environ.get("KESTREL_TP_FUSED", "1") != "0"
+
+
+@dataclass
+class _Pending:
+    partial: torch.Tensor  # the site's staged float32 partial, as handed to the layer
+    site: int
+
+
+class SiteAllReduce:
+    """One rank's site buffers over symmetric memory and the calls on them."""
+
+    def __init__(self, sites: SiteBuffers) -> None:
+        self.buffers = sites
+        self._pending: _Pending | None = None
+
+    @classmethod
+    def build(
+        cls, group: dist.ProcessGroup | None, device: torch.device, sites: int, hidden: int
+    ) -> SiteAllReduce | None:
+        """The rank's site buffers for `sites` sites of `hidden` outputs, or None where the
+        kernel can't be used (logged). A collective: every rank calls it at one point."""
+        if hidden > MAX_FUSED_D or sites < 2:
+            return None
+        site_floats = SITE_BYTES // 4
+        max_rows = min(MAX_SITE_ROWS, site_floats // hidden)
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            world_group = group if group is not None else dist.group.WORLD
+            assert world_group is not None
+            world = dist.get_world_size(world_group)
+            data_floats = sites * site_floats
+            flag_ints = sites * world * max_rows
+            buffer = symm_mem.empty(data_floats + flag_ints, dtype=torch.float32, device=device)
+            # Zero flags before any peer can publish into them: the barrier below orders
+            # this rank's zeroing before every peer's first kernel (stream order).
+            buffer[data_floats:].view(torch.int32).zero_()
+            handle = symm_mem.rendezvous(buffer, world_group.group_name)
+            # buffer_ptrs are the allocations' bases; the tensor may start inside one.
+            offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
+            data_bases = torch.tensor(
+                [p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device
+            )
+            handle.barrier()
+        except Exception as error:  # no P2P, no symmetric memory in this torch
+            log.warning(
+                "tensor parallel: the fused site all-reduce is not available (%s: %s); "
+                "decode all-reduces use torch's one-shot kernel",
+                type(error).__name__,
+                error,
+            )
+            return None
+        return cls(
+            SiteBuffers(
+                data=buffer[:data_floats],
+                data_bases=data_bases,
+                flag_bases=data_bases + data_floats * 4,
+                epochs=torch.zeros(sites, max_rows, dtype=torch.int32, device=device),
+                rank=handle.rank,
+                world=handle.world_size,
+                sites=sites,
+                site_floats=site_floats,
+                max_rows=max_rows,
+            )
+        )
+
+    def staging(self, site: int, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The site's float32 slice viewed as `shape` ([..., hidden]) for the GEMV's partial,
+        or None where these rows don't fit (the caller takes another path)."""
+        hidden = shape[-1]
+        rows = math.prod(shape[:-1])
+        if not self.buffers.fits(rows, hidden):
+            return None
+        return self.buffers.site_slice(site, rows, hidden).view(shape)
+
+    def sum(self, site: int, staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The sum over the ranks of the site's partials, in `dtype`, shaped as `staged`."""
+        hidden = staged.shape[-1]
+        rows = staged.numel() // hidden
+        return site_all_reduce(self.buffers, site, rows, hidden, dtype).view(staged.shape)
+
+    def defer(self, site: int, staged: torch.Tensor) -> torch.Tensor:
+        """Hand `staged` (the site's partial, not yet summed) to the layer, for the next
+        norm to sum with `take` + `add_rms_norm`."""
+        if self._pending is not None:
+            raise RuntimeError(
+                f"tensor parallel: the partial of site {self._pending.site} was never summed "
+                "(a deferred all-reduce reached something other than its norm)"
+            )
+        self._pending = _Pending(staged, site)
+        return staged
+
+    def take(self, x: torch.Tensor) -> int | None:
+        """The site whose deferred partial `x` is (and it is no longer pending), else None."""
+        pending = self._pending
+        if pending is None or pending.partial is not x:
+            return None
+        self._pending = None
+        return pending.site
+
+    def add_rms_norm(
+        self,
+        site: int,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        unit_offset: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + sum), residual + sum) for the site's sum, as
+        kernels.add_rms_norm computes it on the sum rounded to residual's dtype."""
+        shape = residual.shape
+        normed, summed = site_all_reduce_add_rms_norm(
+            self.buffers,
+            site,
+            residual.reshape(-1, shape[-1]),
+            weight,
+            eps,
+            unit_offset=unit_offset,
+        )
+        return normed.view(shape), summed.view(shape)

@@ -1,0 +1,304 @@
+"""The decode all-reduce of tensor parallelism as one Kestrel kernel, optionally fused with
+the residual add + RMSNorm that follows it.
+
+Every rank holds one buffer that every rank can address (torch's symmetric memory over
+NVLink on GPUs; plain CPU tensors in the tests), laid out as `SiteBuffers` says:
+
+    data:  [sites, site_floats] float32   one slice per all-reduce site (each o_proj and
+                                          down_proj of each layer: 2 per layer)
+    flags: [sites, world, max_rows] int32 flags[s, q, row]: rank q's partial of site s is
+                                          complete up to its call number flags[s, q, row]
+and, local to each rank, `epochs` [sites, max_rows] int32: how many calls of site s
+(with at least row+1 rows) this rank has made, counted by the kernel itself in device
+memory, so a CUDA graph replays the same launches with advancing epochs.
+
+A call at site s (one program per row): the GEMV has written this rank's float32 partial
+into data[s] (quant_matmul(..., out=slice)); the kernel then
+  1. waits for the previous kernel (PDL: the partial is complete and visible),
+  2. takes epoch e = epochs[s, row] + 1 and stores it back,
+  3. publishes flags[s, rank, row] = e into every rank's flags (release, system scope),
+  4. waits until its own flags[s, q, row] == e for every peer q (acquire, system scope),
+  5. sums every rank's row of data[s] in rank order (rank 0's partial + rank 1's + ...),
+     so every rank computes the same float32 operations and holds the same bits,
+  6. rounds the sum to the activation dtype (the unfused path's `.to(x.dtype)`) and
+     either stores it, or (ADD_NORM) adds the residual, rounds, stores that as the new
+     residual and its RMSNorm as the output: `kernels.add_rms_norm` on the rounded sum,
+     with the same norm code (rms_norm_row), block size and warps, hence the same bits.
+
+Why no rank overwrites a slice a peer still reads. Both ranks make the same calls in the
+same order (the same model on the same batches), and every forward calls every site (all
+sites take this path or none: same rows, same hidden size). Rank r writes slice s again
+(the GEMV of call (s, t+1)) only after its kernel of some later call (s', c) between
+(s, t) and (s, t+1) has completed (there is one: a forward has at least two sites), and
+that kernel waited for peer q's flag of (s', c). Peer q publishes that flag in its own
+kernel of (s', c), after its PDL wait, so after q's kernel of (s, t), which read r's slice
+s, has completed. Release/acquire at system scope order q's reads before r's new writes.
+Flags never need resetting: only rank q writes flags[., q, .], with increasing epochs,
+and q cannot publish call (s, t+1) before every rank has finished (s, t) by the same
+argument, so `== e` never misses a value.
+
+Why it cannot deadlock. A kernel publishes its own flag before it waits, and waits only
+for the peers' flags of the same call. By induction over the common call sequence: if
+every rank has completed the calls before c, every rank reaches call c, publishes, and
+so every wait of call c ends. A waiting program waits for the peer's program of the same
+row only; whatever it waits for runs on another GPU. With PDL the next kernel launches
+only once every program of this one has started (launch_dependents), so the programs
+this kernel waits on are never kept from running by its successors.
+
+Not for CPU/gloo runs: the engine uses it only on CUDA with symmetric memory; on the CPU
+it runs under TRITON_INTERPRET=1 for the tests, which simulate the ranks in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import (
+    cast_rtne,
+    device_guard,
+    is_interpreted,
+    pdl_launch_dependents,
+    pdl_wait,
+    programmatic_launch,
+)
+from kernels.rms_norm import MAX_SINGLE_PASS_D, norm_num_warps, rms_norm_row
+
+# Rows held in registers as the norm kernel holds them (one program per row, single pass).
+MAX_FUSED_D = MAX_SINGLE_PASS_D
+
+
+@dataclass(frozen=True)
+class SiteBuffers:
+    """One rank's view of the all-reduce sites (see the module docstring).
+
+    data_bases / flag_bases: int64 [world] on the rank's device, every rank's data and flag
+    region as this rank addresses it (peer pointers). epochs: int32 [sites, max_rows], this
+    rank's own, zero at first. `data` is this rank's data region as a tensor: the GEMVs
+    write their partials into its slices (`site_slice`)."""
+
+    data: torch.Tensor
+    data_bases: torch.Tensor
+    flag_bases: torch.Tensor
+    epochs: torch.Tensor
+    rank: int
+    world: int
+    sites: int
+    site_floats: int
+    max_rows: int
+
+    def site_slice(self, site: int, rows: int, hidden: int) -> torch.Tensor:
+        """This rank's float32 [rows, hidden] slice of `site` for the partial."""
+        start = site * self.site_floats
+        return self.data[start : start + rows * hidden].view(rows, hidden)
+
+    def fits(self, rows: int, hidden: int) -> bool:
+        return 0 < rows <= self.max_rows and rows * hidden <= self.site_floats
+
+
+@triton.jit
+def wait_flag(flag_ptr, expected, MAX_SPINS: tl.constexpr):
+    """Spin until *flag_ptr == expected, reading it with acquire semantics at system scope
+    (a peer GPU writes it). MAX_SPINS 0: without bound (the engine); > 0 gives up after
+    that many reads (tests). Returns whether the flag arrived."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    if MAX_SPINS > 0:
+        spins = 0
+        while (seen != expected) & (spins < MAX_SPINS):
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            spins += 1
+    else:
+        while seen != expected:
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    return seen == expected
+
+
+@triton.jit
+def _tp_all_reduce_kernel(
+    data_bases_ptr,  # int64 [WORLD]: every rank's data region (float32)
+    flag_bases_ptr,  # int64 [WORLD]: every rank's flags (int32)
+    epoch_ptr,  # int32 [sites, MAX_ROWS]: this rank's call counts
+    residual_ptr,  # ADD_NORM: the residual stream; else unused (out)
+    weight_ptr,  # ADD_NORM: the norm's weight; else unused (out)
+    out_ptr,  # the sum (activation dtype), or with ADD_NORM its norm
+    residual_out_ptr,  # ADD_NORM: residual + sum; else unused (out)
+    site,
+    rank,
+    D,
+    eps,
+    site_offset,  # site * site_floats: where the site's slice starts in each data region
+    out_row_stride,
+    residual_row_stride,
+    residual_out_row_stride,
+    WORLD: tl.constexpr,
+    MAX_ROWS: tl.constexpr,
+    ADD_NORM: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    MAX_SPINS: tl.constexpr,  # 0 in the engine; tests bound the waits (wait_flag)
+):
+    # The next kernel may launch now (it loads its weights while this one waits for the
+    # peers); then wait for the GEMV that wrote this rank's partial.
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0)
+    counter = epoch_ptr + site * MAX_ROWS + row
+    epoch = tl.load(counter) + 1
+    tl.store(counter, epoch)
+    # Publish before waiting (no deadlock: see the module docstring).
+    mine = (site * WORLD + rank) * MAX_ROWS + row
+    for q in tl.static_range(WORLD):
+        flags = tl.load(flag_bases_ptr + q).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(flags + mine, epoch, sem="release", scope="sys")
+    own_flags = tl.load(flag_bases_ptr + rank).to(tl.pointer_type(tl.int32))
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            wait_flag(own_flags + (site * WORLD + q) * MAX_ROWS + row, epoch, MAX_SPINS)
+    # Every thread reads the peers' partials only after the wait above.
+    tl.debug_barrier()
+
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    offset = site_offset + row * D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for q in tl.static_range(WORLD):
+        data = tl.load(data_bases_ptr + q).to(tl.pointer_type(tl.float32))
+        # .cv: fetched again each call, never an L1 copy of the previous call's partial.
+        part = tl.load(data + offset + cols, mask=mask, other=0.0, cache_modifier=".cv")
+        if q == 0:
+            acc = part  # rank 0's partial as it is: the same sum as the unfused p0 + p1
+        else:
+            acc = acc + part
+
+    out_row = out_ptr + row.to(tl.int64) * out_row_stride
+    if ADD_NORM:
+        x_dtype = residual_ptr.dtype.element_ty
+        x = cast_rtne(acc, x_dtype, EMULATE_BF16).to(tl.float32)
+        r = tl.load(residual_ptr + row.to(tl.int64) * residual_row_stride + cols, mask=mask)
+        summed = cast_rtne(x + r.to(tl.float32), x_dtype, EMULATE_BF16)
+        tl.store(
+            residual_out_ptr + row.to(tl.int64) * residual_out_row_stride + cols,
+            summed,
+            mask=mask,
+        )
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        out = rms_norm_row(summed.to(tl.float32), w, D, eps, x_dtype, UNIT_OFFSET, EMULATE_BF16)
+        tl.store(out_row + cols, cast_rtne(out, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+    else:
+        tl.store(out_row + cols, cast_rtne(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+
+
+# Triton 3.6's interpreter truncates float32 -> bfloat16: see kernels.backend.cast_rtne.
+_INTERPRETED = is_interpreted(_tp_all_reduce_kernel)
+
+
+def _launch(
+    sites: SiteBuffers,
+    site: int,
+    rows: int,
+    hidden: int,
+    out: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    residual_out: torch.Tensor | None,
+    eps: float,
+    unit_offset: bool,
+    max_spins: int,
+) -> None:
+    if not 0 <= site < sites.sites or not sites.fits(rows, hidden):
+        raise ValueError(f"site {site} with {rows}x{hidden} does not fit the site buffers")
+    if hidden > MAX_FUSED_D:
+        raise ValueError(f"rows of {hidden} > {MAX_FUSED_D} elements are not supported")
+    block_d = triton.next_power_of_2(hidden)
+    add_norm = residual is not None
+    residual = residual if residual is not None else out
+    weight = weight if weight is not None else out
+    residual_out = residual_out if residual_out is not None else out
+    pdl = programmatic_launch(out)
+    with device_guard(out):
+        _tp_all_reduce_kernel[(rows,)](
+            sites.data_bases,
+            sites.flag_bases,
+            sites.epochs,
+            residual,
+            weight,
+            out,
+            residual_out,
+            site,
+            sites.rank,
+            hidden,
+            float(eps),
+            site * sites.site_floats,
+            out.stride(0),
+            residual.stride(0),
+            residual_out.stride(0),
+            WORLD=sites.world,
+            MAX_ROWS=sites.max_rows,
+            ADD_NORM=add_norm,
+            UNIT_OFFSET=unit_offset,
+            BLOCK_D=block_d,
+            EMULATE_BF16=_INTERPRETED,
+            USE_PDL=pdl,
+            MAX_SPINS=max_spins,
+            num_warps=norm_num_warps(block_d),
+            launch_pdl=pdl,
+        )
+
+
+def site_all_reduce(
+    sites: SiteBuffers,
+    site: int,
+    rows: int,
+    hidden: int,
+    dtype: torch.dtype,
+    *,
+    max_spins: int = 0,
+) -> torch.Tensor:
+    """The sum over the ranks of every rank's partial in `site`'s slice ([rows, hidden],
+    written by the GEMV before this call), rounded to `dtype`: a new [rows, hidden]
+    tensor, the same bits on every rank. `max_spins`: tests only (wait_flag)."""
+    out = torch.empty(rows, hidden, dtype=dtype, device=sites.data.device)
+    _launch(sites, site, rows, hidden, out, None, None, None, 0.0, False, max_spins)
+    return out
+
+
+def site_all_reduce_add_rms_norm(
+    sites: SiteBuffers,
+    site: int,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    unit_offset: bool = False,
+    max_spins: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.add_rms_norm(sum, residual, weight, eps)` where sum is what
+    `site_all_reduce(..., residual.dtype)` returns, in one kernel: (normed, residual + sum).
+    residual: [rows, hidden] with unit last-dim stride."""
+    rows, hidden = residual.shape
+    if residual.stride(-1) != 1:
+        raise ValueError("residual must have a unit last-dim stride")
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
+    out_dtype = residual.dtype if unit_offset else torch.promote_types(residual.dtype, weight.dtype)
+    out = torch.empty(rows, hidden, dtype=out_dtype, device=residual.device)
+    summed = torch.empty(rows, hidden, dtype=residual.dtype, device=residual.device)
+    _launch(
+        sites,
+        site,
+        rows,
+        hidden,
+        out,
+        residual,
+        weight.contiguous(),
+        summed,
+        eps,
+        unit_offset,
+        max_spins,
+    )
+    return out, summed

@@ -1,0 +1,121 @@
+"""The site all-reduce's plumbing in a real model, on the CPU: a tiny Llama (FP16, EXL2 and
+GPTQ layers) sharded for one rank of a one-rank group, its row-parallel linears given CPU
+site buffers, run in float16 through the Triton interpreter. The decode path of TP=2 on
+GPUs runs the same code: the deferred sums of o_proj and of all but the last down_proj
+reach their norm's fused kernel (engine/tensor_parallel/fused_sites.py), the rest are
+summed and cast by the kernel. The kernel itself with two and three ranks:
+tests/kernels/test_tp_all_reduce.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import loader
+from engine.fusion import set_kernel_fusion
+from engine.quantized_linear import QuantizedLinear
+from engine.tensor_parallel.fused_sites import ReducingRMSNorm, wire_sites
+from engine.tensor_parallel.site_reduce import SiteAllReduce
+from engine.tensor_parallel.transform import AllReduceLinear, shard_model
+from helpers.mixed_model import build_mixed_model
+from kernels.tp_all_reduce import SiteBuffers
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU)"
+)
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ban_eos_token": True}
+
+
+def _cpu_sites(sites: int, hidden: int, max_rows: int) -> SiteAllReduce:
+    """One rank's site buffers on the CPU, the rank alone in its group."""
+    site_floats = max_rows * hidden
+    buffer = torch.zeros(sites * site_floats + sites * max_rows)
+    data_floats = sites * site_floats
+    bases = torch.tensor([buffer.data_ptr()], dtype=torch.int64)
+    return SiteAllReduce(
+        SiteBuffers(
+            data=buffer[:data_floats],
+            data_bases=bases,
+            flag_bases=bases + data_floats * 4,
+            epochs=torch.zeros(sites, max_rows, dtype=torch.int32),
+            rank=0,
+            world=1,
+            sites=sites,
+            site_floats=site_floats,
+            max_rows=max_rows,
+        )
+    )
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path):
+    """A gloo group of this process alone: the dense layers' AllReduceLinear sum through it."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_deferred_sums_reach_their_norms_and_match_the_unsharded_model(
+    tmp_path: Path, one_rank_group: None
+) -> None:
+    path = build_mixed_model(tmp_path / "mixed")
+    ids = torch.randint(3, 384, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    model = loader.load(path, "kestrel", device="cpu", dtype="float16")
+    try:
+        expected_logits = model.logits(ids)
+        expected_text = model.generate(ids[:6], GREEDY)
+        causal = model.engine.model
+        shard_model(causal, rank=0, world=1)
+        layers = causal.model.layers
+        linears = [m for m in causal.modules() if isinstance(m, AllReduceLinear)]
+        hidden = linears[0].out_features
+        sites = _cpu_sites(len(linears), hidden, max_rows=16)
+        deferred = wire_sites(layers, linears, sites)
+        # o_proj of 3 layers, down_proj of the first 2 (the last feeds the head).
+        assert deferred == 5
+        assert not isinstance(layers[0].input_layernorm, ReducingRMSNorm)
+        assert all(isinstance(layer.post_attention_layernorm, ReducingRMSNorm) for layer in layers)
+        assert all(isinstance(layer.input_layernorm, ReducingRMSNorm) for layer in layers[1:])
+
+        logits = model.logits(ids)
+        torch.testing.assert_close(logits, expected_logits, rtol=2e-2, atol=2e-2)
+        assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
+        # The quantized sites ran the kernel once per forward (row 0's count); dense ones
+        # (layer 0) summed through the group. Nothing was left pending.
+        quantized = [isinstance(x.inner, QuantizedLinear) for x in linears]
+        counts = sites.buffers.epochs[:, 0].tolist()
+        assert [c > 0 for c in counts] == quantized and len(set(counts) - {0}) == 1
+        assert sites.take(logits) is None
+        assert model.generate(ids[:6], GREEDY) == expected_text
+
+        # Fused kernels off: DecoderLayer.forward adds the sums itself; none is deferred.
+        before = sites.buffers.epochs.clone()
+        set_kernel_fusion(causal, False)
+        unfused = model.logits(ids)
+        torch.testing.assert_close(unfused, expected_logits, rtol=2e-2, atol=2e-2)
+        ran = sites.buffers.epochs[:, 0] - before[:, 0]
+        assert [bool(n) for n in ran.tolist()] == quantized
+    finally:
+        model.unload()
+
+
+def test_a_deferred_partial_must_be_taken_before_the_next() -> None:
+    sites = _cpu_sites(2, 8, 2)
+    staged = sites.staging(0, (1, 8))
+    assert staged is not None and sites.staging(0, (3, 8)) is None  # rows past max_rows
+    sites.defer(0, staged)
+    with pytest.raises(RuntimeError, match="never summed"):
+        sites.defer(1, staged)
+    assert sites.take(staged.clone()) is None  # another tensor is not the partial
+    assert sites.take(staged) == 0
+    assert sites.take(staged) is None

@@ -1,0 +1,193 @@
+"""kernels/tp_all_reduce.py on the CPU (Triton interpreter), the ranks simulated in one
+process: each rank's buffer is a CPU tensor, and the kernel addresses the other rank's
+buffer through its raw address as it would a peer GPU's over NVLink.
+
+A rank's kernel waits for its peers' flags, so the tests run the ranks one after the
+other: the first rank's peer flags are written by the test (the peer "has published"),
+later ranks find the flags the earlier ranks' kernels published.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels.rms_norm import add_rms_norm
+from kernels.tp_all_reduce import (
+    SiteBuffers,
+    site_all_reduce,
+    site_all_reduce_add_rms_norm,
+    wait_flag,
+)
+
+# CPU buffers stand for the ranks' GPU memory: only the interpreter runs kernels on them
+# (the kernel on 2 GPUs: tools/check_tp_all_reduce.py).
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter"
+)
+
+SITES, SITE_FLOATS, MAX_ROWS = 3, 4 * 96, 4
+
+
+def _ranks(world: int) -> tuple[list[SiteBuffers], list[torch.Tensor]]:
+    """Every rank's SiteBuffers over CPU buffers, and every rank's flags [sites, world, rows]."""
+    data_floats = SITES * SITE_FLOATS
+    flag_ints = SITES * world * MAX_ROWS
+    buffers = [torch.zeros(data_floats + flag_ints) for _ in range(world)]
+    data_bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+    flag_bases = data_bases + data_floats * 4
+    ranks = [
+        SiteBuffers(
+            data=b[:data_floats],
+            data_bases=data_bases,
+            flag_bases=flag_bases,
+            epochs=torch.zeros(SITES, MAX_ROWS, dtype=torch.int32),
+            rank=r,
+            world=world,
+            sites=SITES,
+            site_floats=SITE_FLOATS,
+            max_rows=MAX_ROWS,
+        )
+        for r, b in enumerate(buffers)
+    ]
+    flags = [b[data_floats:].view(torch.int32).view(SITES, world, MAX_ROWS) for b in buffers]
+    return ranks, flags
+
+
+def _partials(
+    world: int, rows: int, hidden: int, seed: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(rows, hidden, generator=g) * (10.0**r) for r in range(world)]
+    # Column 0, where the order of the float32 sum shows after the cast: rank 0 holds a tie
+    # of the 16-bit format (1 + half its ulp), the others half a float32 ulp of 1 each. In
+    # rank order each addition is a float32 tie that stays at rank 0's value (even), and the
+    # cast rounds the tie down to 1; from the last rank down, the small ones first add up
+    # to a whole ulp, and the sum rounds up.
+    half_ulp16 = 2.0**-11 if dtype == torch.float16 else 2.0**-8
+    parts[0][:, 0] = 1.0 + half_ulp16
+    for p in parts[1:]:
+        p[:, 0] = 2.0**-24
+    return parts
+
+
+def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+# Bounds every wait of these tests: a flag that never came fails a check, never hangs.
+SPINS = 64
+
+
+def _publish_later_ranks(flags: list[torch.Tensor], site: int, rows: int, epoch: int) -> None:
+    """The ranks run one after the other here: what each rank's later peers (not run yet)
+    would have published into its flags by the time it waits."""
+    world = len(flags)
+    for r in range(world):
+        for q in range(r + 1, world):
+            flags[r][site, q, :rows] = epoch
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sum_in_rank_order_same_bits_on_every_rank(world: int, dtype: torch.dtype) -> None:
+    ranks, flags = _ranks(world)
+    rows, hidden, site = 3, 96, 1
+    for call in (1, 2, 3):  # the epochs advance; the slices are reused each call
+        parts = _partials(world, rows, hidden, call, dtype)
+        for r, sites in enumerate(ranks):
+            sites.site_slice(site, rows, hidden).copy_(parts[r])
+        _publish_later_ranks(flags, site, rows, call)
+        outs = [site_all_reduce(s, site, rows, hidden, dtype, max_spins=SPINS) for s in ranks]
+        expected = _rank_order_sum(parts).to(dtype)
+        for out in outs:
+            assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+        for r, sites in enumerate(ranks):
+            assert sites.epochs[site, :rows].tolist() == [call] * rows
+            assert int(sites.epochs[site, rows:].abs().sum()) == 0  # rows not called
+            assert int(sites.epochs[0].abs().sum()) == 0  # other sites untouched
+            # Every rank published this call to every rank, itself included.
+            for q in range(world):
+                assert flags[q][site, r, :rows].tolist() == [call] * rows
+    if world == 3:
+        # The order matters for these partials: the rank-order sum is a real constraint.
+        swapped = (parts[2] + parts[1] + parts[0]).to(dtype)
+        assert float(expected[0, 0]) == 1.0 and float(swapped[0, 0]) > 1.0
+        assert not torch.equal(swapped, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_fused_add_rms_norm_matches_the_separate_ops(dtype: torch.dtype, unit_offset: bool) -> None:
+    ranks, flags = _ranks(2)
+    rows, hidden, site, eps = 4, 80, 2, 1e-5
+    g = torch.Generator().manual_seed(7)
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    for call in (1, 2):
+        parts = [torch.randn(rows, hidden, generator=g) * 3 for _ in ranks]
+        residual = (torch.randn(rows, hidden, generator=g) * 4).to(dtype)
+        for r, sites in enumerate(ranks):
+            sites.site_slice(site, rows, hidden).copy_(parts[r])
+        _publish_later_ranks(flags, site, rows, call)
+        results = [
+            site_all_reduce_add_rms_norm(
+                s, site, residual, weight, eps, unit_offset=unit_offset, max_spins=SPINS
+            )
+            for s in ranks
+        ]
+        summed = (parts[0] + parts[1]).to(dtype)
+        normed_ref, residual_ref = add_rms_norm(
+            summed, residual, weight, eps, unit_offset=unit_offset, backend="triton"
+        )
+        for normed, new_residual in results:
+            assert torch.equal(new_residual.view(torch.int16), residual_ref.view(torch.int16))
+            assert torch.equal(normed.view(torch.int16), normed_ref.view(torch.int16))
+        # And the torch reference, up to the norm kernel's own rounding of rsqrt.
+        torch_normed, _ = add_rms_norm(
+            summed, residual, weight, eps, unit_offset=unit_offset, backend="torch"
+        )
+        torch.testing.assert_close(results[0][0], torch_normed, rtol=1e-2, atol=1e-2)
+        assert ranks[0].epochs[site, 0] == call
+
+
+@triton.jit
+def _wait_kernel(flag_ptr, expected, out_ptr, MAX_SPINS: tl.constexpr):
+    tl.store(out_ptr, wait_flag(flag_ptr, expected, MAX_SPINS).to(tl.int32))
+
+
+@pytest.mark.parametrize(("flag", "arrives"), [(4, True), (3, False), (5, False), (0, False)])
+def test_wait_returns_only_for_this_calls_epoch(flag: int, arrives: bool) -> None:
+    """The kernel's wait: a stale flag (the previous call's, or never set) keeps it
+    spinning; bounded here, it gives up and says so."""
+    flags = torch.tensor([flag], dtype=torch.int32)
+    out = torch.full((1,), -1, dtype=torch.int32)
+    _wait_kernel[(1,)](flags, 4, out, MAX_SPINS=16)
+    assert bool(out[0]) is arrives
+
+
+def test_a_rank_whose_peer_has_not_published_reads_no_partial() -> None:
+    """Rank 0 run twice while rank 1 has published only the first call: the second call's
+    wait (bounded) finds the stale flag. The first call's flag stays what rank 1 wrote."""
+    ranks, flags = _ranks(2)
+    rows, hidden, site = 2, 96, 0
+    _publish_later_ranks(flags, site, rows, 1)
+    site_all_reduce(ranks[0], site, rows, hidden, torch.float16, max_spins=4)
+    arrived = torch.zeros(1, dtype=torch.int32)
+    _wait_kernel[(1,)](flags[0][site, 1], int(ranks[0].epochs[site, 0]) + 1, arrived, MAX_SPINS=4)
+    assert int(arrived[0]) == 0  # call 2 of rank 0 would wait for rank 1
+    assert flags[1][site, 0, :rows].tolist() == [1, 1]  # rank 0 published call 1 to rank 1
+
+
+def test_rows_that_do_not_fit_are_refused() -> None:
+    ranks, _ = _ranks(2)
+    with pytest.raises(ValueError):
+        site_all_reduce(ranks[0], 0, MAX_ROWS + 1, 96, torch.float16)
+    with pytest.raises(ValueError):
+        site_all_reduce(ranks[0], SITES, 1, 96, torch.float16)
