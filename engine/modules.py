@@ -18,9 +18,10 @@ ignores it; engine/lora's wrappers apply each row's adapters from it.
 Fused kernels (`fuse_kernels`, on by default; modules that have them are `FusesKernels`,
 built on or off by the build plan): a decoder layer's residual adds run inside the next
 RMSNorm (`DecoderLayer.forward_residual`, driven by `CausalLM.forward`), a gated MLP's SiLU
-and product are one kernel, and RoPE writes k and v straight into a native KV cache. Each
-fused op rounds where the separate ops round, so outputs are the same; at batch 1 they save
-~5 launches a layer.
+and product are one kernel (at decode, the last kernel of a quantized gate_up projection),
+and RoPE writes k and v straight into a native KV cache. Each fused op rounds where the
+separate ops round, so outputs are the same; at batch 1 they save ~5 launches a layer (6 on
+a quantized decode).
 """
 
 from __future__ import annotations
@@ -53,6 +54,24 @@ def gated_activation(
     if fused and act == "silu":
         return kernels.silu_mul(gate, up)
     return ACTIVATIONS[act](gate) * up
+
+
+def gate_up_activation(
+    gate_up: nn.Module, x: torch.Tensor, lora: LoraBatch | None, act: str, *, fused: bool
+) -> torch.Tensor:
+    """ACTIVATIONS[act](gate) * up of a linear whose output is [gate | up], as
+    `gated_activation` of its halves. With fused SiLU, a linear that has
+    `forward_silu_mul(x, lora)` (a quantized linear, LoRA's wrapper of one) takes the product
+    into its own last kernel: on the decode GEMV the slot sum writes silu(gate) * up, one
+    launch and the [T, 2I] intermediate fewer (issue 31). Same bits either way. A linear with
+    forward hooks is called as such (the hooks expect its own output)."""
+    if fused and act == "silu":
+        fold = getattr(gate_up, "forward_silu_mul", None)
+        if fold is not None and not (gate_up._forward_hooks or gate_up._forward_pre_hooks):
+            out: torch.Tensor = fold(x, lora)
+            return out
+    gate, up = gate_up(x, lora).chunk(2, dim=-1)
+    return gated_activation(act, gate, up, fused=fused)
 
 
 class FusesKernels(nn.Module):
@@ -264,7 +283,8 @@ class GatedMLP(FusesKernels):
 
     `fuse_gate_up`: gate and up stored apart are built as one `gate_up_proj` (output
     [gate | up]; see engine/build_plan.py), loaded from the two (`load_sources`). Fused
-    kernels: SiLU and the product as one kernel (gated_activation)."""
+    kernels: SiLU and the product as one kernel (gated_activation), or inside the fused
+    projection's own kernel (gate_up_activation)."""
 
     gate_proj: nn.Module
     up_proj: nn.Module
@@ -297,10 +317,12 @@ class GatedMLP(FusesKernels):
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+            hidden = gate_up_activation(
+                self.gate_up_proj, x, lora, self.act_name, fused=self.fuse_kernels
+            )
         else:
             gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
-        hidden = gated_activation(self.act_name, gate, up, fused=self.fuse_kernels)
+            hidden = gated_activation(self.act_name, gate, up, fused=self.fuse_kernels)
         out: torch.Tensor = self.down_proj(hidden, lora)
         return out
 
@@ -318,8 +340,9 @@ class FusedGatedMLP(FusesKernels):
         self.down_proj: nn.Module = Linear(intermediate, hidden, bias)
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
-        hidden = gated_activation(self.act_name, gate, up, fused=self.fuse_kernels)
+        hidden = gate_up_activation(
+            self.gate_up_proj, x, lora, self.act_name, fused=self.fuse_kernels
+        )
         out: torch.Tensor = self.down_proj(hidden, lora)
         return out
 

@@ -395,11 +395,11 @@ def lora_expand_into_gemv(
     if not b.is_contiguous() or b.dim() != 3 or partials.dim() != 4:
         raise ValueError("b must be a contiguous [L, N, R] stack and partials [G, S, splits, R]")
     groups, slots, splits, block_r = partials.shape
-    m, n = share.y.shape
+    m, n = share.rows, share.n
     if b.shape[1] > n or seg_starts.shape != (groups + 1,):
         raise ValueError(
             f"b {tuple(b.shape)} / seg_starts {tuple(seg_starts.shape)} do not fit "
-            f"y {tuple(share.y.shape)}"
+            f"the GEMV's {m} x {n} output"
         )
     sub_n = _expand_sub_n(n, b.shape[2])
     with device_guard(share.y):

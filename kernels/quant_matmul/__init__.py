@@ -5,6 +5,8 @@ the torch references; k = in_features, n = out_features):
 
     quant_matmul(x [..., k] float16/bfloat16/float32, qw) -> [..., n] in x.dtype
     quant_matmul_triton(x, qw, *, path="auto") -> the same through the kernels
+    quant_matmul_silu_mul(x, qw) -> silu(gate) * up [..., n / 2] of x @ W = [gate | up]
+        (a gated MLP's gate_up projection): bits of quant_matmul + kernels.silu_mul
     dequantize_triton(qw, *, dtype=float16, permuted=False) -> W [k, n] in dtype,
         original row order (as dequantize_reference) unless permuted=True
 
@@ -76,7 +78,11 @@ under numpy >= 2.4 (triton-lang/triton#9171), and the tests run the kernels ther
 """
 
 from kernels.quant_matmul.dequantize import dequantize_triton
-from kernels.quant_matmul.dispatch import quant_matmul, quant_matmul_triton
+from kernels.quant_matmul.dispatch import (
+    quant_matmul,
+    quant_matmul_silu_mul,
+    quant_matmul_triton,
+)
 from kernels.quant_matmul.layout import QuantizedWeight
 from kernels.quant_matmul.reference import dequantize_reference, quant_matmul_reference
 
@@ -86,5 +92,6 @@ __all__ = [
     "dequantize_triton",
     "quant_matmul",
     "quant_matmul_reference",
+    "quant_matmul_silu_mul",
     "quant_matmul_triton",
 ]

@@ -22,9 +22,9 @@ from kernels.quant_matmul.layout import QuantizedWeight, per_group_zeros
 from kernels.quant_matmul.slot_sum import launch_slot_sum
 from kernels.quant_matmul.split_k import (
     chunks_in_groups,
+    gemv_split_iters,
     plane_args,
     plane_meta,
-    split_iters,
     split_k_workspace,
 )
 from kernels.quant_matmul.tiles import store_partial, zero_points
@@ -45,7 +45,8 @@ class GemvConfig:
         keep the loads in flight, few enough that the partials (n floats per split, stored
         and read back by the slot sum, kernels/quant_matmul/slot_sum.py) stay cheap next to
         the weight bytes.
-    max_iters: chunks of _GEMV_BLOCK_K rows per program (a loop, not unrolled).
+    max_iters: at most this many chunks of _GEMV_BLOCK_K rows per program (a loop, not
+        unrolled; kernels/quant_matmul/split_k.py's gemv_split_iters picks the count).
     prefetch: load the next chunk's packed words before working on this one (registers
         as a two-stage pipeline), so a program keeps a load in flight while it computes.
     """
@@ -63,8 +64,12 @@ class GemvConfig:
 # first chunk's loads start before the previous kernel has finished: decode graph replay
 # 2.76 -> 2.51 ms per token (bench/results/2026-11-25-h100-ab-pdl.json, H100; greedy tokens
 # identical).
+# max_iters was 4 (at most 128 rows per program) while split-K partials were float32
+# atomics; with slots summed by a kernel of their own every split costs n partials' write and
+# read, so wide outputs take few long splits instead (issue 31, gemv_split_iters): 128 chunks
+# bound a program to 4096 rows.
 _GEMV_CONFIG = GemvConfig(
-    num_warps=4, cols_per_thread=(8, 8, 4, 4), programs_per_sm=2, max_iters=4, prefetch=True
+    num_warps=4, cols_per_thread=(8, 8, 4, 4), programs_per_sm=2, max_iters=128, prefetch=True
 )
 
 
@@ -451,14 +456,26 @@ class GemvTiling:
     prefetch: bool
 
 
-def gemv_tiling(x2d: torch.Tensor, qw: QuantizedWeight) -> GemvTiling:
+def gemv_tiling(
+    x2d: torch.Tensor,
+    qw: QuantizedWeight,
+    config: GemvConfig | None = None,
+    *,
+    iters: int | None = None,
+) -> GemvTiling:
+    """The tiling of x2d [M, k] @ W under `config` (default _GEMV_CONFIG, one setting for
+    every shape, tools/tune_gemv.py) with `gemv_split_iters`' chunks per split, or `iters`
+    (benchmarks sweep both)."""
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
-    config = _GEMV_CONFIG  # one setting for every shape (tools/tune_gemv.py)
+    config = config if config is not None else _GEMV_CONFIG
     block_k = _GEMV_BLOCK_K
     grouped = chunks_in_groups(qw, block_k)
     block_n = _gemv_block_n(M, n, grouped, config)
     n_tiles = triton.cdiv(n, block_n)
-    iters = split_iters(k, n_tiles, block_k, config.programs_per_sm, config.max_iters, x2d.device)
+    if iters is None:
+        iters = gemv_split_iters(
+            k, n_tiles, block_k, config.programs_per_sm, config.max_iters, x2d.device
+        )
     rows_per_split = iters * block_k
     arrivals = sum(
         triton.cdiv(s.row_end - s.row_start, rows_per_split)
@@ -535,12 +552,19 @@ def launch_gemv_partials(
 
 
 def launch_gemv(
-    x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor, tiling: GemvTiling | None = None
+    x2d: torch.Tensor,
+    qw: QuantizedWeight,
+    y: torch.Tensor,
+    tiling: GemvTiling | None = None,
+    *,
+    silu_mul: bool = False,
 ) -> None:
     """y [M, n] (x's dtype or float32, contiguous) = x2d [M <= 4, k] @ W (+ bias): the
     GEMV's programs store their partials in the device's workspace slots
     (`launch_gemv_partials`), then the slot sum adds them in slot order into y
-    (kernels/quant_matmul/slot_sum.py): the same bits every run.
+    (kernels/quant_matmul/slot_sum.py): the same bits every run. `silu_mul`: W is a fused
+    gate_up projection (n = 2I, [gate | up]) and y [M, I] receives silu(gate) * up, the
+    bits of the GEMV followed by kernels.silu_mul, from the slot sum.
 
     If the GPU-side gaps between these launches show in decode profiles, the next step is
     one launch per linear: the split-K axis spanning all segments, with a branch per segment
@@ -551,4 +575,4 @@ def launch_gemv(
     slots = gemv_slots(t)
     sums, _ = split_k_workspace(x2d.device, slots * M * n, 0)
     launch_gemv_partials(x2d, qw, sums, t)
-    launch_slot_sum(sums, y, slots)
+    launch_slot_sum(sums, y, slots, silu_mul=silu_mul)

@@ -22,15 +22,23 @@ from kernels.quant_matmul.split_k import split_k_workspace
 @dataclasses.dataclass(frozen=True)
 class GemvShare:
     """A decode GEMV that another kernel adds into (kernels/lora_matmul.py's expand): that
-    kernel stores its float32 terms into slot `extra_slot` of `sums` ([slots, M, n]: every
-    row of every column below n, zeros where it adds nothing, since the slot is not zeroed
-    between calls). The GEMV's programs (`launch_gemv_shared`) and the added kernel may run
-    in either order, on two streams at once; `finish_gemv_shared`, once both are done,
-    sums the slots in order into y."""
+    kernel stores its float32 terms into slot `extra_slot` of `sums` ([slots, rows, n]:
+    every row of every column below n, zeros where it adds nothing, since the slot is not
+    zeroed between calls). The GEMV's programs (`launch_gemv_shared`) and the added kernel
+    may run in either order, on two streams at once; `finish_gemv_shared`, once both are
+    done, sums the slots in order into y: [rows, n], or with `silu_mul` (a gated MLP's
+    [gate | up] projection) [rows, n / 2] = silu(gate) * up (kernels/quant_matmul/
+    slot_sum.py)."""
 
-    y: torch.Tensor  # [M, n] in x's dtype
+    y: torch.Tensor  # [M, n] (or [M, n / 2] with silu_mul) in x's dtype
     sums: torch.Tensor  # float32: the device's workspace, [slots, M, n] for this call
     tiling: GemvTiling
+    n: int  # the GEMV's output columns (the slots' row width)
+    silu_mul: bool = False
+
+    @property
+    def rows(self) -> int:
+        return self.y.shape[0]
 
     @property
     def slots(self) -> int:
@@ -42,19 +50,24 @@ class GemvShare:
         return self.tiling.arrivals
 
 
-def gemv_share(x2d: torch.Tensor, qw: QuantizedWeight) -> GemvShare | None:
+def gemv_share(
+    x2d: torch.Tensor, qw: QuantizedWeight, *, silu_mul: bool = False
+) -> GemvShare | None:
     """Open the decode GEMV of x2d [M, k] @ W to one added kernel's terms, or None when x2d
-    would take another path (M > GEMV_MAX_M, empty shapes). Launch the GEMV with
-    `launch_gemv_shared` and the added kernel in either order, then `finish_gemv_shared`.
-    The workspace must not be used by another GEMV until the finish is done."""
+    would take another path (M > GEMV_MAX_M, empty shapes; with `silu_mul`, an odd n).
+    Launch the GEMV with `launch_gemv_shared` and the added kernel in either order, then
+    `finish_gemv_shared`. The workspace must not be used by another GEMV until the finish
+    is done."""
     check_args(x2d, qw)
     M, n = x2d.shape[0], qw.out_features
     if x2d.dim() != 2 or x2d.stride(1) != 1 or M == 0 or n == 0 or choose_path(M) != "gemv":
         return None
+    if silu_mul and n % 2:
+        return None
     tiling = gemv_tiling(x2d, qw)
     workspace, _ = split_k_workspace(x2d.device, gemv_slots(tiling, 1) * M * n, 0)
-    y = torch.empty((M, n), dtype=x2d.dtype, device=x2d.device)
-    return GemvShare(y, workspace, tiling)
+    y = torch.empty((M, n // 2 if silu_mul else n), dtype=x2d.dtype, device=x2d.device)
+    return GemvShare(y, workspace, tiling, n, silu_mul)
 
 
 def launch_gemv_shared(x2d: torch.Tensor, qw: QuantizedWeight, share: GemvShare) -> None:
@@ -65,8 +78,8 @@ def launch_gemv_shared(x2d: torch.Tensor, qw: QuantizedWeight, share: GemvShare)
 
 def finish_gemv_shared(share: GemvShare) -> None:
     """y of a `gemv_share`, once the GEMV and the added kernel are both done (stream order
-    or an event join): their slots summed in order. Launched without programmatic
-    dependent launch, which would wait only for the kernel before it in this stream, not
-    for the other branch of a join."""
+    or an event join): their slots summed in order (and silu(gate) * up taken with
+    `silu_mul`). Launched without programmatic dependent launch, which would wait only for
+    the kernel before it in this stream, not for the other branch of a join."""
     with device_guard(share.y):
-        launch_slot_sum(share.sums, share.y, share.slots, pdl=False)
+        launch_slot_sum(share.sums, share.y, share.slots, silu_mul=share.silu_mul, pdl=False)

@@ -13,6 +13,13 @@ writes y. The GEMV itself needs no atomics, no counters and no last-program bran
 
 The elements are y's, flattened ([M, n] contiguous, M * n of them): slot s of the
 workspace holds element i at s * M * n + i (kernels/quant_matmul/gemv.py's layout).
+
+With `silu_mul` the GEMV was a gated MLP's fused gate_up projection (output [gate | up],
+n = 2I) and y is [M, I] = silu(gate) * up: each program sums the gate's and the up's slots
+of its elements, rounds both to y's dtype (where the GEMV alone would have stored them) and
+ends with kernels.activation's `silu_mul_rounded`, the silu_mul kernel's own expression.
+Same bits as the GEMV followed by kernels.silu_mul, minus that launch and the [M, 2I]
+intermediate's write and read (issue 31: the decode MLP pays for no kernel boundary there).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.activation import silu_mul_rounded
 from kernels.backend import (
     cast_rtne,
     is_interpreted,
@@ -45,7 +53,7 @@ class SlotSumConfig:
 
 
 # Loads a thread may keep in flight (elements per thread * slots) before the registers run
-# short: 8B GPTQ on an H100 has 32-113 slots per GEMV.
+# short: 8B GPTQ on an H100 has 3-65 slots per GEMV (twice the loads for gate_up with silu_mul).
 _LOADS_PER_THREAD = 64
 _MIN_BLOCK = 32
 _MAX_BLOCK = 1024
@@ -70,25 +78,40 @@ def slot_sum_config(elements: int, slots: int, device: torch.device) -> SlotSumC
 
 @triton.jit
 def _slot_sum_kernel(
-    sums_ptr,  # float32 [SLOTS, elements]: the workspace (see store_partial)
-    y_ptr,  # [elements] (y [M, n] contiguous), any float dtype
-    elements,  # M * n, also the slot stride
+    sums_ptr,  # float32 [SLOTS, M, n]: the workspace (see store_partial)
+    y_ptr,  # [elements] (y [M, n], or [M, n / 2] with SILU_MUL, contiguous), any float dtype
+    elements,  # y's
+    half,  # SILU_MUL: n / 2, y's row width (the gate's columns, then the up's)
     SLOTS: tl.constexpr,
     GROUP: tl.constexpr,  # max(SLOTS, 1): every slot's load unrolled (see sum_slots)
     BLOCK: tl.constexpr,
+    SILU_MUL: tl.constexpr,  # y = silu(gate) * up of the [gate | up] sums (module docstring)
     USE_PDL: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,  # SILU_MUL: as kernels.activation's silu_mul kernel
     EMULATE_BF16: tl.constexpr,
 ):
     # Nothing to load before the wait: every input is the previous kernel's output.
     pdl_launch_dependents(USE_PDL)
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < elements
+    dtype = y_ptr.dtype.element_ty
     pdl_wait(USE_PDL)
-    sums = sum_slots(sums_ptr, elements, offsets, mask, SLOTS, GROUP)
-    tl.store(y_ptr + offsets, cast_rtne(sums, y_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+    if SILU_MUL:
+        # Element (m, c) of y: the gate at m * n + c of a slot, the up n / 2 after it.
+        gate_at = offsets + (offsets // half) * half
+        gate = sum_slots(sums_ptr, 2 * elements, gate_at, mask, SLOTS, GROUP)
+        up = sum_slots(sums_ptr, 2 * elements, gate_at + half, mask, SLOTS, GROUP)
+        gate = cast_rtne(gate, dtype, EMULATE_BF16).to(tl.float32)
+        up = cast_rtne(up, dtype, EMULATE_BF16).to(tl.float32)
+        out = silu_mul_rounded(gate, up, dtype, PRECISE_EXP, EMULATE_BF16)
+    else:
+        sums = sum_slots(sums_ptr, elements, offsets, mask, SLOTS, GROUP)
+        out = cast_rtne(sums, dtype, EMULATE_BF16)
+    tl.store(y_ptr + offsets, out, mask=mask)
 
 
-# Triton 3.6's interpreter truncates float32 -> bfloat16: see kernels.backend.cast_rtne.
+# Triton 3.6's interpreter truncates float32 -> bfloat16 (kernels.backend.cast_rtne) and has
+# no libdevice (kernels.activation).
 _INTERPRETED = is_interpreted(_slot_sum_kernel)
 
 
@@ -97,35 +120,48 @@ def launch_slot_sum(
     y: torch.Tensor,
     slots: int,
     *,
+    silu_mul: bool = False,
     pdl: bool | None = None,
     config: SlotSumConfig | None = None,
 ) -> None:
     """y (contiguous, M * n elements) = sum over slots 0..slots-1 of sums[slot * y.numel() +
-    i], in slot order, rounded once to y's dtype. `pdl`: launch with programmatic dependent
-    launch (default: where kernels.backend.programmatic_launch says; pass False after a
-    join of streams, whose other branch PDL would not wait for). `config`: the default
+    i], in slot order, rounded once to y's dtype. `silu_mul`: the slots hold [M, 2 * I]
+    sums ([gate | up] per row) and y [M, I] gets silu(gate) * up, each sum rounded to y's
+    dtype first (module docstring). `pdl`: launch with programmatic dependent launch
+    (default: where kernels.backend.programmatic_launch says; pass False after a join of
+    streams, whose other branch PDL would not wait for). `config`: the default
     `slot_sum_config` unless given (benchmarks sweep it)."""
     elements = y.numel()
     if not y.is_contiguous():
         raise ValueError(f"y must be contiguous, got strides {y.stride()}")
-    if sums.dtype != torch.float32 or sums.numel() < slots * elements:
+    if silu_mul and y.dim() != 2:
+        raise ValueError(f"silu_mul takes y as [M, I], got shape {tuple(y.shape)}")
+    read = 2 * elements if silu_mul else elements  # per slot
+    if sums.dtype != torch.float32 or sums.numel() < slots * read:
         raise ValueError(
-            f"sums must be float32 with at least {slots} x {elements} elements, got "
+            f"sums must be float32 with at least {slots} x {read} elements, got "
             f"{sums.dtype} x {sums.numel()}"
         )
     if elements == 0:
         return
     use_pdl = programmatic_launch(y) if pdl is None else pdl and programmatic_launch(y)
-    c = config if config is not None else slot_sum_config(elements, slots, y.device)
+    # Each element reads a gate and an up per slot with silu_mul: twice the loads in flight.
+    loads = slots * (2 if silu_mul else 1)
+    c = config if config is not None else slot_sum_config(elements, loads, y.device)
     _slot_sum_kernel[(triton.cdiv(elements, c.block),)](
         sums,
         y,
         elements,
+        y.shape[-1] if silu_mul else 1,
         SLOTS=slots,
         GROUP=max(slots, 1),
         BLOCK=c.block,
+        SILU_MUL=silu_mul,
         USE_PDL=use_pdl,
+        PRECISE_EXP=not _INTERPRETED,  # the interpreter has no libdevice
         EMULATE_BF16=_INTERPRETED,
         num_warps=c.num_warps,
+        # The sums are adds only; silu_mul_rounded must not contract (see kernels.activation).
+        enable_fp_fusion=False,
         launch_pdl=use_pdl,
     )
