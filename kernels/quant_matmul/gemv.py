@@ -22,9 +22,9 @@ from kernels.quant_matmul.layout import QuantizedWeight, per_group_zeros
 from kernels.quant_matmul.slot_sum import launch_slot_sum
 from kernels.quant_matmul.split_k import (
     chunks_in_groups,
-    gemv_split_iters,
     plane_args,
     plane_meta,
+    split_iters,
     split_k_workspace,
 )
 from kernels.quant_matmul.tiles import store_partial, zero_points
@@ -45,8 +45,7 @@ class GemvConfig:
         keep the loads in flight, few enough that the partials (n floats per split, stored
         and read back by the slot sum, kernels/quant_matmul/slot_sum.py) stay cheap next to
         the weight bytes.
-    max_iters: at most this many chunks of _GEMV_BLOCK_K rows per program (a loop, not
-        unrolled; kernels/quant_matmul/split_k.py's gemv_split_iters picks the count).
+    max_iters: chunks of _GEMV_BLOCK_K rows per program (a loop, not unrolled).
     prefetch: load the next chunk's packed words before working on this one (registers
         as a two-stage pipeline), so a program keeps a load in flight while it computes.
     """
@@ -64,12 +63,11 @@ class GemvConfig:
 # first chunk's loads start before the previous kernel has finished: decode graph replay
 # 2.76 -> 2.51 ms per token (bench/results/2026-11-25-h100-ab-pdl.json, H100; greedy tokens
 # identical).
-# max_iters was 4 (at most 128 rows per program) while split-K partials were float32
-# atomics; with slots summed by a kernel of their own every split costs n partials' write and
-# read, so wide outputs take few long splits instead (issue 31, gemv_split_iters): 128 chunks
-# bound a program to 4096 rows.
+# Fewer, longer splits for wide outputs (fewer slots for the slot sum to read) were
+# measured slower on an H100 (issue 31, session 12: qkv 7.7 -> 10.4 us, gate_up 26.0 -> 38.0
+# us, 8B decode -27%): the many short splits keep more loads in flight, so max_iters stays 4.
 _GEMV_CONFIG = GemvConfig(
-    num_warps=4, cols_per_thread=(8, 8, 4, 4), programs_per_sm=2, max_iters=128, prefetch=True
+    num_warps=4, cols_per_thread=(8, 8, 4, 4), programs_per_sm=2, max_iters=4, prefetch=True
 )
 
 
@@ -464,7 +462,7 @@ def gemv_tiling(
     iters: int | None = None,
 ) -> GemvTiling:
     """The tiling of x2d [M, k] @ W under `config` (default _GEMV_CONFIG, one setting for
-    every shape, tools/tune_gemv.py) with `gemv_split_iters`' chunks per split, or `iters`
+    every shape, tools/tune_gemv.py) with `split_iters`' chunks per split, or `iters`
     (benchmarks sweep both)."""
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
     config = config if config is not None else _GEMV_CONFIG
@@ -473,7 +471,7 @@ def gemv_tiling(
     block_n = _gemv_block_n(M, n, grouped, config)
     n_tiles = triton.cdiv(n, block_n)
     if iters is None:
-        iters = gemv_split_iters(
+        iters = split_iters(
             k, n_tiles, block_k, config.programs_per_sm, config.max_iters, x2d.device
         )
     rows_per_split = iters * block_k

@@ -174,25 +174,3 @@ def split_iters(
     target = programs_per_sm * sm_count(device)
     splits = max(1, min(triton.cdiv(target, tiles), triton.cdiv(rows, block_k)))
     return min(max_iters, _pow2_floor(triton.cdiv(triton.cdiv(rows, splits), block_k)))
-
-
-def gemv_split_iters(
-    rows: int, tiles: int, block_k: int, programs_per_sm: int, max_iters: int, device: torch.device
-) -> int:
-    """Chunks (of block_k rows) per split-K slice of the decode GEMV: the fewest splits that
-    give about programs_per_sm programs per SM over `tiles` column tiles, each split
-    ceil(rows / splits / block_k) chunks (any count, at most max_iters).
-
-    Why the fewest (issue 31): every split is a slot of n float32 partials that the slot
-    sum reads back (kernels/quant_matmul/slot_sum.py), so a wide output (lm_head, gate_up),
-    whose column tiles alone nearly fill the GPU, should split K little: Llama-3-8B's lm_head
-    went from 32 slots (16 MB of partials per token) to 3. Why any chunk count, not a power
-    of two as `split_iters` rounds to: the programs then stay below programs_per_sm + 1 per
-    SM, within one wave of resident programs (the GEMV's 168 registers at 4 warps leave room
-    for 3 per SM on an H100), where a power of two could leave a second, nearly empty wave
-    (down_proj: 448 programs for 396 places). Each distinct count is one more compiled
-    kernel per segment layout (a constexpr: see kernels/quant_matmul/gemv.py).
-    """
-    target = programs_per_sm * sm_count(device)
-    splits = max(1, min(triton.cdiv(target, tiles), triton.cdiv(rows, block_k)))
-    return max(1, min(max_iters, triton.cdiv(triton.cdiv(rows, splits), block_k)))

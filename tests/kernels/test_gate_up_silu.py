@@ -2,8 +2,8 @@
 sum (kernels.quant_matmul.quant_matmul_silu_mul, GemvShare(silu_mul=True) for LoRA, the
 engine's gate_up_activation): bit for bit the GEMV followed by kernels.silu_mul, in every
 float dtype, with and without LoRA's extra slot (issue 31: one kernel boundary fewer per
-decode layer). Also the decode GEMV's split-K plan (gemv_split_iters): few splits for wide
-outputs, one wave of programs."""
+decode layer). Also a decode GEMV whose splits take a chunk count that is not a power of
+two (gemv_tiling's `iters`, which benchmarks sweep)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import triton
 
 from helpers.quant_weights import make_weight
 from kernels.activation import silu_mul_reference, silu_mul_triton
@@ -138,46 +137,6 @@ def test_a_share_of_an_odd_output_declines_silu_mul() -> None:
     qw = make_weight(64, 97, [4])
     assert gemv_share(torch.randn(1, 64), qw, silu_mul=True) is None
     assert gemv_share(torch.randn(1, 64), qw) is not None
-
-
-# Llama-3-8B's decode GEMVs (k, n) at 1024 columns per tile on an H100's 132 SMs.
-SHAPES_8B = {
-    "qkv": (4096, 6144),
-    "o": (4096, 4096),
-    "gate_up": (4096, 28672),
-    "down": (14336, 4096),
-    "lm_head": (4096, 128256),
-}
-
-
-@pytest.mark.parametrize("name", list(SHAPES_8B))
-def test_split_plan_fills_one_wave_with_few_splits(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from kernels.quant_matmul import split_k
-
-    monkeypatch.setattr(split_k, "sm_count", lambda device: 132)
-    k, n = SHAPES_8B[name]
-    tiles = triton.cdiv(n, 1024)
-    iters = split_k.gemv_split_iters(k, tiles, 32, 2, 128, torch.device("cpu"))
-    splits = triton.cdiv(k, iters * 32)
-    programs = tiles * splits
-    assert iters * 32 * splits >= k > iters * 32 * (splits - 1)  # every row, no empty split
-    # About 2 per SM (the tuned target), never a second wave: 3 fit per SM (168 registers).
-    assert 240 <= programs <= 3 * 132
-    # One split fewer would not reach the target: the fewest slots that do.
-    assert tiles * (splits - 1) < 2 * 132 or iters == 1
-    if name == "lm_head":  # 16 MB of partials per token at 32 splits
-        assert splits == 3
-
-
-def test_split_plan_bounds() -> None:
-    from kernels.quant_matmul.split_k import gemv_split_iters
-
-    cpu = torch.device("cpu")  # 2 SMs in the interpreter
-    assert gemv_split_iters(64, 1, 32, 2, 128, cpu) == 1  # as many splits as chunks
-    assert gemv_split_iters(1 << 20, 1, 32, 1, 128, cpu) == 128  # max_iters bounds a split
-    assert gemv_split_iters(4096, 500, 32, 2, 128, cpu) == 128  # n alone fills the GPU
 
 
 @pytest.mark.parametrize("iters", [3, 5])
