@@ -12,6 +12,15 @@ repeats them step for step: it rounds y to x.dtype before the weight multiply, a
 multiply of two 16-bit floats is exact in float32, so its outputs differ from the reference
 only where rsqrt or the row sum round differently (a few float32 ulps before the final cast).
 
+The row's sum of squares is a fixed pairwise tree (`pairwise_sum`: the row zero-padded to a
+power of two, adjacent pairs added level by level), not tl.sum, whose order depends on the
+register layout. A tree has aligned subtrees at every level, so the sum can be split over
+programs and still give the same bits: the decode GEMV's slot sum writes each chunk's
+subtree (kernels/quant_matmul/slot_sum.py, `add_residual`) and the next GEMV finishes the
+tree and applies the norm to x as it loads it (issue 28), equal to this kernel bit for bit.
+The squares of 16-bit values are exact in float32, so whether a compiler contracts a square
+into the first add (an FMA) does not change the bits either.
+
 `add_rms_norm(x, residual, ...)` is a pre-norm block's residual add fused with the next norm:
 it returns (rms_norm(residual + x), residual + x), the sum rounded to x.dtype before the norm
 reads it, exactly as the two separate ops compute it. The same kernel serves both (the add is
@@ -73,20 +82,58 @@ def rms_norm_reference(
 
 
 @triton.jit
-def rms_norm_row(
-    x, w, D, eps, x_dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr, EMULATE_BF16: tl.constexpr
+def pairwise_sum(v, N: tl.constexpr):
+    """The sum of v [N] (float32, N a power of two) as a fixed tree: adjacent pairs added,
+    level by level, down to one value. Each add has two operands, so no register layout or
+    reduction order can change the bits; subtree j of size 2^l is elements [j 2^l, (j + 1)
+    2^l), so chunks summed apart (one program each) finish to the same value. Zeros appended
+    to v change nothing (x + 0 = x)."""
+    for level in tl.static_range(1, 16):
+        if (N >> level) >= 1:
+            a, b = tl.split(tl.reshape(v, [N >> level, 2]))
+            v = a + b
+    return tl.sum(v, axis=0)  # one element: exact
+
+
+@triton.jit
+def rms_rstd(sum_of_squares, D, eps):
+    """1 / sqrt(mean of squares + eps) from the row's pairwise sum; D a run-time integer in
+    every caller (a constant divisor could be folded into a multiply: other bits)."""
+    return tl.rsqrt(sum_of_squares / D + eps)
+
+
+@triton.jit
+def rms_norm_scale(
+    x, w, rstd, x_dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr, EMULATE_BF16: tl.constexpr
 ):
-    """The norm of one row held in registers: x [BLOCK_D] float32 (the row's values, already
-    rounded to `x_dtype`; 0 past D), w the weight as float32. Returns the float32 output
-    before its cast. Shared with kernels/tp_all_reduce.py, whose fused norm must give the
-    same bits as this kernel's (same code, launched with the same BLOCK_D and warps)."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    """The norm's output for x (float32, rounded to x_dtype) and weight w (float32) before
+    its final cast: the module docstring's cast orders. Shared with the decode GEMV that
+    applies the norm to its x loads (kernels/quant_matmul/gemv.py), so both round alike."""
     y = x * rstd
     if UNIT_OFFSET:
         out = y * (1.0 + w)
     else:
         out = w * cast_rtne(y, x_dtype, EMULATE_BF16).to(tl.float32)
     return out
+
+
+@triton.jit
+def rms_norm_row(
+    x,
+    w,
+    D,
+    eps,
+    x_dtype: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The norm of one row held in registers: x [BLOCK_D] float32 (the row's values, already
+    rounded to `x_dtype`; 0 past D), w the weight as float32. Returns the float32 output
+    before its cast. Shared with kernels/tp_all_reduce.py, whose fused norm must give the
+    same bits as this kernel's (same code; the pairwise sum does not depend on warps)."""
+    rstd = rms_rstd(pairwise_sum(x * x, BLOCK_D), D, eps)
+    return rms_norm_scale(x, w, rstd, x_dtype, UNIT_OFFSET, EMULATE_BF16)
 
 
 @triton.jit
@@ -136,7 +183,7 @@ def _rms_norm_kernel(
             tl.store(residual_out_row + cols, summed, mask=mask)
             x = summed.to(tl.float32)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        out = rms_norm_row(x, w, D, eps, x_dtype, UNIT_OFFSET, EMULATE_BF16)
+        out = rms_norm_row(x, w, D, eps, x_dtype, UNIT_OFFSET, EMULATE_BF16, BLOCK_D)
         tl.store(out_row + cols, cast_rtne(out, out_dtype, EMULATE_BF16), mask=mask)
     else:
         # Per-lane partial sums, reduced once at the end: fewer cross-warp reductions.

@@ -20,6 +20,13 @@ of its elements, rounds both to y's dtype (where the GEMV alone would have store
 ends with kernels.activation's `silu_mul_rounded`, the silu_mul kernel's own expression.
 Same bits as the GEMV followed by kernels.silu_mul, minus that launch and the [M, 2I]
 intermediate's write and read (issue 31: the decode MLP pays for no kernel boundary there).
+
+`launch_slot_sum_residual` ends a pre-norm block's o_proj or down_proj (issue 28): it writes
+h = residual + y, rounded as kernels.add_rms_norm rounds it (y to the dtype first, as the
+GEMV alone stores it, then the sum), and each program's float32 pairwise sum of squares of
+its chunk of h's row into `RowSquares` (one fixed slot per program). The next GEMV finishes
+the norm's pairwise tree from those slots and applies the norm to x as it loads it
+(kernels/quant_matmul/gemv.py): add_rms_norm's launch is gone, its bits are not.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from kernels.backend import (
 )
 from kernels.quant_matmul.split_k import sm_count
 from kernels.quant_matmul.tiles import sum_slots
+from kernels.rms_norm import pairwise_sum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,3 +173,102 @@ def launch_slot_sum(
         enable_fp_fusion=False,
         launch_pdl=use_pdl,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSquares:
+    """Partial sums of squares of h [M, n] for its RMSNorm: sums[m, c] (float32 [M, chunks])
+    is kernels.rms_norm's `pairwise_sum` of h[m, c * chunk : (c + 1) * chunk] ** 2 (zeros
+    past n), chunk a power of two, so the pairwise sum of sums[m] padded with zeros to a
+    power of two is rms_norm's sum of squares of row m, bit for bit."""
+
+    sums: torch.Tensor
+    chunk: int
+
+    @property
+    def chunks(self) -> int:
+        return int(self.sums.shape[1])
+
+
+@triton.jit
+def _slot_sum_residual_kernel(
+    sums_ptr,  # float32 [SLOTS, M, n]: the workspace (see store_partial)
+    residual_ptr,  # [M, n] contiguous, h's dtype
+    h_ptr,  # [M, n] contiguous: residual + y
+    squares_ptr,  # float32 [M, chunks]: RowSquares.sums
+    n,
+    elements,  # M * n: the workspace's slot stride
+    chunks,
+    SLOTS: tl.constexpr,
+    GROUP: tl.constexpr,  # max(SLOTS, 1): every slot's load unrolled (see sum_slots)
+    BLOCK: tl.constexpr,  # the chunk: a power of two
+    USE_PDL: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    pdl_launch_dependents(USE_PDL)
+    chunk = tl.program_id(0)
+    row = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    offsets = row * n + cols
+    dtype = h_ptr.dtype.element_ty
+    # The residual too is an earlier kernel's output: every load after the wait.
+    pdl_wait(USE_PDL)
+    y = cast_rtne(sum_slots(sums_ptr, elements, offsets, mask, SLOTS, GROUP), dtype, EMULATE_BF16)
+    r = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
+    # add_rms_norm's x + residual: both rounded to the dtype, added in float32, rounded once.
+    h = cast_rtne(y.to(tl.float32) + r.to(tl.float32), dtype, EMULATE_BF16)
+    tl.store(h_ptr + offsets, h, mask=mask)
+    hf = h.to(tl.float32)  # 0 past n
+    tl.store(squares_ptr + row * chunks + chunk, pairwise_sum(hf * hf, BLOCK))
+
+
+def launch_slot_sum_residual(
+    sums: torch.Tensor,
+    residual: torch.Tensor,
+    h: torch.Tensor,
+    slots: int,
+    *,
+    pdl: bool | None = None,
+    config: SlotSumConfig | None = None,
+) -> RowSquares:
+    """h [M, n] = residual + (the sum over slots 0..slots-1 of the workspace, in slot order,
+    rounded to h's dtype), rounded once more: kernels.add_rms_norm's residual output, bit
+    for bit, for a GEMV's y. Returns h's `RowSquares` (chunk = the program's block, a row
+    never straddles two programs). `pdl` and `config` as for `launch_slot_sum`."""
+    if h.dim() != 2 or not h.is_contiguous() or h.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"h must be a contiguous float16/bfloat16 [M, n], got {h.dtype} {tuple(h.shape)}"
+        )
+    if residual.shape != h.shape or residual.dtype != h.dtype or not residual.is_contiguous():
+        raise ValueError(f"residual must be a contiguous {h.dtype} {tuple(h.shape)}")
+    M, n = h.shape
+    if sums.dtype != torch.float32 or sums.numel() < slots * M * n:
+        raise ValueError(
+            f"sums must be float32 with at least {slots} x {M * n} elements, got "
+            f"{sums.dtype} x {sums.numel()}"
+        )
+    c = config if config is not None else slot_sum_config(M * n, slots, h.device)
+    chunks = triton.cdiv(n, c.block)
+    squares = RowSquares(torch.empty((M, chunks), dtype=torch.float32, device=h.device), c.block)
+    if M * n == 0:
+        return squares
+    use_pdl = programmatic_launch(h) if pdl is None else pdl and programmatic_launch(h)
+    _slot_sum_residual_kernel[(chunks, M)](
+        sums,
+        residual,
+        h,
+        squares.sums,
+        n,
+        M * n,
+        chunks,
+        SLOTS=slots,
+        GROUP=max(slots, 1),
+        BLOCK=c.block,
+        USE_PDL=use_pdl,
+        EMULATE_BF16=_INTERPRETED,
+        num_warps=c.num_warps,
+        enable_fp_fusion=False,  # adds and squares only (module docstring)
+        launch_pdl=use_pdl,
+    )
+    return squares
