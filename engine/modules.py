@@ -37,7 +37,9 @@ from torch import nn
 import kernels
 from engine.cache import ForwardBatch, PagedKVCache
 from engine.lora.batch import LoraBatch
+from engine.norm_fold import FoldedHidden, linears_fold, norm_folds
 from kernels.attention import paged_attention, prompt_attention, prompt_attention_applies
+from kernels.quant_matmul.norm_fold import quant_matmul_normed, quant_matmul_residual
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -216,8 +218,7 @@ class Attention(FusesKernels):
         s = self.spec
         num_tokens = x.shape[0]
         if s.fused_qkv:
-            q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-            q, k, v = self.qkv_proj(x, lora).split([q_size, kv_size, kv_size], dim=-1)
+            return self.split_qkv(self.qkv_proj(x, lora))
         else:
             q, k, v = self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
         return (
@@ -229,9 +230,34 @@ class Attention(FusesKernels):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
     ) -> torch.Tensor:
-        s = self.spec
-        num_tokens = x.shape[0]
         q, k, v = self.project(x, batch.lora)
+        out: torch.Tensor = self.o_proj(self.attend(q, k, v, batch, cache, rotary), batch.lora)
+        return out
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v views of a fused qkv_proj's output [T, (Hq + 2 Hk) D]."""
+        s = self.spec
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        num_tokens = qkv.shape[0]
+        return (
+            q.view(num_tokens, s.num_heads, s.head_dim),
+            k.view(num_tokens, s.num_kv_heads, s.head_dim),
+            v.view(num_tokens, s.num_kv_heads, s.head_dim),
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        rotary: Rotary,
+    ) -> torch.Tensor:
+        """The attention of the projected rows, before o_proj: [T, Hq * D]."""
+        s = self.spec
+        num_tokens = q.shape[0]
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         # The flat slots, with the scratch slot that graph padding rows write (engine.cache).
@@ -255,10 +281,7 @@ class Attention(FusesKernels):
             if fused_write:  # the rotated keys went straight into the cache: read them back
                 k = k_cache.index_select(0, batch.slots)
             out = prompt_attention(q, k, v, scale=self.scale)
-            projected: torch.Tensor = self.o_proj(
-                out.view(num_tokens, s.num_heads * s.head_dim), batch.lora
-            )
-            return projected
+            return out.view(num_tokens, s.num_heads * s.head_dim)
         out = paged_attention(
             q,
             cache.k[self.layer_idx],
@@ -274,8 +297,7 @@ class Attention(FusesKernels):
             k_format=cache.k_format,
             v_format=cache.v_format,
         )
-        projected = self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim), batch.lora)
-        return projected
+        return out.view(num_tokens, s.num_heads * s.head_dim)
 
 
 class GatedMLP(FusesKernels):
@@ -384,6 +406,11 @@ class DecoderLayer(nn.Module):
         added (residual None: h = x). Returns (mlp output, residual): the last add is left
         to the next layer's input norm, or the final norm (`CausalLM.forward`).
         """
+        folded = self._folded(x, batch)
+        if folded is not None:
+            return folded(x, residual, batch, cache, rotary)
+        if isinstance(x, FoldedHidden):  # the previous layer folded, this one does not
+            x = x.h
         if residual is None:
             normed, residual = self.input_layernorm(x), x
         else:
@@ -391,3 +418,60 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(normed, batch, cache, rotary)
         normed, residual = self.post_attention_layernorm.forward_add(attn, residual)
         return getattr(self, self.mlp_name)(normed, batch.lora), residual
+
+    def _folded(self, x: torch.Tensor | FoldedHidden, batch: ForwardBatch) -> Callable | None:
+        """`_forward_folded` where this layer's norms fold into its GEMVs (engine/norm_fold.py:
+        the plain quantized decode case), else None."""
+        h = x.h if isinstance(x, FoldedHidden) else x
+        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
+        if batch.lora is not None or type(attn) is not Attention or not attn.spec.fused_qkv:
+            return None
+        if type(mlp) not in (GatedMLP, FusedGatedMLP) or mlp.gate_up_proj is None:
+            return None
+        if not (attn.fuse_kernels and mlp.fuse_kernels):
+            return None
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or not norm_folds(n, h) for n in norms):
+            return None
+        if not linears_fold(h, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            return None
+        return self._forward_folded
+
+    def _forward_folded(
+        self,
+        x: torch.Tensor | FoldedHidden,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        rotary: Rotary,
+    ) -> tuple[FoldedHidden, None]:
+        """`forward_residual` with both norms inside the GEMVs: o_proj's and down_proj's
+        slot sums add the residual and write the sums of squares, qkv and gate_up apply
+        the norm on load (same bits). A layer after the embedding (or after a layer that
+        did not fold) runs its input norm as a kernel first."""
+        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        if isinstance(x, FoldedHidden):
+            qkv = quant_matmul_normed(
+                x.h, x.squares, norm_in.weight, norm_in.eps, attn.qkv_proj.qweight,
+                unit_offset=norm_in.unit_offset,
+            )  # fmt: skip
+            h = x.h
+        else:
+            if residual is None:
+                normed, h = norm_in(x), x
+            else:
+                normed, h = norm_in.forward_add(x, residual)
+            qkv = attn.qkv_proj(normed, None)
+        out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
+        h, squares = quant_matmul_residual(out, attn.o_proj.qweight, h.contiguous())
+        silu = mlp.act_name == "silu"
+        hidden = quant_matmul_normed(
+            h, squares, norm_post.weight, norm_post.eps, mlp.gate_up_proj.qweight,
+            unit_offset=norm_post.unit_offset, silu_mul=silu,
+        )  # fmt: skip
+        if not silu:
+            gate, up = hidden.chunk(2, dim=-1)
+            hidden = gated_activation(mlp.act_name, gate, up, fused=True)
+        h, squares = quant_matmul_residual(hidden, mlp.down_proj.qweight, h)
+        return FoldedHidden(h, squares), None
