@@ -18,7 +18,6 @@ def comp(fn, types, consts, warps):
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=T,
                        options={"num_warps": warps})
     import re
-    sass_regs = re.findall(r"\.maxnreg|reg", "")
     ptx = c.asm["ptx"]
     c.info = (len(ptx), ptx.count("ld.global"))
     return c
