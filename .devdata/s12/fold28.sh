@@ -65,6 +65,13 @@ bench "$ROOT" branch 1 "$(cap 120)"
 bench "$S31" s31 1 "$(cap 60)"
 bench "$MAIN" main 1 "$(cap 60)"
 
+# 1b. norm kernel µs, branch vs s31 (review: the pairwise tree's cost; ~10 s per tree)
+for t in "$ROOT" "$S31"; do
+    [ "$(left)" -ge 30 ] || break
+    PYTHONPATH="$t:/tmp/site" timeout 25 python "$ROOT/.devdata/s12/norm28.py" "$t" 2>&1 \
+        | grep NORM28 | tee -a "$LOG"
+done
+
 # 2. kernels per step (branch)
 T=$(cap 45)
 if [ "$T" -ge 25 ]; then
@@ -122,9 +129,13 @@ for rnd in (1, 2):
         if "results" in d:
             r = [r for r in d["results"] if r.get("engine") == "kestrel"][0]
             row[label] = r.get("decode_tok_s")
+            row[f"{label}_prefill"] = r.get("prefill_tok_s")
     for other in ("s31", "main"):
         if row.get("branch") and row.get(other):
             row[f"gain_vs_{other}_percent"] = round(100 * (row["branch"] / row[other] - 1), 2)
+        if row.get("branch_prefill") and row.get(f"{other}_prefill"):
+            row[f"prefill_gain_vs_{other}_percent"] = round(
+                100 * (row["branch_prefill"] / row[f"{other}_prefill"] - 1), 2)
     summary["bench"][f"round{rnd}"] = row
 p = load("profile.json")
 summary["profile"] = {k: p.get(k) for k in ("kernels_per_step", "graph_replay_ms", "step_ms",
@@ -132,6 +143,10 @@ summary["profile"] = {k: p.get(k) for k in ("kernels_per_step", "graph_replay_ms
 summary["profile"]["top"] = [(k["name"][:60], round(k["us"], 1), k["count"])
                              for k in p.get("kernels", [])[:12]]
 summary["determinism"] = load("determinism.json")
+try:
+    summary["norm_us"] = [json.loads(l.split("NORM28", 1)[1]) for l in open(os.path.join(out, "fold28.log")) if l.startswith("NORM28")]
+except Exception as e:
+    summary["norm_us"] = f"{type(e).__name__}: {e}"
 try:
     summary["pytest_gpu"] = open("/tmp/pytest_gpu.rc").read().strip()
 except OSError:
