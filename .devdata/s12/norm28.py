@@ -16,7 +16,9 @@ for rows in (1, 2, 512, 8192):
     r = torch.randn_like(x)
     w = torch.randn(4096, device="cuda", dtype=torch.float16)
     out[f"add_rms_norm_us_{rows}"] = round(
-        1000 * do_bench(lambda x=x, r=r, w=w: kernels.add_rms_norm(x, r, w, 1e-5), warmup=50, rep=200), 2
+        1000
+        * do_bench(lambda x=x, r=r, w=w: kernels.add_rms_norm(x, r, w, 1e-5), warmup=50, rep=200),
+        2,
     )
     out[f"rms_norm_us_{rows}"] = round(
         1000 * do_bench(lambda x=x, w=w: kernels.rms_norm(x, w, 1e-5), warmup=50, rep=200), 2
