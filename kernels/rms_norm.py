@@ -83,16 +83,55 @@ def rms_norm_reference(
 
 @triton.jit
 def pairwise_sum(v, N: tl.constexpr):
-    """The sum of v [N] (float32, N a power of two) as a fixed tree: adjacent pairs added,
-    level by level, down to one value. Each add has two operands, so no register layout or
-    reduction order can change the bits; subtree j of size 2^l is elements [j 2^l, (j + 1)
-    2^l), so chunks summed apart (one program each) finish to the same value. Zeros appended
-    to v change nothing (x + 0 = x)."""
-    for level in tl.static_range(1, 16):
+    """The sum of v [N] (float32, N a power of two, at most 2^14) as a fixed tree: adjacent
+    pairs added, level by level, down to one value. Each add has two operands, so no register
+    layout or reduction order can change the bits; subtree j of size 2^l is elements [j 2^l,
+    (j + 1) 2^l), so chunks summed apart (one program each) finish to the same value. Zeros
+    appended to v change nothing (x + 0 = x).
+
+    How: v is reshaped once to [1, 2, ..., 2] (row-major, so the last axis is bit 0 of the
+    flat index) and the last size-2 axis is summed log2(N) times: level l adds the pairs
+    of level l - 1. Splitting the row at every level instead (tl.split of [N >> l, 2])
+    compiled to a copy of the whole row into every thread through shared memory and all
+    N - 1 adds in each (4,096 instructions per thread for a 4,096 row on sm_90, against 408
+    this way, the size of a plain tl.sum)."""
+
+    if N == 1:
+        t = tl.reshape(v, [1])
+    elif N == 2:
+        t = tl.reshape(v, [1, 2])
+    elif N == 4:
+        t = tl.reshape(v, [1, 2, 2])
+    elif N == 8:
+        t = tl.reshape(v, [1, 2, 2, 2])
+    elif N == 16:
+        t = tl.reshape(v, [1, 2, 2, 2, 2])
+    elif N == 32:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2])
+    elif N == 64:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2])
+    elif N == 128:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 256:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 512:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 1024:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 2048:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 4096:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 8192:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 16384:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    else:
+        tl.static_assert(False, "pairwise_sum: N must be a power of two up to 2^14")
+    for level in tl.static_range(1, 15):
         if (N >> level) >= 1:
-            a, b = tl.split(tl.reshape(v, [N >> level, 2]))
-            v = a + b
-    return tl.sum(v, axis=0)  # one element: exact
+            t = tl.sum(t, axis=len(t.shape) - 1)
+    return tl.sum(t, axis=0)  # one element: exact
 
 
 @triton.jit
