@@ -433,7 +433,9 @@ class DecoderLayer(nn.Module):
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if any(type(n) is not RMSNorm or not norm_folds(n, h) for n in norms):
             return None
-        if not linears_fold(h, attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        if not linears_fold(
+            h, normed=(attn.qkv_proj, mlp.gate_up_proj), residual=(attn.o_proj, mlp.down_proj)
+        ):
             return None
         return self._forward_folded
 

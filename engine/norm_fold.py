@@ -61,12 +61,19 @@ def norm_folds(norm: nn.Module, x: torch.Tensor) -> bool:
     )
 
 
-def linears_fold(x: torch.Tensor, *linears: nn.Module | None) -> bool:
-    """Whether each linear is a plain quantized one that folds a norm at x's rows."""
+def linears_fold(
+    x: torch.Tensor,
+    normed: tuple[nn.Module | None, ...],
+    residual: tuple[nn.Module | None, ...],
+) -> bool:
+    """Whether each linear is a plain quantized one that folds a norm at x's rows: `normed`
+    apply a norm to their input (qkv, gate_up), `residual` end in the next norm's residual
+    add and squares (o_proj, down_proj)."""
     if not (_ENABLED and x.is_cuda):
         return False
-    for linear in linears:
-        base = plain_quantized(linear)
-        if base is None or not norm_fold_applies(x, base.qweight):
-            return False
+    for linears, side in ((normed, "in"), (residual, "out")):
+        for linear in linears:
+            base = plain_quantized(linear)
+            if base is None or not norm_fold_applies(x, base.qweight, side):
+                return False
     return True

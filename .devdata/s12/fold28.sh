@@ -95,7 +95,7 @@ if [ "$T" -ge 25 ]; then
 fi
 
 # 4. GPU tests of the touched files
-T=$(cap 90)
+T=$(cap 150)
 if [ "$T" -ge 30 ]; then
     say "=== pytest -m gpu (timeout ${T}s, t=$((SECONDS - START))) ==="
     PYTHONPATH="$ROOT:/tmp/site" timeout "$T" python -m pytest -q -m gpu -p no:cacheprovider \

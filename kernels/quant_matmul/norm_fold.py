@@ -12,6 +12,8 @@ norm holds in registers) folds: `norm_fold_applies`; callers run the unfused ops
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from kernels.backend import device_guard
@@ -23,15 +25,19 @@ from kernels.quant_matmul.split_k import unit_col_stride
 from kernels.rms_norm import MAX_SINGLE_PASS_D
 
 
-def norm_fold_applies(x: torch.Tensor, qw: QuantizedWeight) -> bool:
-    """Whether x [..., k] @ W runs on the decode GEMV with a norm folded in or out:
-    float16/bfloat16, at most GEMV_MAX_M rows, and a single-pass norm over k or n. These
-    are Triton kernels (CUDA tensors, or the interpreter's): callers check the device."""
+def norm_fold_applies(x: torch.Tensor, qw: QuantizedWeight, side: Literal["in", "out"]) -> bool:
+    """Whether x [..., k] @ W runs on the decode GEMV with a norm folded in on its input
+    (side "in": quant_matmul_normed, the norm over k) or out of its output (side "out":
+    quant_matmul_residual, the norm over n): float16/bfloat16, at most GEMV_MAX_M rows, and
+    the norm's width one that a single pass holds. Only the normed width is bounded: an
+    8B model's gate_up (n = 28,672) folds the norm over its k = 4,096. These are Triton
+    kernels (CUDA tensors, or the interpreter's): callers check the device."""
     rows = x.numel() // max(x.shape[-1], 1)
+    width = qw.in_features if side == "in" else qw.out_features
     return (
         x.dtype in (torch.float16, torch.bfloat16)
         and 0 < rows <= GEMV_MAX_M
-        and max(qw.in_features, qw.out_features) <= MAX_SINGLE_PASS_D
+        and width <= MAX_SINGLE_PASS_D
     )
 
 
@@ -40,9 +46,9 @@ def quant_matmul_residual(
 ) -> tuple[torch.Tensor, RowSquares]:
     """(h, its RowSquares): h = residual + (x @ W + bias rounded to x's dtype), rounded, the
     bits of `kernels.add_rms_norm(quant_matmul(x, qw), residual)[1]`. x [..., k], residual
-    [..., n] of x's dtype; `norm_fold_applies(x, qw)` must hold."""
+    [..., n] of x's dtype; `norm_fold_applies(x, qw, "out")` must hold."""
     check_args(x, qw)
-    if not norm_fold_applies(x, qw):
+    if not norm_fold_applies(x, qw, "out"):
         raise ValueError("quant_matmul_residual runs on the decode GEMV only (norm_fold_applies)")
     n = qw.out_features
     if residual.shape != (*x.shape[:-1], n) or residual.dtype != x.dtype:
@@ -67,9 +73,9 @@ def quant_matmul_normed(
     """rms_norm(h, weight, eps, unit_offset) @ W + bias in one GEMV, the bits of the two
     ops (h's rstd from `squares`, which quant_matmul_residual returned with h). `silu_mul`:
     W is a fused [gate | up] projection and the result is silu(gate) * up, as
-    kernels.quant_matmul_silu_mul. `norm_fold_applies(h, qw)` must hold."""
+    kernels.quant_matmul_silu_mul. `norm_fold_applies(h, qw, "in")` must hold."""
     check_args(h, qw)
-    if not norm_fold_applies(h, qw):
+    if not norm_fold_applies(h, qw, "in"):
         raise ValueError("quant_matmul_normed runs on the decode GEMV only (norm_fold_applies)")
     n = qw.out_features
     if silu_mul and n % 2:

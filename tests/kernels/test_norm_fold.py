@@ -127,7 +127,7 @@ def test_the_public_pair_is_add_rms_norm_then_the_gemv(dtype, device) -> None:
     weight = _rand((192,), dtype, device, seed=9, scale=0.2) + 1
     normed, want_h = add_rms_norm_triton(quant_matmul_triton(x, qw_o), residual, weight, EPS)
     want = quant_matmul_triton(normed, qw_qkv)
-    assert norm_fold_applies(x, qw_o) and norm_fold_applies(want_h, qw_qkv)
+    assert norm_fold_applies(x, qw_o, "out") and norm_fold_applies(want_h, qw_qkv, "in")
     h, squares = quant_matmul_residual(x, qw_o, residual)
     got = quant_matmul_normed(h, squares, weight, EPS, qw_qkv)
     assert h.shape == want_h.shape and torch.equal(h, want_h)
@@ -158,10 +158,35 @@ def test_the_order_of_the_squares_matters() -> None:
 def test_what_does_not_fold_is_refused() -> None:
     qw = make_weight(64, 64, [4], seed=1)
     x = torch.zeros(3, 64, dtype=torch.float16)  # the dot path's rows
-    assert not norm_fold_applies(x, qw)
-    assert not norm_fold_applies(x[:1].float(), qw)
+    assert not norm_fold_applies(x, qw, "in") and not norm_fold_applies(x, qw, "out")
+    assert not norm_fold_applies(x[:1].float(), qw, "in")
     with pytest.raises(ValueError, match="decode GEMV"):
         quant_matmul_residual(x, qw, torch.zeros(3, 64, dtype=torch.float16))
     squares = RowSquares(torch.zeros(1, 2), 32)
     with pytest.raises(ValueError, match="weight"):
         quant_matmul_normed(x[:1], squares, torch.ones(64), EPS, qw)  # float32 weight
+
+
+def test_only_the_normed_width_is_bounded() -> None:
+    """The width a norm must fit in one pass is the norm's: a Llama-3-8B gate_up (n =
+    28,672, over MAX_SINGLE_PASS_D) folds the norm over its k, and a down_proj whose k is
+    over it still ends in the next norm. Bounding max(k, n) kept every 8B-class model off
+    the fold. Scaled down here: k 64 with n past the bound, bits as the unfused ops."""
+    _require_triton("cpu")
+    from kernels.rms_norm import MAX_SINGLE_PASS_D
+
+    dtype, d, wide = torch.float16, 64, MAX_SINGLE_PASS_D + 128
+    h = _rand((1, d), dtype, "cpu", seed=11)
+    weight = _rand((d,), dtype, "cpu", seed=12, scale=0.2) + 1
+    gate_up = make_weight(d, 2 * wide, [4], seed=13)
+    assert norm_fold_applies(h, gate_up, "in") and not norm_fold_applies(h, gate_up, "out")
+    x, o_proj = _rand((1, 32), dtype, "cpu", seed=14), make_weight(32, d, [4], seed=15)
+    h_next, squares = quant_matmul_residual(x, o_proj, h)
+    normed_h, want_h = add_rms_norm_triton(quant_matmul_triton(x, o_proj), h, weight, EPS)
+    assert torch.equal(h_next, want_h)
+    want = silu_mul_triton(*quant_matmul_triton(normed_h, gate_up, path="gemv").chunk(2, dim=-1))
+    got = quant_matmul_normed(h_next, squares, weight, EPS, gate_up, silu_mul=True)
+    assert torch.equal(got, want)
+    down = make_weight(wide, d, [4], seed=16)
+    assert norm_fold_applies(got[..., :wide], down, "out")
+    assert not norm_fold_applies(got[..., :wide], down, "in")
