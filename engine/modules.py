@@ -394,21 +394,25 @@ class DecoderLayer(nn.Module):
 
     def forward_residual(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | FoldedHidden,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
         cache: PagedKVCache,
         rotary: Rotary,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        next_norm: nn.Module | None = None,
+    ) -> tuple[torch.Tensor | FoldedHidden, torch.Tensor | None]:
         """`forward` with every residual add inside the following norm's kernel.
 
         The hidden state is carried as (x, residual) with h = residual + x still to be
         added (residual None: h = x). Returns (mlp output, residual): the last add is left
-        to the next layer's input norm, or the final norm (`CausalLM.forward`).
+        to the next layer's input norm, or the final norm (`CausalLM.forward`). Where the
+        norms fold into the GEMVs (engine/norm_fold.py) x is a FoldedHidden, and
+        `next_norm` (the next layer's input norm, on this device) is the one whose weight
+        down_proj's slot sum applies for it.
         """
         folded = self._folded(x, batch)
         if folded is not None:
-            return folded(x, residual, batch, cache, rotary)
+            return folded(x, residual, batch, cache, rotary, next_norm)
         if isinstance(x, FoldedHidden):  # the previous layer folded, this one does not
             x = x.h
         if residual is None:
@@ -446,34 +450,43 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         cache: PagedKVCache,
         rotary: Rotary,
+        next_norm: nn.Module | None,
     ) -> tuple[FoldedHidden, None]:
         """`forward_residual` with both norms inside the GEMVs: o_proj's and down_proj's
-        slot sums add the residual and write the sums of squares, qkv and gate_up apply
-        the norm on load (same bits). A layer after the embedding (or after a layer that
-        did not fold) runs its input norm as a kernel first."""
+        slot sums add the residual and write the sums of squares and h * w for the next
+        norm, qkv's and gate_up's slot sums apply the rstd (kernels/quant_matmul/
+        norm_fold.py). A layer after the embedding, or after a layer that did not fold or
+        did not know this layer's norm, runs its input norm as a kernel first."""
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-        if isinstance(x, FoldedHidden):
-            qkv = quant_matmul_normed(
-                x.h, x.squares, norm_in.weight, norm_in.eps, attn.qkv_proj.qweight,
-                unit_offset=norm_in.unit_offset,
-            )  # fmt: skip
+        if isinstance(x, FoldedHidden) and x.xw is not None and x.norm is norm_in:
+            qkv = quant_matmul_normed(x.xw, x.squares, norm_in.eps, attn.qkv_proj.qweight)
             h = x.h
         else:
+            if isinstance(x, FoldedHidden):  # h, the residual already added
+                x, residual = x.h, None
             if residual is None:
                 normed, h = norm_in(x), x
             else:
                 normed, h = norm_in.forward_add(x, residual)
             qkv = attn.qkv_proj(normed, None)
         out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
-        h, squares = quant_matmul_residual(out, attn.o_proj.qweight, h.contiguous())
+        h, squares, xw = quant_matmul_residual(
+            out, attn.o_proj.qweight, h.contiguous(), norm_post.weight,
+            unit_offset=norm_post.unit_offset,
+        )  # fmt: skip
+        assert xw is not None  # a norm weight was given
         silu = mlp.act_name == "silu"
         hidden = quant_matmul_normed(
-            h, squares, norm_post.weight, norm_post.eps, mlp.gate_up_proj.qweight,
-            unit_offset=norm_post.unit_offset, silu_mul=silu,
-        )  # fmt: skip
+            xw, squares, norm_post.eps, mlp.gate_up_proj.qweight, silu_mul=silu
+        )
         if not silu:
             gate, up = hidden.chunk(2, dim=-1)
             hidden = gated_activation(mlp.act_name, gate, up, fused=True)
-        h, squares = quant_matmul_residual(hidden, mlp.down_proj.qweight, h)
-        return FoldedHidden(h, squares), None
+        # The next layer's input norm, when it can read h * w (else it runs as a kernel).
+        nxt = next_norm if type(next_norm) is RMSNorm and norm_folds(next_norm, h) else None
+        h, squares, xw = quant_matmul_residual(
+            hidden, mlp.down_proj.qweight, h, nxt.weight if nxt is not None else None,
+            unit_offset=nxt is not None and nxt.unit_offset,
+        )  # fmt: skip
+        return FoldedHidden(h, squares, xw, nxt), None

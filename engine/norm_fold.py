@@ -1,7 +1,10 @@
 """RMSNorm folded into a decoder layer's decode GEMVs (issue 28): o_proj's and down_proj's
-slot sums add the residual and write the next norm's partial sums of squares, and the
-qkv and gate_up GEMVs apply that norm to x as they load it (kernels/quant_matmul/
-norm_fold.py). Same bits as add_rms_norm + GEMV; per layer two add_rms_norm launches fewer.
+slot sums add the residual and write the next norm's partial sums of squares and h * w (w
+the next norm's weight); the qkv and gate_up GEMVs read h * w as x and their slot sums
+scale each output by the row's rstd, then add the bias (kernels/quant_matmul/
+norm_fold.py: rms_norm(h) @ W = rstd * ((h * w) @ W)). Per layer two add_rms_norm launches
+fewer, no norm work in the GEMVs; the same bits every run, not the unfused ops' bits (one
+rounding of h * w instead of one of h * rstd * w), as accurate.
 
 Only the plain case folds (`layer_folds`): quantized linears on the decode GEMV (CUDA,
 at most GEMV_MAX_M rows), no LoRA batch, no forward hooks, unpadded weights, stock
@@ -21,7 +24,7 @@ from engine.quantized_linear import QuantizedLinear
 from kernels.quant_matmul.norm_fold import norm_fold_applies
 from kernels.quant_matmul.slot_sum import RowSquares
 
-# Process-wide switch (benchmarks and tests compare both ways; same bits either way).
+# Process-wide switch (benchmarks and tests compare both ways).
 _ENABLED = True
 
 
@@ -35,10 +38,14 @@ def set_norm_fold(enabled: bool) -> None:
 @dataclass
 class FoldedHidden:
     """A decoder layer's output with the next norm pending in the next GEMV: h [T, D] the
-    hidden state (residual added), squares its RowSquares."""
+    hidden state (residual added), squares its RowSquares; xw = h * w for `norm` (w its
+    weight, 1 + w with a unit offset), the next layer's input norm, or both None (the
+    next norm then runs as a kernel on h)."""
 
     h: torch.Tensor
     squares: RowSquares
+    xw: torch.Tensor | None = None
+    norm: nn.Module | None = None
 
 
 def plain_quantized(linear: nn.Module | None) -> QuantizedLinear | None:

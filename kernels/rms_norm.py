@@ -15,9 +15,10 @@ only where rsqrt or the row sum round differently (a few float32 ulps before the
 The row's sum of squares is a fixed pairwise tree (`pairwise_sum`: the row zero-padded to a
 power of two, adjacent pairs added level by level), not tl.sum, whose order depends on the
 register layout. A tree has aligned subtrees at every level, so the sum can be split over
-programs and still give the same bits: the decode GEMV's slot sum writes each chunk's
-subtree (kernels/quant_matmul/slot_sum.py, `add_residual`) and the next GEMV finishes the
-tree and applies the norm to x as it loads it (issue 28), equal to this kernel bit for bit.
+programs and still give the same bits: the decode GEMV's residual slot sum writes each
+chunk's subtree (kernels/quant_matmul/slot_sum.py, `launch_slot_sum_residual`) and the next
+GEMV's slot sum finishes the tree into this kernel's rstd, bit for bit, in every program
+alike (issue 28).
 The squares of 16-bit values are exact in float32, so whether a compiler contracts a square
 into the first add (an FMA) does not change the bits either.
 
@@ -146,8 +147,8 @@ def rms_norm_scale(
     x, w, rstd, x_dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr, EMULATE_BF16: tl.constexpr
 ):
     """The norm's output for x (float32, rounded to x_dtype) and weight w (float32) before
-    its final cast: the module docstring's cast orders. Shared with the decode GEMV that
-    applies the norm to its x loads (kernels/quant_matmul/gemv.py), so both round alike."""
+    its final cast: the module docstring's cast orders. Shared with
+    kernels/tp_all_reduce.py's fused norm (through rms_norm_row), so both round alike."""
     y = x * rstd
     if UNIT_OFFSET:
         out = y * (1.0 + w)

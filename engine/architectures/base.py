@@ -220,7 +220,13 @@ class CausalLM(FusesKernels):
             # A layer that can carry the residual apart (DecoderLayer.forward_residual).
             forward_residual = getattr(layer, "forward_residual", None)
             if self.fuse_kernels and forward_residual is not None:
-                x, residual = forward_residual(x, residual, batch.on(device), cache, rotary)
+                # The next layer's input norm, for a layer that folds it into its GEMVs.
+                next_norm = None
+                if i + 1 < stop and self.layer_devices[i + 1] == device:
+                    next_norm = getattr(self.model.layers[i + 1], "input_layernorm", None)
+                x, residual = forward_residual(
+                    x, residual, batch.on(device), cache, rotary, next_norm=next_norm
+                )
                 continue
             if isinstance(x, FoldedHidden):
                 x = x.h

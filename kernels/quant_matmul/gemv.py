@@ -3,6 +3,14 @@ dequantizing kernel per segment (`_gemv_kernel`, launched by `launch_gemv`). The
 in kernels/quant_matmul/__init__.py's docstring; `GemvConfig` holds its launch settings
 (tools/tune_gemv.py sweeps them), `gemv_tiling` how one call splits its work.
 kernels/quant_matmul/gemv_share.py opens the same launch to other kernels' partials (LoRA).
+
+An RMSNorm folded into this GEMV (issue 28) does no work in it: every thread loads every
+row of x of its chunk (lanes and warps lie only along n), so a norm applied to x as it is
+loaded (gather the weight, times rstd and w, round) was repeated by every thread and made
+the 8B GEMVs 10% slower on an H100. The norm is linear in x but for its scalar rstd per
+row: the previous slot sum writes x = h * w (`launch_gemv_residual`), this GEMV reads it as
+any x, and its slot sum scales each output by rstd once and adds the bias after
+(`launch_gemv` with a SlotNorm, kernels/quant_matmul/slot_sum.py).
 """
 
 from __future__ import annotations
@@ -14,8 +22,6 @@ import triton
 import triton.language as tl
 
 from kernels.backend import (
-    cast_rtne,
-    is_interpreted,
     pdl_launch_dependents,
     pdl_wait,
     programmatic_launch,
@@ -23,6 +29,7 @@ from kernels.backend import (
 from kernels.quant_matmul.layout import QuantizedWeight, per_group_zeros
 from kernels.quant_matmul.slot_sum import (
     RowSquares,
+    SlotNorm,
     SlotSumConfig,
     launch_slot_sum,
     launch_slot_sum_residual,
@@ -35,7 +42,6 @@ from kernels.quant_matmul.split_k import (
     split_k_workspace,
 )
 from kernels.quant_matmul.tiles import store_partial, zero_points
-from kernels.rms_norm import pairwise_sum, rms_norm_scale, rms_rstd
 
 _GEMV_BLOCK_K = 32  # rows per chunk: the least group size of EXL2, one group per chunk
 
@@ -83,38 +89,9 @@ _FLOAT_MAGIC = 0x4B000000  # the bits of 2^23 as float32
 
 
 @triton.jit
-def _load_x(
-    x_row_ptr, x_idx, mask, norm_ptr, rstd, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-):  # fmt: skip
-    """x[x_idx] of one row of x as float32. NORM: x is the un-normed h and the value is
-    kernels.rms_norm's output for it (rstd the row's, norm_ptr the norm's weight), rounded
-    to x's dtype where the norm kernel stores it: the x bits of rms_norm + GEMV (issue 28)."""
-    x = tl.load(x_row_ptr + x_idx, mask=mask, other=0.0)
-    if NORM:
-        w = tl.load(norm_ptr + x_idx, mask=mask, other=0.0).to(tl.float32)
-        dtype = x_row_ptr.dtype.element_ty
-        out = rms_norm_scale(x.to(tl.float32), w, rstd, dtype, UNIT_OFFSET, EMULATE_BF16)
-        return cast_rtne(out, dtype, EMULATE_BF16).to(tl.float32)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _norm_rstd(squares_ptr, chunks, D, eps, ROW: tl.constexpr, CHUNKS_POW2: tl.constexpr):
-    """Row ROW's rstd from its RowSquares (kernels/quant_matmul/slot_sum.py): the pairwise
-    tree finished over the chunk sums, zeros past `chunks`, in every program alike."""
-    c = tl.arange(0, CHUNKS_POW2)
-    part = tl.load(squares_ptr + ROW * chunks + c, mask=c < chunks, other=0.0)
-    return rms_rstd(pairwise_sum(part, CHUNKS_POW2), D, eps)
-
-
-@triton.jit
-def _gemv_plane_row(
-    values, row_factor, x_row_ptr, x_idx, row_ok, norm_ptr, rstd, NORM, UNIT_OFFSET, EMULATE_BF16
-):  # fmt: skip
+def _gemv_plane_row(values, row_factor, x_ptrs, row_ok):
     """sum over the chunk's rows of values * x * row_factor, for one row of x -> [N]."""
-    xv = _load_x(x_row_ptr, x_idx, row_ok, norm_ptr, rstd, NORM, UNIT_OFFSET, EMULATE_BF16)
-    xv = xv * row_factor  # [W, RPW, 1]
+    xv = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32) * row_factor  # [W, RPW, 1]
     return tl.sum(tl.sum(values * xv, axis=1), axis=0)
 
 
@@ -150,20 +127,12 @@ def _gemv_plane(
     cols,
     col_ok,
     float_magic,
-    norm_ptr,
-    rstd0,
-    rstd1,
-    rstd2,
-    rstd3,
     BITS: tl.constexpr,
     SHIFT: tl.constexpr,
     HAS_PERM: tl.constexpr,
     GROUPED: tl.constexpr,
     M_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
 ):
     """One plane's share of the chunk of rows [r0, r0 + BLOCK_K), for up to 4 rows of x.
 
@@ -185,7 +154,6 @@ def _gemv_plane(
 
     Returns per row m of x the plane's sum_r code[r, c] * 2^SHIFT * x[m, r], times 2^-48
     (GROUPED) or with the per-row scale applied ([N] each). Rows m >= M_ROWS are copies.
-    NORM: x[m] is normed as it is loaded (`_load_x`, rstd of row m).
     """
     RPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = BLOCK_K // RPW
@@ -216,41 +184,30 @@ def _gemv_plane(
         row_factor = ((127 + SHIFT - q) << 23).to(tl.float32, bitcast=True)  # 2^(SHIFT - q)
 
     if HAS_PERM:
-        x_idx = tl.load(x_row_offset + rows, mask=row_ok, other=0)
+        x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
     else:
-        x_idx = x_row_offset + rows
-    part0 = _gemv_plane_row(
-        values, row_factor, x_ptr, x_idx, row_ok, norm_ptr, rstd0, NORM, UNIT_OFFSET, EMULATE_BF16
-    )
+        x_ptrs = x_ptr + x_row_offset + rows
+    part0 = _gemv_plane_row(values, row_factor, x_ptrs, row_ok)
     part1 = part0
     part2 = part0
     part3 = part0
     if M_ROWS > 1:
-        part1 = _gemv_plane_row(
-            values, row_factor, x_ptr + stride_xm, x_idx, row_ok, norm_ptr, rstd1, NORM,
-            UNIT_OFFSET, EMULATE_BF16,
-        )  # fmt: skip
+        part1 = _gemv_plane_row(values, row_factor, x_ptrs + stride_xm, row_ok)
     if M_ROWS > 2:
-        part2 = _gemv_plane_row(
-            values, row_factor, x_ptr + 2 * stride_xm, x_idx, row_ok, norm_ptr, rstd2, NORM,
-            UNIT_OFFSET, EMULATE_BF16,
-        )  # fmt: skip
+        part2 = _gemv_plane_row(values, row_factor, x_ptrs + 2 * stride_xm, row_ok)
     if M_ROWS > 3:
-        part3 = _gemv_plane_row(
-            values, row_factor, x_ptr + 3 * stride_xm, x_idx, row_ok, norm_ptr, rstd3, NORM,
-            UNIT_OFFSET, EMULATE_BF16,
-        )  # fmt: skip
+        part3 = _gemv_plane_row(values, row_factor, x_ptrs + 3 * stride_xm, row_ok)
     return part0, part1, part2, part3
 
 
 @triton.jit
 def _gemv_zero_term(
-    x_row_ptr, x_idx, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok,
-    GROUPED, ZERO_PER_GROUP, norm_ptr, rstd, NORM, UNIT_OFFSET, EMULATE_BF16,
+    x_ptrs, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok, GROUPED,
+    ZERO_PER_GROUP,
 ):  # fmt: skip
     """What the zeros take off one row of x's dot products: [N]. `zero` (GROUPED) is
     already zero point * scale; otherwise each row's zero point and scale are loaded."""
-    xv = _load_x(x_row_ptr, x_idx, row_ok, norm_ptr, rstd, NORM, UNIT_OFFSET, EMULATE_BF16)
+    xv = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
     if GROUPED:
         return tl.sum(xv, axis=0) * zero
     else:
@@ -261,7 +218,7 @@ def _gemv_zero_term(
         return tl.sum(row_zero * row_scale * xv[:, None], axis=0)
 
 
-@triton.jit(do_not_specialize=["add_bias", "slot_base", "norm_d", "norm_chunks"])
+@triton.jit(do_not_specialize=["add_bias", "slot_base"])
 def _gemv_kernel(
     x_ptr,  # [M, k], unit column stride
     out_ptr,  # float32 [slots, M, n]: the workspace's partial slots (see store_partial)
@@ -284,11 +241,6 @@ def _gemv_kernel(
     # compiled kernel serves every segment)
     slot_base,  # this segment's first slot: the splits of the segments launched before it
     float_magic,  # 0x4B000000 (see _gemv_plane)
-    norm_ptr,  # NORM: the RMSNorm's weight [k]; else unused
-    squares_ptr,  # NORM: float32 [M, norm_chunks], x's RowSquares; else unused
-    norm_chunks,
-    norm_d,  # NORM: k, the norm's D (run time, as rms_norm passes it)
-    norm_eps,
     HAS_PERM: tl.constexpr,
     GROUPED: tl.constexpr,  # every chunk lies in one group (checked on the host)
     ZERO_PER_GROUP: tl.constexpr,  # zeros hold one zero point per group (per_group_zeros)
@@ -303,10 +255,6 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,  # a multiple of 32
     PREFETCH: tl.constexpr,  # load chunk it + 1's words before working on chunk it
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
-    NORM: tl.constexpr,  # x is h: apply its RMSNorm on load (issue 28, _load_x)
-    CHUNKS_POW2: tl.constexpr,  # NORM: norm_chunks rounded up to a power of two
-    UNIT_OFFSET: tl.constexpr,  # NORM: Gemma's (1 + w)
-    EMULATE_BF16: tl.constexpr,  # NORM: the interpreter's bf16 rounding (kernels.backend)
 ):
     pdl_launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
@@ -341,19 +289,6 @@ def _gemv_kernel(
     # Weights are never written by a kernel: their first loads above may fly while the
     # previous kernel finishes; x and the workspace only after it has.
     pdl_wait(USE_PDL)
-    # Every program finishes the same trees from the same sums: one rstd per row of x.
-    rstd0 = 1.0
-    rstd1 = 1.0
-    rstd2 = 1.0
-    rstd3 = 1.0
-    if NORM:
-        rstd0 = _norm_rstd(squares_ptr, norm_chunks, norm_d, norm_eps, 0, CHUNKS_POW2)
-        if M_ROWS > 1:
-            rstd1 = _norm_rstd(squares_ptr, norm_chunks, norm_d, norm_eps, 1, CHUNKS_POW2)
-        if M_ROWS > 2:
-            rstd2 = _norm_rstd(squares_ptr, norm_chunks, norm_d, norm_eps, 2, CHUNKS_POW2)
-        if M_ROWS > 3:
-            rstd3 = _norm_rstd(squares_ptr, norm_chunks, norm_d, norm_eps, 3, CHUNKS_POW2)
     for it in range(ITERS):
         r0 = k_begin + it * BLOCK_K
         if PREFETCH:
@@ -379,20 +314,12 @@ def _gemv_kernel(
             cols,
             col_ok,
             float_magic,
-            norm_ptr,
-            rstd0,
-            rstd1,
-            rstd2,
-            rstd3,
             P0_BITS,
             P0_SHIFT,
             HAS_PERM,
             GROUPED,
             M_ROWS,
             BLOCK_K,
-            NORM,
-            UNIT_OFFSET,
-            EMULATE_BF16,
         )
         if NUM_PLANES == 2:
             if PREFETCH:
@@ -418,20 +345,12 @@ def _gemv_kernel(
                 cols,
                 col_ok,
                 float_magic,
-                norm_ptr,
-                rstd0,
-                rstd1,
-                rstd2,
-                rstd3,
                 P1_BITS,
                 P1_SHIFT,
                 HAS_PERM,
                 GROUPED,
                 M_ROWS,
                 BLOCK_K,
-                NORM,
-                UNIT_OFFSET,
-                EMULATE_BF16,
             )
             a0 += b0
             a1 += b1
@@ -442,9 +361,9 @@ def _gemv_kernel(
         rows = r0 + offs_k
         row_ok = rows < k_end
         if HAS_PERM:
-            x_idx = tl.load(x_row_offset + rows, mask=row_ok, other=0)
+            x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
         else:
-            x_idx = x_row_offset + rows
+            x_ptrs = x_ptr + x_row_offset + rows
         if GROUPED:
             group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
             sz = group * sz_stride + cols
@@ -460,27 +379,51 @@ def _gemv_kernel(
             group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
             group_offsets = group * sz_stride
         acc0 += a0 * scale - _gemv_zero_term(
-            x_ptr, x_idx, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok,
-            GROUPED, ZERO_PER_GROUP, norm_ptr, rstd0, NORM, UNIT_OFFSET, EMULATE_BF16,
+            x_ptrs, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok,
+            GROUPED, ZERO_PER_GROUP,
         )  # fmt: skip
         if M_ROWS > 1:
             acc1 += a1 * scale - _gemv_zero_term(
-                x_ptr + stride_xm, x_idx, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr,
-                cols, col_ok, GROUPED, ZERO_PER_GROUP, norm_ptr, rstd1, NORM, UNIT_OFFSET,
-                EMULATE_BF16,
-            )  # fmt: skip
+                x_ptrs + stride_xm,
+                row_ok,
+                zero,
+                group,
+                group_offsets,
+                zeros_ptr,
+                scales_ptr,
+                cols,
+                col_ok,
+                GROUPED,
+                ZERO_PER_GROUP,
+            )
         if M_ROWS > 2:
             acc2 += a2 * scale - _gemv_zero_term(
-                x_ptr + 2 * stride_xm, x_idx, row_ok, zero, group, group_offsets, zeros_ptr,
-                scales_ptr, cols, col_ok, GROUPED, ZERO_PER_GROUP, norm_ptr, rstd2, NORM,
-                UNIT_OFFSET, EMULATE_BF16,
-            )  # fmt: skip
+                x_ptrs + 2 * stride_xm,
+                row_ok,
+                zero,
+                group,
+                group_offsets,
+                zeros_ptr,
+                scales_ptr,
+                cols,
+                col_ok,
+                GROUPED,
+                ZERO_PER_GROUP,
+            )
         if M_ROWS > 3:
             acc3 += a3 * scale - _gemv_zero_term(
-                x_ptr + 3 * stride_xm, x_idx, row_ok, zero, group, group_offsets, zeros_ptr,
-                scales_ptr, cols, col_ok, GROUPED, ZERO_PER_GROUP, norm_ptr, rstd3, NORM,
-                UNIT_OFFSET, EMULATE_BF16,
-            )  # fmt: skip
+                x_ptrs + 3 * stride_xm,
+                row_ok,
+                zero,
+                group,
+                group_offsets,
+                zeros_ptr,
+                scales_ptr,
+                cols,
+                col_ok,
+                GROUPED,
+                ZERO_PER_GROUP,
+            )
 
     # Split 0 of the first segment adds the bias (bias_ptr is a dummy when there is none).
     bias = tl.load(bias_ptr + cols, mask=col_ok & (pid_k == 0) & (add_bias != 0), other=0.0)
@@ -499,23 +442,6 @@ def _gemv_kernel(
     if M_ROWS > 3:
         store_partial(out_ptr, slot, slot_stride, 3 * n + cols, acc3, col_ok)
     # The slot sum (kernels/quant_matmul/slot_sum.py), launched next, writes y.
-
-
-# Triton 3.6's interpreter truncates float32 -> bfloat16 (kernels.backend.cast_rtne).
-_INTERPRETED = is_interpreted(_gemv_kernel)
-
-
-@dataclasses.dataclass(frozen=True)
-class GemvNorm:
-    """An RMSNorm the GEMV applies to x as it loads it (issue 28): x is then h, the
-    un-normed rows, and the GEMV computes rms_norm(h, weight, eps, unit_offset) @ W with
-    rms_norm's bits, its rstd from `squares` (h's RowSquares, written by the slot sum that
-    produced h: kernels/quant_matmul/slot_sum.py). weight [k] in h's dtype."""
-
-    weight: torch.Tensor
-    eps: float
-    unit_offset: bool
-    squares: RowSquares
 
 
 def _gemv_block_n(M: int, n: int, grouped: bool, config: GemvConfig) -> int:
@@ -580,51 +506,19 @@ def gemv_slots(tiling: GemvTiling, extra_slots: int = 0) -> int:
     return tiling.arrivals + extra_slots
 
 
-def _check_norm(x2d: torch.Tensor, norm: GemvNorm) -> None:
-    M, k = x2d.shape
-    if x2d.dtype not in (torch.float16, torch.bfloat16) or norm.weight.dtype != x2d.dtype:
-        raise ValueError(
-            f"a folded norm takes float16/bfloat16 x and a weight of its dtype, got "
-            f"{x2d.dtype} and {norm.weight.dtype}"
-        )
-    if norm.weight.shape != (k,) or not norm.weight.is_contiguous():
-        raise ValueError(f"the norm's weight must be contiguous [{k}]")
-    sq = norm.squares
-    if sq.sums.shape != (M, triton.cdiv(k, sq.chunk)) or sq.sums.dtype != torch.float32:
-        raise ValueError(
-            f"squares must be float32 [{M}, {triton.cdiv(k, sq.chunk)}], got "
-            f"{sq.sums.dtype} {tuple(sq.sums.shape)}"
-        )
-    if sq.chunk & (sq.chunk - 1) or not sq.sums.is_contiguous():
-        raise ValueError("squares must be contiguous, in chunks of a power of two")
-
-
 def launch_gemv_partials(
     x2d: torch.Tensor,
     qw: QuantizedWeight,
     sums: torch.Tensor,
     tiling: GemvTiling,
     *,
-    norm: GemvNorm | None = None,
+    add_bias: bool = True,
 ) -> None:
     """The GEMV's programs alone: each stores its float32 partial of x2d [M <= 4, k] @ W
-    (+ bias, in split 0 of the first segment) in its own slot of sums ([slots, M, n], the
-    first tiling.arrivals slots). One launch per segment. `norm`: x2d is h and the product
-    is rms_norm(h) @ W (GemvNorm)."""
+    (+ bias, in split 0 of the first segment, unless `add_bias` is False: a slot sum that
+    scales the sum adds it after, kernels/quant_matmul/slot_sum.py's SlotNorm) in its own
+    slot of sums ([slots, M, n], the first tiling.arrivals slots). One launch per segment."""
     M, n = x2d.shape[0], qw.out_features
-    if norm is not None:
-        _check_norm(x2d, norm)
-        norm_args = (
-            norm.weight,
-            norm.squares.sums,
-            norm.squares.chunks,
-            qw.in_features,
-            float(norm.eps),
-        )
-        chunks_pow2 = triton.next_power_of_2(norm.squares.chunks)
-    else:
-        norm_args = (qw.scales, qw.scales, 1, 1, 0.0)  # unused
-        chunks_pow2 = 1
     t = tiling
     rows_per_split = t.iters * t.block_k
     perm = qw.perm if qw.perm is not None else qw.row_group  # dummy pointer when absent
@@ -655,10 +549,9 @@ def launch_gemv_partials(
             segment.row_start,
             seg_rows,
             rows_per_split,
-            int(first and qw.bias is not None),
+            int(first and add_bias and qw.bias is not None),
             slot_base,
             _FLOAT_MAGIC,
-            *norm_args,
             HAS_PERM=qw.perm is not None,
             GROUPED=t.grouped,
             ZERO_PER_GROUP=per_group_zeros(qw.zeros),
@@ -669,10 +562,6 @@ def launch_gemv_partials(
             BLOCK_K=t.block_k,
             PREFETCH=t.prefetch,
             USE_PDL=pdl,
-            NORM=norm is not None,
-            CHUNKS_POW2=chunks_pow2,
-            UNIT_OFFSET=norm is not None and norm.unit_offset,
-            EMULATE_BF16=_INTERPRETED,
             num_warps=t.num_warps,
             launch_pdl=pdl,
         )
@@ -687,15 +576,16 @@ def launch_gemv(
     tiling: GemvTiling | None = None,
     *,
     silu_mul: bool = False,
-    norm: GemvNorm | None = None,
+    norm: SlotNorm | None = None,
 ) -> None:
     """y [M, n] (x's dtype or float32, contiguous) = x2d [M <= 4, k] @ W (+ bias): the
     GEMV's programs store their partials in the device's workspace slots
     (`launch_gemv_partials`), then the slot sum adds them in slot order into y
     (kernels/quant_matmul/slot_sum.py): the same bits every run. `silu_mul`: W is a fused
     gate_up projection (n = 2I, [gate | up]) and y [M, I] receives silu(gate) * up, the
-    bits of the GEMV followed by kernels.silu_mul, from the slot sum. `norm`: x2d is h and
-    y is rms_norm(h) @ W, the bits of kernels.rms_norm followed by this GEMV (GemvNorm).
+    bits of the GEMV followed by kernels.silu_mul, from the slot sum. `norm`: x2d is
+    h * w (an RMSNorm's input times its weight) and y = rstd * (x2d @ W) + bias, the norm's
+    rstd per row applied by the slot sum, which also adds the bias (SlotNorm, issue 28).
 
     If the GPU-side gaps between these launches show in decode profiles, the next step is
     one launch per linear: the split-K axis spanning all segments, with a branch per segment
@@ -705,8 +595,9 @@ def launch_gemv(
     t = tiling if tiling is not None else gemv_tiling(x2d, qw)
     slots = gemv_slots(t)
     sums, _ = split_k_workspace(x2d.device, slots * M * n, 0)
-    launch_gemv_partials(x2d, qw, sums, t, norm=norm)
-    launch_slot_sum(sums, y, slots, silu_mul=silu_mul)
+    launch_gemv_partials(x2d, qw, sums, t, add_bias=norm is None)
+    bias = qw.bias if norm is not None else None
+    launch_slot_sum(sums, y, slots, silu_mul=silu_mul, norm=norm, bias=bias)
 
 
 def launch_gemv_residual(
@@ -716,16 +607,30 @@ def launch_gemv_residual(
     h: torch.Tensor,
     tiling: GemvTiling | None = None,
     *,
+    norm_weight: torch.Tensor | None = None,
+    unit_offset: bool = False,
+    xw: torch.Tensor | None = None,
     config: SlotSumConfig | None = None,
 ) -> RowSquares:
     """h [M, n] (x's dtype, contiguous) = residual [M, n] + x2d @ W (+ bias), rounded as
-    kernels.add_rms_norm rounds its residual output for this GEMV's y, and h's RowSquares
-    for the next GEMV's folded norm (GemvNorm): a pre-norm block's o_proj or down_proj
-    with the next norm's add and sum of squares in its slot sum (issue 28). `config`: the
-    slot sum's (its block is the squares' chunk; tests and benchmarks vary it)."""
+    kernels.add_rms_norm rounds its residual output for this GEMV's y, and h's RowSquares;
+    with `norm_weight` (the next RMSNorm's, [n]) also xw [M, n] = h * w (or h * (1 + w),
+    `unit_offset`) rounded to h's dtype, the next GEMV's x (`launch_gemv` with a
+    SlotNorm): a pre-norm block's o_proj or down_proj with the next norm's add, sum of
+    squares and weight in its slot sum (issue 28). `config`: the slot sum's (its block is
+    the squares' chunk; tests and benchmarks vary it)."""
     M, n = x2d.shape[0], qw.out_features
     t = tiling if tiling is not None else gemv_tiling(x2d, qw)
     slots = gemv_slots(t)
     sums, _ = split_k_workspace(x2d.device, slots * M * n, 0)
     launch_gemv_partials(x2d, qw, sums, t)
-    return launch_slot_sum_residual(sums, residual, h, slots, config=config)
+    return launch_slot_sum_residual(
+        sums,
+        residual,
+        h,
+        slots,
+        norm_weight=norm_weight,
+        unit_offset=unit_offset,
+        xw=xw,
+        config=config,
+    )

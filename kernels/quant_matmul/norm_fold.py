@@ -1,10 +1,15 @@
-"""RMSNorm folded into the decode GEMVs around it (issue 28): a pre-norm block's o_proj or
-down_proj ends in the next norm's residual add and partial sums of squares
-(`quant_matmul_residual`), and the GEMV after the norm (qkv, gate_up) applies the norm to
-x as it loads it (`quant_matmul_normed`). Together they replace kernels.add_rms_norm's
-launch with the same bits: h as add_rms_norm's residual output, the product as
-kernels.rms_norm followed by the GEMV (kernels/rms_norm.py's pairwise sum of squares is
-what lets the sum be split over programs).
+"""RMSNorm folded into the decode GEMVs around it (issue 28). RMSNorm is h * rstd * w (Gemma:
+h * rstd * (1 + w)) with rstd one scalar per row, and a GEMV is linear in x, so
+rms_norm(h) @ W + b = rstd * ((h * w) @ W) + b. A pre-norm block's o_proj or down_proj ends
+in the next norm's residual add, its partial sums of squares and xw = h * w
+(`quant_matmul_residual`, all in its slot sum); the GEMV after the norm (qkv, gate_up)
+reads xw as a plain x and its slot sum applies rstd once per output, then the bias
+(`quant_matmul_normed`). add_rms_norm's launch is gone and the GEMV does no norm work
+(kernels/quant_matmul/gemv.py's docstring says why that matters). h is add_rms_norm's
+residual output bit for bit; the product is not rms_norm + GEMV's bits (one rounding of
+h * w to the dtype instead of one of h * rstd * w) but as accurate, and the same bits every
+run: every sum has a fixed order (kernels/rms_norm.py's pairwise tree splits the sum of
+squares over programs).
 
 Only the decode GEMV's path (Triton, at most GEMV_MAX_M rows, float16/bfloat16, rows the
 norm holds in registers) folds: `norm_fold_applies`; callers run the unfused ops otherwise.
@@ -17,10 +22,10 @@ from typing import Literal
 import torch
 
 from kernels.backend import device_guard
-from kernels.quant_matmul.gemv import GemvNorm, launch_gemv, launch_gemv_residual
+from kernels.quant_matmul.gemv import launch_gemv, launch_gemv_residual
 from kernels.quant_matmul.layout import QuantizedWeight
 from kernels.quant_matmul.paths import GEMV_MAX_M, check_args
-from kernels.quant_matmul.slot_sum import RowSquares
+from kernels.quant_matmul.slot_sum import RowSquares, SlotNorm
 from kernels.quant_matmul.split_k import unit_col_stride
 from kernels.rms_norm import MAX_SINGLE_PASS_D
 
@@ -42,10 +47,17 @@ def norm_fold_applies(x: torch.Tensor, qw: QuantizedWeight, side: Literal["in", 
 
 
 def quant_matmul_residual(
-    x: torch.Tensor, qw: QuantizedWeight, residual: torch.Tensor
-) -> tuple[torch.Tensor, RowSquares]:
-    """(h, its RowSquares): h = residual + (x @ W + bias rounded to x's dtype), rounded, the
-    bits of `kernels.add_rms_norm(quant_matmul(x, qw), residual)[1]`. x [..., k], residual
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    *,
+    unit_offset: bool = False,
+) -> tuple[torch.Tensor, RowSquares, torch.Tensor | None]:
+    """(h, its RowSquares, xw): h = residual + (x @ W + bias rounded to x's dtype), rounded,
+    the bits of `kernels.add_rms_norm(quant_matmul(x, qw), residual)[1]`; with the next
+    norm's `norm_weight` w ([n], x's dtype) xw = h * w (h * (1 + w) with `unit_offset`)
+    rounded to x's dtype, the x of `quant_matmul_normed`, else None. x [..., k], residual
     [..., n] of x's dtype; `norm_fold_applies(x, qw, "out")` must hold."""
     check_args(x, qw)
     if not norm_fold_applies(x, qw, "out"):
@@ -55,35 +67,47 @@ def quant_matmul_residual(
         raise ValueError(f"residual must be {x.dtype} {(*x.shape[:-1], n)}")
     x2d = unit_col_stride(x.reshape(-1, qw.in_features))
     h = torch.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
+    xw = torch.empty_like(h) if norm_weight is not None else None
+    weight = norm_weight.contiguous() if norm_weight is not None else None
     with device_guard(x):
-        squares = launch_gemv_residual(x2d, qw, residual.reshape(-1, n).contiguous(), h)
-    return h.view(*x.shape[:-1], n), squares
+        squares = launch_gemv_residual(
+            x2d,
+            qw,
+            residual.reshape(-1, n).contiguous(),
+            h,
+            norm_weight=weight,
+            unit_offset=unit_offset,
+            xw=xw,
+        )
+    shape = (*x.shape[:-1], n)
+    return h.view(shape), squares, xw.view(shape) if xw is not None else None
 
 
 def quant_matmul_normed(
-    h: torch.Tensor,
+    xw: torch.Tensor,
     squares: RowSquares,
-    weight: torch.Tensor,
     eps: float,
     qw: QuantizedWeight,
     *,
-    unit_offset: bool = False,
     silu_mul: bool = False,
 ) -> torch.Tensor:
-    """rms_norm(h, weight, eps, unit_offset) @ W + bias in one GEMV, the bits of the two
-    ops (h's rstd from `squares`, which quant_matmul_residual returned with h). `silu_mul`:
-    W is a fused [gate | up] projection and the result is silu(gate) * up, as
-    kernels.quant_matmul_silu_mul. `norm_fold_applies(h, qw, "in")` must hold."""
-    check_args(h, qw)
-    if not norm_fold_applies(h, qw, "in"):
+    """rms_norm(h, w, eps) @ W + bias as rstd * (xw @ W) + bias: xw = h * w and `squares`
+    h's, both from quant_matmul_residual (the norm's unit offset is in xw). The GEMV reads
+    xw as any x; its slot sum scales each row's sums by the row's rstd (finished from the
+    squares by rms_norm's pairwise tree) and then adds the bias. Not rms_norm + GEMV's bits
+    (xw is rounded where rms_norm's output was), the same bits every run. `silu_mul`: W is
+    a fused [gate | up] projection and the result is silu(gate) * up, as
+    kernels.quant_matmul_silu_mul. `norm_fold_applies(xw, qw, "in")` must hold."""
+    check_args(xw, qw)
+    if not norm_fold_applies(xw, qw, "in"):
         raise ValueError("quant_matmul_normed runs on the decode GEMV only (norm_fold_applies)")
     n = qw.out_features
     if silu_mul and n % 2:
         raise ValueError(f"a [gate | up] projection has an even out_features, got {n}")
-    x2d = unit_col_stride(h.reshape(-1, qw.in_features))
+    x2d = unit_col_stride(xw.reshape(-1, qw.in_features))
     width = n // 2 if silu_mul else n
-    y = torch.empty((x2d.shape[0], width), dtype=h.dtype, device=h.device)
-    norm = GemvNorm(weight.contiguous(), float(eps), unit_offset, squares)
-    with device_guard(h):
+    y = torch.empty((x2d.shape[0], width), dtype=xw.dtype, device=xw.device)
+    norm = SlotNorm(squares, qw.in_features, float(eps))
+    with device_guard(xw):
         launch_gemv(x2d, qw, y, silu_mul=silu_mul, norm=norm)
-    return y.view(*h.shape[:-1], width)
+    return y.view(*xw.shape[:-1], width)
