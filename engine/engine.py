@@ -36,7 +36,6 @@ from engine.scheduler import Scheduler
 from engine.session import EngineSession
 from engine.speculative import SPECULATIVE_MODES
 from engine.tokenizer import Tokenizer
-from kernels.backend import set_deterministic_sums
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_SEQ_LEN = 8192  # caps a 128k-context config so the cache fits a consumer GPU
@@ -89,11 +88,10 @@ class EngineOptions:
     fuse_projections: bool = True  # q/k/v and gate/up built as one linear each (build_plan.py)
     # Residual add + norm, SiLU * up, RoPE + KV write as one kernel each (same results).
     fuse_kernels: bool = True
-    # Bitwise reproducible decode: split-K sums as fixed point (kernels/quant_matmul/tiles.py), so
-    # the same prompt, settings and seed give the same logits in every run on one GPU. Costs
-    # 12% of batch-1 decode speed on an H100 (8B GPTQ); off, sums are float32 atomics whose
-    # order varies in the last bit. Process-wide: the last engine loaded sets it.
-    deterministic: bool = False
+    # Accepted for compatibility and ignored: decode is always bitwise reproducible on one
+    # GPU (split-K partials are summed in a fixed order, kernels/quant_matmul/tiles.py), so
+    # the same prompt, settings and seed give the same logits in every run (issue 31).
+    deterministic: bool = True
     # Layer split (engine/placement/): GiB per GPU, or auto from free memory; CPU offload.
     gpu_split: list[float] | None = None
     autosplit: bool = False
@@ -228,7 +226,6 @@ class Engine:
             )
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device)
-        set_deterministic_sums(options.deterministic)  # before any kernel or graph capture
         max_seq_len = options.max_seq_len or min(
             config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN
         )

@@ -18,9 +18,10 @@ ignores it; engine/lora's wrappers apply each row's adapters from it.
 Fused kernels (`fuse_kernels`, on by default; modules that have them are `FusesKernels`,
 built on or off by the build plan): a decoder layer's residual adds run inside the next
 RMSNorm (`DecoderLayer.forward_residual`, driven by `CausalLM.forward`), a gated MLP's SiLU
-and product are one kernel, and RoPE writes k and v straight into a native KV cache. Each
-fused op rounds where the separate ops round, so outputs are the same; at batch 1 they save
-~5 launches a layer.
+and product are one kernel (at decode, the last kernel of a quantized gate_up projection),
+and RoPE writes k and v straight into a native KV cache. Each fused op rounds where the
+separate ops round, so outputs are the same; at batch 1 they save ~5 launches a layer (6 on
+a quantized decode).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from torch import nn
 import kernels
 from engine.cache import ForwardBatch, PagedKVCache
 from engine.lora.batch import LoraBatch
+from engine.norm_fold import FoldedHidden, linears_fold, norm_folds
 from kernels.attention import paged_attention, prompt_attention, prompt_attention_applies
+from kernels.quant_matmul.norm_fold import quant_matmul_normed, quant_matmul_residual
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -53,6 +56,24 @@ def gated_activation(
     if fused and act == "silu":
         return kernels.silu_mul(gate, up)
     return ACTIVATIONS[act](gate) * up
+
+
+def gate_up_activation(
+    gate_up: nn.Module, x: torch.Tensor, lora: LoraBatch | None, act: str, *, fused: bool
+) -> torch.Tensor:
+    """ACTIVATIONS[act](gate) * up of a linear whose output is [gate | up], as
+    `gated_activation` of its halves. With fused SiLU, a linear that has
+    `forward_silu_mul(x, lora)` (a quantized linear, LoRA's wrapper of one) takes the product
+    into its own last kernel: on the decode GEMV the slot sum writes silu(gate) * up, one
+    launch and the [T, 2I] intermediate fewer (issue 31). Same bits either way. A linear with
+    forward hooks is called as such (the hooks expect its own output)."""
+    if fused and act == "silu":
+        fold = getattr(gate_up, "forward_silu_mul", None)
+        if fold is not None and not (gate_up._forward_hooks or gate_up._forward_pre_hooks):
+            out: torch.Tensor = fold(x, lora)
+            return out
+    gate, up = gate_up(x, lora).chunk(2, dim=-1)
+    return gated_activation(act, gate, up, fused=fused)
 
 
 class FusesKernels(nn.Module):
@@ -197,8 +218,7 @@ class Attention(FusesKernels):
         s = self.spec
         num_tokens = x.shape[0]
         if s.fused_qkv:
-            q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-            q, k, v = self.qkv_proj(x, lora).split([q_size, kv_size, kv_size], dim=-1)
+            return self.split_qkv(self.qkv_proj(x, lora))
         else:
             q, k, v = self.q_proj(x, lora), self.k_proj(x, lora), self.v_proj(x, lora)
         return (
@@ -210,9 +230,34 @@ class Attention(FusesKernels):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
     ) -> torch.Tensor:
-        s = self.spec
-        num_tokens = x.shape[0]
         q, k, v = self.project(x, batch.lora)
+        out: torch.Tensor = self.o_proj(self.attend(q, k, v, batch, cache, rotary), batch.lora)
+        return out
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v views of a fused qkv_proj's output [T, (Hq + 2 Hk) D]."""
+        s = self.spec
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        num_tokens = qkv.shape[0]
+        return (
+            q.view(num_tokens, s.num_heads, s.head_dim),
+            k.view(num_tokens, s.num_kv_heads, s.head_dim),
+            v.view(num_tokens, s.num_kv_heads, s.head_dim),
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        rotary: Rotary,
+    ) -> torch.Tensor:
+        """The attention of the projected rows, before o_proj: [T, Hq * D]."""
+        s = self.spec
+        num_tokens = q.shape[0]
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         # The flat slots, with the scratch slot that graph padding rows write (engine.cache).
@@ -236,10 +281,7 @@ class Attention(FusesKernels):
             if fused_write:  # the rotated keys went straight into the cache: read them back
                 k = k_cache.index_select(0, batch.slots)
             out = prompt_attention(q, k, v, scale=self.scale)
-            projected: torch.Tensor = self.o_proj(
-                out.view(num_tokens, s.num_heads * s.head_dim), batch.lora
-            )
-            return projected
+            return out.view(num_tokens, s.num_heads * s.head_dim)
         out = paged_attention(
             q,
             cache.k[self.layer_idx],
@@ -255,8 +297,7 @@ class Attention(FusesKernels):
             k_format=cache.k_format,
             v_format=cache.v_format,
         )
-        projected = self.o_proj(out.view(num_tokens, s.num_heads * s.head_dim), batch.lora)
-        return projected
+        return out.view(num_tokens, s.num_heads * s.head_dim)
 
 
 class GatedMLP(FusesKernels):
@@ -264,7 +305,8 @@ class GatedMLP(FusesKernels):
 
     `fuse_gate_up`: gate and up stored apart are built as one `gate_up_proj` (output
     [gate | up]; see engine/build_plan.py), loaded from the two (`load_sources`). Fused
-    kernels: SiLU and the product as one kernel (gated_activation)."""
+    kernels: SiLU and the product as one kernel (gated_activation), or inside the fused
+    projection's own kernel (gate_up_activation)."""
 
     gate_proj: nn.Module
     up_proj: nn.Module
@@ -297,10 +339,12 @@ class GatedMLP(FusesKernels):
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+            hidden = gate_up_activation(
+                self.gate_up_proj, x, lora, self.act_name, fused=self.fuse_kernels
+            )
         else:
             gate, up = self.gate_proj(x, lora), self.up_proj(x, lora)
-        hidden = gated_activation(self.act_name, gate, up, fused=self.fuse_kernels)
+            hidden = gated_activation(self.act_name, gate, up, fused=self.fuse_kernels)
         out: torch.Tensor = self.down_proj(hidden, lora)
         return out
 
@@ -318,8 +362,9 @@ class FusedGatedMLP(FusesKernels):
         self.down_proj: nn.Module = Linear(intermediate, hidden, bias)
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
-        hidden = gated_activation(self.act_name, gate, up, fused=self.fuse_kernels)
+        hidden = gate_up_activation(
+            self.gate_up_proj, x, lora, self.act_name, fused=self.fuse_kernels
+        )
         out: torch.Tensor = self.down_proj(hidden, lora)
         return out
 
@@ -349,18 +394,27 @@ class DecoderLayer(nn.Module):
 
     def forward_residual(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | FoldedHidden,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
         cache: PagedKVCache,
         rotary: Rotary,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        next_norm: nn.Module | None = None,
+    ) -> tuple[torch.Tensor | FoldedHidden, torch.Tensor | None]:
         """`forward` with every residual add inside the following norm's kernel.
 
         The hidden state is carried as (x, residual) with h = residual + x still to be
         added (residual None: h = x). Returns (mlp output, residual): the last add is left
-        to the next layer's input norm, or the final norm (`CausalLM.forward`).
+        to the next layer's input norm, or the final norm (`CausalLM.forward`). Where the
+        norms fold into the GEMVs (engine/norm_fold.py) x is a FoldedHidden, and
+        `next_norm` (the next layer's input norm, on this device) is the one whose weight
+        down_proj's slot sum applies for it.
         """
+        folded = self._folded(x, batch)
+        if folded is not None:
+            return folded(x, residual, batch, cache, rotary, next_norm)
+        if isinstance(x, FoldedHidden):  # the previous layer folded, this one does not
+            x = x.h
         if residual is None:
             normed, residual = self.input_layernorm(x), x
         else:
@@ -368,3 +422,71 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(normed, batch, cache, rotary)
         normed, residual = self.post_attention_layernorm.forward_add(attn, residual)
         return getattr(self, self.mlp_name)(normed, batch.lora), residual
+
+    def _folded(self, x: torch.Tensor | FoldedHidden, batch: ForwardBatch) -> Callable | None:
+        """`_forward_folded` where this layer's norms fold into its GEMVs (engine/norm_fold.py:
+        the plain quantized decode case), else None."""
+        h = x.h if isinstance(x, FoldedHidden) else x
+        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
+        if batch.lora is not None or type(attn) is not Attention or not attn.spec.fused_qkv:
+            return None
+        if type(mlp) not in (GatedMLP, FusedGatedMLP) or mlp.gate_up_proj is None:
+            return None
+        if not (attn.fuse_kernels and mlp.fuse_kernels):
+            return None
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or not norm_folds(n, h) for n in norms):
+            return None
+        if not linears_fold(
+            h, normed=(attn.qkv_proj, mlp.gate_up_proj), residual=(attn.o_proj, mlp.down_proj)
+        ):
+            return None
+        return self._forward_folded
+
+    def _forward_folded(
+        self,
+        x: torch.Tensor | FoldedHidden,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        rotary: Rotary,
+        next_norm: nn.Module | None,
+    ) -> tuple[FoldedHidden, None]:
+        """`forward_residual` with both norms inside the GEMVs: o_proj's and down_proj's
+        slot sums add the residual and write the sums of squares and h * w for the next
+        norm, qkv's and gate_up's slot sums apply the rstd (kernels/quant_matmul/
+        norm_fold.py). A layer after the embedding, or after a layer that did not fold or
+        did not know this layer's norm, runs its input norm as a kernel first."""
+        attn, mlp = self.self_attn, getattr(self, self.mlp_name)
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        if isinstance(x, FoldedHidden) and x.xw is not None and x.norm is norm_in:
+            qkv = quant_matmul_normed(x.xw, x.squares, norm_in.eps, attn.qkv_proj.qweight)
+            h = x.h
+        else:
+            if isinstance(x, FoldedHidden):  # h, the residual already added
+                x, residual = x.h, None
+            if residual is None:
+                normed, h = norm_in(x), x
+            else:
+                normed, h = norm_in.forward_add(x, residual)
+            qkv = attn.qkv_proj(normed, None)
+        out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
+        h, squares, xw = quant_matmul_residual(
+            out, attn.o_proj.qweight, h.contiguous(), norm_post.weight,
+            unit_offset=norm_post.unit_offset,
+        )  # fmt: skip
+        assert xw is not None  # a norm weight was given
+        silu = mlp.act_name == "silu"
+        hidden = quant_matmul_normed(
+            xw, squares, norm_post.eps, mlp.gate_up_proj.qweight, silu_mul=silu
+        )
+        if not silu:
+            gate, up = hidden.chunk(2, dim=-1)
+            hidden = gated_activation(mlp.act_name, gate, up, fused=True)
+        # The next layer's input norm, when it can read h * w (else it runs as a kernel).
+        nxt = next_norm if type(next_norm) is RMSNorm and norm_folds(next_norm, h) else None
+        h, squares, xw = quant_matmul_residual(
+            hidden, mlp.down_proj.qweight, h, nxt.weight if nxt is not None else None,
+            unit_offset=nxt is not None and nxt.unit_offset,
+        )  # fmt: skip
+        return FoldedHidden(h, squares, xw, nxt), None

@@ -14,10 +14,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+import kernels
 from engine.quant.exl2 import Exl2Tensors, exl2_to_runtime
 from engine.quant.gptq import GptqTensors, gptq_to_runtime
 from engine.weights import WeightStore
-from kernels.quant_matmul import QuantizedWeight, dequantize_reference, quant_matmul
+from kernels.quant_matmul import (
+    QuantizedWeight,
+    dequantize_reference,
+    quant_matmul,
+    quant_matmul_silu_mul,
+)
 from kernels.quant_matmul.layout import stored_bytes
 
 if TYPE_CHECKING:  # engine.lora's modules import this one
@@ -47,6 +53,16 @@ class QuantizedLinear(nn.Module):
         if y.shape[-1] != self.out_features:
             y = y[..., : self.out_features]
         return y
+
+    def forward_silu_mul(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """silu(gate) * up of this linear's output [gate | up] (a gated MLP's gate_up_proj):
+        the bits of `kernels.silu_mul` on the halves of `forward(x)`. On CUDA one call of
+        kernels.quant_matmul_silu_mul, whose decode GEMV ends in the product itself (one
+        kernel and the [T, 2I] intermediate fewer, issue 31). `lora` as for `forward`."""
+        if x.device.type == "cpu" or self.qweight.out_features != self.out_features:
+            gate, up = self.forward(x).chunk(2, dim=-1)  # a padded or CPU weight: two ops
+            return kernels.silu_mul(gate, up)
+        return quant_matmul_silu_mul(x, self.qweight)
 
     def _cpu_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The CPU has no dequantizing kernels: unpacking the bit planes on every call made a

@@ -64,6 +64,24 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def silu_mul_rounded(
+    gate, up, dtype: tl.constexpr, PRECISE_EXP: tl.constexpr, EMULATE_BF16: tl.constexpr
+):
+    """silu(gate) * up in `dtype` with torch's two roundings, from float32 `gate` and `up`
+    that hold values of `dtype` (already rounded to it). One expression for every kernel
+    that ends in this product (this module's kernel, the decode GEMV's slot sum of a fused
+    gate_up projection: kernels/quant_matmul/slot_sum.py), so they give the same bits.
+    Their launches pass enable_fp_fusion=False (see silu_mul_triton)."""
+    if PRECISE_EXP:
+        exp = libdevice.exp(-gate)
+    else:
+        exp = tl.exp(-gate)
+    silu = cast_rtne(tl.math.div_rn(gate, 1.0 + exp), dtype, EMULATE_BF16)
+    # A product of two 16-bit floats is exact in float32: rounding it equals torch's multiply.
+    return cast_rtne(silu.to(tl.float32) * up, dtype, EMULATE_BF16)
+
+
+@triton.jit
 def _silu_mul_kernel(
     gate_ptr,
     up_ptr,
@@ -86,13 +104,7 @@ def _silu_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    if PRECISE_EXP:
-        exp = libdevice.exp(-gate)
-    else:
-        exp = tl.exp(-gate)
-    silu = cast_rtne(tl.math.div_rn(gate, 1.0 + exp), dtype, EMULATE_BF16)
-    # A product of two 16-bit floats is exact in float32: rounding it equals torch's multiply.
-    out = cast_rtne(silu.to(tl.float32) * up, dtype, EMULATE_BF16)
+    out = silu_mul_rounded(gate, up, dtype, PRECISE_EXP, EMULATE_BF16)
     tl.store(out_ptr + row * out_row_stride + cols, out, mask=mask)
 
 

@@ -118,25 +118,6 @@ def set_programmatic_launch(enabled: bool) -> None:
     _PROGRAMMATIC_LAUNCH = bool(enabled)
 
 
-# Whether split-K matmuls with float16 outputs sum their partials as fixed-point integers
-# (kernels/quant_matmul/tiles.py): bitwise reproducible decode, at a measured cost (H100, 8B
-# GPTQ, batch 1: 12% of decode speed, from 64-bit atomics). Off: float32 atomics, whose
-# order of arrival can change the last bit of a sum between runs. Set from
-# EngineOptions.deterministic at load; read when a kernel is launched, so CUDA graphs keep
-# what they captured.
-_DETERMINISTIC_SUMS = False
-
-
-def set_deterministic_sums(enabled: bool) -> None:
-    """Bitwise reproducible split-K sums (fixed point) for kernels launched from now on."""
-    global _DETERMINISTIC_SUMS
-    _DETERMINISTIC_SUMS = bool(enabled)
-
-
-def deterministic_sums() -> bool:
-    return _DETERMINISTIC_SUMS
-
-
 @functools.cache
 def _supports_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9

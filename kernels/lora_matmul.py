@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kernels.backend import Backend, cast_rtne, device_guard, is_interpreted, resolve_backend
 from kernels.quant_matmul.gemv_share import GemvShare
-from kernels.quant_matmul.tiles import add_partial, finish_gemv_tile
+from kernels.quant_matmul.tiles import store_partial
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -279,25 +279,31 @@ def _lora_expand_kernel(
 
 @triton.jit
 def _lora_expand_gemv_kernel(
-    sums_ptr, y_ptr, counters_ptr, b_ptr, part_ptr, slot_map_ptr, seg_starts_ptr,
-    seg_scales_ptr,
-    n, N, R, S, G, SPLITS, arrivals,
+    sums_ptr, b_ptr, part_ptr, slot_map_ptr, seg_starts_ptr, seg_scales_ptr,
+    n, N, R, S, G, SPLITS, extra_slot,
     stride_bl, stride_bn,
-    GEMV_BLOCK_N: tl.constexpr, SUB_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, M_ROWS: tl.constexpr,
+    SUB_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    M_ROWS: tl.constexpr,
 ):  # fmt: skip
-    # The expand as extra split-K programs of a decode GEMV (kernels.quant_matmul.gemv_share.
-    # GemvShare): program (tile, sub) adds the LoRA terms of SUB_N columns of GEMV column
-    # tile `tile` to the GEMV's sums (kernels.quant_matmul.tiles.add_partial), then arrives at
-    # the tile's counter; the last arrival (this or a GEMV program) writes y. No
-    # read-modify-write of y, no ordering against the GEMV, and one rounding of base + delta.
-    tile = tl.program_id(0)
-    sub = tl.program_id(1)
-    cols = tile * GEMV_BLOCK_N + sub * SUB_N + tl.arange(0, SUB_N)
+    # The expand into a decode GEMV's partial slots (kernels.quant_matmul.gemv_share.
+    # GemvShare): program i stores the LoRA terms of SUB_N columns in the workspace's slot
+    # `extra_slot` (kernels.quant_matmul.tiles.store_partial); the slot sum after the GEMV
+    # adds that slot after the GEMV's own. No read-modify-write of y, no ordering against
+    # the GEMV, and one rounding of base + delta.
+    cols = tl.program_id(0) * SUB_N + tl.arange(0, SUB_N)
     col_ok = cols < N
     rank = tl.arange(0, BLOCK_R)
     rank_mask = rank < R
     splits = tl.arange(0, BLOCK_SPLITS)
+    slot_stride = M_ROWS * n
+    # The slot is not zeroed between calls: every row of these columns below n is written,
+    # as 0 where no segment adds (rows without one, columns of y past b's N). The barrier
+    # orders these stores before the terms' stores to the same addresses, which threads of
+    # another layout may hold.
+    for m in tl.static_range(M_ROWS):
+        zeros = tl.zeros([SUB_N], tl.float32)
+        store_partial(sums_ptr, extra_slot, slot_stride, m * n + cols, zeros, cols < n)
+    tl.debug_barrier()
     for g in range(0, G):
         row = tl.load(seg_starts_ptr + g)
         has_row = row < tl.load(seg_starts_ptr + g + 1)
@@ -307,11 +313,7 @@ def _lora_expand_gemv_kernel(
             S, SPLITS, stride_bl, stride_bn, BLOCK_R, SUB_N,
         )  # fmt: skip
         if has_row:
-            add_partial(sums_ptr, row * n + cols, acc, col_ok)
-    tile_cols = tile * GEMV_BLOCK_N + tl.arange(0, GEMV_BLOCK_N)
-    finish_gemv_tile(
-        sums_ptr, y_ptr, counters_ptr + tile, arrivals, n, tile_cols, tile_cols < n, M_ROWS
-    )
+            store_partial(sums_ptr, extra_slot, slot_stride, row * n + cols, acc, col_ok)
 
 
 # Elements of one program's tile of A ([R, K]) in the shrink, and of B ([N, R]) in the
@@ -374,15 +376,8 @@ def lora_partials_shape(k: int, rank: int, groups: int, slots: int) -> tuple[int
     return (groups, slots, triton.cdiv(k, _shrink_block_k(k, rank)), _rank_block(rank))
 
 
-def lora_gemv_arrivals(gemv_block_n: int, rank: int) -> int:
-    """Programs per GEMV column tile that `lora_expand_into_gemv` adds (GemvShare.extra)
-    for stacks of rank `rank`: pass `functools.partial(lora_gemv_arrivals, rank=rank)` to
-    `gemv_share`."""
-    return gemv_block_n // _expand_sub_n(gemv_block_n, rank)
-
-
-def _expand_sub_n(block_n: int, rank: int) -> int:
-    return min(block_n, max(16, EXPAND_TILE // _rank_block(rank)))
+def _expand_sub_n(n: int, rank: int) -> int:
+    return min(triton.next_power_of_2(n), max(16, EXPAND_TILE // _rank_block(rank)))
 
 
 def lora_expand_into_gemv(
@@ -393,33 +388,28 @@ def lora_expand_into_gemv(
     seg_starts: torch.Tensor,
     seg_scales: torch.Tensor,
 ) -> None:
-    """The expand of `lora_expand`, added into a decode GEMV's sums instead of y (see
-    GemvShare): y = round(x @ W + bias + delta), complete once both kernels have run, in
-    either order. share.extra must be `lora_gemv_arrivals(share.tiling.block_n, rank)`;
-    b [L, N, R] may cover fewer columns than the GEMV (padded quantized outputs)."""
+    """The expand of `lora_expand`, stored into a decode GEMV's extra partial slot instead
+    of added to y (see GemvShare): y = round(x @ W + bias + delta) once the GEMV and this
+    have both run, in either order, and `finish_gemv_shared` has summed the slots. b
+    [L, N, R] may cover fewer columns than the GEMV (padded quantized outputs)."""
     if not b.is_contiguous() or b.dim() != 3 or partials.dim() != 4:
         raise ValueError("b must be a contiguous [L, N, R] stack and partials [G, S, splits, R]")
     groups, slots, splits, block_r = partials.shape
-    m, n = share.y.shape
-    block_n = share.tiling.block_n
-    sub_n = _expand_sub_n(block_n, b.shape[2])
-    if share.extra != block_n // sub_n:
-        raise ValueError(
-            f"the GEMV was opened for {share.extra} programs per tile, not {block_n // sub_n}"
-        )
+    m, n = share.rows, share.n
     if b.shape[1] > n or seg_starts.shape != (groups + 1,):
         raise ValueError(
             f"b {tuple(b.shape)} / seg_starts {tuple(seg_starts.shape)} do not fit "
-            f"y {tuple(share.y.shape)}"
+            f"the GEMV's {m} x {n} output"
         )
+    sub_n = _expand_sub_n(n, b.shape[2])
     with device_guard(share.y):
-        _lora_expand_gemv_kernel[(share.tiling.n_tiles, block_n // sub_n)](
-            share.sums, share.y, share.counters, b, partials,
+        _lora_expand_gemv_kernel[(triton.cdiv(n, sub_n),)](
+            share.sums, b, partials,
             slot_map.to(torch.int32), seg_starts.to(torch.int32), seg_scales.to(torch.float32),
-            n, b.shape[1], b.shape[2], slots, groups, splits, share.arrivals,
+            n, b.shape[1], b.shape[2], slots, groups, splits, share.extra_slot,
             b.stride(0), b.stride(1),
-            GEMV_BLOCK_N=block_n, SUB_N=sub_n, BLOCK_R=block_r,
-            BLOCK_SPLITS=triton.next_power_of_2(max(splits, 1)), M_ROWS=m,
+            SUB_N=sub_n, BLOCK_R=block_r, BLOCK_SPLITS=triton.next_power_of_2(max(splits, 1)),
+            M_ROWS=m,
         )  # fmt: skip
 
 

@@ -12,6 +12,16 @@ repeats them step for step: it rounds y to x.dtype before the weight multiply, a
 multiply of two 16-bit floats is exact in float32, so its outputs differ from the reference
 only where rsqrt or the row sum round differently (a few float32 ulps before the final cast).
 
+The row's sum of squares is a fixed pairwise tree (`pairwise_sum`: the row zero-padded to a
+power of two, adjacent pairs added level by level), not tl.sum, whose order depends on the
+register layout. A tree has aligned subtrees at every level, so the sum can be split over
+programs and still give the same bits: the decode GEMV's residual slot sum writes each
+chunk's subtree (kernels/quant_matmul/slot_sum.py, `launch_slot_sum_residual`) and the next
+GEMV's slot sum finishes the tree into this kernel's rstd, bit for bit, in every program
+alike (issue 28).
+The squares of 16-bit values are exact in float32, so whether a compiler contracts a square
+into the first add (an FMA) does not change the bits either.
+
 `add_rms_norm(x, residual, ...)` is a pre-norm block's residual add fused with the next norm:
 it returns (rms_norm(residual + x), residual + x), the sum rounded to x.dtype before the norm
 reads it, exactly as the two separate ops compute it. The same kernel serves both (the add is
@@ -73,20 +83,97 @@ def rms_norm_reference(
 
 
 @triton.jit
-def rms_norm_row(
-    x, w, D, eps, x_dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr, EMULATE_BF16: tl.constexpr
+def pairwise_sum(v, N: tl.constexpr):
+    """The sum of v [N] (float32, N a power of two, at most 2^14) as a fixed tree: adjacent
+    pairs added, level by level, down to one value. Each add has two operands, so no register
+    layout or reduction order can change the bits; subtree j of size 2^l is elements [j 2^l,
+    (j + 1) 2^l), so chunks summed apart (one program each) finish to the same value. Zeros
+    appended to v change nothing (x + 0 = x).
+
+    How: v is reshaped once to [1, 2, ..., 2] (row-major, so the last axis is bit 0 of the
+    flat index) and the last size-2 axis is summed log2(N) times: level l adds the pairs
+    of level l - 1. Splitting the row at every level instead (tl.split of [N >> l, 2])
+    compiled to a copy of the whole row into every thread through shared memory and all
+    N - 1 adds in each (4,096 instructions per thread for a 4,096 row on sm_90, against 408
+    this way, the size of a plain tl.sum)."""
+
+    if N == 1:
+        t = tl.reshape(v, [1])
+    elif N == 2:
+        t = tl.reshape(v, [1, 2])
+    elif N == 4:
+        t = tl.reshape(v, [1, 2, 2])
+    elif N == 8:
+        t = tl.reshape(v, [1, 2, 2, 2])
+    elif N == 16:
+        t = tl.reshape(v, [1, 2, 2, 2, 2])
+    elif N == 32:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2])
+    elif N == 64:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2])
+    elif N == 128:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 256:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 512:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 1024:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 2048:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 4096:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 8192:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    elif N == 16384:
+        t = tl.reshape(v, [1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
+    else:
+        tl.static_assert(False, "pairwise_sum: N must be a power of two up to 2^14")
+    for level in tl.static_range(1, 15):
+        if (N >> level) >= 1:
+            t = tl.sum(t, axis=len(t.shape) - 1)
+    return tl.sum(t, axis=0)  # one element: exact
+
+
+@triton.jit
+def rms_rstd(sum_of_squares, D, eps):
+    """1 / sqrt(mean of squares + eps) from the row's pairwise sum; D a run-time integer in
+    every caller (a constant divisor could be folded into a multiply: other bits)."""
+    return tl.rsqrt(sum_of_squares / D + eps)
+
+
+@triton.jit
+def rms_norm_scale(
+    x, w, rstd, x_dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr, EMULATE_BF16: tl.constexpr
 ):
-    """The norm of one row held in registers: x [BLOCK_D] float32 (the row's values, already
-    rounded to `x_dtype`; 0 past D), w the weight as float32. Returns the float32 output
-    before its cast. Shared with kernels/tp_all_reduce.py, whose fused norm must give the
-    same bits as this kernel's (same code, launched with the same BLOCK_D and warps)."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    """The norm's output for x (float32, rounded to x_dtype) and weight w (float32) before
+    its final cast: the module docstring's cast orders. Shared with
+    kernels/tp_all_reduce.py's fused norm (through rms_norm_row), so both round alike."""
     y = x * rstd
     if UNIT_OFFSET:
         out = y * (1.0 + w)
     else:
         out = w * cast_rtne(y, x_dtype, EMULATE_BF16).to(tl.float32)
     return out
+
+
+@triton.jit
+def rms_norm_row(
+    x,
+    w,
+    D,
+    eps,
+    x_dtype: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The norm of one row held in registers: x [BLOCK_D] float32 (the row's values, already
+    rounded to `x_dtype`; 0 past D), w the weight as float32. Returns the float32 output
+    before its cast. Shared with kernels/tp_all_reduce.py, whose fused norm must give the
+    same bits as this kernel's (same code; the pairwise sum does not depend on warps)."""
+    rstd = rms_rstd(pairwise_sum(x * x, BLOCK_D), D, eps)
+    return rms_norm_scale(x, w, rstd, x_dtype, UNIT_OFFSET, EMULATE_BF16)
 
 
 @triton.jit
@@ -136,7 +223,7 @@ def _rms_norm_kernel(
             tl.store(residual_out_row + cols, summed, mask=mask)
             x = summed.to(tl.float32)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        out = rms_norm_row(x, w, D, eps, x_dtype, UNIT_OFFSET, EMULATE_BF16)
+        out = rms_norm_row(x, w, D, eps, x_dtype, UNIT_OFFSET, EMULATE_BF16, BLOCK_D)
         tl.store(out_row + cols, cast_rtne(out, out_dtype, EMULATE_BF16), mask=mask)
     else:
         # Per-lane partial sums, reduced once at the end: fewer cross-warp reductions.

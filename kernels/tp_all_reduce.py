@@ -23,7 +23,7 @@ into data[s] (quant_matmul(..., out=slice)); the kernel then
   6. rounds the sum to the activation dtype (the unfused path's `.to(x.dtype)`) and
      either stores it, or (ADD_NORM) adds the residual, rounds, stores that as the new
      residual and its RMSNorm as the output: `kernels.add_rms_norm` on the rounded sum,
-     with the same norm code (rms_norm_row), block size and warps, hence the same bits.
+     with the same norm code (rms_norm_row, a fixed pairwise sum), hence the same bits.
 
 Why no rank overwrites a slice a peer still reads. Both ranks make the same calls in the
 same order (the same model on the same batches), and every forward calls every site (all
@@ -187,7 +187,9 @@ def _tp_all_reduce_kernel(
             mask=mask,
         )
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        out = rms_norm_row(summed.to(tl.float32), w, D, eps, x_dtype, UNIT_OFFSET, EMULATE_BF16)
+        out = rms_norm_row(
+            summed.to(tl.float32), w, D, eps, x_dtype, UNIT_OFFSET, EMULATE_BF16, BLOCK_D
+        )
         tl.store(out_row + cols, cast_rtne(out, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
     else:
         tl.store(out_row + cols, cast_rtne(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)

@@ -95,8 +95,8 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument(
         "--deterministic",
         action="store_true",
-        help="bitwise reproducible decode on a GPU (same prompt, settings and seed: same "
-        "tokens and logits every run); costs about 12%% of batch-1 decode speed",
+        help="accepted for compatibility: decode is always bitwise reproducible on one GPU "
+        "(same prompt, settings and seed: same tokens and logits every run)",
     )
     parser.add_argument(
         "--lora",

@@ -24,14 +24,12 @@ from tests.helpers.decoding import greedy_with_logits
 from tools.bench import SHAPES, build_model
 
 
-def check(
-    path: Path, pdl: bool, runs: int, steps: int, prompt_len: int, graphs: bool, fixed: bool
-) -> dict:
+def check(path: Path, pdl: bool, runs: int, steps: int, prompt_len: int, graphs: bool) -> dict:
     backend.set_programmatic_launch(pdl)
     engine = Engine.load(
         path,
         EngineOptions(device="cuda", dtype="float16", max_seq_len=prompt_len + steps + 8,
-                      cuda_graphs=graphs, deterministic=fixed),
+                      cuda_graphs=graphs),
     )  # fmt: skip
     try:
         gen = torch.Generator().manual_seed(3)
@@ -52,7 +50,6 @@ def check(
     finally:
         engine.unload()
     return {
-        "deterministic": fixed,
         "pdl": pdl,
         "graphs": graphs,
         "runs": runs,
@@ -73,28 +70,22 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--pdl", choices=["off", "on", "both"], default="both")
     parser.add_argument("--no-graphs", action="store_true")
-    parser.add_argument(
-        "--sums", choices=["float", "fixed", "both"], default="both",
-        help="split-K sums: float32 atomics (default engine) or fixed point (deterministic)",
-    )  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
     settings = {"off": [False], "on": [True], "both": [False, True]}[args.pdl]
-    sums = {"float": [False], "fixed": [True], "both": [False, True]}[args.sums]
     results = {
         "gpu": torch.cuda.get_device_name(),
         "shape": args.shape,
         "format": args.format,
         "checks": [
-            check(path, pdl, args.runs, args.steps, args.prompt, not args.no_graphs, fixed)
-            for fixed in sums
+            check(path, pdl, args.runs, args.steps, args.prompt, not args.no_graphs)
             for pdl in settings
         ],
     }
     for c in results["checks"]:
         print(
-            f"{args.shape} {args.format} deterministic={c['deterministic']} pdl={c['pdl']}: "
+            f"{args.shape} {args.format} pdl={c['pdl']}: "
             f"{c['bit_identical_runs']}/{c['runs']} "
             f"bit-identical, max |diff| {c['max_abs_logit_diff']:.3g}, "
             f"{c['runs_with_other_tokens']} runs with other tokens"

@@ -211,6 +211,8 @@ def main() -> int:
         "step_ms": step_ms,
         "graph_replay_ms": replay_ms,
         "eager_kernel_us_per_step": total_us,
+        # Launches of one eager step, every kernel name (issue 28's target counts them).
+        "kernels_per_step": sum(k["count"] for k in kernels),
         "kernels": kernels[:40],
         "linears": linears,
     }

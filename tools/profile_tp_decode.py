@@ -44,7 +44,7 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("attention", r"attn|attention|flash|paged|_decode_kernel|_prefill_kernel|kv_write"),
     ("rope", r"rope|rotary"),
     ("norm", r"rms|norm"),
-    ("gemv", r"quant|gemv|matmul|gemm|splitk|split_k|cutlass|xmma|_mm_|dot"),
+    ("gemv", r"quant|gemv|slot_sum|matmul|gemm|splitk|split_k|cutlass|xmma|_mm_|dot"),
     ("copy_cast", r"copy|cast|convert|to_copy"),
     ("elementwise", r"elementwise|vectorized|silu|mul|add|fill|where|index|embedding"),
     ("sampling", r"argmax|reduce|softmax|topk|max"),

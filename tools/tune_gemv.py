@@ -56,11 +56,6 @@ def _key(config: gemv.GemvConfig) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(parser)
-    parser.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="time the fixed-point split-K sums (EngineOptions.deterministic)",
-    )
     parser.add_argument("--warps", type=int, nargs="+", default=list(WARPS))
     parser.add_argument("--cols", type=int, nargs="+", default=list(COLS))
     parser.add_argument("--programs-per-sm", type=int, nargs="+", default=list(PROGRAMS_PER_SM))
@@ -70,9 +65,7 @@ def main() -> int:
     path, out = model_from_arguments(args)
     engine = Engine.load(
         path,
-        EngineOptions(
-            device="cuda", dtype="float16", max_seq_len=256, deterministic=args.deterministic
-        ),
+        EngineOptions(device="cuda", dtype="float16", max_seq_len=256),
     )
     bandwidth = _read_bandwidth()
     default = gemv._GEMV_CONFIG
@@ -140,7 +133,6 @@ def main() -> int:
             {
                 "gpu": torch.cuda.get_device_name(),
                 "format": args.format,
-                "deterministic": args.deterministic,
                 "read_bandwidth_gb_s": bandwidth / 1e9,
                 "default_total_us": totals[_key(default)],
                 "per_shape_best_total_us": per_shape_best,

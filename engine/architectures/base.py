@@ -48,6 +48,7 @@ from engine.modules import (
     RMSNorm,
     Rotary,
 )
+from engine.norm_fold import FoldedHidden
 from engine.rope import rope_tables
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -202,23 +203,38 @@ class CausalLM(FusesKernels):
         the hidden states. Inside a span the hidden state is carried as x + residual, so
         that each residual add runs in the next norm's kernel; a span that ends without
         the head adds them once to hand one tensor to the next device."""
-        x, residual = h, None
+        x: torch.Tensor | FoldedHidden = h
+        residual: torch.Tensor | None = None
         for i in range(start, stop):
             layer, device, rotary = (
                 self.model.layers[i],
                 self.layer_devices[i],
                 self._layer_rotary[i],
             )
-            x = x.to(device)
+            # A layer's output with the next norm folded into the next GEMV (issue 28,
+            # engine/norm_fold.py) goes on as such only to a layer on its device.
+            if isinstance(x, FoldedHidden) and x.h.device != device:
+                x = x.h
+            x = x if isinstance(x, FoldedHidden) else x.to(device)
             residual = residual.to(device) if residual is not None else None
             # A layer that can carry the residual apart (DecoderLayer.forward_residual).
             forward_residual = getattr(layer, "forward_residual", None)
             if self.fuse_kernels and forward_residual is not None:
-                x, residual = forward_residual(x, residual, batch.on(device), cache, rotary)
+                # The next layer's input norm, for a layer that folds it into its GEMVs.
+                next_norm = None
+                if i + 1 < stop and self.layer_devices[i + 1] == device:
+                    next_norm = getattr(self.model.layers[i + 1], "input_layernorm", None)
+                x, residual = forward_residual(
+                    x, residual, batch.on(device), cache, rotary, next_norm=next_norm
+                )
                 continue
+            if isinstance(x, FoldedHidden):
+                x = x.h
             if residual is not None:
                 x, residual = residual + x, None
             x = layer(x, batch.on(device), cache, rotary)
+        if isinstance(x, FoldedHidden):  # the final norm runs as a kernel of its own
+            x = x.h
         if not head:
             return x if residual is None else residual + x
         return self._head(x, residual, batch)

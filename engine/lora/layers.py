@@ -16,8 +16,6 @@ in torch over the rows that use it, so steps that need it run eagerly (not as a 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,15 +23,15 @@ from torch import nn
 from engine.linears import linear_features
 from engine.lora.batch import LoraBatch, LoraSegments
 from engine.quantized_linear import QuantizedLinear
+from kernels.activation import silu_mul as silu_mul_op
 from kernels.lora_matmul import (
     lora_expand,
     lora_expand_into_gemv,
-    lora_gemv_arrivals,
     lora_matmul,
     lora_partials_shape,
     lora_shrink,
 )
-from kernels.quant_matmul.gemv_share import gemv_share, launch_gemv_shared
+from kernels.quant_matmul.gemv_share import finish_gemv_shared, gemv_share, launch_gemv_shared
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -82,6 +80,23 @@ class LoraLinear(nn.Module):
             )
         return y
 
+    def forward_silu_mul(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        """silu(gate) * up of the adapted output [gate | up] (a gated MLP's gate_up_proj):
+        the bits of `kernels.silu_mul` on the halves of `forward(x, lora)`. The base's own
+        fused product without adapters; in a decode step on a quantized base at GEMV sizes
+        the slot sum after the join takes the product (`_decode`); otherwise the two ops."""
+        if lora is None:
+            fused = getattr(self.base, "forward_silu_mul", None)
+            if fused is not None:
+                out: torch.Tensor = fused(x)
+                return out
+        else:
+            seg = lora.head if self.head else lora.body
+            if self.lora_a is not None and seg.max_len == 1 and x.is_cuda:
+                return self._decode(x, seg, silu_mul=True)
+        gate, up = self.forward(x, lora).chunk(2, dim=-1)
+        return silu_mul_op(gate, up)
+
     def _base_and_replacements(
         self, x: torch.Tensor, x2: torch.Tensor, seg: LoraSegments
     ) -> torch.Tensor:
@@ -98,13 +113,17 @@ class LoraLinear(nn.Module):
                 y2[rows] = y2[rows] + scale[:, None].to(y.dtype) * (own - y2[rows])
         return y
 
-    def _decode(self, x: torch.Tensor, seg: LoraSegments) -> torch.Tensor:
+    def _decode(
+        self, x: torch.Tensor, seg: LoraSegments, *, silu_mul: bool = False
+    ) -> torch.Tensor:
         """A decode step on CUDA (one row per segment): the shrink, then the expand, each
         one wave of small loads (kernels.lora_matmul). On a quantized base at GEMV sizes the
-        expand adds into the GEMV's own sums (GemvShare), so y is written once and nothing
-        runs after the GEMV. While a CUDA graph is captured, the LoRA kernels go on a side
-        stream: in the graph they overlap the base matmul (they need only x), which hides
-        them. Eager steps keep one stream: a switch costs more host time than it hides."""
+        expand stores its terms into a partial slot of the GEMV (GemvShare), so y is written
+        once, by the GEMV's slot sum after the join. While a CUDA graph is captured, the
+        LoRA kernels go on a side stream: in the graph they overlap the base matmul (they
+        need only x), which hides them. Eager steps keep one stream: a switch costs more
+        host time than it hides. `silu_mul` (forward_silu_mul): return silu(gate) * up of
+        y = [gate | up], taken by that slot sum where there is one."""
         assert self.lora_a is not None and self.lora_b is not None and self.slot_map is not None
         x2 = x.reshape(-1, self.in_features)
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -121,10 +140,12 @@ class LoraLinear(nn.Module):
         )
         share = None
         base = self.base
-        if isinstance(base, QuantizedLinear) and not self.replacements:
-            share = gemv_share(
-                x2, base.qweight, functools.partial(lora_gemv_arrivals, rank=a.shape[1])
-            )
+        # A padded quantized output ([gate | up | pad]) would split in the wrong place.
+        fits = not silu_mul or (
+            isinstance(base, QuantizedLinear) and base.qweight.out_features == self.out_features
+        )
+        if isinstance(base, QuantizedLinear) and not self.replacements and fits:
+            share = gemv_share(x2, base.qweight, silu_mul=silu_mul)
         main = torch.cuda.current_stream(x.device)
         capturing = torch.cuda.is_current_stream_capturing()
         side = _side_stream(x.device) if capturing else main
@@ -137,13 +158,19 @@ class LoraLinear(nn.Module):
         if share is not None:
             assert isinstance(base, QuantizedLinear)  # a share is made for a quantized base
             launch_gemv_shared(x2, base.qweight, share)
-            y = share.y[:, : self.out_features].reshape(*x.shape[:-1], self.out_features)
+            width = share.y.shape[1] if silu_mul else self.out_features
+            y = share.y[:, :width].reshape(*x.shape[:-1], width)
         else:
             y = self._base_and_replacements(x, x2, seg)
         if capturing:
             main.wait_stream(side)
-        if share is None:
-            lora_expand(y.view(-1, self.out_features), partials, b, slot_map, starts, scales)
+        if share is not None:
+            finish_gemv_shared(share)  # after the join: it sums the expand's slot too
+            return y
+        lora_expand(y.view(-1, self.out_features), partials, b, slot_map, starts, scales)
+        if silu_mul:
+            gate, up = y.chunk(2, dim=-1)
+            return silu_mul_op(gate, up)
         return y
 
     def extra_repr(self) -> str:

@@ -247,7 +247,6 @@ def _shard_spec(
         cuda_graphs=options.cuda_graphs and device.type == "cuda",
         # torchrun's rendezvous (MASTER_ADDR/MASTER_PORT) or a port of this machine.
         init_method="env://" if launched is not None else f"tcp://127.0.0.1:{_free_port()}",
-        deterministic=options.deterministic,
         local_world_size=launched.local_world_size if launched is not None else None,
         started_at=started_at,
     )

@@ -44,7 +44,6 @@ from engine.tensor_parallel.load_phases import LoadPhases
 from engine.tensor_parallel.staging import staging_placement, staging_pool
 from engine.tensor_parallel.transform import move_model, shard_model, use_all_reduce
 from engine.weights import WeightStore
-from kernels.backend import set_deterministic_sums
 
 # NVLink SHARP multicast (NVLS) can take GPUs shared with others out of service; NCCL and
 # torch's symmetric memory must not use it. Set before any NCCL communicator exists.
@@ -70,7 +69,6 @@ class ShardSpec:
     cuda_graphs: bool
     init_method: str  # tcp://127.0.0.1:<port>
     timeout_s: float = 1800.0
-    deterministic: bool = False  # EngineOptions.deterministic, for each rank's process
     rope_scale: float = 1.0  # EngineOptions.rope_scale
     # Ranks per machine: rank r uses GPU r % local_world_size of its machine (torchrun over
     # several machines); None: every rank on this one, rank r on cuda:r.
@@ -153,7 +151,6 @@ def load_rank(
     with phases.phase("staging plan"):
         config = ModelConfig.from_dir(spec.model_dir)
         dtype = DTYPES[spec.dtype]
-        set_deterministic_sums(spec.deterministic)  # a spawned rank starts with the default
         placement = _staging(spec, config, device)
     store = WeightStore(spec.model_dir)
     started = time.perf_counter()

@@ -5,6 +5,8 @@ the torch references; k = in_features, n = out_features):
 
     quant_matmul(x [..., k] float16/bfloat16/float32, qw) -> [..., n] in x.dtype
     quant_matmul_triton(x, qw, *, path="auto") -> the same through the kernels
+    quant_matmul_silu_mul(x, qw) -> silu(gate) * up [..., n / 2] of x @ W = [gate | up]
+        (a gated MLP's gate_up projection): bits of quant_matmul + kernels.silu_mul
     dequantize_triton(qw, *, dtype=float16, permuted=False) -> W [k, n] in dtype,
         original row order (as dequantize_reference) unless permuted=True
 
@@ -46,35 +48,41 @@ Paths, by the number of activation rows M (thresholds and `choose_path` in paths
   which hands the same block back on the next call of that size (a reusable scratch without
   a global).
 
-Reduction: split-K partials and the segments are summed with relaxed atomic adds into one
-[M, n] buffer (int64 fixed point for float16 outputs, so the sum does not depend on the
-order of arrival and decode is bitwise reproducible; float32 otherwise: see tiles.py). One
-launch per Segment (at most 6; the plane layout is a compile-time constant of the unpacking
-code), all adding into the same buffer; the first one adds the bias. Atomics rather than a
-second reduction pass: the partials stay in L2 (no [splits, M, n] buffer written and read
-back) and there is no extra launch. Float32 atomics would let the summation order vary from
-run to run, flipping the last float32 bit and, rarely, the rounding to 16 bits; integer sums
-cannot. The GEMV sums into a per-device workspace that is zero between calls: the last
-program of each column tile (an atomic counter per tile) writes y in x's dtype and zeroes
-its part again, so a decode linear is one launch per segment and nothing else (a zero-fill
-and a cast kernel cost as much as a small GEMV). The mid-M path sums into the same workspace
-and finishes its tiles the same way.
+Reduction: every split-K program (of every segment's launch) stores its float32 partial
+in its own slot of a per-device workspace, [slots, M, n], and the slots are added in slot
+order 0, 1, 2, ... and rounded once into y's dtype. The order of the float32 additions is
+fixed, so the sum does not depend on which program finished first and decode is bitwise
+reproducible for every output dtype (issue 31: float32 atomics flipped the last bit from
+run to run and, rarely, the rounding to 16 bits and a token). The decode GEMV leaves the
+sum to a kernel of its own launched right after it (slot_sum.py: a few hundred small
+programs, every slot's load in flight, resident before the GEMV ends through programmatic
+dependent launch): summed by each column tile's last program instead, a few programs read
+every partial alone at the end of the GEMV and decode lost 15%. The mid-M path's tiles
+are many and small, so there the last program of each tile (an atomic counter per tile,
+set back to 0 by that program) adds its tile's slots. One launch per Segment (at most 6;
+the plane layout is a compile-time constant of the unpacking code), each with its own
+range of slots; the first one adds the bias. No zero-fill: every slot read is written by
+the same call. The partials stay in L2 (written once, read once).
 
 Modules: layout.py the runtime layout; reference.py the torch references; paths.py the
 path choice and the argument checks; dispatch.py the public functions; gemv.py the decode
-GEMV (`GemvConfig`, `launch_gemv`) and gemv_share.py its opening to other kernels'
-partials (LoRA's expand: `GemvShare`); dot.py the mid-M tensor-core path (`DotConfig`,
-`_DOT_CONFIGS`, `launch_dot`); dequantize.py the dequantization and dequantize + cuBLAS;
-what several kernels share: tiles.py inside the kernels (segment codes, zero points, the
-workspace's sums), split_k.py on the host (plane arguments, the split-K plan, the
-workspace).
+GEMV (`GemvConfig`, `launch_gemv`), slot_sum.py the sum of its partials and gemv_share.py
+its opening to other kernels' partials (LoRA's expand: `GemvShare`); dot.py the mid-M
+tensor-core path (`DotConfig`, `_DOT_CONFIGS`, `launch_dot`); dequantize.py the
+dequantization and dequantize + cuBLAS; what several kernels share: tiles.py inside the
+kernels (segment codes, zero points, the workspace's slots), split_k.py on the host (plane
+arguments, the split-K plan, the workspace).
 
 Loops have constexpr trip counts: Triton 3.6's interpreter fails on runtime loop bounds
 under numpy >= 2.4 (triton-lang/triton#9171), and the tests run the kernels there.
 """
 
 from kernels.quant_matmul.dequantize import dequantize_triton
-from kernels.quant_matmul.dispatch import quant_matmul, quant_matmul_triton
+from kernels.quant_matmul.dispatch import (
+    quant_matmul,
+    quant_matmul_silu_mul,
+    quant_matmul_triton,
+)
 from kernels.quant_matmul.layout import QuantizedWeight
 from kernels.quant_matmul.reference import dequantize_reference, quant_matmul_reference
 
@@ -84,5 +92,6 @@ __all__ = [
     "dequantize_triton",
     "quant_matmul",
     "quant_matmul_reference",
+    "quant_matmul_silu_mul",
     "quant_matmul_triton",
 ]

@@ -1,12 +1,14 @@
 """The quantized matmul's public functions: `quant_matmul` (Triton on CUDA tensors, the torch
-reference otherwise) and `quant_matmul_triton` (the kernels, on a path chosen by M or
-forced: tests and benchmarks pick one).
+reference otherwise), `quant_matmul_triton` (the kernels, on a path chosen by M or
+forced: tests and benchmarks pick one), and `quant_matmul_silu_mul` (a gated MLP's fused
+gate_up projection followed by kernels.silu_mul, one kernel fewer at decode).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.activation import silu_mul_reference, silu_mul_triton
 from kernels.backend import Backend, device_guard, resolve_backend
 from kernels.quant_matmul.dequantize import dequant_matmul
 from kernels.quant_matmul.dot import launch_dot
@@ -97,3 +99,31 @@ def quant_matmul(
         _check_out(out, x, qw.out_features)
         return out.copy_(quant_matmul_reference(x.to(out.dtype), qw))
     return quant_matmul_reference(x, qw)
+
+
+def quant_matmul_silu_mul(
+    x: torch.Tensor, qw: QuantizedWeight, *, backend: Backend = "auto"
+) -> torch.Tensor:
+    """silu(gate) * up [..., n / 2] of a gated MLP's fused gate_up projection, whose output
+    x @ W + bias is [gate | up] (n even): bit for bit `kernels.silu_mul` of the two halves
+    of `quant_matmul(x, qw)`, on either backend. On the decode GEMV's path the slot sum
+    computes the product from its float32 sums (kernels/quant_matmul/slot_sum.py): one
+    launch and the [..., n] intermediate's write and read fewer. Other paths run the two
+    ops."""
+    check_args(x, qw)
+    n = qw.out_features
+    if n % 2:
+        raise ValueError(f"a [gate | up] projection has an even out_features, got {n}")
+    lead, half = x.shape[:-1], n // 2
+    if resolve_backend(backend, x, *weight_tensors(qw)) != "triton":
+        gate, up = quant_matmul_reference(x, qw).chunk(2, dim=-1)
+        return silu_mul_reference(gate, up)
+    x2d = unit_col_stride(x.reshape(-1, qw.in_features))
+    M = x2d.shape[0]
+    if M == 0 or n == 0 or choose_path(M) != "gemv":
+        gate, up = quant_matmul_triton(x, qw).chunk(2, dim=-1)
+        return silu_mul_triton(gate, up)
+    y = torch.empty((M, half), dtype=x.dtype, device=x.device)
+    with device_guard(x):
+        launch_gemv(x2d, qw, y, silu_mul=True)
+    return y.reshape(*lead, half)

@@ -19,16 +19,14 @@ import triton.language as tl
 from kernels.backend import cast_rtne, is_interpreted
 from kernels.quant_matmul.layout import QuantizedWeight, per_group_zeros
 from kernels.quant_matmul.split_k import (
-    check_fixed_point_arrivals,
     chunk_rows,
     chunks_in_groups,
     plane_args,
     plane_meta,
     split_iters,
     split_k_workspace,
-    sums_view,
 )
-from kernels.quant_matmul.tiles import add_partial, segment_codes_2d, take_sums, zero_points
+from kernels.quant_matmul.tiles import segment_codes_2d, store_partial, sum_slots, zero_points
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,13 +122,20 @@ def _dot_f32(a, b, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter, arrivals):
-    """`finish_gemv_tile` for a 2-D tile of the mid-M path: the last of the tile's
-    `arrivals` programs writes y[offsets] from the sums and zeroes them again."""
+def finish_dot_tile(
+    out_ptr, y_ptr, offsets, mask, counter, arrivals, slot_stride, SLOTS: tl.constexpr
+):
+    """The last of a tile's `arrivals` programs writes y[offsets] from the sum of its SLOTS
+    slots, in slot order, and sets the tile's counter back to 0, so no zero-fill or cast
+    kernel runs around the matmul. The barrier makes every thread's partial stores precede
+    the counter's release (the split-K semaphore pattern); the counter's acquire orders the
+    last program's loads after every other program's stores. (The decode GEMV sums its
+    slots in a kernel of its own instead, kernels/quant_matmul/slot_sum.py: there a few
+    column tiles' last programs reading every slot alone were on the critical path.)"""
     tl.debug_barrier()
     done = tl.atomic_add(counter, 1, sem="acq_rel")
     if done == arrivals - 1:
-        sums = take_sums(out_ptr, offsets, mask)
+        sums = sum_slots(out_ptr, slot_stride, offsets, mask, SLOTS, 8)
         tl.store(y_ptr + offsets, sums.to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(counter, 0)
 
@@ -227,13 +232,14 @@ def _sum_over_k(x_tile, TRANSPOSED: tl.constexpr):
         return tl.sum(x_tile, axis=1)
 
 
-@triton.jit(do_not_specialize=["add_bias", "arrivals"])
+@triton.jit(do_not_specialize=["add_bias", "arrivals", "slot_base"])
 def _dot_kernel(
     x_ptr,  # [M, k], unit column stride
-    out_ptr,  # [M, n] sums: the device's workspace, zero between calls (see finish_dot_tile)
+    out_ptr,  # float32 [SLOTS, M, n]: the workspace's partial slots (see finish_dot_tile)
     y_ptr,  # [M, n] in x's dtype, contiguous
     counter_ptr,  # int32 per (row tile, column tile), zero on entry
     arrivals,  # programs per tile over all segments' launches
+    slot_base,  # this segment's first slot: the splits of the segments launched before it
     p0_ptr,
     p1_ptr,
     scales_ptr,
@@ -264,6 +270,7 @@ def _dot_kernel(
     TRANSPOSED: tl.constexpr,  # weights as the MMA's left operand (DotConfig.transposed)
     FOLD: tl.constexpr,  # DotConfig.fold (0 unless GROUPED, fp16 x and uint8 zero points)
     ITERS: tl.constexpr,
+    SLOTS: tl.constexpr,  # partial slots per tile (= arrivals), summed in slot order
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -385,8 +392,10 @@ def _dot_kernel(
     acc += _along_n(bias.to(tl.float32), TRANSPOSED)
     offsets = _along_m(offs_m.to(tl.int64), TRANSPOSED) * n + _along_n(cols, TRANSPOSED)
     mask = _along_m(m_ok, TRANSPOSED) & _along_n(col_ok, TRANSPOSED)
-    add_partial(out_ptr, offsets, acc, mask)
-    finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter_ptr + pid_m * n_tiles + pid_n, arrivals)
+    slot_stride = M * n
+    store_partial(out_ptr, slot_base + pid_k, slot_stride, offsets, acc, mask)
+    counter = counter_ptr + pid_m * n_tiles + pid_n
+    finish_dot_tile(out_ptr, y_ptr, offsets, mask, counter, arrivals, slot_stride, SLOTS)
 
 
 def _dot_config(M: int, folded: bool = True) -> DotConfig:
@@ -415,8 +424,8 @@ def _fold(config: DotConfig, qw: QuantizedWeight, dtype: torch.dtype, grouped: b
 
 def launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
     """y [M, n] (x's dtype) = x2d @ W (+ bias) on the tensor cores: one launch per segment,
-    summing in the device's self-resetting workspace like the GEMV, so no
-    zero-fill or cast kernel runs around it."""
+    storing partials in the device's workspace slots like the GEMV, so no zero-fill or
+    cast kernel runs around it."""
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
     config = _dot_config(M, folded=_foldable(qw, x2d.dtype))
     block_k = chunk_rows(qw, 16, config.max_block_k)  # tl.dot's least K
@@ -438,10 +447,9 @@ def launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
     bias = qw.bias if qw.bias is not None else qw.scales
     segments = [s for s in qw.segments if s.row_end > s.row_start]
     arrivals = sum(triton.cdiv(s.row_end - s.row_start, rows_per_split) for s in segments)
-    workspace, counters = split_k_workspace(x2d.device, M * n, m_tiles * n_tiles)
-    out32 = sums_view(workspace, y.dtype)
-    check_fixed_point_arrivals(arrivals)
+    workspace, counters = split_k_workspace(x2d.device, arrivals * M * n, m_tiles * n_tiles)
     first = True
+    slot_base = 0
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start
         p0, p1, p0_stride, p1_stride = plane_args(segment)
@@ -449,10 +457,11 @@ def launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
         grid = (n_tiles, m_tiles, splits) if config.transposed else (m_tiles, n_tiles, splits)
         _dot_kernel[grid](
             x2d,
-            out32,
+            workspace,
             y,
             counters,
             arrivals,
+            slot_base,
             p0,
             p1,
             qw.scales,
@@ -479,6 +488,7 @@ def launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
             TRANSPOSED=config.transposed,
             FOLD=fold,
             ITERS=iters,
+            SLOTS=arrivals,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
@@ -486,6 +496,7 @@ def launch_dot(x2d: torch.Tensor, qw: QuantizedWeight, y: torch.Tensor) -> None:
             num_stages=config.num_stages,
         )
         first = False
+        slot_base += splits
 
 
 # Triton 3.6's interpreter truncates float32 -> bfloat16: see kernels.backend.cast_rtne.

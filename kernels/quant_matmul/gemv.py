@@ -3,6 +3,14 @@ dequantizing kernel per segment (`_gemv_kernel`, launched by `launch_gemv`). The
 in kernels/quant_matmul/__init__.py's docstring; `GemvConfig` holds its launch settings
 (tools/tune_gemv.py sweeps them), `gemv_tiling` how one call splits its work.
 kernels/quant_matmul/gemv_share.py opens the same launch to other kernels' partials (LoRA).
+
+An RMSNorm folded into this GEMV (issue 28) does no work in it: every thread loads every
+row of x of its chunk (lanes and warps lie only along n), so a norm applied to x as it is
+loaded (gather the weight, times rstd and w, round) was repeated by every thread and made
+the 8B GEMVs 10% slower on an H100. The norm is linear in x but for its scalar rstd per
+row: the previous slot sum writes x = h * w (`launch_gemv_residual`), this GEMV reads it as
+any x, and its slot sum scales each output by rstd once and adds the bias after
+(`launch_gemv` with a SlotNorm, kernels/quant_matmul/slot_sum.py).
 """
 
 from __future__ import annotations
@@ -19,16 +27,21 @@ from kernels.backend import (
     programmatic_launch,
 )
 from kernels.quant_matmul.layout import QuantizedWeight, per_group_zeros
+from kernels.quant_matmul.slot_sum import (
+    RowSquares,
+    SlotNorm,
+    SlotSumConfig,
+    launch_slot_sum,
+    launch_slot_sum_residual,
+)
 from kernels.quant_matmul.split_k import (
-    check_fixed_point_arrivals,
     chunks_in_groups,
     plane_args,
     plane_meta,
     split_iters,
     split_k_workspace,
-    sums_view,
 )
-from kernels.quant_matmul.tiles import add_partial, finish_gemv_tile, zero_points
+from kernels.quant_matmul.tiles import store_partial, zero_points
 
 _GEMV_BLOCK_K = 32  # rows per chunk: the least group size of EXL2, one group per chunk
 
@@ -43,8 +56,9 @@ class GemvConfig:
         by every thread, so more columns per thread share that cost, until the registers
         run out (M codes * x).
     programs_per_sm: split-K target, counted over all segments: enough resident warps to
-        keep the loads in flight, few enough that the float32 atomics (n per split) stay
-        cheap next to the weight bytes.
+        keep the loads in flight, few enough that the partials (n floats per split, stored
+        and read back by the slot sum, kernels/quant_matmul/slot_sum.py) stay cheap next to
+        the weight bytes.
     max_iters: chunks of _GEMV_BLOCK_K rows per program (a loop, not unrolled).
     prefetch: load the next chunk's packed words before working on this one (registers
         as a two-stage pipeline), so a program keeps a load in flight while it computes.
@@ -63,6 +77,9 @@ class GemvConfig:
 # first chunk's loads start before the previous kernel has finished: decode graph replay
 # 2.76 -> 2.51 ms per token (bench/results/2026-11-25-h100-ab-pdl.json, H100; greedy tokens
 # identical).
+# Fewer, longer splits for wide outputs (fewer slots for the slot sum to read) were
+# measured slower on an H100 (issue 31, session 12: qkv 7.7 -> 10.4 us, gate_up 26.0 -> 38.0
+# us, 8B decode -27%): the many short splits keep more loads in flight, so max_iters stays 4.
 _GEMV_CONFIG = GemvConfig(
     num_warps=4, cols_per_thread=(8, 8, 4, 4), programs_per_sm=2, max_iters=4, prefetch=True
 )
@@ -201,13 +218,10 @@ def _gemv_zero_term(
         return tl.sum(row_zero * row_scale * xv[:, None], axis=0)
 
 
-@triton.jit(do_not_specialize=["add_bias", "arrivals"])
+@triton.jit(do_not_specialize=["add_bias", "slot_base"])
 def _gemv_kernel(
     x_ptr,  # [M, k], unit column stride
-    out_ptr,  # [M, n] sums, contiguous, added to atomically (the zeroed workspace: int64
-    # fixed point for float16 y, float32 otherwise; see add_partial)
-    y_ptr,  # [M, n] in x's dtype, contiguous: written by each column tile's last program
-    counter_ptr,  # int32 [column tiles], zero on entry: programs of the tile done so far
+    out_ptr,  # float32 [slots, M, n]: the workspace's partial slots (see store_partial)
     p0_ptr,
     p1_ptr,
     scales_ptr,
@@ -225,7 +239,7 @@ def _gemv_kernel(
     rows_per_split,  # ITERS * BLOCK_K
     add_bias,  # 1 for the first segment's launch of a weight with a bias (run time: one
     # compiled kernel serves every segment)
-    arrivals,  # programs per column tile over all segments' launches
+    slot_base,  # this segment's first slot: the splits of the segments launched before it
     float_magic,  # 0x4B000000 (see _gemv_plane)
     HAS_PERM: tl.constexpr,
     GROUPED: tl.constexpr,  # every chunk lies in one group (checked on the host)
@@ -418,14 +432,16 @@ def _gemv_kernel(
     acc1 += bias
     acc2 += bias
     acc3 += bias
-    add_partial(out_ptr, cols, acc0, col_ok)
+    slot = slot_base + pid_k
+    slot_stride = M_ROWS * n
+    store_partial(out_ptr, slot, slot_stride, cols, acc0, col_ok)
     if M_ROWS > 1:
-        add_partial(out_ptr, n + cols, acc1, col_ok)
+        store_partial(out_ptr, slot, slot_stride, n + cols, acc1, col_ok)
     if M_ROWS > 2:
-        add_partial(out_ptr, 2 * n + cols, acc2, col_ok)
+        store_partial(out_ptr, slot, slot_stride, 2 * n + cols, acc2, col_ok)
     if M_ROWS > 3:
-        add_partial(out_ptr, 3 * n + cols, acc3, col_ok)
-    finish_gemv_tile(out_ptr, y_ptr, counter_ptr + pid_n, arrivals, n, cols, col_ok, M_ROWS)
+        store_partial(out_ptr, slot, slot_stride, 3 * n + cols, acc3, col_ok)
+    # The slot sum (kernels/quant_matmul/slot_sum.py), launched next, writes y.
 
 
 def _gemv_block_n(M: int, n: int, grouped: bool, config: GemvConfig) -> int:
@@ -439,7 +455,8 @@ def _gemv_block_n(M: int, n: int, grouped: bool, config: GemvConfig) -> int:
 @dataclasses.dataclass(frozen=True)
 class GemvTiling:
     """How one decode GEMV splits its work: column tiles of block_n, split-K slices of
-    iters chunks of block_k rows, and the programs (arrivals) each column tile counts."""
+    iters chunks of block_k rows, and the programs (arrivals) of each column tile over all
+    segments' launches, each with a partial slot of its own."""
 
     block_k: int
     block_n: int
@@ -451,14 +468,26 @@ class GemvTiling:
     prefetch: bool
 
 
-def gemv_tiling(x2d: torch.Tensor, qw: QuantizedWeight) -> GemvTiling:
+def gemv_tiling(
+    x2d: torch.Tensor,
+    qw: QuantizedWeight,
+    config: GemvConfig | None = None,
+    *,
+    iters: int | None = None,
+) -> GemvTiling:
+    """The tiling of x2d [M, k] @ W under `config` (default _GEMV_CONFIG, one setting for
+    every shape, tools/tune_gemv.py) with `split_iters`' chunks per split, or `iters`
+    (benchmarks sweep both)."""
     M, n, k = x2d.shape[0], qw.out_features, qw.in_features
-    config = _GEMV_CONFIG  # one setting for every shape (tools/tune_gemv.py)
+    config = config if config is not None else _GEMV_CONFIG
     block_k = _GEMV_BLOCK_K
     grouped = chunks_in_groups(qw, block_k)
     block_n = _gemv_block_n(M, n, grouped, config)
     n_tiles = triton.cdiv(n, block_n)
-    iters = split_iters(k, n_tiles, block_k, config.programs_per_sm, config.max_iters, x2d.device)
+    if iters is None:
+        iters = split_iters(
+            k, n_tiles, block_k, config.programs_per_sm, config.max_iters, x2d.device
+        )
     rows_per_split = iters * block_k
     arrivals = sum(
         triton.cdiv(s.row_end - s.row_start, rows_per_split)
@@ -470,43 +499,41 @@ def gemv_tiling(x2d: torch.Tensor, qw: QuantizedWeight) -> GemvTiling:
     )
 
 
-def launch_gemv(
+def gemv_slots(tiling: GemvTiling, extra_slots: int = 0) -> int:
+    """Partial slots of one call: one per split-K program of every segment (slot =
+    the program's split index over all segments' launches), then `extra_slots` for other
+    kernels' terms (kernels/quant_matmul/gemv_share.py)."""
+    return tiling.arrivals + extra_slots
+
+
+def launch_gemv_partials(
     x2d: torch.Tensor,
     qw: QuantizedWeight,
-    y: torch.Tensor,
-    tiling: GemvTiling | None = None,
-    extra_arrivals: int = 0,
+    sums: torch.Tensor,
+    tiling: GemvTiling,
+    *,
+    add_bias: bool = True,
 ) -> None:
-    """y [M, n] (x's dtype) = x2d [M <= 4, k] @ W (+ bias): one launch per segment, summing
-    in the device's self-resetting workspace (see finish_gemv_tile). `extra_arrivals`
-    programs of other kernels per column tile add to the same sums (see GemvShare).
-
-    If the GPU-side gaps between these launches show in decode profiles, the next step is
-    one launch per linear: the split-K axis spanning all segments, with a branch per segment
-    (its plane layout as constexprs).
-    """
+    """The GEMV's programs alone: each stores its float32 partial of x2d [M <= 4, k] @ W
+    (+ bias, in split 0 of the first segment, unless `add_bias` is False: a slot sum that
+    scales the sum adds it after, kernels/quant_matmul/slot_sum.py's SlotNorm) in its own
+    slot of sums ([slots, M, n], the first tiling.arrivals slots). One launch per segment."""
     M, n = x2d.shape[0], qw.out_features
-    t = tiling if tiling is not None else gemv_tiling(x2d, qw)
-    block_k, block_n, n_tiles, iters, grouped = t.block_k, t.block_n, t.n_tiles, t.iters, t.grouped
-    rows_per_split = iters * block_k
+    t = tiling
+    rows_per_split = t.iters * t.block_k
     perm = qw.perm if qw.perm is not None else qw.row_group  # dummy pointer when absent
     bias = qw.bias if qw.bias is not None else qw.scales
     segments = [s for s in qw.segments if s.row_end > s.row_start]
-    arrivals = t.arrivals + extra_arrivals
-    workspace, counters = split_k_workspace(x2d.device, M * n, n_tiles)
-    out32 = sums_view(workspace, y.dtype)
-    check_fixed_point_arrivals(arrivals)
     pdl = programmatic_launch(x2d)
     first = True
+    slot_base = 0
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start
         p0, p1, p0_stride, p1_stride = plane_args(segment)
-        grid = (n_tiles, triton.cdiv(seg_rows, rows_per_split))
+        grid = (t.n_tiles, triton.cdiv(seg_rows, rows_per_split))
         _gemv_kernel[grid](
             x2d,
-            out32,
-            y,
-            counters,
+            sums,
             p0,
             p1,
             qw.scales,
@@ -522,20 +549,88 @@ def launch_gemv(
             segment.row_start,
             seg_rows,
             rows_per_split,
-            int(first and qw.bias is not None),
-            arrivals,
+            int(first and add_bias and qw.bias is not None),
+            slot_base,
             _FLOAT_MAGIC,
             HAS_PERM=qw.perm is not None,
-            GROUPED=grouped,
+            GROUPED=t.grouped,
             ZERO_PER_GROUP=per_group_zeros(qw.zeros),
             **plane_meta(segment),
             M_ROWS=M,
-            ITERS=iters,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
+            ITERS=t.iters,
+            BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k,
             PREFETCH=t.prefetch,
             USE_PDL=pdl,
             num_warps=t.num_warps,
             launch_pdl=pdl,
         )
         first = False
+        slot_base += grid[1]
+
+
+def launch_gemv(
+    x2d: torch.Tensor,
+    qw: QuantizedWeight,
+    y: torch.Tensor,
+    tiling: GemvTiling | None = None,
+    *,
+    silu_mul: bool = False,
+    norm: SlotNorm | None = None,
+) -> None:
+    """y [M, n] (x's dtype or float32, contiguous) = x2d [M <= 4, k] @ W (+ bias): the
+    GEMV's programs store their partials in the device's workspace slots
+    (`launch_gemv_partials`), then the slot sum adds them in slot order into y
+    (kernels/quant_matmul/slot_sum.py): the same bits every run. `silu_mul`: W is a fused
+    gate_up projection (n = 2I, [gate | up]) and y [M, I] receives silu(gate) * up, the
+    bits of the GEMV followed by kernels.silu_mul, from the slot sum. `norm`: x2d is
+    h * w (an RMSNorm's input times its weight) and y = rstd * (x2d @ W) + bias, the norm's
+    rstd per row applied by the slot sum, which also adds the bias (SlotNorm, issue 28).
+
+    If the GPU-side gaps between these launches show in decode profiles, the next step is
+    one launch per linear: the split-K axis spanning all segments, with a branch per segment
+    (its plane layout as constexprs).
+    """
+    M, n = x2d.shape[0], qw.out_features
+    t = tiling if tiling is not None else gemv_tiling(x2d, qw)
+    slots = gemv_slots(t)
+    sums, _ = split_k_workspace(x2d.device, slots * M * n, 0)
+    launch_gemv_partials(x2d, qw, sums, t, add_bias=norm is None)
+    bias = qw.bias if norm is not None else None
+    launch_slot_sum(sums, y, slots, silu_mul=silu_mul, norm=norm, bias=bias)
+
+
+def launch_gemv_residual(
+    x2d: torch.Tensor,
+    qw: QuantizedWeight,
+    residual: torch.Tensor,
+    h: torch.Tensor,
+    tiling: GemvTiling | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    unit_offset: bool = False,
+    xw: torch.Tensor | None = None,
+    config: SlotSumConfig | None = None,
+) -> RowSquares:
+    """h [M, n] (x's dtype, contiguous) = residual [M, n] + x2d @ W (+ bias), rounded as
+    kernels.add_rms_norm rounds its residual output for this GEMV's y, and h's RowSquares;
+    with `norm_weight` (the next RMSNorm's, [n]) also xw [M, n] = h * w (or h * (1 + w),
+    `unit_offset`) rounded to h's dtype, the next GEMV's x (`launch_gemv` with a
+    SlotNorm): a pre-norm block's o_proj or down_proj with the next norm's add, sum of
+    squares and weight in its slot sum (issue 28). `config`: the slot sum's (its block is
+    the squares' chunk; tests and benchmarks vary it)."""
+    M, n = x2d.shape[0], qw.out_features
+    t = tiling if tiling is not None else gemv_tiling(x2d, qw)
+    slots = gemv_slots(t)
+    sums, _ = split_k_workspace(x2d.device, slots * M * n, 0)
+    launch_gemv_partials(x2d, qw, sums, t)
+    return launch_slot_sum_residual(
+        sums,
+        residual,
+        h,
+        slots,
+        norm_weight=norm_weight,
+        unit_offset=unit_offset,
+        xw=xw,
+        config=config,
+    )

@@ -2,8 +2,8 @@
 decode GEMV, dot.py's tensor-core path for a few rows of x, dequantize.py): the constexprs
 and arguments of a segment's planes, the group check that lets scales apply once per
 chunk (`chunks_in_groups`), the split-K plan (`split_iters`), and the per-device workspace
-that split-K partials sum into and that the last program of each tile leaves zeroed again
-(`workspace`, `sums_view`; the kernels' side is kernels/quant_matmul/tiles.py). The design
+whose slots hold the split-K partials until the last program of each tile adds them in a
+fixed order (`split_k_workspace`; the kernels' side is kernels/quant_matmul/tiles.py). The design
 of the paths is in kernels/quant_matmul/__init__.py's docstring.
 """
 
@@ -15,9 +15,7 @@ import weakref
 import torch
 import triton
 
-from kernels.backend import deterministic_sums
 from kernels.quant_matmul.layout import QuantizedWeight, Segment
-from kernels.quant_matmul.tiles import MAX_FIXED_POINT_ARRIVALS
 
 _PLANE_BITS = (1, 2, 4, 8)
 # The interpreter has no SMs; a small count keeps CPU tests fast while still splitting K.
@@ -68,7 +66,8 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The device's SMs (_INTERPRETER_SMS off CUDA)."""
     if device.type != "cuda":
         return _INTERPRETER_SMS
     return _cuda_sm_count(device.index if device.index is not None else 0)
@@ -120,32 +119,15 @@ def chunks_in_groups(qw: QuantizedWeight, block_k: int) -> bool:
     return result
 
 
-def sums_view(workspace: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The workspace as the kernels sum into it for outputs of `out_dtype`: int64 fixed
-    point for float16 under `deterministic_sums()`, the same zeroed bytes as float32
-    otherwise (the kernels pick the arithmetic from the pointer's type)."""
-    if out_dtype == torch.float16 and deterministic_sums():
-        return workspace
-    return workspace.view(torch.float32)
-
-
-def check_fixed_point_arrivals(arrivals: int) -> None:
-    """The fixed-point sums have room for MAX_FIXED_POINT_ARRIVALS partials each."""
-    if arrivals > MAX_FIXED_POINT_ARRIVALS:
-        raise ValueError(
-            f"{arrivals} split-K partials per output exceed the fixed-point workspace's "
-            f"{MAX_FIXED_POINT_ARRIVALS} (in_features too large for the decode kernels)"
-        )
-
-
-# Per device: an int64 sum buffer (viewed as float32 for bfloat16/float32 outputs) and
-# int32 tile counters that are zero between calls.
-# Each GEMV and mid-M matmul leaves them zeroed (the last program per tile resets its
-# part), so kernels of one stream share them in turn. The first (uncaptured) call of every
-# shape sizes them, which a CUDA graph's warm-up run provides. They only grow, and a
-# replaced pair is kept alive: a graph captured earlier still adds into it, and freeing it
-# would let the allocator hand that memory to another tensor. Growth at least doubles, so
-# the retired pairs hold less than the current one.
+# Per device: a float32 buffer of partial slots and int32 tile counters that are zero
+# between calls. A split-K call lays its partials out as [slots, M, n] (kernels/quant_matmul/
+# tiles.py: each program stores its own slot, the last program of each tile adds them in
+# slot order and sets the tile's counter back to 0), so kernels of one stream share the pair
+# in turn and nothing needs zeroing. The first (uncaptured) call of every shape sizes them,
+# which a CUDA graph's warm-up run provides. They only grow, and a replaced pair is kept
+# alive: a graph captured earlier still writes into it, and freeing it would let the
+# allocator hand that memory to another tensor. Growth at least doubles, so the retired
+# pairs hold less than the current one.
 _WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _RETIRED_WORKSPACES: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -153,6 +135,10 @@ _RETIRED_WORKSPACES: list[tuple[torch.Tensor, torch.Tensor]] = []
 def split_k_workspace(
     device: torch.device, sums: int, tiles: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's workspace: at least `sums` float32 slots' elements (slots * M * n) and
+    `tiles` zeroed int32 counters."""
+    if sums >= 1 << 31:  # the kernels' slot offsets are int32 (tiles.py: store_partial)
+        raise ValueError(f"{sums} split-K partial elements exceed the int32 slot offsets")
     have = _WORKSPACES.get(device)
     if have is None or have[0].numel() < sums or have[1].numel() < tiles:
         old_sums, old_tiles = (have[0].numel(), have[1].numel()) if have else (0, 0)
@@ -162,8 +148,8 @@ def split_k_workspace(
         grow_tiles = tiles > old_tiles
         have = (
             torch.zeros(
-                max(sums, 2 * old_sums if grow_sums else old_sums, 1 << 16),
-                dtype=torch.int64,
+                min(max(sums, 2 * old_sums if grow_sums else old_sums, 1 << 17), 1 << 31),
+                dtype=torch.float32,
                 device=device,
             ),
             torch.zeros(
@@ -185,6 +171,6 @@ def split_iters(
     A power of two: it is a constexpr (see the module docstring), and every distinct value
     is one more compiled kernel per segment layout.
     """
-    target = programs_per_sm * _sm_count(device)
+    target = programs_per_sm * sm_count(device)
     splits = max(1, min(triton.cdiv(target, tiles), triton.cdiv(rows, block_k)))
     return min(max_iters, _pow2_floor(triton.cdiv(triton.cdiv(rows, splits), block_k)))

@@ -1,15 +1,17 @@
 """The Triton helpers that the quantized matmul kernels share, and that LoRA's expand uses
 to add into the decode GEMV's sums: a segment's codes and zero points inside a tile, and
-the split-K workspace's arithmetic (`add_partial`, `take_sums`, `finish_gemv_tile`).
+the split-K workspace's arithmetic (`store_partial`, `sum_slots`).
 
-Determinism: split-K partials arrive in whatever order the programs finish. Summed as
-float32 atomics (the default: the fastest), that order can change the last bit of a sum,
-and rarely a token, from one run to the next. With `kernels.backend.set_deterministic_sums`
-(EngineOptions.deterministic) float16 outputs sum as 64-bit fixed point instead
-(`FIXED_POINT_SCALE`): integer addition does not depend on order, so decode gives the same
-bits every run, for 12% of batch-1 decode speed (H100, 8B GPTQ: 64-bit atomics cost more).
-bfloat16 and float32 outputs need more range than 64 bits of fixed point give at their
-precision, and keep float32 atomics either way. The workspace itself (host side) is in
+Determinism: split-K partials arrive in whatever order the programs finish. Summed with
+float32 atomics, that order could change the last bit of a sum, and rarely a token, from
+one run to the next (issue 31). So each program stores its float32 partial into its own
+slot of the workspace (slot = its split-K index over all segments' launches; LoRA's
+expand has a slot after them), and the slots are added in slot order 0, 1, 2, ...: the
+same float32 operations every run, for every output dtype, so decode gives the same bits
+every run and process on one GPU. The decode GEMV leaves that sum to a kernel of its own
+launched right after it (kernels/quant_matmul/slot_sum.py); the mid-M path's last program
+of each tile does it (dot.py's finish_dot_tile). Nothing needs zeroing: every slot that is
+read was written by this call. The workspace itself (host side) is in
 kernels/quant_matmul/split_k.py.
 """
 
@@ -72,57 +74,34 @@ def zero_points(zeros_ptr, group, offsets, mask, ZERO_PER_GROUP):
         return tl.load(zeros_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
 
-# Fixed-point sums (float16 outputs): a partial p adds round(p * 2^32) to an int64. A
-# partial is clamped to +-2^20 first (16 times float16's largest value, so a clamped sum
-# still overflows to inf when cast to float16), and at most MAX_FIXED_POINT_ARRIVALS
-# partials meet in one sum: 1024 * 2^52 = 2^62, no overflow. The grid (2^-32) is far
-# below float16's smallest step (2^-24), so the sum rounds to float16 as a float32 sum would.
-FIXED_POINT_SCALE = 2.0**32
-FIXED_POINT_LIMIT = 2.0**20
-MAX_FIXED_POINT_ARRIVALS = 1024
+@triton.jit
+def store_partial(sums_ptr, slot, slot_stride, offsets, values, mask):
+    """Store one program's float32 partial `values` at `offsets` of its own slot of the
+    workspace ([slots, ...] with `slot_stride` elements per slot): a plain store, no atomic.
+    Every call writes every slot that is read back, so the workspace needs no zeroing
+    between calls. Offsets are int32: split_k_workspace keeps the slots below 2^31
+    elements."""
+    tl.store(sums_ptr + slot * slot_stride + offsets, values, mask=mask)
 
 
 @triton.jit
-def add_partial(sums_ptr, offsets, values, mask):
-    """Atomically add float32 `values` to the workspace at `offsets`: as fixed point when
-    the workspace is int64 (float16 outputs: the sum does not depend on the order of
-    arrival), else as float32. A NaN partial adds as the limit (the float16 sum is inf)."""
-    if sums_ptr.dtype.element_ty == tl.int64:
-        clean = tl.where(values != values, 2.0**20, values)  # FIXED_POINT_LIMIT
-        clean = tl.minimum(tl.maximum(clean, -(2.0**20)), 2.0**20)
-        scaled = clean * 4294967296.0  # FIXED_POINT_SCALE; |scaled| <= 2^52, exact
-        fixed = (scaled + tl.where(scaled < 0, -0.5, 0.5)).to(tl.int64)  # nearest
-        tl.atomic_add(sums_ptr + offsets, fixed, mask=mask, sem="relaxed")
-    else:
-        tl.atomic_add(sums_ptr + offsets, values, mask=mask, sem="relaxed")
-
-
-@triton.jit
-def take_sums(sums_ptr, offsets, mask):
-    """The workspace's sums at `offsets` as float32, zeroed again behind them (the last
-    program of a tile calls this after every partial has arrived). Read from L2 (.cg),
-    past an L1 that may hold the lines from an earlier call."""
-    sums = tl.load(sums_ptr + offsets, mask=mask, other=0, cache_modifier=".cg")
-    # Every thread has read before any zeroes: a layout may hold an element in several
-    # threads (an MMA accumulator tile narrower than a warpgroup's 64 rows).
-    tl.debug_barrier()
-    tl.store(sums_ptr + offsets, tl.zeros_like(sums), mask=mask)
-    if sums_ptr.dtype.element_ty == tl.int64:
-        return sums.to(tl.float32) * (1.0 / 4294967296.0)
-    else:
-        return sums
-
-
-@triton.jit
-def finish_gemv_tile(out_ptr, y_ptr, counter, arrivals, n, cols, col_ok, M_ROWS: tl.constexpr):
-    """The last program of a column tile to finish writes the tile's sums as y and leaves
-    the workspace as it found it (zeros, counter 0), so no zero-fill or cast kernel runs
-    around the GEMV. The barrier makes every thread's atomics precede the counter's
-    release (the split-K semaphore pattern); `take_sums` reads them back."""
-    tl.debug_barrier()
-    done = tl.atomic_add(counter, 1, sem="acq_rel")
-    if done == arrivals - 1:
-        for m in tl.static_range(M_ROWS):
-            sums = take_sums(out_ptr, m * n + cols, col_ok)
-            tl.store(y_ptr + m * n + cols, sums.to(y_ptr.dtype.element_ty), mask=col_ok)
-        tl.store(counter, 0)
+def sum_slots(sums_ptr, slot_stride, offsets, mask, SLOTS: tl.constexpr, GROUP: tl.constexpr):
+    """The float32 sum over slots 0, 1, ..., SLOTS - 1 of the workspace at `offsets`, added
+    in that order whatever order the programs that wrote them finished in: the same bits
+    every run. Called once every partial has been stored (kernels/quant_matmul/slot_sum.py,
+    dot.py's finish_dot_tile). Read from L2 (.cg), past an L1 that may hold the lines from
+    an earlier call. Groups of GROUP slots are unrolled so that their loads fly together
+    (GROUP = SLOTS: all of them); the adds stay in slot order."""
+    total = tl.zeros(offsets.shape, tl.float32)
+    for group in range(SLOTS // GROUP):
+        for j in tl.static_range(GROUP):
+            slot = group * GROUP + j
+            total += tl.load(
+                sums_ptr + slot * slot_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg"
+            )
+    for j in tl.static_range(SLOTS % GROUP):
+        slot = (SLOTS // GROUP) * GROUP + j
+        total += tl.load(
+            sums_ptr + slot * slot_stride + offsets, mask=mask, other=0.0, cache_modifier=".cg"
+        )
+    return total

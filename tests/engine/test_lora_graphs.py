@@ -332,8 +332,9 @@ def test_replacement_steps_run_eagerly(tiny: Path, adapters: dict[str, Path]):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_quantized_decode_lora_in_graph_equals_reference(rows: int):
-    """A decode step of LoraLinear on a quantized base (GEMV sizes: the expand adds into the
-    GEMV's sums; 4 rows: the dot path and a separate expand), eagerly and replayed from a
+    """A decode step of LoraLinear on a quantized base (GEMV sizes: the expand stores into a
+    partial slot of the GEMV, summed after the join; 4 rows: the dot path and a separate
+    expand), eagerly and replayed from a
     CUDA graph whose LoRA kernels ran on a side stream: both equal the dequantized base plus
     the reference delta, for inputs and scales set after capture. The base has padded
     columns (out_features < n)."""

@@ -59,7 +59,6 @@ def main() -> None:
         dtype="float16",
         max_seq_len=512,
         cache_tokens=8 * 512,
-        deterministic=True,
     )
     engine = Engine.load(args.model, options)
     try:

@@ -1,0 +1,86 @@
+"""RMSNorm folded into a decoder layer's decode GEMVs (issue 28): o_proj's and down_proj's
+slot sums add the residual and write the next norm's partial sums of squares and h * w (w
+the next norm's weight); the qkv and gate_up GEMVs read h * w as x and their slot sums
+scale each output by the row's rstd, then add the bias (kernels/quant_matmul/
+norm_fold.py: rms_norm(h) @ W = rstd * ((h * w) @ W)). Per layer two add_rms_norm launches
+fewer, no norm work in the GEMVs; the same bits every run, not the unfused ops' bits (one
+rounding of h * w instead of one of h * rstd * w), as accurate.
+
+Only the plain case folds (`layer_folds`): quantized linears on the decode GEMV (CUDA,
+at most GEMV_MAX_M rows), no LoRA batch, no forward hooks, unpadded weights, stock
+attention with one qkv_proj and a gated MLP with one gate_up_proj, norms without a
+dtype promotion. Tensor parallelism's linears are not QuantizedLinear (its site kernel
+does the add and norm itself); everything else runs the unfused kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.quantized_linear import QuantizedLinear
+from kernels.quant_matmul.norm_fold import norm_fold_applies
+from kernels.quant_matmul.slot_sum import RowSquares
+
+# Process-wide switch (benchmarks and tests compare both ways).
+_ENABLED = True
+
+
+def set_norm_fold(enabled: bool) -> None:
+    """Fold norms into the GEMVs (the default) or run them as kernels, for forwards from
+    now on (CUDA graphs keep what they captured)."""
+    global _ENABLED
+    _ENABLED = bool(enabled)
+
+
+@dataclass
+class FoldedHidden:
+    """A decoder layer's output with the next norm pending in the next GEMV: h [T, D] the
+    hidden state (residual added), squares its RowSquares; xw = h * w for `norm` (w its
+    weight, 1 + w with a unit offset), the next layer's input norm, or both None (the
+    next norm then runs as a kernel on h)."""
+
+    h: torch.Tensor
+    squares: RowSquares
+    xw: torch.Tensor | None = None
+    norm: nn.Module | None = None
+
+
+def plain_quantized(linear: nn.Module | None) -> QuantizedLinear | None:
+    """The linear if it is a bare QuantizedLinear (no wrapper, no hooks, n unpadded)."""
+    if type(linear) is not QuantizedLinear:
+        return None
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        return None
+    if linear.qweight.out_features != linear.out_features:
+        return None
+    return linear
+
+
+def norm_folds(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether an RMSNorm's (engine.modules) output dtype is x's (the GEMV reads it in x's
+    dtype): its weight in x's dtype, on x's device."""
+    weight = norm.weight
+    return (
+        isinstance(weight, torch.Tensor) and weight.dtype == x.dtype and weight.device == x.device
+    )
+
+
+def linears_fold(
+    x: torch.Tensor,
+    normed: tuple[nn.Module | None, ...],
+    residual: tuple[nn.Module | None, ...],
+) -> bool:
+    """Whether each linear is a plain quantized one that folds a norm at x's rows: `normed`
+    apply a norm to their input (qkv, gate_up), `residual` end in the next norm's residual
+    add and squares (o_proj, down_proj)."""
+    if not (_ENABLED and x.is_cuda):
+        return False
+    for linears, side in ((normed, "in"), (residual, "out")):
+        for linear in linears:
+            base = plain_quantized(linear)
+            if base is None or not norm_fold_applies(x, base.qweight, side):
+                return False
+    return True

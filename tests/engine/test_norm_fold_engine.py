@@ -1,0 +1,118 @@
+"""RMSNorm folded into the decode GEMVs in the engine (issue 28, engine/norm_fold.py). The fold
+rounds h * w where rms_norm rounded h * rstd * w, so its bits are not the unfused ops': greedy
+decode of a tiny quantized model gives the same tokens with the fold on and off up to any
+near tie, and logits within a tolerance; with the fold on, every run gives the same tokens
+and logits bit for bit, with PDL on or off; one decode step launches 2 * layers - 1 kernels
+fewer (each layer's two add_rms_norm launches, minus the first layer's input norm, which
+stays a kernel). The kernels' own tests, on the CPU too, are tests/kernels/test_norm_fold.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.cache import ForwardBatch, Sequence
+from engine.engine import Engine, EngineOptions
+from engine.norm_fold import set_norm_fold
+from helpers.decoding import greedy_with_logits
+from kernels.backend import set_programmatic_launch
+from tools.bench import build_model
+
+STEPS = 24
+# Logits of the tiny float16 model, fold against unfused, relative to each row's largest:
+# the two paths differ by about an ulp of float16 (2^-11) per rounding, a few layers deep;
+# a missing or doubled rstd or a scaled bias moves the logits by tens of percent.
+LOGIT_RTOL = 2e-2
+
+
+def _engine(model: Path, graphs: bool) -> Engine:
+    options = EngineOptions(
+        device="cuda", dtype="float16", max_seq_len=256, cache_tokens=1024, cuda_graphs=graphs
+    )
+    return Engine.load(model, options)
+
+
+def _decode(model: Path, graphs: bool, fold: bool, pdl: bool = True):
+    prompt = torch.randint(2, 1000, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    set_norm_fold(fold)
+    set_programmatic_launch(pdl)
+    try:
+        engine = _engine(model, graphs)
+        try:
+            return greedy_with_logits(engine, prompt, STEPS)
+        finally:
+            engine.unload()
+    finally:
+        set_norm_fold(True)
+        set_programmatic_launch(True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["gptq", "exl2"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_greedy_decode_with_the_fold_matches_the_unfused_ops(
+    fmt: str, graphs: bool, tmp_path: Path
+) -> None:
+    """Tokens equal until a near tie (the unfused run's top two logits closer than the
+    tolerance), logits within the tolerance up to and including that step (the same token
+    history until then)."""
+    model = build_model(tmp_path / fmt, "tiny", fmt)
+    off_tokens, off_logits = _decode(model, graphs, fold=False)
+    on_tokens, on_logits = _decode(model, graphs, fold=True)
+    same = next((i for i in range(STEPS) if on_tokens[i] != off_tokens[i]), STEPS)
+    rows = same + 1  # logits row i is the one token i was taken from
+    scale = off_logits[:rows].abs().amax(dim=-1, keepdim=True)
+    diff = (on_logits[:rows] - off_logits[:rows]).abs()
+    assert (diff <= LOGIT_RTOL * scale).all(), (diff / scale).max()
+    if same < STEPS:
+        top2 = off_logits[same].topk(2).values
+        assert top2[0] - top2[1] <= 2 * LOGIT_RTOL * scale[same, 0], (same, top2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_fold_gives_the_same_bits_every_run(graphs: bool, tmp_path: Path) -> None:
+    """Greedy tokens and logits bit for bit across runs, with PDL on and off."""
+    model = build_model(tmp_path / "gptq", "tiny", "gptq")
+    first = _decode(model, graphs, fold=True)
+    for pdl in (True, False):
+        again = _decode(model, graphs, fold=True, pdl=pdl)
+        assert again[0] == first[0] and torch.equal(again[1], first[1]), pdl
+
+
+def _kernels_per_step(engine: Engine) -> int:
+    seq = Sequence()
+    token = int(engine.runner.prefill(seq, list(range(2, 30)))[-1].argmax())
+
+    def step() -> None:
+        seq.reserve(engine.cache, seq.length + 1)
+        engine.model(ForwardBatch.build(engine.cache, [seq], [[token]]), engine.cache)
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return sum(
+        e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+
+
+@pytest.mark.gpu
+def test_the_fold_removes_two_norm_launches_per_layer(tmp_path: Path) -> None:
+    model = build_model(tmp_path / "gptq", "tiny", "gptq")
+    counts = {}
+    try:
+        for enabled in (False, True):
+            set_norm_fold(enabled)
+            engine = _engine(model, graphs=False)
+            try:
+                layers = len(engine.model.model.layers)
+                counts[enabled] = _kernels_per_step(engine)
+            finally:
+                engine.unload()
+    finally:
+        set_norm_fold(True)
+    assert counts[False] - counts[True] == 2 * layers - 1, counts
