@@ -68,6 +68,13 @@ def norm_folds(norm: nn.Module, x: torch.Tensor) -> bool:
     )
 
 
+def kernels_run_on(x: torch.Tensor) -> bool:
+    """Whether the fold's Triton kernels run on x's device: CUDA. (The interpreter runs them
+    on CPU tensors too, which tests/engine/test_norm_fold_engine.py uses to check the
+    engine's fold path where no GPU is; on the CPU the engine's own path is torch's.)"""
+    return x.is_cuda
+
+
 def linears_fold(
     x: torch.Tensor,
     normed: tuple[nn.Module | None, ...],
@@ -76,7 +83,7 @@ def linears_fold(
     """Whether each linear is a plain quantized one that folds a norm at x's rows: `normed`
     apply a norm to their input (qkv, gate_up), `residual` end in the next norm's residual
     add and squares (o_proj, down_proj)."""
-    if not (_ENABLED and x.is_cuda):
+    if not (_ENABLED and kernels_run_on(x)):
         return False
     for linears, side in ((normed, "in"), (residual, "out")):
         for linear in linears:

@@ -8,13 +8,16 @@ stays a kernel). The kernels' own tests, on the CPU too, are tests/kernels/test_
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine import norm_fold
 from engine.cache import ForwardBatch, Sequence
 from engine.engine import Engine, EngineOptions
+from engine.modules import DecoderLayer
 from engine.norm_fold import set_norm_fold
 from helpers.decoding import greedy_with_logits
 from kernels.backend import set_programmatic_launch
@@ -116,3 +119,45 @@ def test_the_fold_removes_two_norm_launches_per_layer(tmp_path: Path) -> None:
     finally:
         set_norm_fold(True)
     assert counts[False] - counts[True] == 2 * layers - 1, counts
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "exl2"])
+def test_the_engine_fold_matches_the_unfused_ops_on_the_interpreter(
+    fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's fold path (FoldedHidden between layers, xw and squares from o_proj and
+    down_proj, rstd in qkv's and gate_up's slot sums) where no GPU is: the same kernels
+    through the Triton interpreter on CPU tensors, against the engine's unfused CPU path
+    (torch's ops). Greedy tokens and logits as in the GPU test above, fewer steps."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
+        pytest.skip("the interpreter's run of the fold; on a GPU the tests above run it")
+    model = build_model(tmp_path / fmt, "tiny", fmt, device="cpu")
+    prompt = torch.randint(2, 1000, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    steps = 6
+    folds = []
+    real_folded = DecoderLayer._folded
+
+    def counted(self, x, batch):  # counts the decode layers that take the fold
+        chosen = real_folded(self, x, batch)
+        folds.append(chosen is not None)
+        return chosen
+
+    monkeypatch.setattr(DecoderLayer, "_folded", counted)
+    results = {}
+    for fold in (False, True):
+        monkeypatch.setattr(norm_fold, "kernels_run_on", lambda x, fold=fold: fold)
+        folds.clear()
+        options = EngineOptions(device="cpu", dtype="float16", max_seq_len=64, cache_tokens=128)
+        engine = Engine.load(model, options)
+        try:
+            results[fold] = greedy_with_logits(engine, prompt, steps)
+        finally:
+            engine.unload()
+        # Every decode step folds every layer; the prompt's pass (one per layer, its rows
+        # over GEMV_MAX_M) never does.
+        assert folds.count(True) == (len(folds) - 4 if fold else 0) and len(folds) > 8, folds
+    off_tokens, off_logits = results[False]
+    on_tokens, on_logits = results[True]
+    scale = off_logits.abs().amax(dim=-1, keepdim=True)
+    assert on_tokens == off_tokens
+    assert ((on_logits - off_logits).abs() <= LOGIT_RTOL * scale).all()
