@@ -86,7 +86,8 @@ class EngineOptions:
     # so its host work overlaps the GPU (engine/scheduler.py, "Lookahead"); same output.
     lookahead: bool = True
     fuse_projections: bool = True  # q/k/v and gate/up built as one linear each (build_plan.py)
-    # Residual add + norm, SiLU * up, RoPE + KV write as one kernel each (same results).
+    # Residual add + norm, SiLU * up, RoPE + KV write as one kernel each (same results), and
+    # at quantized decode the norms folded into the GEMVs (reproducible, not the same bits).
     fuse_kernels: bool = True
     # Accepted for compatibility and ignored: decode is always bitwise reproducible on one
     # GPU (split-K partials are summed in a fixed order, kernels/quant_matmul/tiles.py), so

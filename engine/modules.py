@@ -21,7 +21,8 @@ RMSNorm (`DecoderLayer.forward_residual`, driven by `CausalLM.forward`), a gated
 and product are one kernel (at decode, the last kernel of a quantized gate_up projection),
 and RoPE writes k and v straight into a native KV cache. Each fused op rounds where the
 separate ops round, so outputs are the same; at batch 1 they save ~5 launches a layer (6 on
-a quantized decode).
+a quantized decode). At quantized decode the norms also fold into the GEMVs' slot sums
+(engine/norm_fold.py), which is as accurate and reproducible but not the same bits.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch import nn
 import kernels
 from engine.cache import ForwardBatch, PagedKVCache
 from engine.lora.batch import LoraBatch
-from engine.norm_fold import FoldedHidden, linears_fold, norm_folds
+from engine.norm_fold import FoldedHidden, folded_weight, linears_fold, norm_folds
 from kernels.attention import paged_attention, prompt_attention, prompt_attention_applies
 from kernels.quant_matmul.norm_fold import quant_matmul_normed, quant_matmul_residual
 
@@ -78,8 +79,9 @@ def gate_up_activation(
 
 class FusesKernels(nn.Module):
     """A module with fused small-op kernels, on while `fuse_kernels` (same results either
-    way; launches differ). `CausalLM` sets it in every such module from its build plan
-    (engine/build_plan.py); tools and tests may switch it (engine.fusion.set_kernel_fusion)."""
+    way, except the decode norm fold's last bits, engine/norm_fold.py; launches differ).
+    `CausalLM` sets it in every such module from its build plan (engine/build_plan.py);
+    tools and tests may switch it (engine.fusion.set_kernel_fusion)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -423,7 +425,9 @@ class DecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm.forward_add(attn, residual)
         return getattr(self, self.mlp_name)(normed, batch.lora), residual
 
-    def _folded(self, x: torch.Tensor | FoldedHidden, batch: ForwardBatch) -> Callable | None:
+    def _folded(
+        self, x: torch.Tensor | FoldedHidden, batch: ForwardBatch
+    ) -> Callable[..., tuple[torch.Tensor | FoldedHidden, torch.Tensor | None]] | None:
         """`_forward_folded` where this layer's norms fold into its GEMVs (engine/norm_fold.py:
         the plain quantized decode case), else None."""
         h = x.h if isinstance(x, FoldedHidden) else x
@@ -460,7 +464,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
         if isinstance(x, FoldedHidden) and x.xw is not None and x.norm is norm_in:
-            qkv = quant_matmul_normed(x.xw, x.squares, norm_in.eps, attn.qkv_proj.qweight)
+            qkv = quant_matmul_normed(
+                x.xw, x.squares, norm_in.eps, folded_weight(attn.qkv_proj), x.h.dtype
+            )
             h = x.h
         else:
             if isinstance(x, FoldedHidden):  # h, the residual already added
@@ -472,13 +478,13 @@ class DecoderLayer(nn.Module):
             qkv = attn.qkv_proj(normed, None)
         out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
         h, squares, xw = quant_matmul_residual(
-            out, attn.o_proj.qweight, h.contiguous(), norm_post.weight,
+            out, folded_weight(attn.o_proj), h.contiguous(), norm_post.weight,
             unit_offset=norm_post.unit_offset,
         )  # fmt: skip
         assert xw is not None  # a norm weight was given
         silu = mlp.act_name == "silu"
         hidden = quant_matmul_normed(
-            xw, squares, norm_post.eps, mlp.gate_up_proj.qweight, silu_mul=silu
+            xw, squares, norm_post.eps, folded_weight(mlp.gate_up_proj), h.dtype, silu_mul=silu
         )
         if not silu:
             gate, up = hidden.chunk(2, dim=-1)
@@ -486,7 +492,7 @@ class DecoderLayer(nn.Module):
         # The next layer's input norm, when it can read h * w (else it runs as a kernel).
         nxt = next_norm if type(next_norm) is RMSNorm and norm_folds(next_norm, h) else None
         h, squares, xw = quant_matmul_residual(
-            hidden, mlp.down_proj.qweight, h, nxt.weight if nxt is not None else None,
+            hidden, folded_weight(mlp.down_proj), h, nxt.weight if nxt is not None else None,
             unit_offset=nxt is not None and nxt.unit_offset,
         )  # fmt: skip
         return FoldedHidden(h, squares, xw, nxt), None

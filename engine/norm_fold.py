@@ -3,24 +3,26 @@ slot sums add the residual and write the next norm's partial sums of squares and
 the next norm's weight); the qkv and gate_up GEMVs read h * w as x and their slot sums
 scale each output by the row's rstd, then add the bias (kernels/quant_matmul/
 norm_fold.py: rms_norm(h) @ W = rstd * ((h * w) @ W)). Per layer two add_rms_norm launches
-fewer, no norm work in the GEMVs; the same bits every run, not the unfused ops' bits (one
-rounding of h * w instead of one of h * rstd * w), as accurate.
+fewer, no norm work in the GEMVs; the same bits every run, not the unfused ops' bits (h * w
+is kept in float32, exact, where rms_norm rounds h * rstd * w to h's dtype).
 
-Only the plain case folds (`layer_folds`): quantized linears on the decode GEMV (CUDA,
-at most GEMV_MAX_M rows), no LoRA batch, no forward hooks, unpadded weights, stock
-attention with one qkv_proj and a gated MLP with one gate_up_proj, norms without a
-dtype promotion. Tensor parallelism's linears are not QuantizedLinear (its site kernel
+Only the plain case folds (DecoderLayer._folded, `linears_fold`): quantized linears on the
+decode GEMV (CUDA, at most GEMV_MAX_M rows), no LoRA batch, no forward hooks, unpadded
+weights, stock attention with one qkv_proj and a gated MLP with one gate_up_proj, norms
+without a dtype promotion. Tensor parallelism's linears are not QuantizedLinear (its site kernel
 does the add and norm itself); everything else runs the unfused kernels.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import nn
 
 from engine.quantized_linear import QuantizedLinear
+from kernels.quant_matmul.layout import QuantizedWeight
 from kernels.quant_matmul.norm_fold import norm_fold_applies
 from kernels.quant_matmul.slot_sum import RowSquares
 
@@ -46,6 +48,14 @@ class FoldedHidden:
     squares: RowSquares
     xw: torch.Tensor | None = None
     norm: nn.Module | None = None
+
+
+def folded_weight(linear: nn.Module | None) -> QuantizedWeight:
+    """The quantized weight of a linear that `linears_fold` accepted."""
+    base = plain_quantized(linear)
+    if base is None:
+        raise TypeError(f"not a plain QuantizedLinear: {type(linear).__name__}")
+    return base.qweight
 
 
 def plain_quantized(linear: nn.Module | None) -> QuantizedLinear | None:
@@ -85,7 +95,11 @@ def linears_fold(
     add and squares (o_proj, down_proj)."""
     if not (_ENABLED and kernels_run_on(x)):
         return False
-    for linears, side in ((normed, "in"), (residual, "out")):
+    sides: tuple[tuple[tuple[nn.Module | None, ...], Literal["in", "out"]], ...] = (
+        (normed, "in"),
+        (residual, "out"),
+    )
+    for linears, side in sides:
         for linear in linears:
             base = plain_quantized(linear)
             if base is None or not norm_fold_applies(x, base.qweight, side):

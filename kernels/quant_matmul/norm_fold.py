@@ -30,17 +30,23 @@ from kernels.quant_matmul.split_k import unit_col_stride
 from kernels.rms_norm import MAX_SINGLE_PASS_D
 
 
-def norm_fold_applies(x: torch.Tensor, qw: QuantizedWeight, side: Literal["in", "out"]) -> bool:
+def norm_fold_applies(
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    side: Literal["in", "out"],
+    dtype: torch.dtype | None = None,
+) -> bool:
     """Whether x [..., k] @ W runs on the decode GEMV with a norm folded in on its input
     (side "in": quant_matmul_normed, the norm over k) or out of its output (side "out":
-    quant_matmul_residual, the norm over n): float16/bfloat16, at most GEMV_MAX_M rows, and
+    quant_matmul_residual, the norm over n): the model's dtype (`dtype`, default x's; the
+    folded GEMV's x is float32) float16/bfloat16, at most GEMV_MAX_M rows, and
     the norm's width one that a single pass holds. Only the normed width is bounded: an
     8B model's gate_up (n = 28,672) folds the norm over its k = 4,096. These are Triton
     kernels (CUDA tensors, or the interpreter's): callers check the device."""
     rows = x.numel() // max(x.shape[-1], 1)
     width = qw.in_features if side == "in" else qw.out_features
     return (
-        x.dtype in (torch.float16, torch.bfloat16)
+        (dtype if dtype is not None else x.dtype) in (torch.float16, torch.bfloat16)
         and 0 < rows <= GEMV_MAX_M
         and width <= MAX_SINGLE_PASS_D
     )
@@ -57,7 +63,7 @@ def quant_matmul_residual(
     """(h, its RowSquares, xw): h = residual + (x @ W + bias rounded to x's dtype), rounded,
     the bits of `kernels.add_rms_norm(quant_matmul(x, qw), residual)[1]`; with the next
     norm's `norm_weight` w ([n], x's dtype) xw = h * w (h * (1 + w) with `unit_offset`)
-    rounded to x's dtype, the x of `quant_matmul_normed`, else None. x [..., k], residual
+    in float32 (exact), the x of `quant_matmul_normed`, else None. x [..., k], residual
     [..., n] of x's dtype; `norm_fold_applies(x, qw, "out")` must hold."""
     check_args(x, qw)
     if not norm_fold_applies(x, qw, "out"):
@@ -67,7 +73,9 @@ def quant_matmul_residual(
         raise ValueError(f"residual must be {x.dtype} {(*x.shape[:-1], n)}")
     x2d = unit_col_stride(x.reshape(-1, qw.in_features))
     h = torch.empty((x2d.shape[0], n), dtype=x.dtype, device=x.device)
-    xw = torch.empty_like(h) if norm_weight is not None else None
+    xw = None
+    if norm_weight is not None:
+        xw = torch.empty(h.shape, dtype=torch.float32, device=h.device)
     weight = norm_weight.contiguous() if norm_weight is not None else None
     with device_guard(x):
         squares = launch_gemv_residual(
@@ -88,25 +96,29 @@ def quant_matmul_normed(
     squares: RowSquares,
     eps: float,
     qw: QuantizedWeight,
+    dtype: torch.dtype,
     *,
     silu_mul: bool = False,
 ) -> torch.Tensor:
     """rms_norm(h, w, eps) @ W + bias as rstd * (xw @ W) + bias: xw = h * w and `squares`
     h's, both from quant_matmul_residual (the norm's unit offset is in xw). The GEMV reads
     xw as any x; its slot sum scales each row's sums by the row's rstd (finished from the
-    squares by rms_norm's pairwise tree) and then adds the bias. Not rms_norm + GEMV's bits
-    (xw is rounded where rms_norm's output was), the same bits every run. `silu_mul`: W is
+    squares by rms_norm's pairwise tree) and then adds the bias, rounding once to `dtype`
+    (h's). Not rms_norm + GEMV's bits (xw is float32, where rms_norm's output is rounded to
+    h's dtype), the same bits every run. `silu_mul`: W is
     a fused [gate | up] projection and the result is silu(gate) * up, as
     kernels.quant_matmul_silu_mul. `norm_fold_applies(xw, qw, "in")` must hold."""
     check_args(xw, qw)
-    if not norm_fold_applies(xw, qw, "in"):
+    if xw.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"xw must be float32 and dtype float16/bfloat16, got {xw.dtype}, {dtype}")
+    if not norm_fold_applies(xw, qw, "in", dtype):
         raise ValueError("quant_matmul_normed runs on the decode GEMV only (norm_fold_applies)")
     n = qw.out_features
     if silu_mul and n % 2:
         raise ValueError(f"a [gate | up] projection has an even out_features, got {n}")
     x2d = unit_col_stride(xw.reshape(-1, qw.in_features))
     width = n // 2 if silu_mul else n
-    y = torch.empty((x2d.shape[0], width), dtype=xw.dtype, device=xw.device)
+    y = torch.empty((x2d.shape[0], width), dtype=dtype, device=xw.device)
     norm = SlotNorm(squares, qw.in_features, float(eps))
     with device_guard(xw):
         launch_gemv(x2d, qw, y, silu_mul=silu_mul, norm=norm)

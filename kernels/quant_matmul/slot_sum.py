@@ -25,16 +25,16 @@ intermediate's write and read (issue 31: the decode MLP pays for no kernel bound
 h = residual + y, rounded as kernels.add_rms_norm rounds it (y to the dtype first, as the
 GEMV alone stores it, then the sum), each program's float32 pairwise sum of squares of its
 chunk of h's row into `RowSquares` (one fixed slot per program) and, given the next norm's
-weight w, xw = h * w (h * (1 + w) for Gemma's unit offset) rounded to h's dtype. The next
+weight w, xw = h * w (h * (1 + w) for Gemma's unit offset) in float32, exact. The next
 GEMV reads xw as a plain x and its slot sum (`launch_slot_sum` with a `SlotNorm`) finishes
 the norm: y = rstd * (sum of the slots) + bias, rstd = rsqrt(mean of squares + eps) of the
 row from the RowSquares by kernels/rms_norm.py's fixed pairwise tree, in every program
 alike. RMSNorm is h * rstd * w with rstd one scalar per row, and a GEMV is linear in x, so
 rms_norm(h) @ W = rstd * ((h * w) @ W): the norm costs the GEMV nothing (applied per x
 element it did, kernels/quant_matmul/gemv.py's docstring says why), and add_rms_norm's
-launch is gone. The bits are not the unfused ops' (one rounding of h * w instead of one
-of h * rstd * w; rstd after the sum instead of before), but the same every run: every sum
-has a fixed order.
+launch is gone. The bits are not the unfused ops' (x is not rounded to 16 bits at all,
+where rms_norm rounds h * rstd * w; rstd after the sum instead of before), but the same
+every run: every sum has a fixed order.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ def _slot_sum_residual_kernel(
     h_ptr,  # [M, n] contiguous: residual + y
     squares_ptr,  # float32 [M, chunks]: RowSquares.sums
     norm_w_ptr,  # XW: the next RMSNorm's weight [n], h's dtype; else unused
-    xw_ptr,  # XW: [M, n] contiguous, h's dtype: h * w (h * (1 + w), UNIT_OFFSET)
+    xw_ptr,  # XW: float32 [M, n] contiguous: h * w (h * (1 + w), UNIT_OFFSET), exact
     n,
     elements,  # M * n: the workspace's slot stride
     chunks,
@@ -341,7 +341,11 @@ def _slot_sum_residual_kernel(
     hf = h.to(tl.float32)  # 0 past n
     tl.store(squares_ptr + row * chunks + chunk, pairwise_sum(hf * hf, BLOCK))
     if XW:
-        tl.store(xw_ptr + offsets, cast_rtne(hf * w, dtype, EMULATE_BF16), mask=mask)
+        # Kept in float32, where h * w of two 16-bit floats is exact: rounded to h's dtype it
+        # would overflow float16 where a residual channel is large (h 20,000 times w 4 is
+        # past 65,504; rms_norm rounds the far smaller h * rstd * w) and lose bits in
+        # float16's subnormals where h and w are small.
+        tl.store(xw_ptr + offsets, hf * w, mask=mask)
 
 
 def launch_slot_sum_residual(
@@ -360,8 +364,8 @@ def launch_slot_sum_residual(
     rounded to h's dtype), rounded once more: kernels.add_rms_norm's residual output, bit
     for bit, for a GEMV's y. Returns h's `RowSquares` (chunk = the program's block, a row
     never straddles two programs). With `norm_weight` (the next RMSNorm's, [n] in h's
-    dtype) also writes xw [M, n] = h * w, or h * (1 + w) with `unit_offset`, rounded to
-    h's dtype: the next GEMV's x (module docstring). `pdl` and `config` as for
+    dtype) also writes xw [M, n] = h * w, or h * (1 + w) with `unit_offset`, in float32
+    (exact): the next GEMV's x (module docstring). `pdl` and `config` as for
     `launch_slot_sum`."""
     if h.dim() != 2 or not h.is_contiguous() or h.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
@@ -381,8 +385,10 @@ def launch_slot_sum_residual(
         norm_weight.shape != (n,) or norm_weight.dtype != h.dtype or not norm_weight.is_contiguous()
     ):
         raise ValueError(f"norm_weight must be a contiguous {h.dtype} [{n}]")
-    if xw is not None and (xw.shape != h.shape or xw.dtype != h.dtype or not xw.is_contiguous()):
-        raise ValueError(f"xw must be a contiguous {h.dtype} {tuple(h.shape)}")
+    if xw is not None and (
+        xw.shape != h.shape or xw.dtype != torch.float32 or not xw.is_contiguous()
+    ):
+        raise ValueError(f"xw must be a contiguous float32 {tuple(h.shape)}")
     c = config if config is not None else slot_sum_config(M * n, slots, h.device)
     chunks = triton.cdiv(n, c.block)
     squares = RowSquares(torch.empty((M, chunks), dtype=torch.float32, device=h.device), c.block)

@@ -2,8 +2,9 @@
 decode GEMV, dot.py's tensor-core path for a few rows of x, dequantize.py): the constexprs
 and arguments of a segment's planes, the group check that lets scales apply once per
 chunk (`chunks_in_groups`), the split-K plan (`split_iters`), and the per-device workspace
-whose slots hold the split-K partials until the last program of each tile adds them in a
-fixed order (`split_k_workspace`; the kernels' side is kernels/quant_matmul/tiles.py). The design
+whose slots hold the split-K partials until they are added in a fixed order: by the slot
+sum kernel after the decode GEMV (slot_sum.py), by each tile's last program on the mid-M
+path (`split_k_workspace`; the kernels' side is kernels/quant_matmul/tiles.py). The design
 of the paths is in kernels/quant_matmul/__init__.py's docstring.
 """
 
@@ -146,18 +147,22 @@ def split_k_workspace(
             _RETIRED_WORKSPACES.append(have)
         grow_sums = sums > old_sums
         grow_tiles = tiles > old_tiles
-        have = (
-            torch.zeros(
-                min(max(sums, 2 * old_sums if grow_sums else old_sums, 1 << 17), 1 << 31),
-                dtype=torch.float32,
-                device=device,
-            ),
-            torch.zeros(
-                max(tiles, 2 * old_tiles if grow_tiles else old_tiles, 1024),
-                dtype=torch.int32,
-                device=device,
-            ),
-        )
+        # Normal tensors even when the first call comes from the engine's inference mode:
+        # the workspace outlives that call, and an inference tensor refuses in-place torch
+        # ops outside inference mode (tests fill it to check what the kernels write).
+        with torch.inference_mode(False):
+            have = (
+                torch.zeros(
+                    min(max(sums, 2 * old_sums if grow_sums else old_sums, 1 << 17), 1 << 31),
+                    dtype=torch.float32,
+                    device=device,
+                ),
+                torch.zeros(
+                    max(tiles, 2 * old_tiles if grow_tiles else old_tiles, 1024),
+                    dtype=torch.int32,
+                    device=device,
+                ),
+            )
         _WORKSPACES[device] = have
     return have
 

@@ -1,9 +1,9 @@
 """RMSNorm folded into the decode GEMVs around it (issue 28, kernels/quant_matmul/norm_fold.py):
 the slot sum of o_proj/down_proj adds the residual, writes partial sums of squares and
-xw = h * w; the next GEMV reads xw as x and its slot sum applies rstd, then the bias
-(rms_norm(h) @ W = rstd * ((h * w) @ W)).
+xw = h * w (float32, exact); the next GEMV reads xw as x and its slot sum applies rstd,
+then the bias (rms_norm(h) @ W = rstd * ((h * w) @ W)).
 
-What is tested: h and the squares are add_rms_norm's bits; xw is h * w rounded once; the
+What is tested: h and the squares are add_rms_norm's bits; xw is h * w exactly; the
 folded product is as accurate as rms_norm + GEMV (each against a float64 reference: the
 fold's error at most twice the unfused path's) in float16 and bfloat16, over several k,
 chunk sizes, rows, permuted or not, Llama's and Gemma's norms, with and without gate_up's
@@ -56,7 +56,7 @@ def _pairwise(values: torch.Tensor) -> torch.Tensor:
 def _residual_sum(x, qw, residual, iters=None, block=None, weight=None, unit_offset=False):
     x2d = x.reshape(-1, qw.in_features)
     h = torch.empty_like(residual)
-    xw = torch.empty_like(residual) if weight is not None else None
+    xw = torch.empty(residual.shape, dtype=torch.float32) if weight is not None else None
     tiling = gemv_tiling(x2d, qw, iters=iters)
     config = SlotSumConfig(block, 1) if block is not None else None
     squares = launch_gemv_residual(
@@ -107,7 +107,7 @@ def test_residual_slot_sum_is_add_rms_norms_sum(
 ) -> None:
     """h == add_rms_norm(GEMV y, residual)'s residual output; each chunk's square sum is the
     pairwise tree of its part of h's row; the chunks finish to the whole row's tree; xw is
-    h * w (h * (1 + w)) rounded once to the dtype."""
+    h * w (h * (1 + w)) in float32, exact."""
     _require_triton(device)
     qw = make_weight(k, n, [4, 3], device=device, seed=k + n, bias=True)
     x = _rand((M, k), dtype, device, seed=1, scale=0.5)
@@ -116,7 +116,7 @@ def test_residual_slot_sum_is_add_rms_norms_sum(
     y = quant_matmul_triton(x, qw, path="gemv")
     _, want_h = add_rms_norm_triton(y, residual, torch.ones(n, dtype=dtype, device=device), EPS)
     scaled = 1 + weight.float() if unit_offset else weight.float()
-    want_xw = (want_h.float() * scaled).to(dtype)
+    want_xw = want_h.float() * scaled
     for _ in range(2):  # the workspace as the first call left it
         h, squares, xw, slots = _residual_sum(x, qw, residual, iters, block, weight, unit_offset)
         assert torch.equal(h, want_h) and torch.equal(xw, want_xw)
@@ -158,10 +158,10 @@ def test_folded_gemv_is_as_accurate_as_rms_norm_then_the_gemv(
     unfused = quant_matmul_triton(normed, qw, path="gemv")
     if silu_mul:
         unfused = silu_mul_triton(*unfused.chunk(2, dim=-1))
-    got = quant_matmul_normed(xw, squares, EPS, qw, silu_mul=silu_mul)
+    got = quant_matmul_normed(xw, squares, EPS, qw, dtype, silu_mul=silu_mul)
     assert got.dtype == dtype and got.shape == unfused.shape
     _assert_as_accurate(got, unfused, _reference(h, weight, qw, unit_offset, silu_mul))
-    again = quant_matmul_normed(xw, squares, EPS, qw, silu_mul=silu_mul)
+    again = quant_matmul_normed(xw, squares, EPS, qw, dtype, silu_mul=silu_mul)
     assert torch.equal(again, got)
 
 
@@ -179,7 +179,7 @@ def test_the_fold_does_not_depend_on_the_chunk_of_the_squares(dtype) -> None:
     for block in (32, 64, 256):
         _, squares, xw, _ = _residual_sum(x, qw_out, residual, None, block, weight)
         assert squares.chunk == block
-        outs.append(quant_matmul_normed(xw, squares, EPS, qw, silu_mul=True))
+        outs.append(quant_matmul_normed(xw, squares, EPS, qw, dtype, silu_mul=True))
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
 
 
@@ -238,7 +238,7 @@ def test_the_public_pair_is_as_accurate_as_add_rms_norm_then_the_gemv(dtype, dev
     assert norm_fold_applies(x, qw_o, "out") and norm_fold_applies(want_h, qw_qkv, "in")
     h, squares, xw = quant_matmul_residual(x, qw_o, residual, weight)
     assert xw is not None and xw.shape == want_h.shape
-    got = quant_matmul_normed(xw, squares, EPS, qw_qkv)
+    got = quant_matmul_normed(xw, squares, EPS, qw_qkv, dtype)
     assert h.shape == want_h.shape and torch.equal(h, want_h)
     assert got.shape == unfused.shape
     _assert_as_accurate(got, unfused, _reference(h, weight, qw_qkv, False, False))
@@ -262,9 +262,9 @@ def test_the_order_of_the_squares_matters() -> None:
         left_to_right = left_to_right + v
     assert not torch.equal(left_to_right, _pairwise(squares.sums)[0])
     qw = make_weight(d, 256, [4], seed=7)
-    want = quant_matmul_normed(xw, squares, EPS, qw)
+    want = quant_matmul_normed(xw, squares, EPS, qw, dtype)
     off = RowSquares(squares.sums * (1 + 2.0**-14), squares.chunk)
-    assert not torch.equal(quant_matmul_normed(xw, off, EPS, qw), want)
+    assert not torch.equal(quant_matmul_normed(xw, off, EPS, qw, dtype), want)
 
 
 def test_what_does_not_fold_is_refused() -> None:
@@ -275,9 +275,15 @@ def test_what_does_not_fold_is_refused() -> None:
     with pytest.raises(ValueError, match="decode GEMV"):
         quant_matmul_residual(x, qw, torch.zeros(3, 64, dtype=torch.float16))
     with pytest.raises(ValueError, match="decode GEMV"):
-        quant_matmul_normed(x[:1].float(), RowSquares(torch.zeros(1, 2), 32), EPS, qw)
+        quant_matmul_normed(x.float(), RowSquares(torch.zeros(3, 2), 32), EPS, qw, x.dtype)
+    with pytest.raises(ValueError, match="xw must be float32"):
+        quant_matmul_normed(x[:1], RowSquares(torch.zeros(1, 2), 32), EPS, qw, x.dtype)
+    with pytest.raises(ValueError, match="xw must be float32"):
+        quant_matmul_normed(
+            x[:1].float(), RowSquares(torch.zeros(1, 2), 32), EPS, qw, torch.float32
+        )
     with pytest.raises(ValueError, match="squares"):
-        quant_matmul_normed(x[:1], RowSquares(torch.zeros(1, 3), 32), EPS, qw)
+        quant_matmul_normed(x[:1].float(), RowSquares(torch.zeros(1, 3), 32), EPS, qw, x.dtype)
     with pytest.raises(ValueError, match="norm_weight"):
         quant_matmul_residual(x[:1], qw, x[:1], torch.ones(64))  # float32 weight
 
@@ -301,8 +307,34 @@ def test_only_the_normed_width_is_bounded() -> None:
     assert torch.equal(h_next, want_h)
     unfused = quant_matmul_triton(normed_h, gate_up, path="gemv")
     unfused = silu_mul_triton(*unfused.chunk(2, dim=-1))
-    got = quant_matmul_normed(xw, squares, EPS, gate_up, silu_mul=True)
+    got = quant_matmul_normed(xw, squares, EPS, gate_up, dtype, silu_mul=True)
     _assert_as_accurate(got, unfused, _reference(h_next, weight, gate_up, False, True))
     down = make_weight(wide, d, [4], seed=16)
     assert norm_fold_applies(got[..., :wide], down, "out")
     assert not norm_fold_applies(got[..., :wide], down, "in")
+
+
+def test_a_massive_channel_and_a_tiny_row_stay_exact_in_float16() -> None:
+    """xw = h * w is float32: in float16 a residual channel of 20,000 under a norm weight of
+    4 would overflow to inf (qkv all NaN, where rms_norm's h * rstd * w stays small), and a
+    row of h ~ 1e-3 under w ~ 0.02 would fall into float16's subnormals (about 4x the
+    unfused path's error). Each row as accurate as rms_norm + GEMV."""
+    _require_triton("cpu")
+    dtype, d = torch.float16, 256
+    qw_out = make_weight(128, d, [4], seed=41, bias=False)
+    x = _rand((2, 128), dtype, "cpu", seed=42, scale=0.01)
+    x[1] = 0  # row 1's h is its residual
+    residual = _rand((2, d), dtype, "cpu", seed=43)
+    residual[0, 7] = 20000.0  # a massive activation, as a few channels of Llama models carry
+    residual[1] = residual[1] * 1e-3
+    weight = _rand((d,), dtype, "cpu", seed=44, scale=0.002) + 0.02
+    weight[7] = 4.0
+    h, squares, xw, _ = _residual_sum(x, qw_out, residual, None, 32, weight)
+    assert xw.dtype == torch.float32 and torch.equal(xw, h.float() * weight.float())
+    qw = make_weight(d, 2 * 72, [4], seed=45, bias=True)
+    unfused = quant_matmul_triton(rms_norm_triton(h, weight, EPS), qw, path="gemv")
+    got = quant_matmul_normed(xw, squares, EPS, qw, dtype)
+    ref = _reference(h, weight, qw, False, False)
+    for row in range(2):
+        assert torch.isfinite(got[row]).all()
+        _assert_as_accurate(got[row], unfused[row], ref[row])
