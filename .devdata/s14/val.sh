@@ -13,13 +13,14 @@
 #   run(kind="nvidia-h200-x2" (H200 rows; an H100 pair is fine for the H100 rows),
 #       carry=[".devdata/s14/t", ".devdata/s14/m", ".devdata/s11/w"], timeout_s=540,
 #       command="bash .devdata/s14/t/.devdata/s14/val.sh")
+# One GPU: ONE=1 ROUNDS=2 runs the A/B first, then GPU 0's checks, on the same card.
 # Results: $OUT/val.log (summary), $OUT/val.tgz (everything).
 set -u
 R=$PWD; T=$R/.devdata/s14/t; M=$R/.devdata/s14/m; O=/tmp/val; mkdir -p $O/ab
 pip install -q --no-index --no-deps --target /tmp/site .devdata/s11/w/*.whl > /tmp/pip.log 2>&1
 LOG=$O/val.log; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader > $LOG
 gpu0() {
-  cd $T; export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$T:/tmp/site; local S=$SECONDS
+  cd $T; export CUDA_VISIBLE_DEVICES=${G0:-0} PYTHONPATH=$T:/tmp/site; local S=$SECONDS
   timeout 200 python .devdata/s14/pdl20.py $O/pdl20.json > $O/pdl20.txt 2>&1
   echo "pdl20 rc=$? $(tr -d '\n' < $O/pdl20.json 2>/dev/null) t=$((SECONDS-S))" >> $LOG
   timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_determinism.py \
@@ -38,8 +39,8 @@ gpu0() {
   done
 }
 gpu1() {
-  export CUDA_VISIBLE_DEVICES=1; local S=$SECONDS
-  for round in 1 2 3; do
+  export CUDA_VISIBLE_DEVICES=${G1:-1}; local S=$SECONDS
+  for round in $(seq 1 ${ROUNDS:-3}); do
     for t in m t; do
       local tree=$R/.devdata/s14/$t
       (cd $tree && PYTHONPATH=$tree:/tmp/site timeout 90 python -m tools.bench --shape llama3-8b \
@@ -52,7 +53,11 @@ gpu1() {
      --format gptq --prompt 512 --work /tmp/kb1 --out $O/ab/prof > /tmp/prof.log 2>&1)
   echo "profile rc=$? $(grep -E 'kernels_per_step|graph_replay_ms' /tmp/prof.log | tr -s ' ' | tr '\n' ' ')" >> $LOG
 }
-gpu0 & A=$!
-gpu1 & B=$!
-wait $A $B
+if [ "${ONE:-0}" = 1 ]; then  # one GPU: the A/B first (nothing beside it), then the checks
+  G0=0 G1=0; gpu1; gpu0
+else
+  gpu0 & A=$!
+  gpu1 & B=$!
+  wait $A $B
+fi
 cp $LOG $OUT/; tar -czf $OUT/val.tgz -C /tmp val
