@@ -7,7 +7,9 @@ fewer, no norm work in the GEMVs; the same bits every run, not the unfused ops' 
 is kept in float32, exact, where rms_norm rounds h * rstd * w to h's dtype).
 
 Only the plain case folds (DecoderLayer._folded, `linears_fold`): quantized linears on the
-decode GEMV (CUDA, at most GEMV_MAX_M rows), no LoRA batch, no forward hooks, unpadded
+decode GEMV (CUDA, at most GEMV_MAX_M rows), no LoRA batch (a linear wrapped for loaded
+adapters still folds when no row of the batch uses one: the wrapper then runs its base alone,
+and the base model's bits must not depend on what else is loaded), no forward hooks, unpadded
 weights, stock attention with one qkv_proj and a gated MLP with one gate_up_proj, norms
 without a dtype promotion. Tensor parallelism's linears are not QuantizedLinear (its site kernel
 does the add and norm itself); everything else runs the unfused kernels.
@@ -21,6 +23,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from engine.lora.layers import LoraLinear
 from engine.quantized_linear import QuantizedLinear
 from kernels.quant_matmul.layout import QuantizedWeight
 from kernels.quant_matmul.norm_fold import norm_fold_applies
@@ -58,11 +61,19 @@ def folded_weight(linear: nn.Module | None) -> QuantizedWeight:
     return base.qweight
 
 
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 def plain_quantized(linear: nn.Module | None) -> QuantizedLinear | None:
-    """The linear if it is a bare QuantizedLinear (no wrapper, no hooks, n unpadded)."""
+    """The linear if it is a bare QuantizedLinear (no hooks, n unpadded), or the base of a
+    LoraLinear wrapping one: callers fold only batches without LoRA, where the wrapper's
+    forward is its base's (engine/lora/layers.py)."""
+    if type(linear) is LoraLinear and not _hooked(linear):
+        linear = linear.base
     if type(linear) is not QuantizedLinear:
         return None
-    if linear._forward_hooks or linear._forward_pre_hooks:
+    if _hooked(linear):
         return None
     if linear.qweight.out_features != linear.out_features:
         return None

@@ -161,3 +161,58 @@ def test_the_engine_fold_matches_the_unfused_ops_on_the_interpreter(
     scale = off_logits.abs().amax(dim=-1, keepdim=True)
     assert on_tokens == off_tokens
     assert ((on_logits - off_logits).abs() <= LOGIT_RTOL * scale).all()
+
+
+def test_a_loaded_adapter_leaves_plain_requests_folded_on_the_interpreter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading a LoRA adapter wraps the linears (engine/lora/layers.py); requests that use no
+    adapter must still fold, bit for bit as before the load (the base model's output must not
+    depend on what else is loaded), and a request under the adapter takes the unfused path
+    with its deltas. Through the interpreter on CPU tensors, as the test above."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
+        pytest.skip("the interpreter's run of the fold; on a GPU the tests above run it")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from helpers.lora import ALL, make_adapter
+
+    model = build_model(tmp_path / "gptq", "tiny", "gptq", device="cpu")
+    config = AutoConfig.from_pretrained(model)
+    config.quantization_config = None
+    del config.quantization_config
+    adapter = tmp_path / "adapter"
+    make_adapter(AutoModelForCausalLM.from_config(config), adapter, seed=5, r=8, target_modules=ALL)
+    prompt = torch.randint(2, 1000, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    steps = 4
+    folds: list[bool] = []
+    real_folded = DecoderLayer._folded
+
+    def counted(self, x, batch):  # counts the decode layers that take the fold
+        chosen = real_folded(self, x, batch)
+        folds.append(chosen is not None)
+        return chosen
+
+    monkeypatch.setattr(DecoderLayer, "_folded", counted)
+    monkeypatch.setattr(norm_fold, "kernels_run_on", lambda x: True)
+    options = EngineOptions(device="cpu", dtype="float16", max_seq_len=64, cache_tokens=128)
+    engine = Engine.load(model, options)
+    try:
+        runs = {}
+        for label in ("before", "loaded", "selected"):
+            if label == "loaded":
+                name = engine.loras.load(adapter)
+            if label == "selected":
+                engine.loras.set_default({name: 1.0})
+            folds.clear()
+            runs[label] = (greedy_with_logits(engine, prompt, steps), list(folds))
+    finally:
+        engine.unload()
+    (tokens, logits), folded = runs["before"]
+    layers = len(folded) // (steps + 1)
+    assert folded.count(True) == steps * layers and folded.count(False) == layers, folded
+    (loaded_tokens, loaded_logits), loaded_folds = runs["loaded"]
+    assert loaded_folds == folded
+    assert loaded_tokens == tokens and torch.equal(loaded_logits, logits)
+    (_, adapted_logits), adapted_folds = runs["selected"]
+    assert not any(adapted_folds), adapted_folds
+    assert not torch.allclose(adapted_logits, logits, rtol=LOGIT_RTOL), "the adapter did nothing"
