@@ -13,6 +13,7 @@
 #   run(kind="nvidia-h200-x2" (H200 rows; an H100 pair is fine for the H100 rows),
 #       carry=[".devdata/s14/t", ".devdata/s14/m", ".devdata/s11/w"], timeout_s=540,
 #       command="bash .devdata/s14/t/.devdata/s14/val.sh")
+# NEED_GPU=H200: run only on that card (else log it and stop). CHECKS_ONLY=1: GPU 0's checks alone.
 # One GPU: ONE=1 ROUNDS=2 runs the A/B first, then GPU 0's checks, on the same card.
 # Results: $OUT/val.log (summary), $OUT/val.tgz (everything).
 set -u
@@ -53,7 +54,11 @@ gpu1() {
      --format gptq --prompt 512 --work /tmp/kb1 --out $O/ab/prof > /tmp/prof.log 2>&1)
   echo "profile rc=$? $(grep -E 'kernels_per_step|graph_replay_ms' /tmp/prof.log | tr -s ' ' | tr '\n' ' ')" >> $LOG
 }
-if [ "${ONE:-0}" = 1 ]; then  # one GPU: the A/B first (nothing beside it), then the checks
+if [ -n "${NEED_GPU:-}" ] && ! grep -q "$NEED_GPU" $LOG; then
+  echo "not a $NEED_GPU: nothing run" >> $LOG  # ask again later; this call cost only its start
+elif [ "${CHECKS_ONLY:-0}" = 1 ]; then  # the checks alone (GPU 0), no A/B
+  gpu0
+elif [ "${ONE:-0}" = 1 ]; then  # one GPU: the A/B first (nothing beside it), then the checks
   G0=0 G1=0; gpu1; gpu0
 else
   gpu0 & A=$!
