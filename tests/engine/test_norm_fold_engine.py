@@ -121,6 +121,20 @@ def test_the_fold_removes_two_norm_launches_per_layer(tmp_path: Path) -> None:
     assert counts[False] - counts[True] == 2 * layers - 1, counts
 
 
+def _count_folds(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """From now on, whether each decoder layer call takes the fold, appended in order."""
+    folds: list[bool] = []
+    real_folded = DecoderLayer._folded
+
+    def counted(self, x, batch):
+        chosen = real_folded(self, x, batch)
+        folds.append(chosen is not None)
+        return chosen
+
+    monkeypatch.setattr(DecoderLayer, "_folded", counted)
+    return folds
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "exl2"])
 def test_the_engine_fold_matches_the_unfused_ops_on_the_interpreter(
     fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -134,15 +148,7 @@ def test_the_engine_fold_matches_the_unfused_ops_on_the_interpreter(
     model = build_model(tmp_path / fmt, "tiny", fmt, device="cpu")
     prompt = torch.randint(2, 1000, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     steps = 6
-    folds = []
-    real_folded = DecoderLayer._folded
-
-    def counted(self, x, batch):  # counts the decode layers that take the fold
-        chosen = real_folded(self, x, batch)
-        folds.append(chosen is not None)
-        return chosen
-
-    monkeypatch.setattr(DecoderLayer, "_folded", counted)
+    folds = _count_folds(monkeypatch)
     results = {}
     for fold in (False, True):
         monkeypatch.setattr(norm_fold, "kernels_run_on", lambda x, fold=fold: fold)
@@ -184,15 +190,7 @@ def test_a_loaded_adapter_leaves_plain_requests_folded_on_the_interpreter(
     make_adapter(AutoModelForCausalLM.from_config(config), adapter, seed=5, r=8, target_modules=ALL)
     prompt = torch.randint(2, 1000, (12,), generator=torch.Generator().manual_seed(4)).tolist()
     steps = 4
-    folds: list[bool] = []
-    real_folded = DecoderLayer._folded
-
-    def counted(self, x, batch):  # counts the decode layers that take the fold
-        chosen = real_folded(self, x, batch)
-        folds.append(chosen is not None)
-        return chosen
-
-    monkeypatch.setattr(DecoderLayer, "_folded", counted)
+    folds = _count_folds(monkeypatch)
     monkeypatch.setattr(norm_fold, "kernels_run_on", lambda x: True)
     options = EngineOptions(device="cpu", dtype="float16", max_seq_len=64, cache_tokens=128)
     engine = Engine.load(model, options)
