@@ -40,7 +40,12 @@ from engine.cache import ForwardBatch, PagedKVCache
 from engine.lora.batch import LoraBatch
 from engine.norm_fold import FoldedHidden, folded_weight, linears_fold, norm_folds
 from kernels.attention import paged_attention, prompt_attention, prompt_attention_applies
-from kernels.quant_matmul.norm_fold import quant_matmul_normed, quant_matmul_residual
+from kernels.quant_matmul.norm_fold import (
+    quant_matmul_normed,
+    quant_matmul_normed_rope,
+    quant_matmul_residual,
+)
+from kernels.quant_matmul.slot_sum_rope import RopeCacheWrite
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -248,6 +253,35 @@ class Attention(FusesKernels):
             v.view(num_tokens, s.num_kv_heads, s.head_dim),
         )
 
+    def rope_write_fuses(self, cache: PagedKVCache, dtype: torch.dtype) -> bool:
+        """Whether RoPE and the cache write are one kernel (kernels.apply_rope_write): a
+        native cache of the activations' dtype (quantized caches quantize on write)."""
+        k_cache = cache.k_slots[self.layer_idx]
+        quantized = cache.k_format.quantized or cache.v_format.quantized
+        return self.fuse_kernels and not quantized and k_cache.dtype == dtype
+
+    def rope_cache_write(
+        self, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary, dtype: torch.dtype
+    ) -> RopeCacheWrite | None:
+        """Where the qkv projection's slot sum can rotate q and k and write k and v itself
+        (kernels/quant_matmul/slot_sum_rope.py), for the folded decode path: as
+        `rope_write_fuses` for activations of `dtype`, with no q/k norm between the
+        projection and the rotation."""
+        s = self.spec
+        if s.qk_norm or not self.rope_write_fuses(cache, dtype):
+            return None
+        return RopeCacheWrite(
+            batch.positions,
+            batch.slots,
+            rotary.cos,
+            rotary.sin,
+            cache.k_slots[self.layer_idx],
+            cache.v_slots[self.layer_idx],
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+        )
+
     def attend(
         self,
         q: torch.Tensor,
@@ -259,29 +293,45 @@ class Attention(FusesKernels):
     ) -> torch.Tensor:
         """The attention of the projected rows, before o_proj: [T, Hq * D]."""
         s = self.spec
-        num_tokens = q.shape[0]
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         # The flat slots, with the scratch slot that graph padding rows write (engine.cache).
         k_cache, v_cache = cache.k_slots[self.layer_idx], cache.v_slots[self.layer_idx]
-        quantized = cache.k_format.quantized or cache.v_format.quantized
-        fused_write = self.fuse_kernels and not quantized and k_cache.dtype == k.dtype
-        if fused_write:
+        if self.rope_write_fuses(cache, k.dtype):
             q = kernels.apply_rope_write(
                 q, k, v, batch.positions, rotary.cos, rotary.sin, k_cache, v_cache, batch.slots
             )
-        else:
-            # Quantized caches quantize on write (kernels.kv_quant): rotate, then write.
-            q, k = kernels.apply_rope(q, k, batch.positions, rotary.cos, rotary.sin)
-            cache.write(self.layer_idx, batch.slots, k, v)
+            return self.attend_cached(q, batch, cache, v=v)
+        # Quantized caches quantize on write (kernels.kv_quant): rotate, then write.
+        q, k = kernels.apply_rope(q, k, batch.positions, rotary.cos, rotary.sin)
+        cache.write(self.layer_idx, batch.slots, k, v)
+        return self.attend_cached(q, batch, cache, k, v)
+
+    def attend_cached(
+        self,
+        q: torch.Tensor,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The attention of the rotated q [T, Hq, D] whose rows' k and v are in the cache
+        already, before o_proj: [T, Hq * D]. A fresh prompt's attention reads the rows' own
+        k and v: those given (k rotated), the others read back from a native cache's slots."""
+        s = self.spec
+        num_tokens = q.shape[0]
+        quantized = cache.k_format.quantized or cache.v_format.quantized
         if batch.fresh and prompt_attention_applies(
             q,
             quantized_cache=quantized,
             sliding_window=s.sliding_window,
             softcap=s.softcap,
         ):
-            if fused_write:  # the rotated keys went straight into the cache: read them back
-                k = k_cache.index_select(0, batch.slots)
+            # What went straight into the cache (rotated keys, values) is read back.
+            if k is None:
+                k = cache.k_slots[self.layer_idx].index_select(0, batch.slots)
+            if v is None:
+                v = cache.v_slots[self.layer_idx].index_select(0, batch.slots)
             out = prompt_attention(q, k, v, scale=self.scale)
             return out.view(num_tokens, s.num_heads * s.head_dim)
         out = paged_attention(
@@ -459,15 +509,25 @@ class DecoderLayer(nn.Module):
         """`forward_residual` with both norms inside the GEMVs: o_proj's and down_proj's
         slot sums add the residual and write the sums of squares and h * w for the next
         norm, qkv's and gate_up's slot sums apply the rstd (kernels/quant_matmul/
-        norm_fold.py). A layer after the embedding, or after a layer that did not fold or
-        did not know this layer's norm, runs its input norm as a kernel first."""
+        norm_fold.py), and qkv's also RoPE and the native cache write where the attention
+        allows (Attention.rope_cache_write, kernels/quant_matmul/slot_sum_rope.py). A layer
+        after the embedding, or after a layer that did not fold or did not know this
+        layer's norm, runs its input norm as a kernel first."""
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
         if isinstance(x, FoldedHidden) and x.xw is not None and x.norm is norm_in:
-            qkv = quant_matmul_normed(
-                x.xw, x.squares, norm_in.eps, folded_weight(attn.qkv_proj), x.h.dtype
-            )
             h = x.h
+            qkv_weight = folded_weight(attn.qkv_proj)
+            rope = attn.rope_cache_write(batch, cache, rotary, h.dtype)
+            if rope is not None:
+                # RoPE and the cache write in qkv's slot sum too: q comes back rotated.
+                q = quant_matmul_normed_rope(
+                    x.xw, x.squares, norm_in.eps, qkv_weight, h.dtype, rope
+                )
+                out = attn.attend_cached(q, batch, cache)
+            else:
+                qkv = quant_matmul_normed(x.xw, x.squares, norm_in.eps, qkv_weight, h.dtype)
+                out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
         else:
             if isinstance(x, FoldedHidden):  # h, the residual already added
                 x, residual = x.h, None
@@ -476,7 +536,7 @@ class DecoderLayer(nn.Module):
             else:
                 normed, h = norm_in.forward_add(x, residual)
             qkv = attn.qkv_proj(normed, None)
-        out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
+            out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
         h, squares, xw = quant_matmul_residual(
             out, folded_weight(attn.o_proj), h.contiguous(), norm_post.weight,
             unit_offset=norm_post.unit_offset,

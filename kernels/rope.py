@@ -120,6 +120,22 @@ def apply_rope_reference(
 
 
 @triton.jit
+def rotate_halves(x1, x2, cos, sin, x_dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """The rotated halves (x1 * cos - x2 * sin, x2 * cos + x1 * sin) in x_dtype, x1 and x2
+    values of x_dtype held in float32, cos and sin rounded to x_dtype (`rope_angles`): each
+    product and the sum rounded to x_dtype, as the reference computes them in that dtype.
+    Shared with the decode GEMV's slot sum that rotates q and k itself
+    (kernels/quant_matmul/slot_sum_rope.py), so both give these bits."""
+    x1_cos = cast_rtne(x1 * cos, x_dtype, EMULATE_BF16).to(tl.float32)
+    x2_sin = cast_rtne(x2 * sin, x_dtype, EMULATE_BF16).to(tl.float32)
+    x2_cos = cast_rtne(x2 * cos, x_dtype, EMULATE_BF16).to(tl.float32)
+    x1_sin = cast_rtne(x1 * sin, x_dtype, EMULATE_BF16).to(tl.float32)
+    out1 = cast_rtne(x1_cos - x2_sin, x_dtype, EMULATE_BF16)
+    out2 = cast_rtne(x2_cos + x1_sin, x_dtype, EMULATE_BF16)
+    return out1, out2
+
+
+@triton.jit
 def _rope_heads(
     x_ptr,  # token t's row of q or k
     out_ptr,  # token t's row of the output
@@ -146,13 +162,9 @@ def _rope_heads(
 
     x1 = tl.load(x_head + cols, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_head + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-    # Round each product and the sum to the activation dtype, as the reference does.
-    x1_cos = cast_rtne(x1 * cos, x_dtype, EMULATE_BF16).to(tl.float32)
-    x2_sin = cast_rtne(x2 * sin, x_dtype, EMULATE_BF16).to(tl.float32)
-    x2_cos = cast_rtne(x2 * cos, x_dtype, EMULATE_BF16).to(tl.float32)
-    x1_sin = cast_rtne(x1 * sin, x_dtype, EMULATE_BF16).to(tl.float32)
-    tl.store(out_head + cols, cast_rtne(x1_cos - x2_sin, x_dtype, EMULATE_BF16), mask=mask)
-    tl.store(out_head + HALF + cols, cast_rtne(x2_cos + x1_sin, x_dtype, EMULATE_BF16), mask=mask)
+    out1, out2 = rotate_halves(x1, x2, cos, sin, x_dtype, EMULATE_BF16)
+    tl.store(out_head + cols, out1, mask=mask)
+    tl.store(out_head + HALF + cols, out2, mask=mask)
 
     if PASS > 0:
         # Out of place, so the dims past R must be copied too.
@@ -162,7 +174,7 @@ def _rope_heads(
 
 
 @triton.jit
-def _angles(
+def rope_angles(
     positions_ptr,
     token,
     cos_ptr,
@@ -237,7 +249,7 @@ def _rope_kernel(
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     x_dtype = q_ptr.dtype.element_ty
-    cos, sin = _angles(
+    cos, sin = rope_angles(
         positions_ptr,
         token,
         cos_ptr,

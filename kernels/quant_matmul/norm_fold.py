@@ -22,11 +22,18 @@ from typing import Literal
 import torch
 
 from kernels.backend import device_guard
-from kernels.quant_matmul.gemv import launch_gemv, launch_gemv_residual
+from kernels.quant_matmul.gemv import (
+    gemv_slots,
+    gemv_tiling,
+    launch_gemv,
+    launch_gemv_partials,
+    launch_gemv_residual,
+)
 from kernels.quant_matmul.layout import QuantizedWeight
 from kernels.quant_matmul.paths import GEMV_MAX_M, check_args
 from kernels.quant_matmul.slot_sum import RowSquares, SlotNorm
-from kernels.quant_matmul.split_k import unit_col_stride
+from kernels.quant_matmul.slot_sum_rope import RopeCacheWrite, launch_slot_sum_rope
+from kernels.quant_matmul.split_k import split_k_workspace, unit_col_stride
 from kernels.rms_norm import MAX_SINGLE_PASS_D
 
 
@@ -123,3 +130,39 @@ def quant_matmul_normed(
     with device_guard(xw):
         launch_gemv(x2d, qw, y, silu_mul=silu_mul, norm=norm)
     return y.view(*xw.shape[:-1], width)
+
+
+def quant_matmul_normed_rope(
+    xw: torch.Tensor,
+    squares: RowSquares,
+    eps: float,
+    qw: QuantizedWeight,
+    dtype: torch.dtype,
+    rope: RopeCacheWrite,
+) -> torch.Tensor:
+    """A fused qkv projection after a folded norm, with RoPE and the native cache write in
+    its slot sum (kernels/quant_matmul/slot_sum_rope.py): returns the rotated q [T, Hq, D]
+    and stores the rotated k and v at rope.slots of rope's caches. The bits of
+    `quant_matmul_normed` followed by kernels.apply_rope_write, one launch and the qkv
+    tensor fewer. qw's out_features must be rope.width; `norm_fold_applies(xw, qw, "in",
+    dtype)` must hold."""
+    check_args(xw, qw)
+    if xw.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"xw must be float32 and dtype float16/bfloat16, got {xw.dtype}, {dtype}")
+    if not norm_fold_applies(xw, qw, "in", dtype):
+        raise ValueError("quant_matmul_normed_rope runs on the decode GEMV only")
+    if qw.out_features != rope.width:
+        raise ValueError(
+            f"a qkv projection of {rope.num_heads} + 2 x {rope.num_kv_heads} heads of "
+            f"{rope.head_dim} has {rope.width} outputs, got {qw.out_features}"
+        )
+    x2d = unit_col_stride(xw.reshape(-1, qw.in_features))
+    q = torch.empty((x2d.shape[0], rope.num_heads, rope.head_dim), dtype=dtype, device=xw.device)
+    norm = SlotNorm(squares, qw.in_features, float(eps))
+    with device_guard(xw):
+        tiling = gemv_tiling(x2d, qw)
+        slots = gemv_slots(tiling)
+        sums, _ = split_k_workspace(x2d.device, slots * x2d.shape[0] * qw.out_features, 0)
+        launch_gemv_partials(x2d, qw, sums, tiling, add_bias=False)
+        launch_slot_sum_rope(sums, slots, rope, q, norm=norm, bias=qw.bias)
+    return q

@@ -119,12 +119,12 @@ class SlotNorm:
 
 
 @triton.jit
-def _row_rstd(squares_ptr, chunks, D, eps, ROW: tl.constexpr, CHUNKS_POW2: tl.constexpr):
-    """Row ROW's rstd from its RowSquares: the pairwise tree finished over the chunk sums
+def row_rstd(squares_ptr, chunks, D, eps, row, CHUNKS_POW2: tl.constexpr):
+    """Row `row`'s rstd from its RowSquares: the pairwise tree finished over the chunk sums
     (zeros past `chunks`), the bits of kernels.rms_norm's rstd of that row, in every
     program alike."""
     c = tl.arange(0, CHUNKS_POW2)
-    part = tl.load(squares_ptr + ROW * chunks + c, mask=c < chunks, other=0.0)
+    part = tl.load(squares_ptr + row * chunks + c, mask=c < chunks, other=0.0)
     return rms_rstd(pairwise_sum(part, CHUNKS_POW2), D, eps)
 
 
@@ -134,13 +134,13 @@ def _rstd_of_rows(
 ):  # fmt: skip
     """The rstd of each element's row (`row` [BLOCK], < M_ROWS <= 4): the rows' rstds once
     per program (a scalar each), then picked per element."""
-    rstd = _row_rstd(squares_ptr, chunks, D, eps, 0, CHUNKS_POW2) + tl.zeros(row.shape, tl.float32)
+    rstd = row_rstd(squares_ptr, chunks, D, eps, 0, CHUNKS_POW2) + tl.zeros(row.shape, tl.float32)
     if M_ROWS > 1:
-        rstd = tl.where(row == 1, _row_rstd(squares_ptr, chunks, D, eps, 1, CHUNKS_POW2), rstd)
+        rstd = tl.where(row == 1, row_rstd(squares_ptr, chunks, D, eps, 1, CHUNKS_POW2), rstd)
     if M_ROWS > 2:
-        rstd = tl.where(row == 2, _row_rstd(squares_ptr, chunks, D, eps, 2, CHUNKS_POW2), rstd)
+        rstd = tl.where(row == 2, row_rstd(squares_ptr, chunks, D, eps, 2, CHUNKS_POW2), rstd)
     if M_ROWS > 3:
-        rstd = tl.where(row == 3, _row_rstd(squares_ptr, chunks, D, eps, 3, CHUNKS_POW2), rstd)
+        rstd = tl.where(row == 3, row_rstd(squares_ptr, chunks, D, eps, 3, CHUNKS_POW2), rstd)
     return rstd
 
 
@@ -215,13 +215,18 @@ _INTERPRETED = is_interpreted(_slot_sum_kernel)
 
 
 def _check_norm(y: torch.Tensor, norm: SlotNorm) -> None:
-    sq = norm.squares
-    chunks = triton.cdiv(norm.d, sq.chunk)
     if y.dim() != 2 or not 0 < y.shape[0] <= 4:
         raise ValueError(f"a SlotNorm takes y as [M <= 4, n], got shape {tuple(y.shape)}")
-    if sq.sums.shape != (y.shape[0], chunks) or sq.sums.dtype != torch.float32:
+    check_slot_norm(y.shape[0], norm)
+
+
+def check_slot_norm(rows: int, norm: SlotNorm) -> None:
+    """That `norm`'s squares hold float32 [rows, chunks] of a power-of-two chunk."""
+    sq = norm.squares
+    chunks = triton.cdiv(norm.d, sq.chunk)
+    if sq.sums.shape != (rows, chunks) or sq.sums.dtype != torch.float32:
         raise ValueError(
-            f"squares must be float32 [{y.shape[0]}, {chunks}], got "
+            f"squares must be float32 [{rows}, {chunks}], got "
             f"{sq.sums.dtype} {tuple(sq.sums.shape)}"
         )
     if sq.chunk & (sq.chunk - 1) or not sq.sums.is_contiguous():

@@ -2,9 +2,10 @@
 rounds h * w where rms_norm rounded h * rstd * w, so its bits are not the unfused ops': greedy
 decode of a tiny quantized model gives the same tokens with the fold on and off up to any
 near tie, and logits within a tolerance; with the fold on, every run gives the same tokens
-and logits bit for bit, with PDL on or off; one decode step launches 2 * layers - 1 kernels
+and logits bit for bit, with PDL on or off; one decode step launches 3 * layers - 2 kernels
 fewer (each layer's two add_rms_norm launches, minus the first layer's input norm, which
-stays a kernel). The kernels' own tests, on the CPU too, are tests/kernels/test_norm_fold.py."""
+stays a kernel, and the RoPE + cache write launch of every layer whose qkv slot sum does it:
+all but the first). The kernels' own tests, on the CPU too, are tests/kernels/test_norm_fold.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import norm_fold
+from engine import modules, norm_fold
 from engine.cache import ForwardBatch, Sequence
 from engine.engine import Engine, EngineOptions
 from engine.modules import DecoderLayer
@@ -104,7 +105,7 @@ def _kernels_per_step(engine: Engine) -> int:
 
 
 @pytest.mark.gpu
-def test_the_fold_removes_two_norm_launches_per_layer(tmp_path: Path) -> None:
+def test_the_fold_removes_the_norm_and_rope_launches(tmp_path: Path) -> None:
     model = build_model(tmp_path / "gptq", "tiny", "gptq")
     counts = {}
     try:
@@ -118,7 +119,9 @@ def test_the_fold_removes_two_norm_launches_per_layer(tmp_path: Path) -> None:
                 engine.unload()
     finally:
         set_norm_fold(True)
-    assert counts[False] - counts[True] == 2 * layers - 1, counts
+    # Two norms per layer but the first layer's input norm, and RoPE + the cache write in
+    # every layer's qkv slot sum but the first's (its qkv reads a norm kernel's output).
+    assert counts[False] - counts[True] == 2 * layers - 1 + layers - 1, counts
 
 
 def _count_folds(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
@@ -149,10 +152,19 @@ def test_the_engine_fold_matches_the_unfused_ops_on_the_interpreter(
     prompt = torch.randint(2, 1000, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     steps = 6
     folds = _count_folds(monkeypatch)
+    rotated = []
+    real_rope = modules.quant_matmul_normed_rope
+
+    def counted_rope(*args):  # qkv's slot sum with RoPE and the cache write in it
+        rotated.append(True)
+        return real_rope(*args)
+
+    monkeypatch.setattr(modules, "quant_matmul_normed_rope", counted_rope)
     results = {}
     for fold in (False, True):
         monkeypatch.setattr(norm_fold, "kernels_run_on", lambda x, fold=fold: fold)
         folds.clear()
+        rotated.clear()
         options = EngineOptions(device="cpu", dtype="float16", max_seq_len=64, cache_tokens=128)
         engine = Engine.load(model, options)
         try:
@@ -162,6 +174,9 @@ def test_the_engine_fold_matches_the_unfused_ops_on_the_interpreter(
         # Every decode step folds every layer; the prompt's pass (one per layer, its rows
         # over GEMV_MAX_M) never does.
         assert folds.count(True) == (len(folds) - 4 if fold else 0) and len(folds) > 8, folds
+        # Every folded layer but a step's first (its input norm runs as a kernel after the
+        # embedding) rotates q and writes k and v in qkv's slot sum.
+        assert len(rotated) == (steps * 3 if fold else 0), len(rotated)
     off_tokens, off_logits = results[False]
     on_tokens, on_logits = results[True]
     scale = off_logits.abs().amax(dim=-1, keepdim=True)
