@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers.quant_weights import make_weight
+from helpers.triton_cpu import require_triton, seeded_randn
 from kernels.quant_matmul.norm_fold import (
     quant_matmul_normed,
     quant_matmul_normed_rope,
@@ -31,16 +32,6 @@ MAX_POS = 64
 CACHE_SLOTS = 24
 
 
-def _require_triton(device: str) -> None:
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 (unset on GPU machines)")
-
-
-def _rand(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int, scale: float = 1.0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
-
-
 def _tables(rotary_dim: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 cos, sin [MAX_POS, R/2] as engine.rope builds them (base 10000)."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
@@ -51,9 +42,9 @@ def _tables(rotary_dim: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
 def _folded_input(M: int, dtype: torch.dtype, device: str):
     """xw and the squares of a hidden state, as o_proj's slot sum leaves them."""
     qw_o = make_weight(256, HIDDEN, [4], device=device, seed=1)
-    x = _rand((M, 256), dtype, device, seed=6)
-    residual = _rand((M, HIDDEN), dtype, device, seed=8, scale=4.0)
-    weight = _rand((HIDDEN,), dtype, device, seed=9, scale=0.2) + 1
+    x = seeded_randn((M, 256), dtype, device, seed=6)
+    residual = seeded_randn((M, HIDDEN), dtype, device, seed=8, scale=4.0)
+    weight = seeded_randn((HIDDEN,), dtype, device, seed=9, scale=0.2) + 1
     _, squares, xw = quant_matmul_residual(x, qw_o, residual, weight)
     assert xw is not None
     return xw, squares
@@ -66,8 +57,8 @@ def _case(M: int, dtype: torch.dtype, device: str, rotary_dim: int, bias: bool):
     gen = torch.Generator().manual_seed(11)
     positions = torch.randint(1, MAX_POS, (M,), generator=gen).to(device)
     slots = torch.randperm(CACHE_SLOTS, generator=gen)[:M].to(torch.int32).to(device)
-    k_cache = _rand((CACHE_SLOTS, HK, D), dtype, device, seed=12)
-    v_cache = _rand((CACHE_SLOTS, HK, D), dtype, device, seed=13)
+    k_cache = seeded_randn((CACHE_SLOTS, HK, D), dtype, device, seed=12)
+    v_cache = seeded_randn((CACHE_SLOTS, HK, D), dtype, device, seed=13)
     return xw, squares, qw, RopeCacheWrite(positions, slots, cos, sin, k_cache, v_cache, HQ, HK, D)
 
 
@@ -91,7 +82,7 @@ def _unfused(xw, squares, qw, dtype, rope: RopeCacheWrite):
 def test_the_fused_slot_sum_is_the_slot_sum_then_rope_write(
     dtype, M, rotary_dim, bias, device
 ) -> None:
-    _require_triton(device)
+    require_triton(device)
     xw, squares, qw, rope = _case(M, dtype, device, rotary_dim, bias)
     want_q, want_k, want_v = _unfused(xw, squares, qw, dtype, rope)
     before_k, before_v = rope.k_cache.clone(), rope.v_cache.clone()
@@ -113,7 +104,7 @@ def test_the_fused_slot_sum_is_the_slot_sum_then_rope_write(
 
 
 def test_the_same_bits_every_call(device) -> None:
-    _require_triton(device)
+    require_triton(device)
     xw, squares, qw, rope = _case(2, torch.float16, device, D, True)
     first = quant_matmul_normed_rope(xw, squares, EPS, qw, torch.float16, rope)
     k_first = rope.k_cache.clone()
