@@ -569,6 +569,23 @@ def launch_gemv_partials(
         slot_base += grid[1]
 
 
+def launch_gemv_to_slots(
+    x2d: torch.Tensor,
+    qw: QuantizedWeight,
+    tiling: GemvTiling | None = None,
+    *,
+    add_bias: bool = True,
+) -> tuple[torch.Tensor, int]:
+    """The first half of every decode GEMV: (the device's workspace, slots) after
+    `launch_gemv_partials` stored x2d @ W's partials (+ bias unless not `add_bias`) in its
+    first slots; a slot sum (kernels/quant_matmul/slot_sum.py, slot_sum_rope.py) finishes."""
+    t = tiling if tiling is not None else gemv_tiling(x2d, qw)
+    slots = gemv_slots(t)
+    sums, _ = split_k_workspace(x2d.device, slots * x2d.shape[0] * qw.out_features, 0)
+    launch_gemv_partials(x2d, qw, sums, t, add_bias=add_bias)
+    return sums, slots
+
+
 def launch_gemv(
     x2d: torch.Tensor,
     qw: QuantizedWeight,
@@ -591,11 +608,7 @@ def launch_gemv(
     one launch per linear: the split-K axis spanning all segments, with a branch per segment
     (its plane layout as constexprs).
     """
-    M, n = x2d.shape[0], qw.out_features
-    t = tiling if tiling is not None else gemv_tiling(x2d, qw)
-    slots = gemv_slots(t)
-    sums, _ = split_k_workspace(x2d.device, slots * M * n, 0)
-    launch_gemv_partials(x2d, qw, sums, t, add_bias=norm is None)
+    sums, slots = launch_gemv_to_slots(x2d, qw, tiling, add_bias=norm is None)
     bias = qw.bias if norm is not None else None
     launch_slot_sum(sums, y, slots, silu_mul=silu_mul, norm=norm, bias=bias)
 
@@ -615,15 +628,11 @@ def launch_gemv_residual(
     """h [M, n] (x's dtype, contiguous) = residual [M, n] + x2d @ W (+ bias), rounded as
     kernels.add_rms_norm rounds its residual output for this GEMV's y, and h's RowSquares;
     with `norm_weight` (the next RMSNorm's, [n]) also xw [M, n] = h * w (or h * (1 + w),
-    `unit_offset`) rounded to h's dtype, the next GEMV's x (`launch_gemv` with a
+    `unit_offset`) in float32 (exact), the next GEMV's x (`launch_gemv` with a
     SlotNorm): a pre-norm block's o_proj or down_proj with the next norm's add, sum of
     squares and weight in its slot sum (issue 28). `config`: the slot sum's (its block is
     the squares' chunk; tests and benchmarks vary it)."""
-    M, n = x2d.shape[0], qw.out_features
-    t = tiling if tiling is not None else gemv_tiling(x2d, qw)
-    slots = gemv_slots(t)
-    sums, _ = split_k_workspace(x2d.device, slots * M * n, 0)
-    launch_gemv_partials(x2d, qw, sums, t)
+    sums, slots = launch_gemv_to_slots(x2d, qw, tiling)
     return launch_slot_sum_residual(
         sums,
         residual,

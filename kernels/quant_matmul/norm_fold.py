@@ -22,18 +22,12 @@ from typing import Literal
 import torch
 
 from kernels.backend import device_guard
-from kernels.quant_matmul.gemv import (
-    gemv_slots,
-    gemv_tiling,
-    launch_gemv,
-    launch_gemv_partials,
-    launch_gemv_residual,
-)
+from kernels.quant_matmul.gemv import launch_gemv, launch_gemv_residual, launch_gemv_to_slots
 from kernels.quant_matmul.layout import QuantizedWeight
 from kernels.quant_matmul.paths import GEMV_MAX_M, check_args
 from kernels.quant_matmul.slot_sum import RowSquares, SlotNorm
 from kernels.quant_matmul.slot_sum_rope import RopeCacheWrite, launch_slot_sum_rope
-from kernels.quant_matmul.split_k import split_k_workspace, unit_col_stride
+from kernels.quant_matmul.split_k import unit_col_stride
 from kernels.rms_norm import MAX_SINGLE_PASS_D
 
 
@@ -98,6 +92,16 @@ def quant_matmul_residual(
     return h.view(shape), squares, xw.view(shape) if xw is not None else None
 
 
+def _check_normed(xw: torch.Tensor, qw: QuantizedWeight, dtype: torch.dtype) -> None:
+    """The inputs of a GEMV after a folded norm: xw float32, the model's dtype 16-bit, the
+    decode GEMV's shapes (norm_fold_applies)."""
+    check_args(xw, qw)
+    if xw.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"xw must be float32 and dtype float16/bfloat16, got {xw.dtype}, {dtype}")
+    if not norm_fold_applies(xw, qw, "in", dtype):
+        raise ValueError("the GEMV after a folded norm runs on the decode GEMV only")
+
+
 def quant_matmul_normed(
     xw: torch.Tensor,
     squares: RowSquares,
@@ -115,11 +119,7 @@ def quant_matmul_normed(
     h's dtype), the same bits every run. `silu_mul`: W is
     a fused [gate | up] projection and the result is silu(gate) * up, as
     kernels.quant_matmul_silu_mul. `norm_fold_applies(xw, qw, "in")` must hold."""
-    check_args(xw, qw)
-    if xw.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"xw must be float32 and dtype float16/bfloat16, got {xw.dtype}, {dtype}")
-    if not norm_fold_applies(xw, qw, "in", dtype):
-        raise ValueError("quant_matmul_normed runs on the decode GEMV only (norm_fold_applies)")
+    _check_normed(xw, qw, dtype)
     n = qw.out_features
     if silu_mul and n % 2:
         raise ValueError(f"a [gate | up] projection has an even out_features, got {n}")
@@ -146,11 +146,7 @@ def quant_matmul_normed_rope(
     `quant_matmul_normed` followed by kernels.apply_rope_write, one launch and the qkv
     tensor fewer. qw's out_features must be rope.width; `norm_fold_applies(xw, qw, "in",
     dtype)` must hold."""
-    check_args(xw, qw)
-    if xw.dtype != torch.float32 or dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"xw must be float32 and dtype float16/bfloat16, got {xw.dtype}, {dtype}")
-    if not norm_fold_applies(xw, qw, "in", dtype):
-        raise ValueError("quant_matmul_normed_rope runs on the decode GEMV only")
+    _check_normed(xw, qw, dtype)
     if qw.out_features != rope.width:
         raise ValueError(
             f"a qkv projection of {rope.num_heads} + 2 x {rope.num_kv_heads} heads of "
@@ -160,9 +156,6 @@ def quant_matmul_normed_rope(
     q = torch.empty((x2d.shape[0], rope.num_heads, rope.head_dim), dtype=dtype, device=xw.device)
     norm = SlotNorm(squares, qw.in_features, float(eps))
     with device_guard(xw):
-        tiling = gemv_tiling(x2d, qw)
-        slots = gemv_slots(tiling)
-        sums, _ = split_k_workspace(x2d.device, slots * x2d.shape[0] * qw.out_features, 0)
-        launch_gemv_partials(x2d, qw, sums, tiling, add_bias=False)
+        sums, slots = launch_gemv_to_slots(x2d, qw, add_bias=False)
         launch_slot_sum_rope(sums, slots, rope, q, norm=norm, bias=qw.bias)
     return q
