@@ -117,6 +117,50 @@ def wait_flag(flag_ptr, expected, MAX_SPINS: tl.constexpr):
 
 
 @triton.jit
+def store_reduced(
+    acc,
+    row,
+    cols,
+    mask,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    D,
+    eps,
+    out_row_stride,
+    residual_row_stride,
+    residual_out_row_stride,
+    ADD_NORM: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    """The end of a site all-reduce, for one row: the float32 rank-order sum `acc` rounded to
+    the activation dtype (the unfused path's `.to(x.dtype)`) and stored, or (ADD_NORM) added
+    to the residual, rounded, stored as the new residual, and its RMSNorm stored as the
+    output, with `kernels.add_rms_norm`'s norm code (rms_norm_row), hence the same bits."""
+    out_row = out_ptr + row.to(tl.int64) * out_row_stride
+    if ADD_NORM:
+        x_dtype = residual_ptr.dtype.element_ty
+        x = cast_rtne(acc, x_dtype, EMULATE_BF16).to(tl.float32)
+        r = tl.load(residual_ptr + row.to(tl.int64) * residual_row_stride + cols, mask=mask)
+        summed = cast_rtne(x + r.to(tl.float32), x_dtype, EMULATE_BF16)
+        tl.store(
+            residual_out_ptr + row.to(tl.int64) * residual_out_row_stride + cols,
+            summed,
+            mask=mask,
+        )
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        out = rms_norm_row(
+            summed.to(tl.float32), w, D, eps, x_dtype, UNIT_OFFSET, EMULATE_BF16, BLOCK_D
+        )
+        tl.store(out_row + cols, cast_rtne(out, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+    else:
+        tl.store(out_row + cols, cast_rtne(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+
+
+@triton.jit
 def _tp_all_reduce_kernel(
     data_bases_ptr,  # int64 [WORLD]: every rank's data region (float32)
     flag_bases_ptr,  # int64 [WORLD]: every rank's flags (int32)
@@ -175,24 +219,25 @@ def _tp_all_reduce_kernel(
         else:
             acc = acc + part
 
-    out_row = out_ptr + row.to(tl.int64) * out_row_stride
-    if ADD_NORM:
-        x_dtype = residual_ptr.dtype.element_ty
-        x = cast_rtne(acc, x_dtype, EMULATE_BF16).to(tl.float32)
-        r = tl.load(residual_ptr + row.to(tl.int64) * residual_row_stride + cols, mask=mask)
-        summed = cast_rtne(x + r.to(tl.float32), x_dtype, EMULATE_BF16)
-        tl.store(
-            residual_out_ptr + row.to(tl.int64) * residual_out_row_stride + cols,
-            summed,
-            mask=mask,
-        )
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        out = rms_norm_row(
-            summed.to(tl.float32), w, D, eps, x_dtype, UNIT_OFFSET, EMULATE_BF16, BLOCK_D
-        )
-        tl.store(out_row + cols, cast_rtne(out, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
-    else:
-        tl.store(out_row + cols, cast_rtne(acc, out_ptr.dtype.element_ty, EMULATE_BF16), mask=mask)
+    store_reduced(
+        acc,
+        row,
+        cols,
+        mask,
+        residual_ptr,
+        weight_ptr,
+        out_ptr,
+        residual_out_ptr,
+        D,
+        eps,
+        out_row_stride,
+        residual_row_stride,
+        residual_out_row_stride,
+        ADD_NORM,
+        UNIT_OFFSET,
+        BLOCK_D,
+        EMULATE_BF16,
+    )
 
 
 # Triton 3.6's interpreter truncates float32 -> bfloat16: see kernels.backend.cast_rtne.
