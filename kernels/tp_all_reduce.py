@@ -211,7 +211,9 @@ def _tp_all_reduce_kernel(
     offset = site_offset + row * D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for q in tl.static_range(WORLD):
-        data = tl.load(data_bases_ptr + q).to(tl.pointer_type(tl.float32))
+        # Regions start on 16 bytes (SiteAllReduce.build checks): whole 16-byte loads where
+        # the offset allows, not 4 floats one by one (the address came from memory).
+        data = tl.multiple_of(tl.load(data_bases_ptr + q).to(tl.pointer_type(tl.float32)), 16)
         # .cv: fetched again each call, never an L1 copy of the previous call's partial.
         part = tl.load(data + offset + cols, mask=mask, other=0.0, cache_modifier=".cv")
         if q == 0:

@@ -89,7 +89,9 @@ class PushBuffers:
     row_floats: int
 
     def fits(self, rows: int, hidden: int) -> bool:
-        return 0 < rows <= self.max_rows and hidden <= self.row_floats
+        """Whether `rows` rows of `hidden` go through the push kernel: the kernel's 16-byte
+        stores need row_floats (and the cells) in whole groups of 4 words."""
+        return 0 < rows <= self.max_rows and hidden <= self.row_floats and self.row_floats % 4 == 0
 
 
 def recv_words(world: int, max_rows: int, row_floats: int) -> int:
@@ -161,8 +163,10 @@ def _tp_push_all_reduce_kernel(
     for q in tl.static_range(WORLD):
         if q != rank:
             peer = tl.load(recv_bases_ptr + q).to(tl.pointer_type(tl.int32))
-            tl.store(peer + my_cell + cols, bits, mask=mask)
-    own = tl.load(recv_bases_ptr + rank).to(tl.pointer_type(tl.int32))
+            # Regions start on 16 bytes and row_floats is a multiple of 4 (PushBuffers.fits):
+            # whole 16-byte stores, not 4 words one by one (the address came from memory).
+            tl.store(tl.multiple_of(peer + my_cell, 16) + cols, bits, mask=mask)
+    own = tl.multiple_of(tl.load(recv_bases_ptr + rank).to(tl.pointer_type(tl.int32)), 16)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for q in tl.static_range(WORLD):
         if q == rank:

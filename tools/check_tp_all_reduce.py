@@ -2,7 +2,10 @@
 ordering and speed, without a model.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-        python tools/check_tp_all_reduce.py --out DIR
+        python tools/check_tp_all_reduce.py --kernel flags push --out DIR
+
+--kernel: the exchange kernels to check, one after the other (engine/tensor_parallel/
+site_reduce.py: `flags`, kernels/tp_all_reduce.py; `push`, kernels/tp_push_all_reduce.py).
 
 Spawns one process per GPU (NCCL group, symmetric memory as the engine sets it up:
 engine/tensor_parallel/site_reduce.py). Every rank draws every rank's partials from shared
@@ -16,7 +19,8 @@ seeds, so each can compute the expected result itself:
   - speed: a graph of 2 x --layers all-reduces of one 4096-wide row (an 8B model's decode
     step), µs per all-reduce for this kernel, this kernel with the norm, and torch's
     one-shot all-reduce + cast (what the engine ran before).
-Writes <out>/check_tp_all_reduce.json (rank 0) and prints a summary; exits 1 on a mismatch.
+Writes <out>/check_tp_all_reduce-<kernel>.json (rank 0) and prints a summary; exits 1 on a
+mismatch.
 """
 
 from __future__ import annotations
@@ -132,7 +136,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     from engine.tensor_parallel.site_reduce import SiteAllReduce
 
-    sites = SiteAllReduce.build(None, device, args.sites, HIDDEN)
+    sites = SiteAllReduce.build(None, device, args.sites, HIDDEN, kernel=args.kernel)
     assert sites is not None, "the site all-reduce could not be set up (see the log)"
     max_rows = sites.buffers.max_rows
     outputs: dict[str, Any] = {"checksum": 0.0}
@@ -182,6 +186,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     sums = [None] * world
     dist.all_gather_object(sums, outputs["checksum"])
     report = {
+        "kernel": args.kernel,
         "gpus": [torch.cuda.get_device_name(i) for i in range(world)],
         "world": world,
         "sites": args.sites,
@@ -191,6 +196,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         "graph_replays": args.replays,
         "graph_mismatched_elements": graph_bad,
         "epochs_site0": epochs[0, :rows].tolist(),
+        "push_counters": None if sites.push is None else sites.push.counters[:rows].tolist(),
         "ranks_same_bits": len(set(sums)) == 1,
         "speed": speed,
         "ok": eager_bad == 0 and graph_bad == 0 and len(set(sums)) == 1,
@@ -198,7 +204,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "check_tp_all_reduce.json").write_text(json.dumps(report, indent=1))
+        (out / f"check_tp_all_reduce-{args.kernel}.json").write_text(json.dumps(report, indent=1))
         print(json.dumps(report, indent=1), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -214,12 +220,15 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--layers", type=int, default=32, help="speed: 2 all-reduces per layer")
     p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--kernel", nargs="+", choices=["flags", "push"], default=["flags"])
     p.add_argument("--out", default=".")
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.world, port, args), nprocs=args.world, join=True)
+    for kernel in args.kernel:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        one = argparse.Namespace(**{**vars(args), "kernel": kernel})
+        mp.spawn(_worker, args=(args.world, port, one), nprocs=args.world, join=True)
 
 
 if __name__ == "__main__":

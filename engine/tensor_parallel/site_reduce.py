@@ -15,6 +15,12 @@ partials are float32 and not yet summed: anything else that received one would c
 garbage, hence `defer` refuses while one is pending, and the transform defers only where
 the layer's code is known (DecoderLayer.forward_residual).
 
+Two kernels do the exchange: `flags` (kernels/tp_all_reduce.py: publish a flag into every
+peer, wait for theirs, read their partials over NVLink) and `push` (kernels/
+tp_push_all_reduce.py: store the partial into every peer's receive cell, poll only local
+memory). Both sum in rank order and give the same bits. KESTREL_TP_SITE_KERNEL picks one
+(default `flags` until the engine A/B on GPUs says otherwise: tools/profile_tp_decode.py).
+
 Set up once per rank, after the process group, at the same point on every rank (a
 collective: symmetric memory). KESTREL_TP_FUSED=0 keeps torch's one-shot path (for
 comparisons); KESTREL_TP_ALLREDUCE=nccl turns all of symmetric memory off.
@@ -37,6 +43,14 @@ from kernels.tp_all_reduce import (
     site_all_reduce,
     site_all_reduce_add_rms_norm,
 )
+from kernels.tp_push_all_reduce import (
+    RECV_SLOTS,
+    SENTINEL,
+    PushBuffers,
+    push_all_reduce,
+    push_all_reduce_add_rms_norm,
+    recv_words,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +62,20 @@ SITE_BYTES = 256 << 10
 MAX_SITE_ROWS = 64
 
 
+SITE_KERNELS = ("flags", "push")
+
+
 def fused_enabled() -> bool:
     """Whether the site all-reduce is used (KESTREL_TP_FUSED=0: torch's one-shot path)."""
     return os.environ.get("KESTREL_TP_FUSED", "1") != "0"
+
+
+def site_kernel() -> str:
+    """The exchange kernel KESTREL_TP_SITE_KERNEL names (`flags` unless set)."""
+    kernel = os.environ.get("KESTREL_TP_SITE_KERNEL", "flags")
+    if kernel not in SITE_KERNELS:
+        raise ValueError(f"KESTREL_TP_SITE_KERNEL={kernel!r}: expected one of {SITE_KERNELS}")
+    return kernel
 
 
 @dataclass
@@ -62,18 +87,29 @@ class _Pending:
 class SiteAllReduce:
     """One rank's site buffers over symmetric memory and the calls on them."""
 
-    def __init__(self, sites: SiteBuffers) -> None:
+    def __init__(self, sites: SiteBuffers, push: PushBuffers | None = None) -> None:
+        """push: the receive region of the `push` kernel; None: the `flags` kernel."""
         self.buffers = sites
+        self.push = push
         self._pending: _Pending | None = None
 
     @classmethod
     def build(
-        cls, group: dist.ProcessGroup | None, device: torch.device, sites: int, hidden: int
+        cls,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        sites: int,
+        hidden: int,
+        kernel: str | None = None,
     ) -> SiteAllReduce | None:
         """The rank's site buffers for `sites` sites of `hidden` outputs, or None where the
-        kernel can't be used (logged). A collective: every rank calls it at one point."""
+        kernel can't be used (logged). A collective: every rank calls it at one point, with
+        the same `kernel` (`flags` or `push`; None: site_kernel())."""
         if hidden > MAX_FUSED_D or sites < 2:
             return None
+        kernel = kernel or site_kernel()
+        if kernel not in SITE_KERNELS:
+            raise ValueError(f"site all-reduce kernel {kernel!r}: expected one of {SITE_KERNELS}")
         site_floats = SITE_BYTES // 4
         max_rows = min(MAX_SITE_ROWS, site_floats // hidden)
         try:
@@ -84,16 +120,25 @@ class SiteAllReduce:
             world = dist.get_world_size(world_group)
             data_floats = sites * site_floats
             flag_ints = sites * world * max_rows
-            buffer = symmetric_empty(data_floats + flag_ints, torch.float32, device)
-            # Zero flags before any peer can publish into them: the barrier below orders
-            # this rank's zeroing before every peer's first kernel (stream order).
-            buffer[data_floats:].view(torch.int32).zero_()
+            recv_ints = recv_words(world, max_rows, hidden) if kernel == "push" else 0
+            buffer = symmetric_empty(data_floats + flag_ints + 4 + recv_ints, torch.float32, device)
+            # The receive region on a 16-byte boundary: the kernel stores 4 words at a time.
+            flags_end = -(-(data_floats + flag_ints) // 4) * 4
+            # Zero the flags (and fill the receive cells with SENTINEL) before any peer can
+            # write into them: the barrier below orders this before every peer's first
+            # kernel (stream order).
+            buffer[data_floats:flags_end].view(torch.int32).zero_()
+            recv = buffer[flags_end : flags_end + recv_ints].view(torch.int32)
+            recv.fill_(SENTINEL)
             handle = symm_mem.rendezvous(buffer, world_group.group_name)
             # buffer_ptrs are the allocations' bases; the tensor may start inside one.
             offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
             data_bases = torch.tensor(
                 [p + offset for p in handle.buffer_ptrs], dtype=torch.int64, device=device
             )
+            # The kernels take every region to start on 16 bytes (their vector accesses).
+            if any(int(base) % 16 for base in data_bases.tolist()):
+                raise ValueError(f"symmetric buffers not 16-byte aligned: {data_bases.tolist()}")
             handle.barrier()
         except Exception as error:  # no P2P, no symmetric memory in this torch
             log.warning(
@@ -103,6 +148,17 @@ class SiteAllReduce:
                 error,
             )
             return None
+        push = None
+        if kernel == "push":
+            push = PushBuffers(
+                recv=recv.view(RECV_SLOTS, handle.world_size, max_rows, hidden),
+                recv_bases=data_bases + flags_end * 4,
+                counters=torch.zeros(max_rows, dtype=torch.int32, device=device),
+                rank=handle.rank,
+                world=handle.world_size,
+                max_rows=max_rows,
+                row_floats=hidden,
+            )
         return cls(
             SiteBuffers(
                 data=buffer[:data_floats],
@@ -114,7 +170,8 @@ class SiteAllReduce:
                 sites=sites,
                 site_floats=site_floats,
                 max_rows=max_rows,
-            )
+            ),
+            push,
         )
 
     def staging(self, site: int, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -124,13 +181,19 @@ class SiteAllReduce:
         rows = math.prod(shape[:-1])
         if not self.buffers.fits(rows, hidden):
             return None
+        if self.push is not None and not self.push.fits(rows, hidden):
+            return None
         return self.buffers.site_slice(site, rows, hidden).view(shape)
 
     def sum(self, site: int, staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The sum over the ranks of the site's partials, in `dtype`, shaped as `staged`."""
         hidden = staged.shape[-1]
         rows = staged.numel() // hidden
-        return site_all_reduce(self.buffers, site, rows, hidden, dtype).view(staged.shape)
+        if self.push is not None:
+            summed = push_all_reduce(self.buffers, self.push, site, rows, hidden, dtype)
+        else:
+            summed = site_all_reduce(self.buffers, site, rows, hidden, dtype)
+        return summed.view(staged.shape)
 
     def defer(self, site: int, staged: torch.Tensor) -> torch.Tensor:
         """Hand `staged` (the site's partial, not yet summed) to the layer, for the next
@@ -163,12 +226,13 @@ class SiteAllReduce:
         """(norm(residual + sum), residual + sum) for the site's sum, as
         kernels.add_rms_norm computes it on the sum rounded to residual's dtype."""
         shape = residual.shape
-        normed, summed = site_all_reduce_add_rms_norm(
-            self.buffers,
-            site,
-            residual.reshape(-1, shape[-1]),
-            weight,
-            eps,
-            unit_offset=unit_offset,
-        )
+        rows = residual.reshape(-1, shape[-1])
+        if self.push is not None:
+            normed, summed = push_all_reduce_add_rms_norm(
+                self.buffers, self.push, site, rows, weight, eps, unit_offset=unit_offset
+            )
+        else:
+            normed, summed = site_all_reduce_add_rms_norm(
+                self.buffers, site, rows, weight, eps, unit_offset=unit_offset
+            )
         return normed.view(shape), summed.view(shape)

@@ -3,8 +3,9 @@ GPTQ layers) sharded for one rank of a one-rank group, its row-parallel linears 
 site buffers, run in float16 through the Triton interpreter. The decode path of TP=2 on
 GPUs runs the same code: the deferred sums of o_proj and of all but the last down_proj
 reach their norm's fused kernel (engine/tensor_parallel/fused_sites.py), the rest are
-summed and cast by the kernel. The kernel itself with two and three ranks:
-tests/kernels/test_tp_all_reduce.py."""
+summed and cast by the kernel, with either exchange kernel (`flags`, `push`). The kernels
+themselves with two and three ranks: tests/kernels/test_tp_all_reduce.py and
+tests/kernels/test_tp_push_all_reduce.py."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from engine.tensor_parallel.site_reduce import SiteAllReduce
 from engine.tensor_parallel.transform import AllReduceLinear, shard_model
 from helpers.mixed_model import build_mixed_model
 from kernels.tp_all_reduce import SiteBuffers
+from kernels.tp_push_all_reduce import RECV_SLOTS, SENTINEL, PushBuffers, recv_words
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU)"
@@ -31,12 +33,24 @@ pytestmark = pytest.mark.skipif(
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ban_eos_token": True}
 
 
-def _cpu_sites(sites: int, hidden: int, max_rows: int) -> SiteAllReduce:
+def _cpu_sites(sites: int, hidden: int, max_rows: int, kernel: str = "flags") -> SiteAllReduce:
     """One rank's site buffers on the CPU, the rank alone in its group."""
     site_floats = max_rows * hidden
     buffer = torch.zeros(sites * site_floats + sites * max_rows)
     data_floats = sites * site_floats
     bases = torch.tensor([buffer.data_ptr()], dtype=torch.int64)
+    push = None
+    if kernel == "push":
+        recv = torch.full((recv_words(1, max_rows, hidden),), SENTINEL, dtype=torch.int32)
+        push = PushBuffers(
+            recv=recv.view(RECV_SLOTS, 1, max_rows, hidden),
+            recv_bases=torch.tensor([recv.data_ptr()], dtype=torch.int64),
+            counters=torch.zeros(max_rows, dtype=torch.int32),
+            rank=0,
+            world=1,
+            max_rows=max_rows,
+            row_floats=hidden,
+        )
     return SiteAllReduce(
         SiteBuffers(
             data=buffer[:data_floats],
@@ -48,8 +62,16 @@ def _cpu_sites(sites: int, hidden: int, max_rows: int) -> SiteAllReduce:
             sites=sites,
             site_floats=site_floats,
             max_rows=max_rows,
-        )
+        ),
+        push,
     )
+
+
+def _calls(sites: SiteAllReduce) -> torch.Tensor:
+    """Kernel calls so far with a row 0: per site (flags), or in all (push)."""
+    if sites.push is not None:
+        return sites.push.counters[:1].clone()
+    return sites.buffers.epochs[:, 0].clone()
 
 
 @pytest.fixture
@@ -65,8 +87,9 @@ def one_rank_group(tmp_path: Path):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("kernel", ["flags", "push"])
 def test_deferred_sums_reach_their_norms_and_match_the_unsharded_model(
-    tmp_path: Path, one_rank_group: None
+    tmp_path: Path, one_rank_group: None, kernel: str
 ) -> None:
     path = build_mixed_model(tmp_path / "mixed")
     ids = torch.randint(3, 384, (12,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -79,7 +102,7 @@ def test_deferred_sums_reach_their_norms_and_match_the_unsharded_model(
         layers = causal.model.layers
         linears = [m for m in causal.modules() if isinstance(m, AllReduceLinear)]
         hidden = linears[0].out_features
-        sites = _cpu_sites(len(linears), hidden, max_rows=16)
+        sites = _cpu_sites(len(linears), hidden, max_rows=16, kernel=kernel)
         deferred = wire_sites(layers, linears, sites)
         # o_proj of 3 layers, down_proj of the first 2 (the last feeds the head).
         assert deferred == 5
@@ -87,24 +110,32 @@ def test_deferred_sums_reach_their_norms_and_match_the_unsharded_model(
         assert all(isinstance(layer.post_attention_layernorm, ReducingRMSNorm) for layer in layers)
         assert all(isinstance(layer.input_layernorm, ReducingRMSNorm) for layer in layers[1:])
 
+        start = _calls(sites)
         logits = model.logits(ids)
         torch.testing.assert_close(logits, expected_logits, rtol=2e-2, atol=2e-2)
         assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
         # The quantized sites ran the kernel once per forward (row 0's count); dense ones
         # (layer 0) summed through the group. Nothing was left pending.
         quantized = [isinstance(x.inner, QuantizedLinear) for x in linears]
-        counts = sites.buffers.epochs[:, 0].tolist()
-        assert [c > 0 for c in counts] == quantized and len(set(counts) - {0}) == 1
+        counts = (_calls(sites) - start).tolist()
+        if kernel == "push":
+            assert counts == [sum(quantized)]
+            assert sites.buffers.epochs.abs().sum() == 0  # the flag kernel never ran
+        else:
+            assert [c == 1 for c in counts] == quantized and set(counts) <= {0, 1}
         assert sites.take(logits) is None
         assert model.generate(ids[:6], GREEDY) == expected_text
 
         # Fused kernels off: DecoderLayer.forward adds the sums itself; none is deferred.
-        before = sites.buffers.epochs.clone()
+        before = _calls(sites)
         set_kernel_fusion(causal, False)
         unfused = model.logits(ids)
         torch.testing.assert_close(unfused, expected_logits, rtol=2e-2, atol=2e-2)
-        ran = sites.buffers.epochs[:, 0] - before[:, 0]
-        assert [bool(n) for n in ran.tolist()] == quantized
+        ran = (_calls(sites) - before).tolist()
+        if kernel == "push":
+            assert ran == [sum(quantized)]
+        else:
+            assert [bool(n) for n in ran] == quantized
     finally:
         model.unload()
 
