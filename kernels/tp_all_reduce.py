@@ -246,6 +246,44 @@ def _tp_all_reduce_kernel(
 _INTERPRETED = is_interpreted(_tp_all_reduce_kernel)
 
 
+def check_site_call(sites: SiteBuffers, site: int, rows: int, hidden: int) -> None:
+    """Refuse a call whose rows don't fit the site's slice or the kernel's one-pass rows."""
+    if not 0 <= site < sites.sites or not sites.fits(rows, hidden):
+        raise ValueError(f"site {site} with {rows}x{hidden} does not fit the site buffers")
+    if hidden > MAX_FUSED_D:
+        raise ValueError(f"rows of {hidden} > {MAX_FUSED_D} elements are not supported")
+
+
+def ending_operands(
+    out: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    residual_out: torch.Tensor | None,
+) -> tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ADD_NORM, residual, weight, residual_out) for store_reduced: without a residual
+    (the plain sum) the unused pointers are `out`."""
+    if residual is None:
+        return False, out, out, out
+    assert weight is not None and residual_out is not None
+    return True, residual, weight, residual_out
+
+
+def norm_outputs(
+    residual: torch.Tensor, weight: torch.Tensor, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checked operands' outputs of a fused all-reduce + add + RMSNorm: (normed, new
+    residual), as kernels.add_rms_norm types them. residual: [rows, hidden], unit stride."""
+    rows, hidden = residual.shape
+    if residual.stride(-1) != 1:
+        raise ValueError("residual must have a unit last-dim stride")
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
+    out_dtype = residual.dtype if unit_offset else torch.promote_types(residual.dtype, weight.dtype)
+    out = torch.empty(rows, hidden, dtype=out_dtype, device=residual.device)
+    summed = torch.empty(rows, hidden, dtype=residual.dtype, device=residual.device)
+    return out, summed
+
+
 def _launch(
     sites: SiteBuffers,
     site: int,
@@ -259,15 +297,9 @@ def _launch(
     unit_offset: bool,
     max_spins: int,
 ) -> None:
-    if not 0 <= site < sites.sites or not sites.fits(rows, hidden):
-        raise ValueError(f"site {site} with {rows}x{hidden} does not fit the site buffers")
-    if hidden > MAX_FUSED_D:
-        raise ValueError(f"rows of {hidden} > {MAX_FUSED_D} elements are not supported")
+    check_site_call(sites, site, rows, hidden)
     block_d = triton.next_power_of_2(hidden)
-    add_norm = residual is not None
-    residual = residual if residual is not None else out
-    weight = weight if weight is not None else out
-    residual_out = residual_out if residual_out is not None else out
+    add_norm, residual, weight, residual_out = ending_operands(out, residual, weight, residual_out)
     pdl = programmatic_launch(out)
     with device_guard(out):
         _tp_all_reduce_kernel[(rows,)](
@@ -329,14 +361,8 @@ def site_all_reduce_add_rms_norm(
     """`kernels.add_rms_norm(sum, residual, weight, eps)` where sum is what
     `site_all_reduce(..., residual.dtype)` returns, in one kernel: (normed, residual + sum).
     residual: [rows, hidden] with unit last-dim stride."""
+    out, summed = norm_outputs(residual, weight, unit_offset)
     rows, hidden = residual.shape
-    if residual.stride(-1) != 1:
-        raise ValueError("residual must have a unit last-dim stride")
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
-    out_dtype = residual.dtype if unit_offset else torch.promote_types(residual.dtype, weight.dtype)
-    out = torch.empty(rows, hidden, dtype=out_dtype, device=residual.device)
-    summed = torch.empty(rows, hidden, dtype=residual.dtype, device=residual.device)
     _launch(
         sites,
         site,

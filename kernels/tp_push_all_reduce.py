@@ -59,7 +59,13 @@ from kernels.backend import (
     programmatic_launch,
 )
 from kernels.rms_norm import norm_num_warps
-from kernels.tp_all_reduce import MAX_FUSED_D, SiteBuffers, store_reduced
+from kernels.tp_all_reduce import (
+    SiteBuffers,
+    check_site_call,
+    ending_operands,
+    norm_outputs,
+    store_reduced,
+)
 
 # Cells per (peer, row): a cell is reused RECV_SLOTS calls later (see the module docstring).
 RECV_SLOTS = 3
@@ -220,15 +226,11 @@ def _launch(
     unit_offset: bool,
     max_spins: int,
 ) -> None:
-    if not 0 <= site < sites.sites or not sites.fits(rows, hidden) or not push.fits(rows, hidden):
-        raise ValueError(f"site {site} with {rows}x{hidden} does not fit the site buffers")
-    if hidden > MAX_FUSED_D:
-        raise ValueError(f"rows of {hidden} > {MAX_FUSED_D} elements are not supported")
+    check_site_call(sites, site, rows, hidden)
+    if not push.fits(rows, hidden):
+        raise ValueError(f"site {site} with {rows}x{hidden} does not fit the receive cells")
     block_d = triton.next_power_of_2(hidden)
-    add_norm = residual is not None
-    residual = residual if residual is not None else out
-    weight = weight if weight is not None else out
-    residual_out = residual_out if residual_out is not None else out
+    add_norm, residual, weight, residual_out = ending_operands(out, residual, weight, residual_out)
     pdl = programmatic_launch(out)
     with device_guard(out):
         _tp_push_all_reduce_kernel[(rows,)](
@@ -291,14 +293,8 @@ def push_all_reduce_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.add_rms_norm(sum, residual, weight, eps)` on what `push_all_reduce(...,
     residual.dtype)` returns, in one kernel: (normed, residual + sum)."""
+    out, summed = norm_outputs(residual, weight, unit_offset)
     rows, hidden = residual.shape
-    if residual.stride(-1) != 1:
-        raise ValueError("residual must have a unit last-dim stride")
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
-    out_dtype = residual.dtype if unit_offset else torch.promote_types(residual.dtype, weight.dtype)
-    out = torch.empty(rows, hidden, dtype=out_dtype, device=residual.device)
-    summed = torch.empty(rows, hidden, dtype=residual.dtype, device=residual.device)
     _launch(
         sites,
         push,

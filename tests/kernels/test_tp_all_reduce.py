@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from helpers.rank_partials import order_sensitive_partials, rank_order_sum
 from kernels.rms_norm import add_rms_norm
 from kernels.tp_all_reduce import (
     SiteBuffers,
@@ -58,30 +59,6 @@ def _ranks(world: int) -> tuple[list[SiteBuffers], list[torch.Tensor]]:
     return ranks, flags
 
 
-def _partials(
-    world: int, rows: int, hidden: int, seed: int, dtype: torch.dtype
-) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    parts = [torch.randn(rows, hidden, generator=g) * (10.0**r) for r in range(world)]
-    # Column 0, where the order of the float32 sum shows after the cast: rank 0 holds a tie
-    # of the 16-bit format (1 + half its ulp), the others half a float32 ulp of 1 each. In
-    # rank order each addition is a float32 tie that stays at rank 0's value (even), and the
-    # cast rounds the tie down to 1; from the last rank down, the small ones first add up
-    # to a whole ulp, and the sum rounds up.
-    half_ulp16 = 2.0**-11 if dtype == torch.float16 else 2.0**-8
-    parts[0][:, 0] = 1.0 + half_ulp16
-    for p in parts[1:]:
-        p[:, 0] = 2.0**-24
-    return parts
-
-
-def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
-    total = parts[0].clone()
-    for p in parts[1:]:
-        total = total + p
-    return total
-
-
 # Bounds every wait of these tests: a flag that never came fails a check, never hangs.
 SPINS = 64
 
@@ -101,12 +78,12 @@ def test_sum_in_rank_order_same_bits_on_every_rank(world: int, dtype: torch.dtyp
     ranks, flags = _ranks(world)
     rows, hidden, site = 3, 96, 1
     for call in (1, 2, 3):  # the epochs advance; the slices are reused each call
-        parts = _partials(world, rows, hidden, call, dtype)
+        parts = order_sensitive_partials(world, rows, hidden, call, dtype)
         for r, sites in enumerate(ranks):
             sites.site_slice(site, rows, hidden).copy_(parts[r])
         _publish_later_ranks(flags, site, rows, call)
         outs = [site_all_reduce(s, site, rows, hidden, dtype, max_spins=SPINS) for s in ranks]
-        expected = _rank_order_sum(parts).to(dtype)
+        expected = rank_order_sum(parts).to(dtype)
         for out in outs:
             assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
         for r, sites in enumerate(ranks):

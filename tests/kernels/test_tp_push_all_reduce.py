@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from helpers.rank_partials import order_sensitive_partials, rank_order_sum
 from kernels.rms_norm import add_rms_norm
 from kernels.tp_all_reduce import SiteBuffers
 from kernels.tp_push_all_reduce import (
@@ -78,28 +79,6 @@ def _ranks(world: int) -> tuple[list[SiteBuffers], list[PushBuffers]]:
     return sites, pushes
 
 
-def _partials(
-    world: int, rows: int, hidden: int, seed: int, dtype: torch.dtype
-) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    parts = [torch.randn(rows, hidden, generator=g) * (10.0**r) for r in range(world)]
-    # Column 0, where the order of the float32 sum shows after the cast (as in
-    # test_tp_all_reduce.py): in rank order each addition is a float32 tie that stays at
-    # rank 0's value and the cast rounds down; another order rounds up.
-    half_ulp16 = 2.0**-11 if dtype == torch.float16 else 2.0**-8
-    parts[0][:, 0] = 1.0 + half_ulp16
-    for p in parts[1:]:
-        p[:, 0] = 2.0**-24
-    return parts
-
-
-def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
-    total = parts[0].clone()
-    for p in parts[1:]:
-        total = total + p
-    return total
-
-
 def _stage(
     sites: list[SiteBuffers],
     pushes: list[PushBuffers],
@@ -137,13 +116,13 @@ def test_sum_in_rank_order_same_bits_on_every_rank(world: int, dtype: torch.dtyp
     rows, hidden, site = 3, 96, 1
     # Past RECV_SLOTS calls: every slot is used, reset and used again.
     for call in range(RECV_SLOTS + 2):
-        parts = _partials(world, rows, hidden, call, dtype)
+        parts = order_sensitive_partials(world, rows, hidden, call, dtype)
         _stage(sites, pushes, site, parts, call)
         outs = [
             push_all_reduce(s, p, site, rows, hidden, dtype, max_spins=SPINS)
             for s, p in zip(sites, pushes, strict=True)
         ]
-        expected = _rank_order_sum(parts).to(dtype)
+        expected = rank_order_sum(parts).to(dtype)
         for out in outs:
             assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
         for p in pushes:
@@ -164,7 +143,7 @@ def test_a_rank_pushes_its_partial_into_the_peers_cell_of_this_call() -> None:
     sites, pushes = _ranks(2)
     rows, hidden, site = 2, 80, 0
     for call in range(2):
-        parts = _partials(2, rows, hidden, 10 + call, torch.float16)
+        parts = order_sensitive_partials(2, rows, hidden, 10 + call, torch.float16)
         _stage(sites, pushes, site, parts, call)
         push_all_reduce(sites[0], pushes[0], site, rows, hidden, torch.float16, max_spins=SPINS)
         slot = call % RECV_SLOTS
@@ -176,7 +155,7 @@ def test_a_rank_pushes_its_partial_into_the_peers_cell_of_this_call() -> None:
         out = push_all_reduce(
             sites[1], pushes[1], site, rows, hidden, torch.float16, max_spins=SPINS
         )
-        assert torch.equal(out, _rank_order_sum(parts).half())
+        assert torch.equal(out, rank_order_sum(parts).half())
         _settle(pushes, parts, call)
 
 
@@ -185,7 +164,7 @@ def test_a_partial_word_with_the_sentinels_bits_is_sent_as_another_nan() -> None
     sent as CANONICAL_NAN, and both ranks' sums are NaN there."""
     sites, pushes = _ranks(2)
     rows, hidden, site = 1, 96, 2
-    parts = _partials(2, rows, hidden, 3, torch.float16)
+    parts = order_sensitive_partials(2, rows, hidden, 3, torch.float16)
     parts[0].view(torch.int32)[0, 5] = SENTINEL
     _stage(sites, pushes, site, parts, 0)
     out0 = push_all_reduce(sites[0], pushes[0], site, rows, hidden, torch.float16, max_spins=SPINS)
