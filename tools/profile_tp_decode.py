@@ -4,16 +4,16 @@
         --prompt 512 --steps 32 --work /tmp/kestrel-prof --out DIR
 
 Builds (or reuses) tools/bench.py's random-weight model with `--layers` decoder layers (a
-70B shape of 8 layers builds and loads in seconds; per layer it is the 70B model), loads
-it on one GPU (`single`) and with tensor parallelism over 2 GPUs (`tp`: NCCL, decode CUDA
-graphs), prefills --prompt tokens and times --steps greedy decode steps two ways (`LOOPS`):
-through the scheduler as a server runs them (lookahead: one step in flight, tokens kept on
-the device; `tok_s`) and by hand (runner.forward + argmax + a host read each step;
-`sync_tok_s`). Then the --loop's steps (default: the scheduler's) run under torch.profiler
-on rank 0 (this process; the other rank runs in its own
-spawned process and is not traced: its lateness shows on rank 0 as all-reduce time, since
-a one-shot all-reduce waits for every peer inside its kernel). Per mode it writes the
-chrome trace and reports, per token:
+70B shape of 8 layers builds and loads in seconds; per layer it is the 70B model), loads it
+on one GPU (`single`) and with tensor parallelism over 2 GPUs (`tp`: NCCL, decode CUDA
+graphs) or 4 (`tp4`, a 4-GPU machine), prefills --prompt tokens and times --steps greedy
+decode steps two ways (`LOOPS`): through the scheduler as a server runs them (lookahead: one
+step in flight, tokens kept on the device; `tok_s`) and by hand (runner.forward + argmax + a
+host read each step; `sync_tok_s`). Then the --loop's steps (default: the scheduler's) run
+under torch.profiler on rank 0 (this process; the other ranks run in their own spawned
+processes and are not traced: their lateness shows on rank 0 as all-reduce time, since a
+one-shot all-reduce waits for every peer inside its kernel). Per mode it writes the chrome
+trace and reports, per token:
   - each kernel family (GEMV, all-reduce, norm, RoPE, attention, copy/cast, elementwise,
     memcpy, other): µs and kernel count, with the largest kernels of each family;
   - the GPU's idle time between kernels (the decode window less the union of the kernels'
@@ -285,7 +285,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--format", default="gptq", choices=["gptq", "exl2"])
     p.add_argument(
-        "--modes", nargs="+", default=["single", "tp"], choices=["single", "tp", "tp_eager"]
+        "--modes", nargs="+", default=["single", "tp"], choices=["single", "tp", "tp_eager", "tp4"]
     )
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--steps", type=int, default=32)
