@@ -9,16 +9,17 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD:/tmp/site
 L=$OUT/v16tp4.log; S=$SECONDS
 nvidia-smi --query-gpu=index,name --format=csv,noheader > $L
-run() {  # kernel, modes...
-  local k=$1; shift
-  KESTREL_TP_SITE_KERNEL=$k timeout 200 python tools/profile_tp_decode.py --shape llama3-70b \
-    --layers 8 --modes "$@" --prompt 512 --steps 32 --work /tmp/kp --out $OUT/$k > $OUT/$k.txt 2>&1
-  echo "$k $* rc=$? t=$((SECONDS-S))" >> $L
-  grep -h "tok/s" $OUT/$k.txt >> $L
-  for t in $OUT/$k/*.trace.json; do
+# One process per mode: a process sets up symmetric memory once, so a second TP load in the
+# same process would fall back to NCCL's all-reduce (README, not supported yet).
+run() {  # kernel, mode
+  local k=$1 m=$2
+  KESTREL_TP_SITE_KERNEL=$k timeout 120 python tools/profile_tp_decode.py --shape llama3-70b \
+    --layers 8 --modes $m --prompt 512 --steps 32 --work /tmp/kp --out $OUT/$k-$m > $OUT/$k-$m.txt 2>&1
+  echo "$k $m rc=$? t=$((SECONDS-S))" >> $L
+  grep -h "tok/s" $OUT/$k-$m.txt >> $L
+  for t in $OUT/$k-$m/*.trace.json; do
     python tools/critical_path.py $t --top 12 >> $L 2>&1; gzip -9 $t
   done
 }
-run push single tp tp4
-run flags tp tp4
+run push single; run push tp4; run flags tp4; run push tp; run flags tp
 cat $L
