@@ -15,6 +15,12 @@ nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader > $L
 KESTREL_TP_SITE_KERNEL=push timeout 240 python -m pytest -q -m gpu -p no:cacheprovider \
   tests/engine/test_multigpu.py > $OUT/pytest_multigpu_push.txt 2>&1
 echo "test_multigpu push rc=$? $(tail -1 $OUT/pytest_multigpu_push.txt) t=$((SECONDS-S))" >> $L
+# A process sets up symmetric memory once: in the run above only its first TP test had the
+# site kernel. Each TP test again in a process of its own, so every one runs the push kernel.
+for id in $(python -m pytest -q --collect-only -m gpu -p no:cacheprovider tests/engine/test_multigpu.py 2>/dev/null | grep -E '::test_tensor_parallel'); do
+  KESTREL_TP_SITE_KERNEL=push timeout 120 python -m pytest -q -m gpu -p no:cacheprovider "$id" > $OUT/one.txt 2>&1
+  echo "  $id rc=$? $(tail -1 $OUT/one.txt) t=$((SECONDS-S))" >> $L
+done
 timeout 60 python tools/check_tp_all_reduce.py --kernel push --out $OUT > $OUT/check.txt 2>&1
 echo "check push rc=$? $(grep -h '"ok"\|site_sum' $OUT/check_tp_all_reduce-push.json | tr -d '\n ') t=$((SECONDS-S))" >> $L
 KESTREL_TP_SITE_KERNEL=push timeout 150 python tools/multigpu_check.py --shape llama3-8b --format gptq \
