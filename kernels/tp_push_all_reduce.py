@@ -18,10 +18,11 @@ partial is stored word by word; a 4-byte store lands whole, so a word that is no
 SENTINEL holds its final value, and a cell with no SENTINEL left is complete. No partial
 word is ever SENTINEL: the sender turns that bit pattern (a NaN) into CANONICAL_NAN.
 
-A call (one program per row; `counters`, local, count each row's calls in device memory
-so a CUDA graph replays the same launches with advancing counts):
+A call (one program per row; `slots`, local, hold each row's next slot in device memory so
+a CUDA graph replays the same launches with advancing slots; the slot itself is kept, not a
+call count, which would wrap past 2**31 calls, days of serving, into negative slots):
   1. waits for the previous kernel (PDL: the GEMV's partial in this rank's site slice),
-  2. takes c = counters[row] and stores c + 1; slot = c % RECV_SLOTS,
+  2. takes slot = slots[row] and stores (slot + 1) % RECV_SLOTS,
   3. stores its partial into recv[slot, rank, row] of every peer,
   4. polls its own recv[slot, q, row] for every peer q until no word is SENTINEL, then
      stores SENTINEL back (the cell is free for call c + RECV_SLOTS),
@@ -34,7 +35,8 @@ row) of rank r for call c + RECV_SLOTS only after its call c + RECV_SLOTS - 1 of
 completed, which waited for r's push of that call, which r makes after its PDL wait, so
 after r's kernel of call c (which read and reset the cell) completed. Both ranks make the
 same calls with the same rows in the same order (the same model on the same batches), so
-each row's call count agrees on every rank. One slot more than this needs is kept.
+each row's call count agrees on every rank. Two slots would do (a peer's call c + 2 waits
+for this rank's push of c + 1, made after its kernel of call c); one more is kept.
 
 Why it cannot deadlock. A program pushes before it polls, and polls only for the peers'
 programs of the same row and call. By induction over the common call sequence every
@@ -79,16 +81,16 @@ _CANONICAL_NAN: tl.constexpr = tl.constexpr(CANONICAL_NAN)
 
 @dataclass(frozen=True)
 class PushBuffers:
-    """One rank's receive region and call counts (see the module docstring).
+    """One rank's receive region and next slots (see the module docstring).
 
     recv: int32 [RECV_SLOTS, world, max_rows, row_floats], this rank's own (symmetric
     memory on GPUs), every word SENTINEL at first. recv_bases: int64 [world] on the rank's
-    device, every rank's recv as this rank addresses it (peer pointers). counters: int32
+    device, every rank's recv as this rank addresses it (peer pointers). slots: int32
     [max_rows], zero at first."""
 
     recv: torch.Tensor
     recv_bases: torch.Tensor
-    counters: torch.Tensor
+    slots: torch.Tensor
     rank: int
     world: int
     max_rows: int
@@ -129,7 +131,7 @@ def poll_cell(ptrs, mask, MAX_SPINS: tl.constexpr):
 def _tp_push_all_reduce_kernel(
     partial_ptr,  # float32 [rows, D]: this rank's partial (its site slice, local)
     recv_bases_ptr,  # int64 [WORLD]: every rank's receive region (int32 words)
-    counter_ptr,  # int32 [MAX_ROWS]: this rank's calls per row
+    slot_ptr,  # int32 [MAX_ROWS]: this rank's next slot per row
     residual_ptr,  # ADD_NORM: the residual stream; else unused (out)
     weight_ptr,  # ADD_NORM: the norm's weight; else unused (out)
     out_ptr,  # the sum (activation dtype), or with ADD_NORM its norm
@@ -156,9 +158,8 @@ def _tp_push_all_reduce_kernel(
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
-    count = tl.load(counter_ptr + row)
-    tl.store(counter_ptr + row, count + 1)
-    slot = count % SLOTS
+    slot = tl.load(slot_ptr + row)
+    tl.store(slot_ptr + row, (slot + 1) % SLOTS)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     mine = tl.load(partial_ptr + row.to(tl.int64) * D + cols, mask=mask, other=0.0)
@@ -180,7 +181,7 @@ def _tp_push_all_reduce_kernel(
         else:
             cell = own + ((slot * WORLD + q) * MAX_ROWS + row).to(tl.int64) * row_floats + cols
             got = poll_cell(cell, mask, MAX_SPINS)
-            # Free the cell for call count + SLOTS; each thread resets the words it read.
+            # Free the cell for this row's call SLOTS calls on; each thread resets what it read.
             tl.store(cell, tl.full([BLOCK_D], _SENTINEL, tl.int32), mask=mask)
             part = got.to(tl.float32, bitcast=True)
         if q == 0:
@@ -236,7 +237,7 @@ def _launch(
         _tp_push_all_reduce_kernel[(rows,)](
             sites.site_slice(site, rows, hidden),
             push.recv_bases,
-            push.counters,
+            push.slots,
             residual,
             weight,
             out,

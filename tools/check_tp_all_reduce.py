@@ -196,7 +196,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         "graph_replays": args.replays,
         "graph_mismatched_elements": graph_bad,
         "epochs_site0": epochs[0, :rows].tolist(),
-        "push_counters": None if sites.push is None else sites.push.counters[:rows].tolist(),
+        "push_next_slots": None if sites.push is None else sites.push.slots[:rows].tolist(),
         "ranks_same_bits": len(set(sums)) == 1,
         "speed": speed,
         "ok": eager_bad == 0 and graph_bad == 0 and len(set(sums)) == 1,

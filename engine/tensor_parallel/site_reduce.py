@@ -153,7 +153,7 @@ class SiteAllReduce:
             push = PushBuffers(
                 recv=recv.view(RECV_SLOTS, handle.world_size, max_rows, hidden),
                 recv_bases=data_bases + flags_end * 4,
-                counters=torch.zeros(max_rows, dtype=torch.int32, device=device),
+                slots=torch.zeros(max_rows, dtype=torch.int32, device=device),
                 rank=handle.rank,
                 world=handle.world_size,
                 max_rows=max_rows,

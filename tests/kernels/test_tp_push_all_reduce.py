@@ -69,7 +69,7 @@ def _ranks(world: int) -> tuple[list[SiteBuffers], list[PushBuffers]]:
             PushBuffers(
                 recv=recv.view(RECV_SLOTS, world, MAX_ROWS, ROW_FLOATS),
                 recv_bases=recv_bases,
-                counters=torch.zeros(MAX_ROWS, dtype=torch.int32),
+                slots=torch.zeros(MAX_ROWS, dtype=torch.int32),
                 rank=rank,
                 world=world,
                 max_rows=MAX_ROWS,
@@ -126,8 +126,8 @@ def test_sum_in_rank_order_same_bits_on_every_rank(world: int, dtype: torch.dtyp
         for out in outs:
             assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
         for p in pushes:
-            assert p.counters[:rows].tolist() == [call + 1] * rows
-            assert int(p.counters[rows:].abs().sum()) == 0  # rows not called
+            assert p.slots[:rows].tolist() == [(call + 1) % RECV_SLOTS] * rows
+            assert int(p.slots[rows:].abs().sum()) == 0  # rows not called
         # Every cell was read and freed: nothing else left anywhere.
         _settle(pushes, parts, call)
     if world == 3:
@@ -212,3 +212,31 @@ def test_rows_that_do_not_fit_are_refused() -> None:
         push_all_reduce(sites[0], pushes[0], 0, 1, ROW_FLOATS + 32, torch.float16)
     with pytest.raises(ValueError, match="does not fit"):
         push_all_reduce(sites[0], pushes[0], SITES, 1, 96, torch.float16)
+
+
+def test_the_slots_cycle_without_a_growing_count() -> None:
+    """The kernel keeps each row's next slot, not a call count that would wrap past 2**31
+    (days of serving) into negative slots: after any number of calls it stays in
+    [0, RECV_SLOTS), and a row resumes from whatever slot it holds."""
+    sites, pushes = _ranks(2)
+    rows, hidden, site = 1, 96, 0
+    for p in pushes:
+        p.slots[0] = RECV_SLOTS - 1  # as left by some earlier call
+    for call in range(RECV_SLOTS + 1):
+        slot = (RECV_SLOTS - 1 + call) % RECV_SLOTS
+        parts = order_sensitive_partials(2, rows, hidden, 20 + call, torch.float16)
+        for r, s in enumerate(sites):
+            s.site_slice(site, rows, hidden).copy_(parts[r])
+        pushes[0].recv[slot, 1, :rows, :hidden] = parts[1].view(torch.int32)
+        outs = [
+            push_all_reduce(s, p, site, rows, hidden, torch.float16, max_spins=SPINS)
+            for s, p in zip(sites, pushes, strict=True)
+        ]
+        for out in outs:
+            assert torch.equal(out, rank_order_sum(parts).half())
+        for p in pushes:
+            assert int(p.slots[0]) == (slot + 1) % RECV_SLOTS
+        # Rank 1's late push landed in this call's slot (see _settle).
+        assert torch.equal(pushes[0].recv[slot, 1, :rows, :hidden], parts[1].view(torch.int32))
+        pushes[0].recv[slot, 1].fill_(SENTINEL)
+        assert bool((pushes[0].recv == SENTINEL).all()) and bool((pushes[1].recv == SENTINEL).all())
