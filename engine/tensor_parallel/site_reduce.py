@@ -70,11 +70,13 @@ def fused_enabled() -> bool:
     return os.environ.get("KESTREL_TP_FUSED", "1") != "0"
 
 
-def site_kernel() -> str:
-    """The exchange kernel KESTREL_TP_SITE_KERNEL names (`flags` unless set)."""
-    kernel = os.environ.get("KESTREL_TP_SITE_KERNEL", "flags")
+def site_kernel(kernel: str | None = None) -> str:
+    """`kernel` checked, or (None) the one KESTREL_TP_SITE_KERNEL names (`flags` unless set)."""
+    source = "site all-reduce kernel"
+    if kernel is None:
+        source, kernel = "KESTREL_TP_SITE_KERNEL", os.environ.get("KESTREL_TP_SITE_KERNEL", "flags")
     if kernel not in SITE_KERNELS:
-        raise ValueError(f"KESTREL_TP_SITE_KERNEL={kernel!r}: expected one of {SITE_KERNELS}")
+        raise ValueError(f"{source} {kernel!r}: expected one of {SITE_KERNELS}")
     return kernel
 
 
@@ -107,9 +109,7 @@ class SiteAllReduce:
         the same `kernel` (`flags` or `push`; None: site_kernel())."""
         if hidden > MAX_FUSED_D or sites < 2:
             return None
-        kernel = kernel or site_kernel()
-        if kernel not in SITE_KERNELS:
-            raise ValueError(f"site all-reduce kernel {kernel!r}: expected one of {SITE_KERNELS}")
+        kernel = site_kernel(kernel)
         site_floats = SITE_BYTES // 4
         max_rows = min(MAX_SITE_ROWS, site_floats // hidden)
         try:

@@ -151,3 +151,18 @@ def test_a_deferred_partial_must_be_taken_before_the_next() -> None:
     assert sites.take(staged.clone()) is None  # another tensor is not the partial
     assert sites.take(staged) == 0
     assert sites.take(staged) is None
+
+
+def test_the_exchange_kernel_is_named_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.tensor_parallel.site_reduce import site_kernel
+
+    monkeypatch.delenv("KESTREL_TP_SITE_KERNEL", raising=False)
+    assert site_kernel() == "flags"
+    assert site_kernel("push") == "push"
+    monkeypatch.setenv("KESTREL_TP_SITE_KERNEL", "push")
+    assert site_kernel() == "push"
+    monkeypatch.setenv("KESTREL_TP_SITE_KERNEL", "nccl")
+    with pytest.raises(ValueError, match="KESTREL_TP_SITE_KERNEL 'nccl'"):
+        site_kernel()
+    with pytest.raises(ValueError, match="site all-reduce kernel 'fast'"):
+        site_kernel("fast")
