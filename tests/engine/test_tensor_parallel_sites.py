@@ -157,10 +157,10 @@ def test_the_exchange_kernel_is_named_or_refused(monkeypatch: pytest.MonkeyPatch
     from engine.tensor_parallel.site_reduce import site_kernel
 
     monkeypatch.delenv("KESTREL_TP_SITE_KERNEL", raising=False)
-    assert site_kernel() == "flags"
-    assert site_kernel("push") == "push"
-    monkeypatch.setenv("KESTREL_TP_SITE_KERNEL", "push")
     assert site_kernel() == "push"
+    assert site_kernel("flags") == "flags"
+    monkeypatch.setenv("KESTREL_TP_SITE_KERNEL", "flags")
+    assert site_kernel() == "flags"
     monkeypatch.setenv("KESTREL_TP_SITE_KERNEL", "nccl")
     with pytest.raises(ValueError, match="KESTREL_TP_SITE_KERNEL 'nccl'"):
         site_kernel()
