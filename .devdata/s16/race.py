@@ -5,7 +5,9 @@ import json, sys, time
 from pathlib import Path
 sys.path.insert(0, "tests")
 import torch
-from engine.test_norm_fold_engine import _decode  # noqa: E402
+import importlib.util  # noqa: E402
+spec = importlib.util.spec_from_file_location("nf", "tests/engine/test_norm_fold_engine.py")
+nf = importlib.util.module_from_spec(spec); spec.loader.exec_module(nf); _decode = nf._decode
 from tools.bench import build_model  # noqa: E402
 
 model = build_model(Path("/tmp/race/gptq"), "tiny", "gptq")
