@@ -232,12 +232,14 @@ def _decode_kernel(
     V_GROUP: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
-    # What earlier steps wrote may be read before the wait: the batch's rows (cu_seqlens,
-    # context lengths, page table: a graph's inputs, copied before its first kernel; eager,
-    # copied before the forward's first kernel, which waits for the copy) and the keys and
-    # values of every token but the new one (written by earlier forwards). The new token's
-    # query, key and value come from the kernel just before this one: read after the wait.
-    # So the first block's old keys and values are in flight while that kernel finishes.
+    # What no kernel of this forward writes may be read before the wait: the batch's rows
+    # (cu_seqlens, context lengths, page table: in a graph, captured torch copies at its
+    # start, ordinary launches that never let a dependent start early; eager, copies before
+    # the forward) and the keys and values of every token but the new one (written by
+    # earlier forwards, which complete before this one starts). The new token's query, key
+    # and value come from a kernel of this forward: read after the wait. So the first block's
+    # old keys and values are in flight while the kernels before this one finish. A kernel
+    # that writes batch rows or old cache slots inside a forward would break this.
     pdl_launch_dependents(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
