@@ -46,7 +46,8 @@ from kernels.attention.tiles import (
 from kernels.backend import (
     cast_rtne,
     device_guard,
-    pdl_start,
+    pdl_launch_dependents,
+    pdl_wait,
     programmatic_launch,
 )
 from kernels.kv_quant import NATIVE, KVFormat
@@ -89,6 +90,91 @@ DECODE_NUM_STAGES = 1
 
 # ---------------------------------------------------------------------------------------------
 # Decode kernels.
+
+
+@triton.jit
+def _load_kv_block(
+    page_table_row,
+    k_head_ptr,
+    v_head_ptr,
+    key_pos,
+    key_mask,
+    dims,
+    dim_mask,
+    dtype,
+    stride_kv_page,
+    stride_kv_slot,
+    stride_v_page,
+    stride_v_slot,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_CODE_BYTES: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_CODE_BYTES: tl.constexpr,
+    V_GROUP: tl.constexpr,
+):
+    """The [BLOCK_N, BLOCK_D] K and V tiles of the keys at `key_pos` where `key_mask`
+    (0 elsewhere), through the page table, in q's dtype."""
+    offsets = kv_token_offsets(
+        page_table_row, key_pos, key_mask, stride_kv_page, stride_kv_slot, PAGE_SIZE
+    )
+    kv_mask = key_mask[:, None] & dim_mask[None, :]
+    k = load_kv_tile(
+        k_head_ptr, offsets, dims, kv_mask, dtype, K_KIND, K_CODE_BYTES, K_GROUP, key_mask,
+        HEAD_DIM, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    if V_KIND != K_KIND:  # V rows of another format have their own size
+        offsets = kv_token_offsets(
+            page_table_row, key_pos, key_mask, stride_v_page, stride_v_slot, PAGE_SIZE
+        )
+    v = load_kv_tile(
+        v_head_ptr, offsets, dims, kv_mask, dtype, V_KIND, V_CODE_BYTES, V_GROUP, key_mask,
+        HEAD_DIM, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+    return k, v
+
+
+@triton.jit
+def _attend_block(
+    q,
+    k,
+    v,
+    key_mask,
+    row_max,
+    row_sum,
+    acc,
+    score_scale,
+    softcap_log2,
+    dtype,
+    SOFTCAP: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    F32_OPERANDS: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    """One key block of the online softmax: (row_max, row_sum, acc) after the keys of
+    `key_mask` (scores in log2 units)."""
+    if USE_DOT:
+        qk = mma(q, tl.trans(k), F32_OPERANDS)
+    else:
+        qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    s = scores_log2(qk, score_scale, softcap_log2, SOFTCAP)
+    s = tl.where(key_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
+    max_new = tl.maximum(row_max, tl.max(s, axis=1))
+    alpha = tl.exp2(row_max - max_new)
+    p = tl.exp2(s - max_new[:, None])
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        # P is rounded to V's dtype for the tensor cores, as flash attention does.
+        p_lo = cast_rtne(p, dtype, EMULATE_BF16)
+        acc = acc * alpha[:, None] + mma(p_lo, v, F32_OPERANDS)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+    return max_new, row_sum, acc
 
 
 @triton.jit
@@ -146,8 +232,15 @@ def _decode_kernel(
     V_GROUP: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
-    # Everything this kernel reads comes from earlier kernels: wait before any load.
-    pdl_start(USE_PDL)
+    # What no kernel of this forward writes may be read before the wait: the batch's rows
+    # (cu_seqlens, context lengths, page table: in a graph, captured torch copies at its
+    # start, ordinary launches that never let a dependent start early; eager, copies before
+    # the forward) and the keys and values of every token but the new one (written by
+    # earlier forwards, which complete before this one starts). The new token's query, key
+    # and value come from a kernel of this forward: read after the wait. So the first block's
+    # old keys and values are in flight while the kernels before this one finish. A kernel
+    # that writes batch rows or old cache slots inside a forward would break this.
+    pdl_launch_dependents(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -179,76 +272,57 @@ def _decode_kernel(
         dims = tl.arange(0, BLOCK_D)
         dim_mask = dims < HEAD_DIM
         q_mask = (g < GROUP)[:, None] & dim_mask[None, :]
+        page_table_row = page_table_ptr + seq.to(tl.int64) * stride_pt_seq
+        k_head_ptr = k_cache_ptr + kv_head * stride_kv_head
+        v_head_ptr = v_cache_ptr + kv_head * stride_v_head
+
+        first_pos = start + tl.arange(0, BLOCK_N)
+        first_keys = first_pos < end
+        new_token = ctx - 1
+        k, v = _load_kv_block(
+            page_table_row, k_head_ptr, v_head_ptr, first_pos, first_keys & (first_pos < new_token),
+            dims, dim_mask, dtype, stride_kv_page, stride_kv_slot, stride_v_page, stride_v_slot,
+            PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D,
+            K_KIND, K_CODE_BYTES, K_GROUP, V_KIND, V_CODE_BYTES, V_GROUP,
+        )  # fmt: skip
+        pdl_wait(USE_PDL)
         q_ptrs = q_ptr + q_row.to(tl.int64) * stride_q_tok + heads[:, None] * stride_q_head
         q = tl.load(q_ptrs + dims[None, :], mask=q_mask, other=0.0)  # [BLOCK_G, BLOCK_D]
         if not USE_DOT:
             q = q.to(tl.float32)
+        if (start <= new_token) & (new_token < tl.minimum(start + BLOCK_N, end)):
+            is_new = first_pos == new_token
+            k_new, v_new = _load_kv_block(
+                page_table_row, k_head_ptr, v_head_ptr, first_pos, is_new,
+                dims, dim_mask, dtype, stride_kv_page, stride_kv_slot, stride_v_page,
+                stride_v_slot, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D,
+                K_KIND, K_CODE_BYTES, K_GROUP, V_KIND, V_CODE_BYTES, V_GROUP,
+            )  # fmt: skip
+            k = tl.where(is_new[:, None], k_new, k)
+            v = tl.where(is_new[:, None], v_new, v)
 
-        page_table_row = page_table_ptr + seq.to(tl.int64) * stride_pt_seq
-        k_head_ptr = k_cache_ptr + kv_head * stride_kv_head
-        v_head_ptr = v_cache_ptr + kv_head * stride_v_head
         # A finite start: rows that have seen only masked keys get weights 0, not NaN.
         row_max = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
         row_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-        for block_start in range(start, end, BLOCK_N):
+        if start < end:
+            row_max, row_sum, acc = _attend_block(
+                q, k, v, first_keys, row_max, row_sum, acc, score_scale, softcap_log2,
+                dtype, SOFTCAP, USE_DOT, F32_OPERANDS, EMULATE_BF16,
+            )  # fmt: skip
+        for block_start in range(start + BLOCK_N, end, BLOCK_N):
             key_pos = block_start + tl.arange(0, BLOCK_N)
             key_mask = key_pos < end
-            offsets = kv_token_offsets(
-                page_table_row, key_pos, key_mask, stride_kv_page, stride_kv_slot, PAGE_SIZE
-            )
-            kv_mask = key_mask[:, None] & dim_mask[None, :]
-            k = load_kv_tile(
-                k_head_ptr,
-                offsets,
-                dims,
-                kv_mask,
-                dtype,
-                K_KIND,
-                K_CODE_BYTES,
-                K_GROUP,
-                key_mask,
-                HEAD_DIM,
-                BLOCK_N,
-                BLOCK_D,
-            )  # [BLOCK_N, BLOCK_D]
-            if USE_DOT:
-                qk = mma(q, tl.trans(k), F32_OPERANDS)
-            else:
-                qk = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-            s = scores_log2(qk, score_scale, softcap_log2, SOFTCAP)
-            s = tl.where(key_mask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N]
-
-            max_new = tl.maximum(row_max, tl.max(s, axis=1))
-            alpha = tl.exp2(row_max - max_new)
-            p = tl.exp2(s - max_new[:, None])
-            row_sum = row_sum * alpha + tl.sum(p, axis=1)
-            if V_KIND != K_KIND:  # V rows of another format have their own size
-                offsets = kv_token_offsets(
-                    page_table_row, key_pos, key_mask, stride_v_page, stride_v_slot, PAGE_SIZE
-                )
-            v = load_kv_tile(
-                v_head_ptr,
-                offsets,
-                dims,
-                kv_mask,
-                dtype,
-                V_KIND,
-                V_CODE_BYTES,
-                V_GROUP,
-                key_mask,
-                HEAD_DIM,
-                BLOCK_N,
-                BLOCK_D,
-            )
-            if USE_DOT:
-                # P is rounded to V's dtype for the tensor cores, as flash attention does.
-                p_lo = cast_rtne(p, dtype, EMULATE_BF16)
-                acc = acc * alpha[:, None] + mma(p_lo, v, F32_OPERANDS)
-            else:
-                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-                acc = acc * alpha[:, None] + pv
-            row_max = max_new
+            k, v = _load_kv_block(
+                page_table_row, k_head_ptr, v_head_ptr, key_pos, key_mask,
+                dims, dim_mask, dtype, stride_kv_page, stride_kv_slot, stride_v_page,
+                stride_v_slot, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D,
+                K_KIND, K_CODE_BYTES, K_GROUP, V_KIND, V_CODE_BYTES, V_GROUP,
+            )  # fmt: skip
+            row_max, row_sum, acc = _attend_block(
+                q, k, v, key_mask, row_max, row_sum, acc, score_scale, softcap_log2,
+                dtype, SOFTCAP, USE_DOT, F32_OPERANDS, EMULATE_BF16,
+            )  # fmt: skip
 
         safe_sum = tl.where(row_sum > 0.0, row_sum, 1.0)
         out = acc / safe_sum[:, None]
