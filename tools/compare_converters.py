@@ -39,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from tools.exllamav2_gemma3 import from_exllamav2, to_exllamav2  # noqa: E402
 from tools.perplexity import DOMAIN_WINDOWS, DOMAINS, domain_table, domain_texts  # noqa: E402
 
 CALIBRATIONS = ("default", "shared")
@@ -100,6 +101,8 @@ def _exllamav2(src: Path, out: Path, bits: float, meas: Path, cal: Path | None,
                a: argparse.Namespace) -> float | None:  # fmt: skip
     if (out / "config.json").is_file():
         return None
+    # A text-only Gemma 3 goes in as the multimodal checkpoint exllamav2 0.3.2 knows.
+    src = to_exllamav2(src, out.parent)
     base = [sys.executable, "-m", "exllamav2.conversion.convert_exl2", "-i", str(src),
             *(["-c", str(cal)] if cal else []), "-hb", str(a.head_bits), *_row_args(a)]  # fmt: skip
     work = out.parent / f"{out.name}-job"
@@ -112,6 +115,7 @@ def _exllamav2(src: Path, out: Path, bits: float, meas: Path, cal: Path | None,
         [*base, "-o", str(work), "-cf", str(out), "-b", str(bits), "-m", str(meas), "-nr"],
         out.with_suffix(".log"),
     )
+    from_exllamav2(out)  # back to the text-only names Kestrel reads (others: unchanged)
     return seconds
 
 
