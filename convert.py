@@ -18,7 +18,13 @@ import sys
 from engine.quantizer import ConvertError, ConvertOptions, convert
 from engine.quantizer.gptq import DEFAULT_DAMP
 from engine.quantizer.optimize import DEFAULT_NORM
-from engine.quantizer.pipeline import DEFAULT_ROWS, FAST_ROWS, MAX_NORM, MIN_NORM
+from engine.quantizer.pipeline import (
+    DEFAULT_ROWS,
+    FAST_ROWS,
+    MAX_NORM,
+    MAX_TOKEN_POWER,
+    MIN_NORM,
+)
 
 
 def _rows_text(table: dict[str, tuple[int, int, int, int]], device: str) -> str:
@@ -107,6 +113,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Hessians and scores from every row, as exllamav2). Measuring only, so not with -m",
     )
     p.add_argument(
+        "--token_power",
+        "--token-power",
+        type=float,
+        default=1.0,
+        metavar="Q",
+        help="score each measured candidate by the power mean of power Q of its tokens' "
+        "squared relative errors instead of their mean, weighing the tokens a module gets "
+        "most wrong more than the calibration text's common ones: a hedge when the model "
+        f"will read text unlike the calibration text (1-{MAX_TOKEN_POWER:g}, e.g. 2; "
+        "default 1: the mean). Measuring only, so not with -m",
+    )
+    p.add_argument(
         "--rtn",
         action="store_true",
         help="round to nearest instead of GPTQ, same bit allocation (a baseline to compare)",
@@ -141,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         error_norm=args.error_norm,
         error_reference=args.error_reference,
         heldout=args.heldout_scoring,
+        token_power=args.token_power,
         threads=args.threads,
     )
     try:

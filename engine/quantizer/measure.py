@@ -2,7 +2,8 @@
 stream, layer by layer, with unquantized states fed forward (as exllamav2 measures).
 
     out_states, record = measure_layer(runner, i, states, scale_search="coarse",
-                                       error_reference="layer", heldout=0.0)
+                                       error_reference="layer", heldout=0.0,
+                                       token_power=1.0)
 
 For each module of the layer (attention, MLP) and each `ModuleCandidate` of its table,
 every linear is GPTQ-quantized at the candidate's profile (each (linear, profile) once,
@@ -24,6 +25,17 @@ per-row Frobenius ratio, as exllamav2 computes it, is then dominated by that one
 calls those layers' modules nearly error-free, and the allocation starves them. The
 module's last linear (o_proj, down_proj) produces its output, so candidates that differ
 only there share one forward of the rest of the module and differ by one matmul.
+
+Token power (`token_power=q`, q ≥ 1): the mean over tokens becomes a power mean,
+
+    err = (mean over t of (‖y_cand[t] − y_ref[t]‖² / ‖s[t]‖²)^q)^(1/(2q)),
+
+q = 1 being the formula above. A larger q weighs the tokens a module gets most wrong,
+where the mean is carried by the calibration text's common tokens. Measured on SmolLM2-135M
+calibrated on English wiki (issue 29): q = 4 raises the early and late layers' levels
+against the middle ones' (the geometric mean of a module's candidate errors) the way
+measuring on multilingual text does (correlation 0.66 over the 60 modules, slope 1.0), and
+q = 2 at 4.0 bpw lowered held-out perplexity on all five domains (multilingual -5.4%).
 
 Rows (`scoring_rows`): by default the GPTQ Hessians use every measuring row and candidates
 are scored on the same rows (in-sample, as exllamav2 does; the first rows holding
@@ -107,6 +119,7 @@ def measure_layer(
     score_tokens: int | None = None,
     error_reference: str = "layer",
     heldout: float = 0.0,
+    token_power: float = 1.0,
     tick: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, dict[str, list[dict[str, Any]]]]:
     """(reference layer output [R, L, hidden], measurement record) for one loaded layer.
@@ -119,6 +132,8 @@ def measure_layer(
         raise ValueError(
             f"error reference must be one of {', '.join(ERROR_REFERENCES)}, got {error_reference!r}"
         )
+    if not token_power >= 1.0:
+        raise ValueError(f"the token power must be at least 1, got {token_power}")
     layer = runner.lm.layers[layer_idx]
     specs = module_specs(layer)
     first = [g.names[0] for spec in specs for g in spec.groups]
@@ -150,8 +165,9 @@ def measure_layer(
     record: dict[str, list[dict[str, Any]]] = {}
     for spec in specs:
         record[spec.kind] = _measure_module(
-            runner, layer_idx, layer, spec, cap, stream_norms[spec.kind], scale_search, damp, tick
-        )
+            runner, layer_idx, layer, spec, cap, stream_norms[spec.kind], scale_search, damp,
+            token_power, tick,
+        )  # fmt: skip
     return out, record
 
 
@@ -164,6 +180,7 @@ def _measure_module(
     stream_norm: torch.Tensor,
     scale_search: str,
     damp: float,
+    token_power: float,
     tick: Callable[[], None] | None,
 ) -> list[dict[str, Any]]:
     # Roles this module has (Phi-3's fused qkv_proj has no separate v): candidates that
@@ -220,8 +237,9 @@ def _measure_module(
                     lin.weight = nn.Parameter(w.to(originals[name].device))
             w_outs = [dequantized[out_name, dict(c.rungs)[out_role]] for c in members]
             errs = _candidate_errors(
-                runner, layer_idx, spec, out_linear, x_in, w_outs, y_ref, stream_norm
-            )
+                runner, layer_idx, spec, out_linear, x_in, w_outs, y_ref, stream_norm,
+                token_power,
+            )  # fmt: skip
             for cand, err in zip(members, errs, strict=True):
                 profiles = {role: LADDER[i].name for role, i in cand.rungs}
                 results.append({"profiles": profiles, "err": err})
@@ -244,9 +262,11 @@ def _candidate_errors(
     w_outs: list[torch.Tensor],
     y_ref: torch.Tensor,
     stream_norm: torch.Tensor,
+    token_power: float = 1.0,
 ) -> list[float]:
     """The score of each output weight in w_outs [n, d], the module run on x_in [R, L, d]
-    with its other linears as they are set now.
+    with its other linears as they are set now (the power mean of token_power over the
+    tokens' squared relative errors, as a root: module docstring).
 
     Chunk by chunk: the module's forward stops at its output linear (whose own matmul
     would be wasted work, every candidate applies its own: a third of an MLP forward),
@@ -278,7 +298,10 @@ def _candidate_errors(
             y = F.linear(z, w_all, bias_all).float()
             y = y.unflatten(-1, (count, n))  # [r, L, count, n]
             diff = (y - y_ref[rows].float()[:, :, None]).norm(dim=-1).cpu()
-            errs.append((diff / stream_norm[rows][:, :, None]).square().flatten(0, 1))  # [r·L, c]
+            ratio = (diff / stream_norm[rows][:, :, None]).square().flatten(0, 1)  # [r·L, c]
+            errs.append(ratio.double().pow(token_power) if token_power != 1 else ratio)
     finally:
         handle.remove()
-    return torch.cat(errs).mean(dim=0).sqrt().tolist()
+    if token_power == 1:
+        return torch.cat(errs).mean(dim=0).sqrt().tolist()
+    return torch.cat(errs).mean(dim=0).pow(0.5 / token_power).tolist()

@@ -79,6 +79,7 @@ Measurement = dict[str, Any]
 QUANTIZER_VERSION = "kestrel-0.1.0"
 MIN_BITS, MAX_BITS = 2.0, 8.0
 MAX_DAMP = 10.0  # beyond this GPTQ is rounding to nearest with extra steps
+MAX_TOKEN_POWER = 8.0  # past it a few worst tokens alone decide
 MIN_NORM, MAX_NORM = 1.0, 16.0  # 16: the largest error alone decides, for any practical table
 # (rows, length, measure rows, measure length) per device. The defaults put quality first;
 # `fast` is the earlier default, for quick tries (SmolLM2-135M in about 8 minutes on two
@@ -127,6 +128,9 @@ class ConvertOptions:
     # last `heldout` fraction of the measuring rows with Hessians from the others (0: off).
     error_reference: str = "layer"
     heldout: float = 0.0
+    # Each candidate's error a power mean of this power over the scored tokens (1: the
+    # mean; larger weighs a module's worst tokens more: measure.py). Measuring only.
+    token_power: float = 1.0
     rtn: bool = False  # round to nearest instead of GPTQ (a baseline for comparisons)
     shard_mb: int = 8192
     progress: bool = True
@@ -198,6 +202,8 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         settings["error_reference"] = options.error_reference
     if options.heldout:
         settings["heldout"] = float(options.heldout)
+    if options.token_power != 1:
+        settings["token_power"] = float(options.token_power)
     try:
         job = Job.open(partial, settings, resume=options.resume)
     except JobMismatchError as e:
@@ -275,11 +281,15 @@ def _check_options(o: ConvertOptions) -> None:
         raise ConvertError(
             f"held-out scoring needs at least 2 measuring rows (-mr), got {o.measure_rows}"
         )
-    if o.measurement_in and (o.error_reference != "layer" or o.heldout):
+    if not isinstance(o.token_power, (int, float)) or not 1 <= o.token_power <= MAX_TOKEN_POWER:
+        raise ConvertError(
+            f"the token power must lie in 1-{MAX_TOKEN_POWER:g}, got {o.token_power}"
+        )
+    if o.measurement_in and (o.error_reference != "layer" or o.heldout or o.token_power != 1):
         # They decide how a measurement is made; a reused one keeps what it was made with.
         raise ConvertError(
-            "--error_reference and --heldout_scoring choose how a measurement is made; "
-            "-m reuses one as it was made (drop them, or measure again)"
+            "--error_reference, --heldout_scoring and --token_power choose how a measurement "
+            "is made; -m reuses one as it was made (drop them, or measure again)"
         )
     if o.shard_mb <= 0:
         raise ConvertError(f"shard size must be positive, got {o.shard_mb} MB")
@@ -574,6 +584,8 @@ def _measure(
         "scoring": {
             "error_reference": o.error_reference,
             "heldout": float(o.heldout),
+            # Only when set: a file without it scored by the mean (token power 1).
+            **({"token_power": float(o.token_power)} if o.token_power != 1 else {}),
             "hessian_rows": fit,
             "scored_rows": scored,
             "damp": float(o.damp),
@@ -599,6 +611,7 @@ def _measure(
                 score_tokens=score_tokens,
                 error_reference=o.error_reference,
                 heldout=o.heldout,
+                token_power=o.token_power,
                 tick=bar.update,
             )
             lm.unload_layer(i)

@@ -86,12 +86,23 @@ FLAG_CASES = [
     (
         "heldout-with-reuse",
         ["-b", "4", "-m", "a.json", "--heldout_scoring", "0.5"],
-        r"--heldout_scoring choose how a measurement is made; -m reuses one",
+        r"--heldout_scoring and .* choose how a measurement is made; -m reuses one",
+    ),
+    ("token-power-below-one", ["-b", "4", "--token_power", "0.5"], r"token power must lie in 1-8"),
+    (
+        "token-power-nan",
+        ["-b", "4", "--token-power", "nan"],
+        r"token power must lie in 1-8, got nan",
+    ),
+    (
+        "token-power-with-reuse",
+        ["-b", "4", "-m", "a.json", "--token_power", "2"],
+        r"--token_power choose how a measurement is made; -m reuses one",
     ),
     (
         "reference-with-reuse",
         ["-b", "4", "-m", "a.json", "--error_reference", "module"],
-        r"--error_reference and .* choose how a measurement is made",
+        r"--error_reference, .* choose how a measurement is made",
     ),
 ]
 

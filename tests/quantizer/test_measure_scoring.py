@@ -1,6 +1,7 @@
 """How the measurement scores candidates (engine/quantizer/measure.py): the stream each
-module's error is divided by (error_reference) and the rows the GPTQ Hessians and the
-scores come from (heldout), on one layer of a tiny random model."""
+module's error is divided by (error_reference), the rows the GPTQ Hessians and the
+scores come from (heldout) and the power mean over tokens (token_power), on one layer of a
+tiny random model."""
 
 from __future__ import annotations
 
@@ -139,3 +140,21 @@ def test_heldout_scores_rows_the_hessians_did_not_see(tiny) -> None:
     # better than on rows the Hessian did not see (the same rows b are scored in `held`
     # and among those of `inside`; here the mean over all candidates).
     assert float(_errors(inside, "mlp").mean()) < float(_errors(held, "mlp").mean())
+
+
+def test_token_power_weighs_the_worst_tokens_more(tiny) -> None:
+    """Power 1 is the mean (the default's errors exactly); a higher power's root of the
+    power mean is at least the mean's, strictly here (the tokens' errors differ), and the
+    GPTQ results (the candidates) are the same either way."""
+    lm = LayerwiseModel(tiny, device=torch.device("cpu"), dtype=torch.float32)
+    lm.load_layer(0)
+    states = _rows(4, seed=5)
+    _, mean = _measure(lm, states)
+    _, one = _measure(lm, states, token_power=1.0)
+    _, four = _measure(lm, states, token_power=4.0)
+    for kind in ("attn", "mlp"):
+        assert torch.equal(_errors(one, kind), _errors(mean, kind))
+        assert [e["profiles"] for e in four[kind]] == [e["profiles"] for e in mean[kind]]
+        assert bool((_errors(four, kind) > _errors(mean, kind)).all())
+    with pytest.raises(ValueError, match="token power must be at least 1"):
+        _measure(lm, states, token_power=0.5)
