@@ -92,7 +92,10 @@ def _kestrel(src: Path, out: Path, bits: float, meas: Path, cal: Path | None,
            *a.kestrel_args]  # fmt: skip
     seconds = 0.0
     if not meas.is_file():
-        seconds += _run([*cmd[:6], "-om", str(meas), *cmd[6:]], out.parent / f"{meas.stem}.log")
+        # Flags that shape the measurement (--token_power, ...) go to this call only: the
+        # quantizing call reuses it with -m, which refuses them.
+        measuring = [*cmd[:6], "-om", str(meas), *cmd[6:], *a.kestrel_measure_args]
+        seconds += _run(measuring, out.parent / f"{meas.stem}.log")
     seconds += _run([*cmd, "-m", str(meas), *(["--rtn"] if rtn else [])], out.with_suffix(".log"))
     return seconds
 
@@ -150,6 +153,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-text", help="UTF-8 text whose head is the shared calibration")
     p.add_argument("--cal-fraction", type=float, default=0.6)
     p.add_argument("--kestrel-args", nargs="*", default=[], help="more convert.py flags")
+    p.add_argument(
+        "--kestrel-measure-args",
+        nargs="*",
+        default=[],
+        help="convert.py flags for Kestrel's measurement only, written with '=' "
+        "(--kestrel-measure-args=--token_power=2); its measurement file is reused from "
+        "--work, so give each setting a work directory of its own",
+    )
     p.add_argument("--head-bits", type=int, default=6)
     p.add_argument("--rows", type=int, help="calibration rows (default: each converter's)")
     p.add_argument("--length", type=int, help="tokens per row (default: each converter's)")
