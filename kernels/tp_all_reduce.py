@@ -192,9 +192,10 @@ def _tp_all_reduce_kernel(
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
     counter = epoch_ptr + site * MAX_ROWS + row
+    # Volatile, then a barrier before the store, as the push kernel reads its slot (an
+    # earlier kernel's store; a late warp would read the new count and wait for a flag no
+    # peer publishes in this call).
     epoch = tl.load(counter, volatile=True) + 1
-    # Every warp has read the count before one thread stores the next (a late warp would
-    # read the new count and wait for a flag no peer publishes in this call).
     tl.debug_barrier()
     tl.store(counter, epoch)
     # Publish before waiting (no deadlock: see the module docstring).

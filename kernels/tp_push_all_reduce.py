@@ -158,10 +158,12 @@ def _tp_push_all_reduce_kernel(
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
+    # Volatile: the slot was stored by this row's previous call, an earlier kernel perhaps
+    # on another SM, whose line an SM's L1 may still hold from before it. Then every warp
+    # has read it before one thread stores the next: without the barrier a warp that
+    # reaches its load late reads the next slot. Either way a rank pushes and polls the
+    # wrong cells: wrong sums, or a poll no peer ever ends (both seen on 2 H200s).
     slot = tl.load(slot_ptr + row, volatile=True)
-    # Every warp has read the slot before one thread stores the next: without the barrier
-    # a warp that reaches its load late reads the next slot, pushes and polls the wrong
-    # cells (wrong sums, or a poll no peer ever ends).
     tl.debug_barrier()
     tl.store(slot_ptr + row, (slot + 1) % SLOTS)
     cols = tl.arange(0, BLOCK_D)
