@@ -85,11 +85,11 @@ def from_exllamav2(out: Path) -> None:
     """Turn exllamav2's EXL2 output of a view back into a text-only Gemma 3 directory, in
     place (whole or unchanged: rewritten beside it, then swapped in). Anything else is
     left as it is."""
-    if _architectures(out) != [MULTIMODAL]:
+    config = json.loads((out / "config.json").read_text())
+    # A real multimodal checkpoint (its tensors also under `language_model.`) names its
+    # vision tower in vision_config; a view has none.
+    if config.get("architectures") != [MULTIMODAL] or "vision_config" in config:
         return
-    with safe_open(str(next(out.glob("*.safetensors"))), framework="pt") as f:
-        if not any(key.startswith(PREFIX) for key in f.keys()):
-            return  # a real multimodal checkpoint: not one of our views
 
     def drop_prefix(key: str) -> str:
         return key[len(PREFIX) :] if key.startswith(PREFIX) else key

@@ -80,3 +80,18 @@ def test_other_checkpoints_pass_through(tmp_path: Path) -> None:
     from_exllamav2(src)
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
     assert not (tmp_path / "work").exists()
+
+
+def test_a_real_multimodal_checkpoint_is_left_as_it_is(tmp_path: Path) -> None:
+    """Its language model is under `language_model.` too, but it names a vision tower: not
+    one of the views, so its names stay."""
+    config_cls, overrides, _ = CASES["gemma3"]
+    src = tmp_path / "gemma3"
+    make_tiny_model(src, config_cls, **overrides)
+    view = to_exllamav2(src, tmp_path / "work")
+    config = _config(view)
+    config["vision_config"] = {"model_type": "siglip_vision_model"}
+    (view / "config.json").write_text(json.dumps(config))
+    before = {p.name: p.read_bytes() for p in view.iterdir()}
+    from_exllamav2(view)
+    assert {p.name: p.read_bytes() for p in view.iterdir()} == before
