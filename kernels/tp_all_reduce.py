@@ -99,11 +99,51 @@ class SiteBuffers:
         return 0 < rows <= self.max_rows and rows * hidden <= self.site_floats
 
 
+# How long the engine's all-reduce waits for a peer before it stops its GPU with an error.
+# A peer that will never come (its process died, its host raised, it took another path)
+# would otherwise keep this GPU spinning until the process is killed: no error, no exit.
+# A healthy peer is microseconds behind, or seconds where its host compiles a kernel the
+# first time; two minutes is neither.
+PEER_TIMEOUT_S = 120
+PEER_LATE_MESSAGE = (
+    f"tensor parallel: a decode all-reduce waited {PEER_TIMEOUT_S} s for a peer rank; "
+    "stopping this GPU (a peer rank died or stopped calling the all-reduce)"
+)
+_PEER_LATE_MESSAGE: tl.constexpr = tl.constexpr(PEER_LATE_MESSAGE)
+
+
+def peer_timeout_ns(interpreted: bool) -> int:
+    """The kernels' TIMEOUT_NS: PEER_TIMEOUT_S on GPUs; 0 (no timer) in the interpreter,
+    which has no %globaltimer (its tests bound the waits with MAX_SPINS instead)."""
+    return 0 if interpreted else PEER_TIMEOUT_S * 10**9
+
+
 @triton.jit
-def wait_flag(flag_ptr, expected, MAX_SPINS: tl.constexpr):
+def global_ns():
+    """The GPU's nanosecond clock (%globaltimer), the same on every SM."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def stop_if_late(start_ns, TIMEOUT_NS: tl.constexpr):
+    """Stop the GPU (trap: the process's next CUDA call raises) once TIMEOUT_NS have gone
+    by since start_ns, saying why first. TIMEOUT_NS 0: never (no timer read)."""
+    if TIMEOUT_NS > 0:
+        if global_ns() - start_ns > TIMEOUT_NS:
+            tl.device_print(_PEER_LATE_MESSAGE)
+            tl.inline_asm_elementwise(
+                "trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+            )
+
+
+@triton.jit
+def wait_flag(flag_ptr, expected, MAX_SPINS: tl.constexpr, TIMEOUT_NS: tl.constexpr):
     """Spin until *flag_ptr == expected, reading it with acquire semantics at system scope
-    (a peer GPU writes it). MAX_SPINS 0: without bound (the engine); > 0 gives up after
-    that many reads (tests). Returns whether the flag arrived."""
+    (a peer GPU writes it). MAX_SPINS 0: without bound but TIMEOUT_NS (the engine:
+    stop_if_late); > 0 gives up after that many reads (tests). Returns whether the flag
+    arrived."""
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if MAX_SPINS > 0:
         spins = 0
@@ -111,8 +151,10 @@ def wait_flag(flag_ptr, expected, MAX_SPINS: tl.constexpr):
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             spins += 1
     else:
+        start = global_ns() if TIMEOUT_NS > 0 else 0
         while seen != expected:
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            stop_if_late(start, TIMEOUT_NS)
     return seen == expected
 
 
@@ -185,6 +227,7 @@ def _tp_all_reduce_kernel(
     EMULATE_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
     MAX_SPINS: tl.constexpr,  # 0 in the engine; tests bound the waits (wait_flag)
+    TIMEOUT_NS: tl.constexpr,  # the engine's bound on GPUs (peer_timeout_ns)
 ):
     # The next kernel may launch now (it loads its weights while this one waits for the
     # peers); then wait for the GEMV that wrote this rank's partial.
@@ -205,7 +248,7 @@ def _tp_all_reduce_kernel(
     own_flags = tl.load(flag_bases_ptr + rank).to(tl.pointer_type(tl.int32))
     for q in tl.static_range(WORLD):
         if q != rank:
-            wait_flag(own_flags + (site * WORLD + q) * MAX_ROWS + row, epoch, MAX_SPINS)
+            wait_flag(own_flags + (site * WORLD + q) * MAX_ROWS + row, epoch, MAX_SPINS, TIMEOUT_NS)
     # Every thread reads the peers' partials only after the wait above.
     tl.debug_barrier()
 
@@ -329,6 +372,7 @@ def _launch(
             EMULATE_BF16=_INTERPRETED,
             USE_PDL=pdl,
             MAX_SPINS=max_spins,
+            TIMEOUT_NS=peer_timeout_ns(_INTERPRETED),
             num_warps=norm_num_warps(block_d),
             launch_pdl=pdl,
         )

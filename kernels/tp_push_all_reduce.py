@@ -65,7 +65,10 @@ from kernels.tp_all_reduce import (
     SiteBuffers,
     check_site_call,
     ending_operands,
+    global_ns,
     norm_outputs,
+    peer_timeout_ns,
+    stop_if_late,
     store_reduced,
 )
 
@@ -108,10 +111,11 @@ def recv_words(world: int, max_rows: int, row_floats: int) -> int:
 
 
 @triton.jit
-def poll_cell(ptrs, mask, MAX_SPINS: tl.constexpr):
+def poll_cell(ptrs, mask, MAX_SPINS: tl.constexpr, TIMEOUT_NS: tl.constexpr):
     """The words at `ptrs` once none is SENTINEL (a peer wrote them), read volatile (not
-    cached: a peer GPU writes them). MAX_SPINS 0: without bound (the engine); > 0 gives up
-    after that many extra reads (tests), leaving SENTINEL words in what it returns."""
+    cached: a peer GPU writes them). MAX_SPINS 0: without bound but TIMEOUT_NS (the
+    engine: stop_if_late); > 0 gives up after that many extra reads (tests), leaving
+    SENTINEL words in what it returns."""
     got = tl.load(ptrs, mask=mask, other=0, volatile=True)
     missing = tl.sum((got == _SENTINEL).to(tl.int32), axis=0)
     if MAX_SPINS > 0:
@@ -121,9 +125,11 @@ def poll_cell(ptrs, mask, MAX_SPINS: tl.constexpr):
             missing = tl.sum((got == _SENTINEL).to(tl.int32), axis=0)
             spins += 1
     else:
+        start = global_ns() if TIMEOUT_NS > 0 else 0
         while missing > 0:
             got = tl.load(ptrs, mask=mask, other=0, volatile=True)
             missing = tl.sum((got == _SENTINEL).to(tl.int32), axis=0)
+            stop_if_late(start, TIMEOUT_NS)
     return got
 
 
@@ -152,6 +158,7 @@ def _tp_push_all_reduce_kernel(
     EMULATE_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
     MAX_SPINS: tl.constexpr,  # 0 in the engine; tests bound the polls (poll_cell)
+    TIMEOUT_NS: tl.constexpr,  # the engine's bound on GPUs (peer_timeout_ns)
 ):
     # The next kernel may launch now (it loads its weights while this one waits for the
     # peers); then wait for the GEMV that wrote this rank's partial.
@@ -184,7 +191,7 @@ def _tp_push_all_reduce_kernel(
             part = bits.to(tl.float32, bitcast=True)  # what the peers received
         else:
             cell = own + ((slot * WORLD + q) * MAX_ROWS + row).to(tl.int64) * row_floats + cols
-            got = poll_cell(cell, mask, MAX_SPINS)
+            got = poll_cell(cell, mask, MAX_SPINS, TIMEOUT_NS)
             # Free the cell for this row's call SLOTS calls on; each thread resets what it read.
             tl.store(cell, tl.full([BLOCK_D], _SENTINEL, tl.int32), mask=mask)
             part = got.to(tl.float32, bitcast=True)
@@ -262,6 +269,7 @@ def _launch(
             EMULATE_BF16=_INTERPRETED,
             USE_PDL=pdl,
             MAX_SPINS=max_spins,
+            TIMEOUT_NS=peer_timeout_ns(_INTERPRETED),
             num_warps=norm_num_warps(block_d),
             launch_pdl=pdl,
         )
