@@ -39,7 +39,8 @@ consts = {"WORLD": 2, "MAX_ROWS": 16, "SLOTS": 3, "ADD_NORM": True, "UNIT_OFFSET
           "TIMEOUT_NS": timeout_ns}
 params = inspect.signature(kernel.fn).parameters
 consts = {n: v for n, v in consts.items() if n in params}
-signature = {n: "constexpr" if n in consts else types.get(n, "*fp16" if n.endswith("_ptr") else "i32")
+default = {True: "*fp16", False: "i32"}
+signature = {n: "constexpr" if n in consts else types.get(n, default[n.endswith("_ptr")])
              for n in params}
 ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
