@@ -31,8 +31,8 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter"
 )
 
-MAX_ROWS, ROW_FLOATS = 2, 2 * CHUNK + 128
-HIDDEN = 2 * CHUNK + 76  # three chunk programs per row, the last one partial
+MAX_ROWS, ROW_FLOATS = 2, 4 * CHUNK
+HIDDEN = 3 * CHUNK + 76  # four chunk programs per row, the last one partial
 K_SLOTS = 5
 SPINS = 64  # a push that never came fails a check, never hangs
 
