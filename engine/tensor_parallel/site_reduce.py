@@ -161,6 +161,8 @@ class SiteAllReduce:
         sites: int,
         hidden: int,
         kernel: str | None = None,
+        *,
+        enabled: bool = True,
     ) -> SiteAllReduce | None:
         """The rank's site buffers for `sites` sites of `hidden` outputs, or None where the
         kernel can't be used here or on a peer rank (logged): every rank gets buffers or
@@ -183,6 +185,8 @@ class SiteAllReduce:
         # (sites_agreed), so that all of them take the kernel or none does: a rank that
         # skipped a collective, or the kernel, would leave its peers waiting for good.
         problem: Exception | None = refused
+        if problem is None and not enabled:
+            problem = RuntimeError("KESTREL_TP_FUSED=0 on this rank")
         if problem is None:
             try:
                 import torch.distributed._symmetric_memory as symm_mem
@@ -203,11 +207,21 @@ class SiteAllReduce:
                 recv.fill_(SENTINEL)
             except Exception as error:  # no symmetric memory in this torch, no room
                 problem = error
-        if not sites_agreed(
-            world_group, device, problem is None, kernel if refused is None else None
-        ):
-            _log_unavailable(problem)
+        try:
+            agreed = sites_agreed(
+                world_group, device, problem is None, kernel if refused is None else None
+            )
+        except ValueError as disagreement:
+            # Every rank raises; the one whose own setting was refused says what it was.
+            raise (refused or disagreement) from (disagreement if refused else None)
+        if not agreed:
+            if enabled:
+                _log_unavailable(problem)
+            else:
+                log.info("tensor parallel: the fused site all-reduce is off (KESTREL_TP_FUSED=0)")
             return None
+        # A rendezvous that fails on one rank after its peers entered it leaves them in it
+        # (torch's own collective): only failures after it returns everywhere are agreed on.
         try:
             handle = symm_mem.rendezvous(buffer, world_group.group_name)
             # buffer_ptrs are the allocations' bases; the tensor may start inside one.

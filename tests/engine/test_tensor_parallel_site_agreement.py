@@ -4,13 +4,17 @@ The site kernels wait for every peer's partial: a rank that set its buffers up w
 could not (its allocation, its environment, its view of the peers' addresses), or that ran
 the other kernel, would leave its peers waiting for good. SiteAllReduce.build makes the
 ranks agree after each step of the set-up. Two gloo ranks on the CPU decide here, every
-case in one launch (a launch costs tens of seconds on a loaded 2-core machine): the votes
-themselves, a kernel named on one rank only, and the whole build where no rank has
-symmetric memory (the CPU), which must return None on both without waiting."""
+case in one launch (a launch costs seconds): the votes themselves; builds where one rank's
+allocation or rendezvous fails and the other's succeeds (symmetric memory stood in for by
+CPU tensors and a stand-in rendezvous), which must give None on both ranks and never reach
+the barrier; a build where both succeed, which must give both ranks their buffers after
+the barrier; and kernels that differ between the ranks, which must raise on both."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -25,30 +29,76 @@ VOTES = {
     "kernels_differ": [(True, "push"), (True, "flags")],
     "one_refused": [(True, "push"), (True, None)],
 }
-CASES = [*VOTES, "build", "build_kernels_differ"]
+# Per build case: (which ranks allocate, which ranks' rendezvous returns).
+BUILDS = {
+    "nobody_allocates": ((), ()),
+    "one_allocates": ((0,), (0, 1)),
+    "one_rendezvous_fails": ((0, 1), (0,)),
+    "both_succeed": ((0, 1), (0, 1)),
+}
+CASES = [*VOTES, *BUILDS, "build_kernels_differ", "fused_off_on_one"]
+
+
+def _build(rank: int, allocates: tuple[int, ...], meets: tuple[int, ...], **kwargs) -> object:
+    """SiteAllReduce.build on the CPU with symmetric memory stood in for: `allocates` ranks
+    get a CPU tensor, `meets` ranks a rendezvous handle (the others raise); returns what
+    build gave (None, or 'built') and whether the barrier ran."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from engine.tensor_parallel import site_reduce
+
+    barriers: list[int] = []
+
+    def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if rank not in allocates:
+            raise RuntimeError("no symmetric memory on this rank")
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def rendezvous(buffer: torch.Tensor, group_name: str) -> SimpleNamespace:
+        dist.barrier()  # a collective, as torch's exchange of the peers' handles
+        if rank not in meets:
+            raise RuntimeError("no peer access on this rank")
+        base = buffer.data_ptr()
+        return SimpleNamespace(
+            buffer_ptrs=[base] * WORLD,
+            rank=rank,
+            world_size=WORLD,
+            barrier=lambda: barriers.append(1),
+        )
+
+    real_empty, real_rendezvous = site_reduce.symmetric_empty, symm_mem.rendezvous
+    site_reduce.symmetric_empty, symm_mem.rendezvous = empty, rendezvous  # type: ignore[assignment]
+    try:
+        built = site_reduce.SiteAllReduce.build(None, torch.device("cpu"), 4, 64, **kwargs)
+    finally:
+        site_reduce.symmetric_empty, symm_mem.rendezvous = real_empty, real_rendezvous
+    return ("built" if built is not None else None, len(barriers))
 
 
 def _case(rank: int, case: str) -> object:
-    from engine.tensor_parallel.site_reduce import SiteAllReduce, sites_agreed
+    from engine.tensor_parallel.site_reduce import sites_agreed
 
     group = dist.group.WORLD
     assert group is not None
-    cpu = torch.device("cpu")
     try:
-        if case == "build":
-            # No symmetric memory on the CPU: every rank must see it and return None.
-            return SiteAllReduce.build(None, cpu, sites=4, hidden=64) is None
+        if case in BUILDS:
+            return _build(rank, *BUILDS[case])
         if case == "build_kernels_differ":
-            SiteAllReduce.build(None, cpu, 4, 64, kernel=["push", "flags"][rank])
-            return "built"
-        return sites_agreed(group, cpu, *VOTES[case][rank])
+            return _build(rank, (0, 1), (0, 1), kernel=["push", "flags"][rank])
+        if case == "fused_off_on_one":
+            return _build(rank, (0, 1), (0, 1), enabled=rank == 0)
+        return sites_agreed(group, torch.device("cpu"), *VOTES[case][rank])
     except ValueError as error:
         return f"ValueError: {error}"
 
 
 def _rank(rank: int, tmp: str, results: dict) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=rank, world_size=WORLD
+        "gloo",
+        init_method=f"file://{Path(tmp) / 'store'}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=60),  # a mismatched collective fails, never hangs CI
     )
     try:
         results[rank] = {case: _case(rank, case) for case in CASES}
@@ -63,7 +113,10 @@ def test_every_rank_takes_the_same_path(tmp_path: Path) -> None:
         decided = {case: [results[rank][case] for rank in range(WORLD)] for case in CASES}
     assert decided["all_ok"] == [True, True]
     assert decided["one_failed"] == [False, False]
-    assert decided["build"] == [True, True]
+    # One-sided failures: nobody gets buffers, nobody reaches the barrier.
+    for case in ("nobody_allocates", "one_allocates", "one_rendezvous_fails", "fused_off_on_one"):
+        assert decided[case] == [(None, 0), (None, 0)], (case, decided[case])
+    assert decided["both_succeed"] == [("built", 1), ("built", 1)]
     raised = {
         "kernels_differ": "different site all-reduce kernels ('flags' and 'push')",
         "one_refused": "KESTREL_TP_SITE_KERNEL is not one of",
