@@ -51,6 +51,7 @@ it runs under TRITON_INTERPRET=1 for the tests, which simulate the ranks in one 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -103,19 +104,32 @@ class SiteBuffers:
 # A peer that will never come (its process died, its host raised, it took another path)
 # would otherwise keep this GPU spinning until the process is killed: no error, no exit.
 # A healthy peer is microseconds behind, or seconds where its host compiles a kernel the
-# first time; two minutes is neither.
-PEER_TIMEOUT_S = 120
+# first time; two minutes is neither. KESTREL_TP_PEER_TIMEOUT_S sets another bound (0: none,
+# for a rank held in a debugger).
+PEER_TIMEOUT_S = 120.0
 PEER_LATE_MESSAGE = (
-    f"tensor parallel: a decode all-reduce waited {PEER_TIMEOUT_S} s for a peer rank; "
-    "stopping this GPU (a peer rank died or stopped calling the all-reduce)"
+    "tensor parallel: a decode all-reduce waited longer than KESTREL_TP_PEER_TIMEOUT_S "
+    "for a peer rank; stopping this GPU (a peer rank died or stopped calling the all-reduce)"
 )
 _PEER_LATE_MESSAGE: tl.constexpr = tl.constexpr(PEER_LATE_MESSAGE)
 
 
 def peer_timeout_ns(interpreted: bool) -> int:
-    """The kernels' TIMEOUT_NS: PEER_TIMEOUT_S on GPUs; 0 (no timer) in the interpreter,
-    which has no %globaltimer (its tests bound the waits with MAX_SPINS instead)."""
-    return 0 if interpreted else PEER_TIMEOUT_S * 10**9
+    """The kernels' TIMEOUT_NS: KESTREL_TP_PEER_TIMEOUT_S (default PEER_TIMEOUT_S) on GPUs;
+    0 (no timer) in the interpreter, which has no %globaltimer (its tests bound the waits
+    with MAX_SPINS instead)."""
+    if interpreted:
+        return 0
+    value = os.environ.get("KESTREL_TP_PEER_TIMEOUT_S", str(PEER_TIMEOUT_S))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also NaN
+        raise ValueError(
+            f"KESTREL_TP_PEER_TIMEOUT_S={value!r}: expected seconds >= 0 (0: no bound)"
+        )
+    return int(seconds * 1e9)
 
 
 @triton.jit
@@ -132,7 +146,12 @@ def stop_if_late(start_ns, TIMEOUT_NS: tl.constexpr):
     by since start_ns, saying why first. TIMEOUT_NS 0: never (no timer read)."""
     if TIMEOUT_NS > 0:
         if global_ns() - start_ns > TIMEOUT_NS:
-            tl.device_print(_PEER_LATE_MESSAGE)
+            # One line per program, not one per thread (every thread traps).
+            thread = tl.inline_asm_elementwise(
+                "mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=True, pack=1
+            )
+            if thread == 0:
+                tl.device_print(_PEER_LATE_MESSAGE)
             tl.inline_asm_elementwise(
                 "trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
             )

@@ -134,6 +134,53 @@ def poll_cell(ptrs, mask, MAX_SPINS: tl.constexpr, TIMEOUT_NS: tl.constexpr):
 
 
 @triton.jit
+def push_and_sum(
+    mine,
+    cols,
+    mask,
+    recv_bases_ptr,
+    rank,
+    slot,
+    row,
+    row_floats,
+    WORLD: tl.constexpr,
+    MAX_ROWS: tl.constexpr,
+    MAX_SPINS: tl.constexpr,
+    TIMEOUT_NS: tl.constexpr,
+):
+    """Steps 3-5 of a call for the columns `cols` of `row` (the whole row here, a chunk of
+    it in kernels/tp_push_from_slots.py): push this rank's float32 partial `mine` into its
+    cell of `slot` in every peer, poll this rank's cells for every peer's, free them, and
+    return the float32 sum in rank order."""
+    bits = mine.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == _SENTINEL, _CANONICAL_NAN, bits)
+    # Push first (no deadlock: see the module docstring): this rank's cell in every peer.
+    my_cell = ((slot * WORLD + rank) * MAX_ROWS + row).to(tl.int64) * row_floats
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            peer = tl.load(recv_bases_ptr + q).to(tl.pointer_type(tl.int32))
+            # Regions start on 16 bytes and row_floats is a multiple of 4 (PushBuffers.fits):
+            # whole 16-byte stores, not 4 words one by one (the address came from memory).
+            tl.store(tl.multiple_of(peer + my_cell, 16) + cols, bits, mask=mask)
+    own = tl.multiple_of(tl.load(recv_bases_ptr + rank).to(tl.pointer_type(tl.int32)), 16)
+    acc = tl.zeros(mine.shape, dtype=tl.float32)
+    for q in tl.static_range(WORLD):
+        if q == rank:
+            part = bits.to(tl.float32, bitcast=True)  # what the peers received
+        else:
+            cell = own + ((slot * WORLD + q) * MAX_ROWS + row).to(tl.int64) * row_floats + cols
+            got = poll_cell(cell, mask, MAX_SPINS, TIMEOUT_NS)
+            # Free the cell for this row's call SLOTS calls on; each thread resets what it read.
+            tl.store(cell, tl.full(mine.shape, _SENTINEL, tl.int32), mask=mask)
+            part = got.to(tl.float32, bitcast=True)
+        if q == 0:
+            acc = part  # rank 0's partial as it is: the same sum as the unfused p0 + p1
+        else:
+            acc = acc + part
+    return acc
+
+
+@triton.jit
 def _tp_push_all_reduce_kernel(
     partial_ptr,  # float32 [rows, D]: this rank's partial (its site slice, local)
     recv_bases_ptr,  # int64 [WORLD]: every rank's receive region (int32 words)
@@ -174,31 +221,10 @@ def _tp_push_all_reduce_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     mine = tl.load(partial_ptr + row.to(tl.int64) * D + cols, mask=mask, other=0.0)
-    bits = mine.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == _SENTINEL, _CANONICAL_NAN, bits)
-    # Push first (no deadlock: see the module docstring): this rank's cell in every peer.
-    my_cell = ((slot * WORLD + rank) * MAX_ROWS + row).to(tl.int64) * row_floats
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            peer = tl.load(recv_bases_ptr + q).to(tl.pointer_type(tl.int32))
-            # Regions start on 16 bytes and row_floats is a multiple of 4 (PushBuffers.fits):
-            # whole 16-byte stores, not 4 words one by one (the address came from memory).
-            tl.store(tl.multiple_of(peer + my_cell, 16) + cols, bits, mask=mask)
-    own = tl.multiple_of(tl.load(recv_bases_ptr + rank).to(tl.pointer_type(tl.int32)), 16)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for q in tl.static_range(WORLD):
-        if q == rank:
-            part = bits.to(tl.float32, bitcast=True)  # what the peers received
-        else:
-            cell = own + ((slot * WORLD + q) * MAX_ROWS + row).to(tl.int64) * row_floats + cols
-            got = poll_cell(cell, mask, MAX_SPINS, TIMEOUT_NS)
-            # Free the cell for this row's call SLOTS calls on; each thread resets what it read.
-            tl.store(cell, tl.full([BLOCK_D], _SENTINEL, tl.int32), mask=mask)
-            part = got.to(tl.float32, bitcast=True)
-        if q == 0:
-            acc = part  # rank 0's partial as it is: the same sum as the unfused p0 + p1
-        else:
-            acc = acc + part
+    acc = push_and_sum(
+        mine, cols, mask, recv_bases_ptr, rank, slot, row, row_floats,
+        WORLD, MAX_ROWS, MAX_SPINS, TIMEOUT_NS,
+    )  # fmt: skip
     store_reduced(
         acc,
         row,

@@ -45,16 +45,7 @@ from kernels.backend import (
 from kernels.quant_matmul.tiles import sum_slots
 from kernels.rms_norm import pairwise_sum, rms_norm_scale, rms_rstd
 from kernels.tp_all_reduce import ending_operands, norm_outputs, peer_timeout_ns
-from kernels.tp_push_all_reduce import (
-    CANONICAL_NAN,
-    RECV_SLOTS,
-    SENTINEL,
-    PushBuffers,
-    poll_cell,
-)
-
-_SENTINEL: tl.constexpr = tl.constexpr(SENTINEL)
-_CANONICAL_NAN: tl.constexpr = tl.constexpr(CANONICAL_NAN)
+from kernels.tp_push_all_reduce import RECV_SLOTS, PushBuffers, push_and_sum
 
 # Columns per program: 4 per thread of 4 warps, a 16-byte push per thread.
 CHUNK = 512
@@ -146,28 +137,10 @@ def _push_from_slots_kernel(
     cols = chunk * CHUNK_COLS + tl.arange(0, CHUNK_COLS)
     mask = cols < D
     mine = sum_slots(sums_ptr, rows * D, row * D + cols, mask, K_SLOTS, GROUP)
-    bits = mine.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == _SENTINEL, _CANONICAL_NAN, bits)
-    my_cell = ((slot * WORLD + rank) * MAX_ROWS + row).to(tl.int64) * row_floats
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            peer = tl.load(recv_bases_ptr + q).to(tl.pointer_type(tl.int32))
-            # Cells start on 16 bytes, row_floats and CHUNK_COLS are multiples of 4.
-            tl.store(tl.multiple_of(peer + my_cell, 16) + cols, bits, mask=mask)
-    own = tl.multiple_of(tl.load(recv_bases_ptr + rank).to(tl.pointer_type(tl.int32)), 16)
-    acc = tl.zeros([CHUNK_COLS], dtype=tl.float32)
-    for q in tl.static_range(WORLD):
-        if q == rank:
-            part = bits.to(tl.float32, bitcast=True)
-        else:
-            cell = own + ((slot * WORLD + q) * MAX_ROWS + row).to(tl.int64) * row_floats + cols
-            got = poll_cell(cell, mask, MAX_SPINS, TIMEOUT_NS)
-            tl.store(cell, tl.full([CHUNK_COLS], _SENTINEL, tl.int32), mask=mask)
-            part = got.to(tl.float32, bitcast=True)
-        if q == 0:
-            acc = part
-        else:
-            acc = acc + part
+    acc = push_and_sum(
+        mine, cols, mask, recv_bases_ptr, rank, slot, row, row_floats,
+        WORLD, MAX_ROWS, MAX_SPINS, TIMEOUT_NS,
+    )  # fmt: skip
     out_row = out_ptr + row.to(tl.int64) * out_row_stride
     if ADD_NORM:
         x_dtype = residual_ptr.dtype.element_ty

@@ -68,12 +68,31 @@ def _child(code: str, *args: str, timeout: float | None = None) -> subprocess.Co
     )
 
 
-@pytest.mark.parametrize(("module", "name"), KERNELS)
-def test_the_gpu_build_bounds_every_wait_on_a_peer(module: str, name: str) -> None:
+def test_the_bound_is_two_minutes_or_what_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from kernels.tp_all_reduce import PEER_TIMEOUT_S, peer_timeout_ns
 
-    assert peer_timeout_ns(False) == PEER_TIMEOUT_S * 10**9
+    monkeypatch.delenv("KESTREL_TP_PEER_TIMEOUT_S", raising=False)
+    assert peer_timeout_ns(False) == int(PEER_TIMEOUT_S * 1e9) == 120 * 10**9
     assert peer_timeout_ns(True) == 0  # the interpreter has no timer
+    monkeypatch.setenv("KESTREL_TP_PEER_TIMEOUT_S", "2.5")
+    assert peer_timeout_ns(False) == 2_500_000_000
+    monkeypatch.setenv("KESTREL_TP_PEER_TIMEOUT_S", "0")  # a rank held in a debugger
+    assert peer_timeout_ns(False) == 0
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv("KESTREL_TP_PEER_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match=f"KESTREL_TP_PEER_TIMEOUT_S='{bad}'"):
+            peer_timeout_ns(False)
+
+
+@pytest.mark.parametrize(("module", "name"), KERNELS)
+def test_the_gpu_build_bounds_every_wait_on_a_peer(
+    module: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kernels.tp_all_reduce import peer_timeout_ns
+
+    monkeypatch.delenv("KESTREL_TP_PEER_TIMEOUT_S", raising=False)
     counts = {}
     for timeout_ns in (peer_timeout_ns(False), 0):
         done = _child(_COMPILE, module, name, str(timeout_ns))
@@ -86,29 +105,49 @@ def test_the_gpu_build_bounds_every_wait_on_a_peer(module: str, name: str) -> No
 
 
 _WAIT = """
-import sys, torch, triton, triton.language as tl
-from kernels.tp_all_reduce import wait_flag
+import sys, time, torch, triton, triton.language as tl
+from kernels.tp_all_reduce import global_ns, wait_flag
 
 @triton.jit
 def wait_kernel(flag_ptr, expected, out_ptr, TIMEOUT_NS: tl.constexpr):
     tl.store(out_ptr, wait_flag(flag_ptr, expected, 0, TIMEOUT_NS).to(tl.int32))
 
+@triton.jit
+def late_flag_kernel(flag_ptr, value, DELAY_NS: tl.constexpr):
+    start = global_ns()
+    while global_ns() - start < DELAY_NS:
+        pass
+    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+
 flag = torch.tensor([int(sys.argv[1])], dtype=torch.int32, device="cuda")
 out = torch.zeros(1, dtype=torch.int32, device="cuda")
-wait_kernel[(1,)](flag, 4, out, TIMEOUT_NS=50_000_000)  # 50 ms
+late = torch.cuda.Stream()
+began = time.monotonic()
+wait_kernel[(1,)](flag, 4, out, TIMEOUT_NS=int(float(sys.argv[2]) * 1e9))
+if sys.argv[3] == "late":  # the flag comes 0.2 s later, from another stream
+    with torch.cuda.stream(late):
+        late_flag_kernel[(1,)](flag, 4, DELAY_NS=200_000_000)
 torch.cuda.synchronize()
-print("returned", int(out[0]))
+print("returned", int(out[0]), "after %.3f s" % (time.monotonic() - began))
 """
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_peer_that_never_comes_stops_the_gpu_with_a_message() -> None:
+    """A flag already there, and one that comes 0.2 s into a 2 s bound, return; one that
+    never comes (the previous call's epoch) ends the child process with the message once
+    the 0.3 s bound has passed."""
     from kernels.tp_all_reduce import PEER_LATE_MESSAGE
 
-    arrived = _child(_WAIT, "4", timeout=120)
+    arrived = _child(_WAIT, "4", "2", "now", timeout=120)
     assert arrived.returncode == 0, arrived.stderr[-2000:]
-    assert arrived.stdout.strip().endswith("returned 1")
-    never = _child(_WAIT, "3", timeout=120)  # the previous call's epoch: no peer comes
+    assert "returned 1" in arrived.stdout
+    late = _child(_WAIT, "3", "2", "late", timeout=120)
+    assert late.returncode == 0, late.stderr[-2000:]
+    seconds = float(late.stdout.split("after ")[-1].split()[0])
+    assert "returned 1" in late.stdout and seconds >= 0.2, late.stdout
+    never = _child(_WAIT, "3", "0.3", "never", timeout=120)
     assert never.returncode != 0
     assert PEER_LATE_MESSAGE in never.stdout + never.stderr
+    assert (never.stdout + never.stderr).count(PEER_LATE_MESSAGE) == 1  # one program
