@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -55,17 +56,22 @@ KERNELS = [
 
 
 def _child(code: str, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`code` run as a script in a fresh process on the GPU build (not interpreted). A file,
+    not `python -c`: Triton reads a @jit function's source from its file."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run(
-        [sys.executable, "-c", code, *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=timeout,
-    )
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "child.py"
+        script.write_text(code)
+        return subprocess.run(
+            [sys.executable, str(script), *args],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=timeout,
+        )
 
 
 def test_the_bound_is_two_minutes_or_what_the_environment_says(
