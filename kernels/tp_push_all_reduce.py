@@ -148,10 +148,9 @@ def push_and_sum(
     MAX_SPINS: tl.constexpr,
     TIMEOUT_NS: tl.constexpr,
 ):
-    """Steps 3-5 of a call for the columns `cols` of `row` (the whole row here, a chunk of
-    it in kernels/tp_push_from_slots.py): push this rank's float32 partial `mine` into its
-    cell of `slot` in every peer, poll this rank's cells for every peer's, free them, and
-    return the float32 sum in rank order."""
+    """Steps 3-5 of a call for the columns `cols` of `row`: push this rank's float32
+    partial `mine` into its cell of `slot` in every peer, poll this rank's cells for every
+    peer's, free them, and return the float32 sum in rank order."""
     bits = mine.to(tl.int32, bitcast=True)
     bits = tl.where(bits == _SENTINEL, _CANONICAL_NAN, bits)
     # Push first (no deadlock: see the module docstring): this rank's cell in every peer.

@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from engine.tensor_parallel.all_reduce import symmetric_empty
-from kernels.quant_matmul.paths import GEMV_LIMIT_M
 from kernels.tp_all_reduce import (
     MAX_FUSED_D,
     SiteBuffers,
@@ -53,12 +52,6 @@ from kernels.tp_push_all_reduce import (
     push_all_reduce_add_rms_norm,
     recv_words,
 )
-from kernels.tp_push_from_slots import (
-    ChunkState,
-    chunk_state,
-    push_from_slots,
-    push_from_slots_add_rms_norm,
-)
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +63,7 @@ SITE_BYTES = 256 << 10
 MAX_SITE_ROWS = 64
 
 
-SITE_KERNELS = ("flags", "push", "slots")
+SITE_KERNELS = ("flags", "push")
 
 
 def fused_enabled() -> bool:
@@ -92,10 +85,6 @@ def site_kernel(kernel: str | None = None) -> str:
 class _Pending:
     partial: torch.Tensor  # the site's staged float32 partial, as handed to the layer
     site: int
-    # `slots`: the GEMV's workspace and its split-K slots holding the partial, which
-    # `partial` (a view of its first slot) only stands for.
-    sums: torch.Tensor | None = None
-    k_slots: int = 0
 
 
 def sites_agreed(
@@ -136,22 +125,11 @@ def _log_unavailable(problem: Exception | None) -> None:
 class SiteAllReduce:
     """One rank's site buffers over symmetric memory and the calls on them."""
 
-    def __init__(
-        self,
-        sites: SiteBuffers,
-        push: PushBuffers | None = None,
-        chunks: ChunkState | None = None,
-    ) -> None:
-        """push: the receive region of the `push` and `slots` kernels; None: the `flags`
-        kernel. chunks: the `slots` kernel's state (kernels/tp_push_from_slots.py), with
-        which the GEMVs of the sites leave their partials in their split-K slots."""
-        if chunks is not None and push is None:
-            raise ValueError("the slots kernel pushes: it needs the receive region")
+    def __init__(self, sites: SiteBuffers, push: PushBuffers | None = None) -> None:
+        """push: the receive region of the `push` kernel; None: the `flags` kernel."""
         self.buffers = sites
         self.push = push
-        self.chunks = chunks
         self._pending: _Pending | None = None
-        self._taken: _Pending | None = None
 
     @classmethod
     def build(
@@ -194,7 +172,7 @@ class SiteAllReduce:
                 world = dist.get_world_size(world_group)
                 data_floats = sites * site_floats
                 flag_ints = sites * world * max_rows
-                recv_ints = recv_words(world, max_rows, hidden) if kernel != "flags" else 0
+                recv_ints = recv_words(world, max_rows, hidden) if kernel == "push" else 0
                 words = data_floats + flag_ints + 4 + recv_ints
                 buffer = symmetric_empty(words, torch.float32, device)
                 # The receive region on a 16-byte boundary: the kernel stores 4 words at a time.
@@ -239,7 +217,7 @@ class SiteAllReduce:
             return None
         handle.barrier()
         push = None
-        if kernel != "flags":
+        if kernel == "push":
             push = PushBuffers(
                 recv=recv.view(RECV_SLOTS, handle.world_size, max_rows, hidden),
                 recv_bases=data_bases + flags_end * 4,
@@ -262,7 +240,6 @@ class SiteAllReduce:
                 max_rows=max_rows,
             ),
             push,
-            chunk_state(push, device) if push is not None and kernel == "slots" else None,
         )
 
     def staging(self, site: int, shape: tuple[int, ...]) -> torch.Tensor | None:
@@ -275,39 +252,6 @@ class SiteAllReduce:
         if self.push is not None and not self.push.fits(rows, hidden):
             return None
         return self.buffers.site_slice(site, rows, hidden).view(shape)
-
-    def from_slots(self, shape: tuple[int, ...]) -> bool:
-        """Whether a GEMV of output `shape` leaves its partial in its split-K slots for the
-        `slots` kernel (`sum_slots` / `defer_slots`) rather than in its site slice: the
-        kernel is `slots` and the rows are the GEMV's (at most GEMV_LIMIT_M)."""
-        rows = math.prod(shape[:-1])
-        if self.chunks is None or self.push is None or rows > GEMV_LIMIT_M:
-            return False
-        return self.push.fits(rows, shape[-1])
-
-    def sum_slots(
-        self, sums: torch.Tensor, k_slots: int, shape: tuple[int, ...], dtype: torch.dtype
-    ) -> torch.Tensor:
-        """The sum over the ranks of a GEMV's output `shape` whose partials fill the first
-        `k_slots` slots of `sums`, in `dtype` (the `slots` kernel)."""
-        assert self.push is not None and self.chunks is not None
-        hidden = shape[-1]
-        rows = math.prod(shape[:-1])
-        summed = push_from_slots(sums, k_slots, self.push, self.chunks, rows, hidden, dtype)
-        return summed.view(shape)
-
-    def defer_slots(
-        self, site: int, sums: torch.Tensor, k_slots: int, shape: tuple[int, ...]
-    ) -> torch.Tensor:
-        """`defer` for a GEMV whose partials fill the first `k_slots` slots of `sums`: the
-        layer gets a view of the first slot, which stands for them until the next norm
-        (no GEMV runs in between to reuse the workspace: the norm directly follows
-        o_proj and down_proj in the layers `wire_sites` defers)."""
-        token = sums[: math.prod(shape)].view(shape)
-        self.defer(site, token)
-        assert self._pending is not None
-        self._pending.sums, self._pending.k_slots = sums, k_slots
-        return token
 
     def sum(self, site: int, staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The sum over the ranks of the site's partials, in `dtype`, shaped as `staged`."""
@@ -336,7 +280,6 @@ class SiteAllReduce:
         if pending is None or pending.partial is not x:
             return None
         self._pending = None
-        self._taken = pending
         return pending.site
 
     def add_rms_norm(
@@ -352,20 +295,7 @@ class SiteAllReduce:
         kernels.add_rms_norm computes it on the sum rounded to residual's dtype."""
         shape = residual.shape
         rows = residual.reshape(-1, shape[-1])
-        taken, self._taken = self._taken, None
-        if taken is not None and taken.site == site and taken.sums is not None:
-            assert self.push is not None and self.chunks is not None
-            normed, summed = push_from_slots_add_rms_norm(
-                taken.sums,
-                taken.k_slots,
-                self.push,
-                self.chunks,
-                rows,
-                weight,
-                eps,
-                unit_offset=unit_offset,
-            )
-        elif self.push is not None:
+        if self.push is not None:
             normed, summed = push_all_reduce_add_rms_norm(
                 self.buffers, self.push, site, rows, weight, eps, unit_offset=unit_offset
             )

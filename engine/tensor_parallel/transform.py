@@ -53,10 +53,7 @@ from engine.tensor_parallel.shard import (
 )
 from engine.tensor_parallel.site_reduce import SiteAllReduce, fused_enabled
 from engine.tensor_parallel.vocab import LoadedVocab, VocabParallelEmbedding, shard_vocab
-from kernels.backend import device_guard
 from kernels.quant_matmul import quant_matmul
-from kernels.quant_matmul.gemv import launch_gemv_to_slots
-from kernels.quant_matmul.split_k import unit_col_stride
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +100,6 @@ class AllReduceLinear(FusesKernels):
         ):
             shape = (*x.shape[:-1], inner.out_features)
             sites = self.sites  # set on GPUs with symmetric memory (and in CPU tests)
-            if sites is not None and sites.from_slots(shape):
-                # The `slots` kernel sums the GEMV's split-K slots itself: no slot sum.
-                if x.is_cuda:
-                    x2d = unit_col_stride(x.reshape(-1, inner.qweight.in_features))
-                    with device_guard(x):
-                        sums, k_slots = launch_gemv_to_slots(x2d, inner.qweight)
-                else:  # the tests' ranks on the CPU: one slot holding the float32 product
-                    sums, k_slots = inner(x.float()).reshape(-1).contiguous(), 1
-                if self.defer_sum and self.fuse_kernels:
-                    return sites.defer_slots(self.site, sums, k_slots, shape)
-                return sites.sum_slots(sums, k_slots, shape, x.dtype)
             staged = sites.staging(self.site, shape) if sites is not None else None
             if staged is not None and sites is not None:
                 if x.is_cuda:

@@ -19,14 +19,12 @@ import torch.distributed as dist
 import loader
 from engine.fusion import set_kernel_fusion
 from engine.quantized_linear import QuantizedLinear
-from engine.tensor_parallel import site_reduce
 from engine.tensor_parallel.fused_sites import ReducingRMSNorm, wire_sites
 from engine.tensor_parallel.site_reduce import SiteAllReduce
 from engine.tensor_parallel.transform import AllReduceLinear, shard_model
 from helpers.mixed_model import build_mixed_model
 from kernels.tp_all_reduce import SiteBuffers
 from kernels.tp_push_all_reduce import RECV_SLOTS, SENTINEL, PushBuffers, recv_words
-from kernels.tp_push_from_slots import chunk_state
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU)"
@@ -42,7 +40,7 @@ def _cpu_sites(sites: int, hidden: int, max_rows: int, kernel: str = "flags") ->
     data_floats = sites * site_floats
     bases = torch.tensor([buffer.data_ptr()], dtype=torch.int64)
     push = None
-    if kernel != "flags":
+    if kernel == "push":
         recv = torch.full((recv_words(1, max_rows, hidden),), SENTINEL, dtype=torch.int32)
         push = PushBuffers(
             recv=recv.view(RECV_SLOTS, 1, max_rows, hidden),
@@ -66,7 +64,6 @@ def _cpu_sites(sites: int, hidden: int, max_rows: int, kernel: str = "flags") ->
             max_rows=max_rows,
         ),
         push,
-        chunk_state(push, torch.device("cpu")) if push is not None and kernel == "slots" else None,
     )
 
 
@@ -91,21 +88,10 @@ def one_rank_group(tmp_path: Path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kernel", ["flags", "push", "slots"])
+@pytest.mark.parametrize("kernel", ["flags", "push"])
 def test_deferred_sums_reach_their_norms_and_match_the_unsharded_model(
-    tmp_path: Path, one_rank_group: None, kernel: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, one_rank_group: None, kernel: str
 ) -> None:
-    # Decode rows (at most the GEMV's 4) take the slots kernel under `slots`: count its
-    # calls (prefill's 12 rows take the push kernel, whose slots _calls counts).
-    from_slots = {"sum": 0, "norm": 0}
-    for name, key in (("push_from_slots", "sum"), ("push_from_slots_add_rms_norm", "norm")):
-        real = getattr(site_reduce, name)
-
-        def counted(*args, _real=real, _key=key, **kwargs):  # type: ignore[no-untyped-def]
-            from_slots[_key] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(site_reduce, name, counted)
     path = build_mixed_model(tmp_path / "mixed")
     ids = torch.randint(3, 384, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     model = loader.load(path, "kestrel", device="cpu", dtype="float16")
@@ -133,22 +119,13 @@ def test_deferred_sums_reach_their_norms_and_match_the_unsharded_model(
         # (layer 0) summed through the group. Nothing was left pending.
         quantized = [isinstance(x.inner, QuantizedLinear) for x in linears]
         counts = (_calls(sites) - start).tolist()
-        if kernel != "flags":
+        if kernel == "push":
             assert [c % RECV_SLOTS for c in counts] == [sum(quantized) % RECV_SLOTS]
             assert sites.buffers.epochs.abs().sum() == 0  # the flag kernel never ran
         else:
             assert [c == 1 for c in counts] == quantized and set(counts) <= {0, 1}
         assert sites.take(logits) is None
         assert model.generate(ids[:6], GREEDY) == expected_text
-        if kernel == "slots":
-            # Every decode step: the quantized layers' deferred sums through their norms, the
-            # last down_proj (it feeds the head) through the sum; no row left counted in.
-            per_step = sum(quantized) - 1
-            assert from_slots["sum"] > 0
-            assert from_slots["norm"] == per_step * from_slots["sum"]
-            assert sites.chunks is not None and int(sites.chunks.arrivals.abs().sum()) == 0
-        else:
-            assert from_slots == {"sum": 0, "norm": 0}
 
         # Fused kernels off: DecoderLayer.forward adds the sums itself; none is deferred.
         before = _calls(sites)
@@ -156,7 +133,7 @@ def test_deferred_sums_reach_their_norms_and_match_the_unsharded_model(
         unfused = model.logits(ids)
         torch.testing.assert_close(unfused, expected_logits, rtol=2e-2, atol=2e-2)
         ran = (_calls(sites) - before).tolist()
-        if kernel != "flags":
+        if kernel == "push":
             assert [n % RECV_SLOTS for n in ran] == [sum(quantized) % RECV_SLOTS]
         else:
             assert [bool(n) for n in ran] == quantized
