@@ -51,6 +51,7 @@ it runs under TRITON_INTERPRET=1 for the tests, which simulate the ranks in one 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -99,11 +100,69 @@ class SiteBuffers:
         return 0 < rows <= self.max_rows and rows * hidden <= self.site_floats
 
 
+# How long the engine's all-reduce waits for a peer before it stops its GPU with an error.
+# A peer that will never come (its process died, its host raised, it took another path)
+# would otherwise keep this GPU spinning until the process is killed: no error, no exit.
+# A healthy peer is microseconds behind, or seconds where its host compiles a kernel the
+# first time; two minutes is neither. KESTREL_TP_PEER_TIMEOUT_S sets another bound (0: none,
+# for a rank held in a debugger).
+PEER_TIMEOUT_S = 120.0
+PEER_LATE_MESSAGE = (
+    "tensor parallel: a decode all-reduce waited longer than KESTREL_TP_PEER_TIMEOUT_S "
+    "for a peer rank; stopping this GPU (a peer rank died or stopped calling the all-reduce)"
+)
+_PEER_LATE_MESSAGE: tl.constexpr = tl.constexpr(PEER_LATE_MESSAGE)
+
+
+def peer_timeout_ns(interpreted: bool) -> int:
+    """The kernels' TIMEOUT_NS: KESTREL_TP_PEER_TIMEOUT_S (default PEER_TIMEOUT_S) on GPUs;
+    0 (no timer) in the interpreter, which has no %globaltimer (its tests bound the waits
+    with MAX_SPINS instead)."""
+    if interpreted:
+        return 0
+    value = os.environ.get("KESTREL_TP_PEER_TIMEOUT_S", str(PEER_TIMEOUT_S))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also NaN
+        raise ValueError(
+            f"KESTREL_TP_PEER_TIMEOUT_S={value!r}: expected seconds >= 0 (0: no bound)"
+        )
+    return int(seconds * 1e9)
+
+
 @triton.jit
-def wait_flag(flag_ptr, expected, MAX_SPINS: tl.constexpr):
+def global_ns():
+    """The GPU's nanosecond clock (%globaltimer), the same on every SM."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def stop_if_late(start_ns, TIMEOUT_NS: tl.constexpr):
+    """Stop the GPU (trap: the process's next CUDA call raises) once TIMEOUT_NS have gone
+    by since start_ns, saying why first. TIMEOUT_NS 0: never (no timer read)."""
+    if TIMEOUT_NS > 0:
+        if global_ns() - start_ns > TIMEOUT_NS:
+            # One line per program, not one per thread (every thread traps).
+            thread = tl.inline_asm_elementwise(
+                "mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=True, pack=1
+            )
+            if thread == 0:
+                tl.device_print(_PEER_LATE_MESSAGE)
+            tl.inline_asm_elementwise(
+                "trap; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+            )
+
+
+@triton.jit
+def wait_flag(flag_ptr, expected, MAX_SPINS: tl.constexpr, TIMEOUT_NS: tl.constexpr):
     """Spin until *flag_ptr == expected, reading it with acquire semantics at system scope
-    (a peer GPU writes it). MAX_SPINS 0: without bound (the engine); > 0 gives up after
-    that many reads (tests). Returns whether the flag arrived."""
+    (a peer GPU writes it). MAX_SPINS 0: without bound but TIMEOUT_NS (the engine:
+    stop_if_late); > 0 gives up after that many reads (tests). Returns whether the flag
+    arrived."""
     seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if MAX_SPINS > 0:
         spins = 0
@@ -111,8 +170,10 @@ def wait_flag(flag_ptr, expected, MAX_SPINS: tl.constexpr):
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
             spins += 1
     else:
+        start = global_ns() if TIMEOUT_NS > 0 else 0
         while seen != expected:
             seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            stop_if_late(start, TIMEOUT_NS)
     return seen == expected
 
 
@@ -185,6 +246,7 @@ def _tp_all_reduce_kernel(
     EMULATE_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
     MAX_SPINS: tl.constexpr,  # 0 in the engine; tests bound the waits (wait_flag)
+    TIMEOUT_NS: tl.constexpr,  # the engine's bound on GPUs (peer_timeout_ns)
 ):
     # The next kernel may launch now (it loads its weights while this one waits for the
     # peers); then wait for the GEMV that wrote this rank's partial.
@@ -206,7 +268,7 @@ def _tp_all_reduce_kernel(
     own_flags = tl.load(flag_bases_ptr + rank).to(tl.pointer_type(tl.int32))
     for q in tl.static_range(WORLD):
         if q != rank:
-            wait_flag(own_flags + (site * WORLD + q) * MAX_ROWS + row, epoch, MAX_SPINS)
+            wait_flag(own_flags + (site * WORLD + q) * MAX_ROWS + row, epoch, MAX_SPINS, TIMEOUT_NS)
     # Every thread reads the peers' partials only after the wait above.
     tl.debug_barrier()
 
@@ -330,6 +392,7 @@ def _launch(
             EMULATE_BF16=_INTERPRETED,
             USE_PDL=pdl,
             MAX_SPINS=max_spins,
+            TIMEOUT_NS=peer_timeout_ns(_INTERPRETED),
             num_warps=norm_num_warps(block_d),
             launch_pdl=pdl,
         )

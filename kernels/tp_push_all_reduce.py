@@ -65,7 +65,10 @@ from kernels.tp_all_reduce import (
     SiteBuffers,
     check_site_call,
     ending_operands,
+    global_ns,
     norm_outputs,
+    peer_timeout_ns,
+    stop_if_late,
     store_reduced,
 )
 
@@ -108,10 +111,11 @@ def recv_words(world: int, max_rows: int, row_floats: int) -> int:
 
 
 @triton.jit
-def poll_cell(ptrs, mask, MAX_SPINS: tl.constexpr):
+def poll_cell(ptrs, mask, MAX_SPINS: tl.constexpr, TIMEOUT_NS: tl.constexpr):
     """The words at `ptrs` once none is SENTINEL (a peer wrote them), read volatile (not
-    cached: a peer GPU writes them). MAX_SPINS 0: without bound (the engine); > 0 gives up
-    after that many extra reads (tests), leaving SENTINEL words in what it returns."""
+    cached: a peer GPU writes them). MAX_SPINS 0: without bound but TIMEOUT_NS (the
+    engine: stop_if_late); > 0 gives up after that many extra reads (tests), leaving
+    SENTINEL words in what it returns."""
     got = tl.load(ptrs, mask=mask, other=0, volatile=True)
     missing = tl.sum((got == _SENTINEL).to(tl.int32), axis=0)
     if MAX_SPINS > 0:
@@ -121,10 +125,58 @@ def poll_cell(ptrs, mask, MAX_SPINS: tl.constexpr):
             missing = tl.sum((got == _SENTINEL).to(tl.int32), axis=0)
             spins += 1
     else:
+        start = global_ns() if TIMEOUT_NS > 0 else 0
         while missing > 0:
             got = tl.load(ptrs, mask=mask, other=0, volatile=True)
             missing = tl.sum((got == _SENTINEL).to(tl.int32), axis=0)
+            stop_if_late(start, TIMEOUT_NS)
     return got
+
+
+@triton.jit
+def push_and_sum(
+    mine,
+    cols,
+    mask,
+    recv_bases_ptr,
+    rank,
+    slot,
+    row,
+    row_floats,
+    WORLD: tl.constexpr,
+    MAX_ROWS: tl.constexpr,
+    MAX_SPINS: tl.constexpr,
+    TIMEOUT_NS: tl.constexpr,
+):
+    """Steps 3-5 of a call for the columns `cols` of `row`: push this rank's float32
+    partial `mine` into its cell of `slot` in every peer, poll this rank's cells for every
+    peer's, free them, and return the float32 sum in rank order."""
+    bits = mine.to(tl.int32, bitcast=True)
+    bits = tl.where(bits == _SENTINEL, _CANONICAL_NAN, bits)
+    # Push first (no deadlock: see the module docstring): this rank's cell in every peer.
+    my_cell = ((slot * WORLD + rank) * MAX_ROWS + row).to(tl.int64) * row_floats
+    for q in tl.static_range(WORLD):
+        if q != rank:
+            peer = tl.load(recv_bases_ptr + q).to(tl.pointer_type(tl.int32))
+            # Regions start on 16 bytes and row_floats is a multiple of 4 (PushBuffers.fits):
+            # whole 16-byte stores, not 4 words one by one (the address came from memory).
+            tl.store(tl.multiple_of(peer + my_cell, 16) + cols, bits, mask=mask)
+    own = tl.multiple_of(tl.load(recv_bases_ptr + rank).to(tl.pointer_type(tl.int32)), 16)
+    acc = tl.zeros(mine.shape, dtype=tl.float32)
+    for q in tl.static_range(WORLD):
+        if q == rank:
+            part = bits.to(tl.float32, bitcast=True)  # what the peers received
+        else:
+            cell = own + ((slot * WORLD + q) * MAX_ROWS + row).to(tl.int64) * row_floats + cols
+            got = poll_cell(cell, mask, MAX_SPINS, TIMEOUT_NS)
+            # Free the cell for this row's call SLOTS calls on; each thread resets what it read.
+            tl.store(cell, tl.full(mine.shape, _SENTINEL, tl.int32), mask=mask)
+            part = got.to(tl.float32, bitcast=True)
+        if q == 0:
+            acc = part  # rank 0's partial as it is: the same sum as the unfused p0 + p1
+        else:
+            acc = acc + part
+    return acc
 
 
 @triton.jit
@@ -152,6 +204,7 @@ def _tp_push_all_reduce_kernel(
     EMULATE_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
     MAX_SPINS: tl.constexpr,  # 0 in the engine; tests bound the polls (poll_cell)
+    TIMEOUT_NS: tl.constexpr,  # the engine's bound on GPUs (peer_timeout_ns)
 ):
     # The next kernel may launch now (it loads its weights while this one waits for the
     # peers); then wait for the GEMV that wrote this rank's partial.
@@ -169,31 +222,10 @@ def _tp_push_all_reduce_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
     mine = tl.load(partial_ptr + row.to(tl.int64) * D + cols, mask=mask, other=0.0)
-    bits = mine.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == _SENTINEL, _CANONICAL_NAN, bits)
-    # Push first (no deadlock: see the module docstring): this rank's cell in every peer.
-    my_cell = ((slot * WORLD + rank) * MAX_ROWS + row).to(tl.int64) * row_floats
-    for q in tl.static_range(WORLD):
-        if q != rank:
-            peer = tl.load(recv_bases_ptr + q).to(tl.pointer_type(tl.int32))
-            # Regions start on 16 bytes and row_floats is a multiple of 4 (PushBuffers.fits):
-            # whole 16-byte stores, not 4 words one by one (the address came from memory).
-            tl.store(tl.multiple_of(peer + my_cell, 16) + cols, bits, mask=mask)
-    own = tl.multiple_of(tl.load(recv_bases_ptr + rank).to(tl.pointer_type(tl.int32)), 16)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for q in tl.static_range(WORLD):
-        if q == rank:
-            part = bits.to(tl.float32, bitcast=True)  # what the peers received
-        else:
-            cell = own + ((slot * WORLD + q) * MAX_ROWS + row).to(tl.int64) * row_floats + cols
-            got = poll_cell(cell, mask, MAX_SPINS)
-            # Free the cell for this row's call SLOTS calls on; each thread resets what it read.
-            tl.store(cell, tl.full([BLOCK_D], _SENTINEL, tl.int32), mask=mask)
-            part = got.to(tl.float32, bitcast=True)
-        if q == 0:
-            acc = part  # rank 0's partial as it is: the same sum as the unfused p0 + p1
-        else:
-            acc = acc + part
+    acc = push_and_sum(
+        mine, cols, mask, recv_bases_ptr, rank, slot, row, row_floats,
+        WORLD, MAX_ROWS, MAX_SPINS, TIMEOUT_NS,
+    )  # fmt: skip
     store_reduced(
         acc,
         row,
@@ -264,6 +296,7 @@ def _launch(
             EMULATE_BF16=_INTERPRETED,
             USE_PDL=pdl,
             MAX_SPINS=max_spins,
+            TIMEOUT_NS=peer_timeout_ns(_INTERPRETED),
             num_warps=norm_num_warps(block_d),
             launch_pdl=pdl,
         )

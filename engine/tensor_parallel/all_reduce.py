@@ -62,13 +62,21 @@ def _uses_symmetric_memory(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("KESTREL_TP_ALLREDUCE") != "nccl"
 
 
+def every_rank(group: dist.ProcessGroup | None, device: torch.device, ok: bool) -> bool:
+    """Whether `ok` holds on every rank of `group`, the same answer on all of them: where a
+    rank's own step of a set-up may fail while its peers' succeed, they agree this way on
+    one path (a rank alone on a path would wait for good on a collective or a kernel its
+    peers never run). A collective; `device` holds the vote (CUDA for NCCL)."""
+    vote = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+    return bool(vote.item())
+
+
 def symmetric_memory_agreed(group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """Whether every rank of the launch may set up symmetric memory: the new ranks always
     may, rank 0 (the caller's process) only on its first launch, and all of them must take
     the same path or the set-up's rendezvous would wait forever. A collective."""
-    allowed = torch.tensor([0 if _symmetric_memory_set_up else 1], device=device)
-    dist.all_reduce(allowed, op=dist.ReduceOp.MIN, group=group)
-    return bool(allowed.item())
+    return every_rank(group, device, not _symmetric_memory_set_up)
 
 
 def note_symmetric_memory_set_up() -> None:
@@ -141,6 +149,7 @@ class GroupAllReduce:
             return
         if _preimport is not None:
             _preimport.join()
+        problem: Exception | None = None
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
@@ -150,11 +159,13 @@ class GroupAllReduce:
             buffer = symmetric_empty(ONE_SHOT_MAX_BYTES // 4, torch.float32, device)
             symm_mem.rendezvous(buffer, name)
         except Exception as error:  # no P2P between the GPUs, no symmetric memory in torch
+            problem = error
+        # One rank on the one-shot path and another on NCCL would wait on each other.
+        if not every_rank(group, device, problem is None):
             log.warning(
                 "tensor parallel: one-shot all-reduce over symmetric memory is not available "
-                "(%s: %s); small all-reduces use NCCL",
-                type(error).__name__,
-                error,
+                "(%s); small all-reduces use NCCL",
+                f"{type(problem).__name__}: {problem}" if problem else "not on a peer rank",
             )
             return
         note_symmetric_memory_set_up()

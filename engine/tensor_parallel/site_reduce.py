@@ -87,6 +87,41 @@ class _Pending:
     site: int
 
 
+def sites_agreed(
+    group: dist.ProcessGroup, device: torch.device, ok: bool, kernel: str | None
+) -> bool:
+    """Whether every rank of `group` got through its step of the set-up (`ok`), and the
+    same answer on all of them. `kernel`: the one this rank runs (None: its
+    KESTREL_TP_SITE_KERNEL was refused). Raises, on every rank alike, where the ranks name
+    different kernels or one named none: a collective."""
+    choice = SITE_KERNELS.index(kernel) if kernel is not None else -1
+    votes = torch.tensor([int(ok), choice, -choice], dtype=torch.int64, device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    lowest, highest = int(votes[1]), -int(votes[2])
+    if lowest < 0:
+        raise ValueError(
+            f"tensor parallel: a rank's KESTREL_TP_SITE_KERNEL is not one of {SITE_KERNELS}"
+        )
+    if lowest != highest:
+        raise ValueError(
+            f"tensor parallel: the ranks run different site all-reduce kernels "
+            f"({SITE_KERNELS[lowest]!r} and {SITE_KERNELS[highest]!r}); set "
+            "KESTREL_TP_SITE_KERNEL alike on every rank"
+        )
+    return bool(votes[0])
+
+
+def _log_unavailable(problem: Exception | None) -> None:
+    reason = (
+        f"{type(problem).__name__}: {problem}" if problem else "a peer rank could not set it up"
+    )
+    log.warning(
+        "tensor parallel: the fused site all-reduce is not available (%s); decode "
+        "all-reduces use torch's one-shot kernel",
+        reason,
+    )
+
+
 class SiteAllReduce:
     """One rank's site buffers over symmetric memory and the calls on them."""
 
@@ -104,33 +139,68 @@ class SiteAllReduce:
         sites: int,
         hidden: int,
         kernel: str | None = None,
+        *,
+        enabled: bool = True,
     ) -> SiteAllReduce | None:
         """The rank's site buffers for `sites` sites of `hidden` outputs, or None where the
-        kernel can't be used (logged). A collective: every rank calls it at one point, with
-        the same `kernel` (`flags` or `push`; None: site_kernel())."""
-        if hidden > MAX_FUSED_D or sites < 2:
+        kernel can't be used here or on a peer rank (logged): every rank gets buffers or
+        every rank None. A collective: every rank calls it at one point, with the same
+        `kernel` (`flags` or `push`; None: site_kernel()), or all of them raise."""
+        if hidden > MAX_FUSED_D or sites < 2:  # the same on every rank (one model)
             return None
-        kernel = site_kernel(kernel)
+        try:
+            kernel = site_kernel(kernel)
+        except ValueError as error:
+            refused: ValueError | None = error
+        else:
+            refused = None
         site_floats = SITE_BYTES // 4
         max_rows = min(MAX_SITE_ROWS, site_floats // hidden)
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
+        world_group = group if group is not None else dist.group.WORLD
+        assert world_group is not None
+        # Each rank's own steps may fail where its peers' succeed (its environment, its
+        # allocation, its view of the peers' addresses); after each, the ranks agree
+        # (sites_agreed), so that all of them take the kernel or none does: a rank that
+        # skipped a collective, or the kernel, would leave its peers waiting for good.
+        problem: Exception | None = refused
+        if problem is None and not enabled:
+            problem = RuntimeError("KESTREL_TP_FUSED=0 on this rank")
+        if problem is None:
+            try:
+                import torch.distributed._symmetric_memory as symm_mem
 
-            world_group = group if group is not None else dist.group.WORLD
-            assert world_group is not None
-            world = dist.get_world_size(world_group)
-            data_floats = sites * site_floats
-            flag_ints = sites * world * max_rows
-            recv_ints = recv_words(world, max_rows, hidden) if kernel == "push" else 0
-            buffer = symmetric_empty(data_floats + flag_ints + 4 + recv_ints, torch.float32, device)
-            # The receive region on a 16-byte boundary: the kernel stores 4 words at a time.
-            flags_end = -(-(data_floats + flag_ints) // 4) * 4
-            # Zero the flags (and fill the receive cells with SENTINEL) before any peer can
-            # write into them: the barrier below orders this before every peer's first
-            # kernel (stream order).
-            buffer[data_floats:flags_end].view(torch.int32).zero_()
-            recv = buffer[flags_end : flags_end + recv_ints].view(torch.int32)
-            recv.fill_(SENTINEL)
+                world = dist.get_world_size(world_group)
+                data_floats = sites * site_floats
+                flag_ints = sites * world * max_rows
+                recv_ints = recv_words(world, max_rows, hidden) if kernel == "push" else 0
+                words = data_floats + flag_ints + 4 + recv_ints
+                buffer = symmetric_empty(words, torch.float32, device)
+                # The receive region on a 16-byte boundary: the kernel stores 4 words at a time.
+                flags_end = -(-(data_floats + flag_ints) // 4) * 4
+                # Zero the flags (and fill the receive cells with SENTINEL) before any peer can
+                # write into them: the barrier below orders this before every peer's first
+                # kernel (stream order).
+                buffer[data_floats:flags_end].view(torch.int32).zero_()
+                recv = buffer[flags_end : flags_end + recv_ints].view(torch.int32)
+                recv.fill_(SENTINEL)
+            except Exception as error:  # no symmetric memory in this torch, no room
+                problem = error
+        try:
+            agreed = sites_agreed(
+                world_group, device, problem is None, kernel if refused is None else None
+            )
+        except ValueError as disagreement:
+            # Every rank raises; the one whose own setting was refused says what it was.
+            raise (refused or disagreement) from (disagreement if refused else None)
+        if not agreed:
+            if enabled:
+                _log_unavailable(problem)
+            else:
+                log.info("tensor parallel: the fused site all-reduce is off (KESTREL_TP_FUSED=0)")
+            return None
+        # A rendezvous that fails on one rank after its peers entered it leaves them in it
+        # (torch's own collective): only failures after it returns everywhere are agreed on.
+        try:
             handle = symm_mem.rendezvous(buffer, world_group.group_name)
             # buffer_ptrs are the allocations' bases; the tensor may start inside one.
             offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
@@ -140,15 +210,12 @@ class SiteAllReduce:
             # The kernels take every region to start on 16 bytes (their vector accesses).
             if any(int(base) % 16 for base in data_bases.tolist()):
                 raise ValueError(f"symmetric buffers not 16-byte aligned: {data_bases.tolist()}")
-            handle.barrier()
-        except Exception as error:  # no P2P, no symmetric memory in this torch
-            log.warning(
-                "tensor parallel: the fused site all-reduce is not available (%s: %s); "
-                "decode all-reduces use torch's one-shot kernel",
-                type(error).__name__,
-                error,
-            )
+        except Exception as error:  # no P2P between these GPUs
+            problem = error
+        if not sites_agreed(world_group, device, problem is None, kernel):
+            _log_unavailable(problem)
             return None
+        handle.barrier()
         push = None
         if kernel == "push":
             push = PushBuffers(

@@ -133,8 +133,10 @@ def use_all_reduce(model: nn.Module, reduce: GroupAllReduce) -> None:
     for module in model.modules():
         if isinstance(module, (AllReduceLinear, VocabParallelEmbedding)):
             module.reduce = reduce
-    if reduce.buffer is not None and fused_enabled() and isinstance(model, CausalLM):
-        _use_sites(model, reduce, reduce.buffer.device)
+    # The buffer's presence is agreed by every rank (GroupAllReduce); KESTREL_TP_FUSED is
+    # each rank's own, so it goes into the site set-up's vote rather than skip it here.
+    if reduce.buffer is not None and isinstance(model, CausalLM):
+        _use_sites(model, reduce, reduce.buffer.device, enabled=fused_enabled())
 
 
 def _site_eligible(linear: AllReduceLinear) -> bool:
@@ -143,7 +145,9 @@ def _site_eligible(linear: AllReduceLinear) -> bool:
     return isinstance(inner, QuantizedLinear) and inner.out_features == inner.qweight.out_features
 
 
-def _use_sites(model: CausalLM, reduce: GroupAllReduce, device: torch.device) -> None:
+def _use_sites(
+    model: CausalLM, reduce: GroupAllReduce, device: torch.device, *, enabled: bool
+) -> None:
     """The site all-reduce for every row-parallel linear whose GEMV can write its partial
     into a site (quantized, unpadded), at least two of them: in a forward either all of
     them take the sites or none (same rows, same width), which the race argument in
@@ -152,7 +156,7 @@ def _use_sites(model: CausalLM, reduce: GroupAllReduce, device: torch.device) ->
     widths = {linear.out_features for linear in linears}
     if len(linears) < 2 or len(widths) != 1:
         return
-    sites = SiteAllReduce.build(reduce.group, device, len(linears), widths.pop())
+    sites = SiteAllReduce.build(reduce.group, device, len(linears), widths.pop(), enabled=enabled)
     if sites is None:
         return
     for linear in linears:

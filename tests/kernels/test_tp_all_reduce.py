@@ -136,7 +136,7 @@ def test_fused_add_rms_norm_matches_the_separate_ops(dtype: torch.dtype, unit_of
 
 @triton.jit
 def _wait_kernel(flag_ptr, expected, out_ptr, MAX_SPINS: tl.constexpr):
-    tl.store(out_ptr, wait_flag(flag_ptr, expected, MAX_SPINS).to(tl.int32))
+    tl.store(out_ptr, wait_flag(flag_ptr, expected, MAX_SPINS, 0).to(tl.int32))
 
 
 @pytest.mark.parametrize(("flag", "arrives"), [(4, True), (3, False), (5, False), (0, False)])
