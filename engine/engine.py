@@ -27,7 +27,13 @@ from engine.config import ModelConfig
 from engine.cuda_graph import DecodeGraphs
 from engine.draft_model import DraftModel
 from engine.limits import ContextLengthError, EmptyPromptError, check_length
-from engine.loading import LoadProgress, load_causal_lm, resolve_device, resolve_dtype
+from engine.loading import (
+    LoadProgress,
+    load_causal_lm,
+    overflows_float16,
+    resolve_device,
+    resolve_dtype,
+)
 from engine.lora import LoraManager
 from engine.moe import SparseMoE
 from engine.placement import Placement, PlacementOptions, plan_for_model
@@ -226,7 +232,7 @@ class Engine:
                 f"unknown cache_type '{options.cache_type}' (available: {', '.join(CACHE_TYPES)})"
             )
         device = resolve_device(options.device)
-        dtype = resolve_dtype(options.dtype, device)
+        dtype = resolve_dtype(options.dtype, device, overflows_float16=overflows_float16(config))
         max_seq_len = options.max_seq_len or min(
             config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN
         )

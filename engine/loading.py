@@ -13,6 +13,7 @@ parts never exist as modules.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +22,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from engine.architectures import CausalLM, architecture_class
+from engine.architectures import CausalLM, UnsupportedArchitectureError, architecture_class
 from engine.build_plan import plan_build
 from engine.config import ModelConfig
 from engine.placement.plan import Placement
 from engine.weights import WeightError, WeightStore
+
+log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -39,18 +42,51 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """None picks float16 on a GPU and float32 on the CPU (CPU half matmuls are slow)."""
+def auto_dtype(device: torch.device, *, overflows_float16: bool = False) -> torch.dtype:
+    """The dtype a model runs in unless asked: float32 on the CPU (CPU half matmuls are
+    slow); on a GPU float16, or bfloat16 for a model whose activations leave float16's
+    range (CausalLM.overflows_float16), or float32 where the GPU has no native bfloat16
+    (before compute capability 8.0)."""
+    if device.type != "cuda":
+        return torch.float32
+    if not overflows_float16:
+        return torch.float16
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.bfloat16 if torch.cuda.get_device_capability(index)[0] >= 8 else torch.float32
+
+
+def overflows_float16(config: ModelConfig) -> bool:
+    """Whether `config`'s architecture leaves float16's range (False for one Kestrel does
+    not know: its own load reports that)."""
+    try:
+        return architecture_class(config.architecture, source=config.source).overflows_float16
+    except UnsupportedArchitectureError:
+        return False
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype | None,
+    device: torch.device,
+    *,
+    overflows_float16: bool = False,
+) -> torch.dtype:
+    """None or "auto": `auto_dtype`. float16 asked for a model that `overflows_float16` is
+    given, with a warning that its outputs may be NaN."""
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype is None or dtype == "auto":
-        resolved = torch.float16 if device.type == "cuda" else torch.float32
+        resolved = auto_dtype(device, overflows_float16=overflows_float16)
     elif dtype in DTYPES:
         resolved = DTYPES[dtype]
     else:
         raise ValueError(f"dtype '{dtype}' is not supported (use float16, bfloat16 or float32)")
     if resolved not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"dtype {resolved} is not supported (use float16, bfloat16 or float32)")
+    if resolved == torch.float16 and overflows_float16:
+        log.warning(
+            "dtype float16: this model's activations exceed float16's range and its outputs "
+            "may be NaN (empty replies); use bfloat16 (or leave dtype on auto)"
+        )
     return resolved
 
 

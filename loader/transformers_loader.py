@@ -35,6 +35,23 @@ def can_load(path: Path) -> bool:
     return isinstance(config, dict)
 
 
+def _overflows_float16(path: Path) -> bool:
+    """Whether the architecture of `path`'s config.json is one Kestrel knows to leave
+    float16's range (Gemma 2 and 3 in transformers too)."""
+    from engine.architectures import ARCHITECTURES
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    names = config.get("architectures") if isinstance(config, dict) else None
+    return any(
+        ARCHITECTURES[name].overflows_float16
+        for name in (names if isinstance(names, list) else [])
+        if isinstance(name, str) and name in ARCHITECTURES
+    )
+
+
 def architecture_problem(path: Path) -> str | None:
     """Why AutoModelForCausalLM cannot build the model of `path`'s config.json, found from
     the config alone (no weight is read); None when transformers knows its model type."""
@@ -89,7 +106,9 @@ def load(
     if problem:  # before any file of the model is read
         raise LoaderError(f"the transformers loader cannot load {path}: {problem}")
     resolved_device = resolve_device(device)
-    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    resolved_dtype = resolve_dtype(
+        dtype, resolved_device, overflows_float16=_overflows_float16(path)
+    )
     tokenizer = Tokenizer.from_dir(path)
     try:
         # trust_remote_code=False: a checkpoint's own Python (auto_map) never runs, and

@@ -70,6 +70,9 @@ class CausalLM(FusesKernels):
     # HF architecture names this class serves (config.json "architectures").
     architectures: tuple[str, ...] = ()
     unit_offset_norm: bool = False
+    # Whether the residual stream leaves float16's range (65,504) on ordinary text: such a
+    # model runs in bfloat16 on a GPU unless asked otherwise (engine.loading.resolve_dtype).
+    overflows_float16: bool = False
 
     def __init__(
         self,

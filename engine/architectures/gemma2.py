@@ -102,6 +102,10 @@ def alternating(layer_idx: int) -> str:
 class Gemma2ForCausalLM(CausalLM):
     architectures = ("Gemma2ForCausalLM",)
     unit_offset_norm = True
+    # Gemma's residual stream grows past float16's 65,504: Gemma-3-270M's reaches 103,792 at
+    # <bos> and about 99,000 mid-text in float32, so in float16 every logit is NaN (it
+    # was trained in bfloat16).
+    overflows_float16 = True
 
     def __init__(
         self,

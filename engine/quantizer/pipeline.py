@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 
 from engine.config import ConfigError, ModelConfig
 from engine.cpu_threads import cpu_threads
-from engine.loading import resolve_device
+from engine.loading import overflows_float16, resolve_device
 from engine.quantizer import calibration as cal
 from engine.quantizer.gptq import DEFAULT_DAMP
 from engine.quantizer.job import Job, JobMismatchError, atomic_write_text
@@ -388,8 +388,7 @@ def _run(
     result: ConvertResult,
 ) -> None:
     s = job.settings
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
-    lm = LayerwiseModel(model_dir, device=device, dtype=dtype)
+    lm = LayerwiseModel(model_dir, device=device, dtype=forward_dtype(model_dir, device))
     n = lm.num_layers
     full_search = "full" if device.type == "cuda" else "fast"
     measure_search = "full" if device.type == "cuda" else "coarse"
@@ -509,6 +508,7 @@ def _quantize_gptq(
                     runner, i, states, strategy[i], scale_search=search, damp=o.damp
                 )
                 lm.unload_layer(i)
+                _check_finite(lm, i, states)
                 job.save_tensors(Job.layer_file(i), tensors)
                 job.advance_states("quant", i + 1, states, quantized_layers=i + 1)
                 result.quantized_now.append(i)
@@ -615,11 +615,33 @@ def _measure(
                 tick=bar.update,
             )
             lm.unload_layer(i)
+            _check_finite(lm, i, states)
             record["layers"].append(layer_record)
             job.advance_states("measure", i + 1, states, measurement=record)
             result.measured_now.append(i)
             steps.done()
     return record
+
+
+def forward_dtype(model_dir: Path, device: torch.device) -> torch.dtype:
+    """The dtype of the calibration forward: float16 on a GPU, float32 on the CPU (CPU half
+    matmuls are slow) and for a model whose activations leave float16's range (Gemma:
+    its residual stream reaches about 10^5), where bfloat16's 8-bit mantissa would blur
+    the Hessians and the errors being measured."""
+    if device.type == "cuda" and not overflows_float16(ModelConfig.from_dir(model_dir)):
+        return torch.float16
+    return torch.float32
+
+
+def _check_finite(lm: LayerwiseModel, i: int, states: torch.Tensor) -> None:
+    """Stop, naming the layer, where a layer's output holds inf or NaN: the next layer's
+    Hessians would be NaN and its GPTQ fail with a message that hides the cause."""
+    if not bool(torch.isfinite(states).all()):
+        raise ConvertError(
+            f"layer {i} of {lm.model_dir}: its output hidden states are not finite in "
+            f"{str(lm.dtype).removeprefix('torch.')} (the activations leave the dtype's "
+            "range); convert on the CPU (--device cpu, float32) or report the model"
+        )
 
 
 def _chunk_rows(rows: torch.Tensor, device: torch.device) -> int:

@@ -37,7 +37,7 @@ from engine.architectures.base import CausalLM
 from engine.cache import PagedKVCache
 from engine.config import ModelConfig
 from engine.engine import CACHE_TYPES, DEFAULT_MAX_SEQ_LEN, Engine, EngineOptions
-from engine.loading import resolve_device, resolve_dtype
+from engine.loading import overflows_float16, resolve_device, resolve_dtype
 from engine.tensor_parallel.all_reduce import preimport_symmetric_memory
 from engine.tensor_parallel.errors import TensorParallelError
 from engine.tensor_parallel.launched import LaunchedRank, launched_rank
@@ -228,7 +228,7 @@ def _shard_spec(
             f"tensor parallelism over {local_ranks} GPUs of this machine asked for, "
             f"{torch.cuda.device_count()} are visible"
         )
-    dtype = resolve_dtype(options.dtype, device)
+    dtype = resolve_dtype(options.dtype, device, overflows_float16=overflows_float16(config))
     max_seq_len = options.max_seq_len or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     if max_seq_len <= 0:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")

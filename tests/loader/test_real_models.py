@@ -100,3 +100,24 @@ def test_gemma3_answers(gemma: LoadedModel) -> None:
     assert "Paris" in answer, answer
     answer = gemma.generate("The capital of Japan is", {"max_new_tokens": 3, "temperature": 0})
     assert "Tokyo" in answer, answer
+
+
+def test_gemma3_leaves_float16_range_and_runs_in_bfloat16(
+    gemma: LoadedModel, gemma_dir: Path
+) -> None:
+    """Why Gemma's auto dtype on a GPU is bfloat16 (engine.loading.auto_dtype): its residual
+    stream passes float16's 65,504 at <bos>, so in float16 its logits are NaN (an empty
+    reply); in bfloat16 they are finite and pick float32's tokens."""
+    ids = _token_ids(gemma, 40)
+    want = gemma.logits(ids)  # float32, the CPU's auto
+    got = {}
+    for dtype in ("float16", "bfloat16"):
+        m = loader.load(gemma_dir, "kestrel", device="cpu", dtype=dtype, max_seq_len=256)
+        try:
+            got[dtype] = m.logits(ids)
+        finally:
+            m.unload()
+    assert not torch.isfinite(got["float16"]).all()
+    assert torch.isfinite(got["bfloat16"]).all()
+    assert _rel_err(got["bfloat16"], want) < 0.05
+    assert torch.equal(got["bfloat16"].argmax(-1), want.argmax(-1))
