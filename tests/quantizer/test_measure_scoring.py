@@ -158,3 +158,47 @@ def test_token_power_weighs_the_worst_tokens_more(tiny) -> None:
         assert bool((_errors(four, kind) > _errors(mean, kind)).all())
     with pytest.raises(ValueError, match="token power must be at least 1"):
         _measure(lm, states, token_power=0.5)
+
+
+def test_norm_weighting_sees_past_a_channel_the_norm_drops(tiny) -> None:
+    """A weight of ones changes nothing. A stream whose every token carries a large value in
+    channel 0, which the next norm all but drops (weight 0.01): unweighted, that channel
+    makes every token's stream look large and the errors small; weighted, the errors are
+    those of the channels the norm hands on, larger for every candidate. next_norm_weight
+    reads the next layer's input norm, and the final norm after the last layer."""
+    from engine.quantizer.pipeline import next_norm_weight
+
+    lm = LayerwiseModel(tiny, device=torch.device("cpu"), dtype=torch.float32)
+    lm.load_layer(0)
+    states = _rows(4, seed=6)
+    states[..., 0] += 200.0
+    _, plain = _measure(lm, states)
+    _, ones = _measure(lm, states, stream_weight=torch.ones(HIDDEN))
+    weight = torch.ones(HIDDEN)
+    weight[0] = 0.01
+    _, weighted = _measure(lm, states, stream_weight=weight)
+    for kind in ("attn", "mlp"):
+        torch.testing.assert_close(_errors(ones, kind), _errors(plain, kind))
+        assert [e["profiles"] for e in weighted[kind]] == [e["profiles"] for e in plain[kind]]
+        assert bool((_errors(weighted, kind) > 2 * _errors(plain, kind)).all())
+    with pytest.raises(ValueError, match="goes with error_reference 'layer'"):
+        _measure(lm, states, stream_weight=weight, error_reference="module")
+
+    last = lm.num_layers - 1
+    assert torch.equal(
+        next_norm_weight(lm, 0),
+        lm.store.get("model.layers.1.input_layernorm.weight", dtype=torch.float32),
+    )
+    assert torch.equal(
+        next_norm_weight(lm, last), lm.store.get("model.norm.weight", dtype=torch.float32)
+    )
+
+
+def test_next_norm_weight_adds_the_unit_offset_of_gemma_norms(tmp_path: Path) -> None:
+    from engine.quantizer.pipeline import next_norm_weight
+
+    config_cls, overrides, _ = CASES["gemma3"]
+    make_tiny_model(tmp_path, config_cls, **overrides)
+    lm = LayerwiseModel(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
+    stored = lm.store.get("model.layers.1.input_layernorm.weight", dtype=torch.float32)
+    assert torch.equal(next_norm_weight(lm, 0), 1.0 + stored)
