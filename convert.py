@@ -113,16 +113,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "Hessians and scores from every row, as exllamav2). Measuring only, so not with -m",
     )
     p.add_argument(
-        "--norm_weighted",
-        "--norm-weighted",
-        action="store_true",
-        help="measure a module's output error, and the stream it is divided by, with each "
-        "channel weighed by the next norm's weight: the stream as the next layer reads it. "
-        "Channels a norm all but drops (Gemma keeps values of 10^4 in channels whose norm "
-        "weight is 0.4 against a median of 20) then no longer hide the deep layers' errors. "
-        "Measuring only, so not with -m",
-    )
-    p.add_argument(
         "--token_power",
         "--token-power",
         type=float,
@@ -170,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
         error_reference=args.error_reference,
         heldout=args.heldout_scoring,
         token_power=args.token_power,
-        norm_weighted=args.norm_weighted,
         threads=args.threads,
     )
     try:

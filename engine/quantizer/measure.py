@@ -37,18 +37,6 @@ against the middle ones' (the geometric mean of a module's candidate errors) the
 measuring on multilingual text does (correlation 0.66 over the 60 modules, slope 1.0), and
 q = 2 at 4.0 bpw lowered held-out perplexity on all five domains (multilingual -5.4%).
 
-Norm weighting (`stream_weight=g`, convert.py --norm_weighted): both the error and the
-stream are taken with each channel times g, the weight of the norm that reads the layer's
-output (the next layer's input norm, or the final norm):
-
-    err = sqrt(mean over t of ‖g ⊙ (y_cand[t] − y_ref[t])‖² / ‖g ⊙ s[t]‖²),
-
-to first order the relative error of what that norm hands on. Gemma-3-270M keeps values
-of 10^3-10^4 in a few channels of every token's stream (400, 163, 87) whose norm weights
-(1 + w) are 0.4-0.8 against a median of 8-30: ‖g ⊙ s‖ / (‖s‖ · rms g) is 0.05-0.11 in
-its layers 1-13, so the plain ratio called the deep modules' errors 10-20x smaller than
-what reaches the next layer, and a 4.0 bpw allocation gave layers 7-17's MLPs 2.1 bits.
-
 Rows (`scoring_rows`): by default the GPTQ Hessians use every measuring row and candidates
 are scored on the same rows (in-sample, as exllamav2 does; the first rows holding
 `score_tokens` tokens when that is set). With `heldout=f` (0 < f < 1) the last
@@ -132,7 +120,6 @@ def measure_layer(
     error_reference: str = "layer",
     heldout: float = 0.0,
     token_power: float = 1.0,
-    stream_weight: torch.Tensor | None = None,
     tick: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, dict[str, list[dict[str, Any]]]]:
     """(reference layer output [R, L, hidden], measurement record) for one loaded layer.
@@ -170,10 +157,7 @@ def measure_layer(
         cap.hessians = fitted.hessians
         out = torch.cat([fit_out, rest_out])
         scored_out = rest_out[:rows]
-    if stream_weight is not None and mid:
-        raise ValueError("a stream weight goes with error_reference 'layer'")
-    weigh = _weigher(stream_weight)
-    out_norm = weigh(scored_out.float()).norm(dim=-1).clamp_min(1e-12)  # [rows, L]
+    out_norm = scored_out.float().norm(dim=-1).clamp_min(1e-12)  # [rows, L]
     stream_norms = {spec.kind: out_norm for spec in specs}
     if mid:
         after_attn = cap.inputs.pop(mid)[:rows]
@@ -182,7 +166,7 @@ def measure_layer(
     for spec in specs:
         record[spec.kind] = _measure_module(
             runner, layer_idx, layer, spec, cap, stream_norms[spec.kind], scale_search, damp,
-            token_power, weigh, tick,
+            token_power, tick,
         )  # fmt: skip
     return out, record
 
@@ -197,7 +181,6 @@ def _measure_module(
     scale_search: str,
     damp: float,
     token_power: float,
-    weigh: Callable[[torch.Tensor], torch.Tensor],
     tick: Callable[[], None] | None,
 ) -> list[dict[str, Any]]:
     # Roles this module has (Phi-3's fused qkv_proj has no separate v): candidates that
@@ -255,7 +238,7 @@ def _measure_module(
             w_outs = [dequantized[out_name, dict(c.rungs)[out_role]] for c in members]
             errs = _candidate_errors(
                 runner, layer_idx, spec, out_linear, x_in, w_outs, y_ref, stream_norm,
-                token_power, weigh,
+                token_power,
             )  # fmt: skip
             for cand, err in zip(members, errs, strict=True):
                 profiles = {role: LADDER[i].name for role, i in cand.rungs}
@@ -264,20 +247,6 @@ def _measure_module(
         for name, lin in linears.items():
             lin.weight = originals[name]
     return results
-
-
-def _weigher(weight: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x times `weight` over its last dimension (on x's device), or x as it is."""
-    if weight is None:
-        return lambda x: x
-    cached: dict[torch.device, torch.Tensor] = {}
-
-    def weigh(x: torch.Tensor) -> torch.Tensor:
-        if x.device not in cached:
-            cached[x.device] = weight.to(x.device, torch.float32)
-        return x * cached[x.device]
-
-    return weigh
 
 
 class _StopAtOutputLinear(Exception):
@@ -294,7 +263,6 @@ def _candidate_errors(
     y_ref: torch.Tensor,
     stream_norm: torch.Tensor,
     token_power: float = 1.0,
-    weigh: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
 ) -> list[float]:
     """The score of each output weight in w_outs [n, d], the module run on x_in [R, L, d]
     with its other linears as they are set now (the power mean of token_power over the
@@ -329,7 +297,7 @@ def _candidate_errors(
             z = grabbed[0].reshape(-1, length, grabbed[0].shape[-1]).to(device, dtype)
             y = F.linear(z, w_all, bias_all).float()
             y = y.unflatten(-1, (count, n))  # [r, L, count, n]
-            diff = weigh(y - y_ref[rows].float()[:, :, None]).norm(dim=-1).cpu()
+            diff = (y - y_ref[rows].float()[:, :, None]).norm(dim=-1).cpu()
             ratio = (diff / stream_norm[rows][:, :, None]).square().flatten(0, 1)  # [r·L, c]
             errs.append(ratio.double().pow(token_power) if token_power != 1 else ratio)
     finally:

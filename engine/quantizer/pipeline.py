@@ -131,9 +131,6 @@ class ConvertOptions:
     # Each candidate's error a power mean of this power over the scored tokens (1: the
     # mean; larger weighs a module's worst tokens more: measure.py). Measuring only.
     token_power: float = 1.0
-    # Errors weighed channel by channel by the next norm's weights (measure.py). Measuring
-    # only, with error_reference "layer".
-    norm_weighted: bool = False
     rtn: bool = False  # round to nearest instead of GPTQ (a baseline for comparisons)
     shard_mb: int = 8192
     progress: bool = True
@@ -207,8 +204,6 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         settings["heldout"] = float(options.heldout)
     if options.token_power != 1:
         settings["token_power"] = float(options.token_power)
-    if options.norm_weighted:
-        settings["norm_weighted"] = True
     try:
         job = Job.open(partial, settings, resume=options.resume)
     except JobMismatchError as e:
@@ -290,19 +285,11 @@ def _check_options(o: ConvertOptions) -> None:
         raise ConvertError(
             f"the token power must lie in 1-{MAX_TOKEN_POWER:g}, got {o.token_power}"
         )
-    if o.measurement_in and (
-        o.error_reference != "layer" or o.heldout or o.token_power != 1 or o.norm_weighted
-    ):
+    if o.measurement_in and (o.error_reference != "layer" or o.heldout or o.token_power != 1):
         # They decide how a measurement is made; a reused one keeps what it was made with.
         raise ConvertError(
-            "--error_reference, --heldout_scoring, --token_power and --norm_weighted choose "
-            "how a measurement is made; -m reuses one as it was made (drop them, or measure "
-            "again)"
-        )
-    if o.norm_weighted and o.error_reference != "layer":
-        raise ConvertError(
-            "--norm_weighted weighs errors by the norm that reads the layer's output: it "
-            "goes with --error_reference layer"
+            "--error_reference, --heldout_scoring and --token_power choose how a measurement "
+            "is made; -m reuses one as it was made (drop them, or measure again)"
         )
     if o.shard_mb <= 0:
         raise ConvertError(f"shard size must be positive, got {o.shard_mb} MB")
@@ -599,7 +586,6 @@ def _measure(
             "heldout": float(o.heldout),
             # Only when set: a file without it scored by the mean (token power 1).
             **({"token_power": float(o.token_power)} if o.token_power != 1 else {}),
-            **({"norm_weighted": True} if o.norm_weighted else {}),
             "hessian_rows": fit,
             "scored_rows": scored,
             "damp": float(o.damp),
@@ -626,7 +612,6 @@ def _measure(
                 error_reference=o.error_reference,
                 heldout=o.heldout,
                 token_power=o.token_power,
-                stream_weight=next_norm_weight(lm, i) if o.norm_weighted else None,
                 tick=bar.update,
             )
             lm.unload_layer(i)
@@ -646,19 +631,6 @@ def forward_dtype(model_dir: Path, device: torch.device) -> torch.dtype:
     if device.type == "cuda" and not overflows_float16(ModelConfig.from_dir(model_dir)):
         return torch.float16
     return torch.float32
-
-
-def next_norm_weight(lm: LayerwiseModel, i: int) -> torch.Tensor:
-    """The float32 per-channel weight [hidden] of the norm that reads layer `i`'s output:
-    the next layer's input norm, or the final norm after the last layer (1 + w for the
-    architectures whose norms scale by 1 + w)."""
-    name = (
-        f"model.layers.{i + 1}.input_layernorm.weight"
-        if i + 1 < lm.num_layers
-        else "model.norm.weight"
-    )
-    weight = lm.store.get(name, dtype=torch.float32)
-    return 1.0 + weight if lm.model.unit_offset_norm else weight
 
 
 def _check_finite(lm: LayerwiseModel, i: int, states: torch.Tensor) -> None:
