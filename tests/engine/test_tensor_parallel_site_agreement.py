@@ -12,13 +12,13 @@ the barrier; and kernels that differ between the ranks, which must raise on both
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from helpers.gloo_ranks import run_gloo_ranks
 
 WORLD = 2
 
@@ -92,25 +92,14 @@ def _case(rank: int, case: str) -> object:
         return f"ValueError: {error}"
 
 
-def _rank(rank: int, tmp: str, results: dict) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{Path(tmp) / 'store'}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),  # a mismatched collective fails, never hangs CI
-    )
-    try:
-        results[rank] = {case: _case(rank, case) for case in CASES}
-    finally:
-        dist.destroy_process_group()
+def _all_cases(rank: int) -> dict[str, object]:
+    # The group's timeout (run_gloo_ranks): a mismatched collective fails, never hangs CI.
+    return {case: _case(rank, case) for case in CASES}
 
 
 def test_every_rank_takes_the_same_path(tmp_path: Path) -> None:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(str(tmp_path), results), nprocs=WORLD, join=True)
-        decided = {case: [results[rank][case] for rank in range(WORLD)] for case in CASES}
+    answers = run_gloo_ranks(_all_cases, tmp_path, WORLD)
+    decided = {case: [answers[rank][case] for rank in range(WORLD)] for case in CASES}
     assert decided["all_ok"] == [True, True]
     assert decided["one_failed"] == [False, False]
     # One-sided failures: nobody gets buffers, nobody reaches the barrier.

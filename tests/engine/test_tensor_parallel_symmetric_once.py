@@ -12,32 +12,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engine.tensor_parallel import all_reduce
+from helpers.gloo_ranks import run_gloo_ranks
 
 WORLD = 2
 
 
-def _rank(rank: int, tmp: str, results: dict) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=rank, world_size=WORLD
-    )
-    try:
-        cpu = torch.device("cpu")
-        first = all_reduce.symmetric_memory_agreed(None, cpu)
-        if rank == 0:  # rank 0's first launch set it up; the new ranks never did
-            all_reduce.note_symmetric_memory_set_up()
-        second = all_reduce.symmetric_memory_agreed(None, cpu)
-        results[rank] = (first, second)
-    finally:
-        dist.destroy_process_group()
+def _launches(rank: int) -> tuple[bool, bool]:
+    cpu = torch.device("cpu")
+    first = all_reduce.symmetric_memory_agreed(None, cpu)
+    if rank == 0:  # rank 0's first launch set it up; the new ranks never did
+        all_reduce.note_symmetric_memory_set_up()
+    second = all_reduce.symmetric_memory_agreed(None, cpu)
+    return first, second
 
 
 def test_a_later_launch_of_the_same_process_uses_nccl_on_every_rank(tmp_path: Path) -> None:
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_rank, args=(str(tmp_path), results), nprocs=WORLD, join=True)
-        decided = [results[rank] for rank in range(WORLD)]
+    decided = run_gloo_ranks(_launches, tmp_path, WORLD)
     assert decided == [(True, False), (True, False)]
