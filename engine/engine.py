@@ -232,7 +232,9 @@ class Engine:
                 f"unknown cache_type '{options.cache_type}' (available: {', '.join(CACHE_TYPES)})"
             )
         device = resolve_device(options.device)
-        dtype = resolve_dtype(options.dtype, device, overflows_float16=overflows_float16(config))
+        dtype = resolve_dtype(
+            options.dtype, device, overflows_float16=overflows_float16(config.architecture)
+        )
         max_seq_len = options.max_seq_len or min(
             config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN
         )

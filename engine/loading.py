@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from engine.architectures import CausalLM, UnsupportedArchitectureError, architecture_class
+from engine.architectures import ARCHITECTURES, CausalLM, architecture_class
 from engine.build_plan import plan_build
 from engine.config import ModelConfig
 from engine.placement.plan import Placement
@@ -55,13 +55,11 @@ def auto_dtype(device: torch.device, *, overflows_float16: bool = False) -> torc
     return torch.bfloat16 if torch.cuda.get_device_capability(index)[0] >= 8 else torch.float32
 
 
-def overflows_float16(config: ModelConfig) -> bool:
-    """Whether `config`'s architecture leaves float16's range (False for one Kestrel does
-    not know: its own load reports that)."""
-    try:
-        return architecture_class(config.architecture, source=config.source).overflows_float16
-    except UnsupportedArchitectureError:
-        return False
+def overflows_float16(architecture: str) -> bool:
+    """Whether the model class of `architecture` (a config.json "architectures" name)
+    leaves float16's range; False for a name Kestrel does not run (its load reports it)."""
+    cls = ARCHITECTURES.get(architecture)
+    return cls is not None and cls.overflows_float16
 
 
 def resolve_dtype(

@@ -16,7 +16,7 @@ import torch
 
 from engine.engine import ContextLengthError
 from engine.generate import GenerationBackend
-from engine.loading import resolve_device, resolve_dtype
+from engine.loading import overflows_float16, resolve_device, resolve_dtype
 from engine.sampling_settings import SamplingSettings
 from engine.tokenizer import Tokenizer
 from loader.base import Chunk, LoadedModel, LoaderError, UnsupportedFeatureError
@@ -36,19 +36,15 @@ def can_load(path: Path) -> bool:
 
 
 def _overflows_float16(path: Path) -> bool:
-    """Whether the architecture of `path`'s config.json is one Kestrel knows to leave
-    float16's range (Gemma 2 and 3 in transformers too)."""
-    from engine.architectures import ARCHITECTURES
-
+    """Whether `path`'s config.json names an architecture Kestrel knows to leave float16's
+    range (Gemma 2 and 3 do in transformers too)."""
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     names = config.get("architectures") if isinstance(config, dict) else None
-    return any(
-        ARCHITECTURES[name].overflows_float16
-        for name in (names if isinstance(names, list) else [])
-        if isinstance(name, str) and name in ARCHITECTURES
+    return isinstance(names, list) and any(
+        overflows_float16(name) for name in names if isinstance(name, str)
     )
 
 

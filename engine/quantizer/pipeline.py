@@ -628,7 +628,9 @@ def forward_dtype(model_dir: Path, device: torch.device) -> torch.dtype:
     matmuls are slow) and for a model whose activations leave float16's range (Gemma:
     its residual stream reaches about 10^5), where bfloat16's 8-bit mantissa would blur
     the Hessians and the errors being measured."""
-    if device.type == "cuda" and not overflows_float16(ModelConfig.from_dir(model_dir)):
+    if device.type == "cuda" and not overflows_float16(
+        ModelConfig.from_dir(model_dir).architecture
+    ):
         return torch.float16
     return torch.float32
 

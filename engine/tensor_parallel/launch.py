@@ -228,7 +228,9 @@ def _shard_spec(
             f"tensor parallelism over {local_ranks} GPUs of this machine asked for, "
             f"{torch.cuda.device_count()} are visible"
         )
-    dtype = resolve_dtype(options.dtype, device, overflows_float16=overflows_float16(config))
+    dtype = resolve_dtype(
+        options.dtype, device, overflows_float16=overflows_float16(config.architecture)
+    )
     max_seq_len = options.max_seq_len or min(config.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
     if max_seq_len <= 0:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")

@@ -42,7 +42,7 @@ def test_the_architecture_says_whether_float16_overflows(
     tmp_path: Path, case: str, overflows: bool
 ) -> None:
     path = _model(tmp_path, case)
-    assert overflows_float16(ModelConfig.from_dir(path)) is overflows
+    assert overflows_float16(ModelConfig.from_dir(path).architecture) is overflows
     # The converter's calibration forward on a GPU: float16, or float32 where it overflows.
     assert forward_dtype(path, CUDA) == (torch.float32 if overflows else torch.float16)
     assert forward_dtype(path, torch.device("cpu")) == torch.float32
@@ -70,15 +70,17 @@ def test_float16_asked_for_an_overflowing_model_is_given_with_a_warning(
     assert "bfloat16" in caplog.records[0].getMessage()
 
 
+@pytest.mark.parametrize("loader_name", ["kestrel", "transformers"])
 @pytest.mark.parametrize(("case", "warned"), [("gemma3", True), ("llama", False)])
-def test_the_engine_load_asks_the_architecture(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, case: str, warned: bool
+def test_each_loader_asks_the_architecture(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, case: str, warned: bool, loader_name: str
 ) -> None:
     import loader
 
     path = _model(tmp_path, case)
+    options = {"max_seq_len": 64} if loader_name == "kestrel" else {}
     with caplog.at_level(logging.WARNING, logger="engine.loading"):
-        m = loader.load(path, "kestrel", device="cpu", dtype="float16", max_seq_len=64)
+        m = loader.load(path, loader_name, device="cpu", dtype="float16", **options)
     try:
         assert m.info()["dtype"] == "float16"  # what was asked for, warned or not
     finally:
