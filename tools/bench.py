@@ -192,7 +192,10 @@ def build_model(
             shard, shard_bytes, tensors = shard + 1, 0, {}
 
     h, vocab = shape["hidden_size"], shape["vocab_size"]
-    tensors["model.embed_tokens.weight"] = (torch.randn(vocab, h, device=device) * 0.02).half()
+    # Seeded like the linears: every machine builds the same model, so greedy tokens compare
+    # across runs (tools/multigpu_check.py's single-GPU vs TP check).
+    embed = torch.randn(vocab, h, device=device, generator=gen)
+    tensors["model.embed_tokens.weight"] = (embed * 0.02).half()
     tensors["model.norm.weight"] = torch.ones(h, device=device, dtype=torch.float16)
     for n in range(shape["num_hidden_layers"]):
         for norm in ("input_layernorm", "post_attention_layernorm"):

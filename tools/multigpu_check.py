@@ -148,12 +148,20 @@ def measure(engine: Engine, prompt: list[int], greedy_prompt: list[int], greedy:
     seq = Sequence()
     logits = engine.runner.prefill(seq, greedy_prompt)[-1]
     finite = bool(torch.isfinite(logits).all())
-    tokens = [int(logits.argmax())]
-    for _ in range(greedy - 1):
-        tokens.append(int(engine.runner.forward([seq], [[tokens[-1]]])[-1].argmax()))
+    tokens: list[int] = []
+    top2: list[list[float]] = []
+    for step in range(greedy):
+        if step:
+            logits = engine.runner.forward([seq], [[tokens[-1]]])[-1]
+        values, ids = logits.float().topk(2)
+        tokens.append(int(ids[0]))
+        top2.append([round(float(v), 5) for v in values])
     seq.release(engine.cache)
     return {
         "greedy_tokens": tokens,
+        # The two highest logits of each greedy step: how close a step was to a tie, and
+        # how far two modes' logits drift apart before they part (summarize).
+        "greedy_top2": top2,
         "greedy_logits_finite": finite,
         # The serving path: one job through the scheduler (tools/bench.py's), lookahead.
         "decode_tok_s": scheduler_decode_tok_s(engine, prompt),
@@ -203,6 +211,23 @@ def run_mode(mode: str, path: Path, args: argparse.Namespace) -> dict:
     return result
 
 
+def _drift(base: dict, run: dict, diverge: int | None) -> dict:
+    """Whether a mode that parts from the base's greedy tokens does so at a near tie: the
+    base's top-1 minus top-2 logit at the parting step, against the largest difference of the
+    two runs' top logit over the steps before it (their numeric drift, the same tokens fed).
+    A margin within a few times the drift is rounding (summation order), not a wrong sum."""
+    if "greedy_top2" not in base or "greedy_top2" not in run:
+        return {}
+    steps = len(base["greedy_top2"]) if diverge is None else diverge
+    pairs = zip(base["greedy_top2"][:steps], run["greedy_top2"][:steps], strict=False)
+    drift = max((abs(a[0] - b[0]) for a, b in pairs), default=0.0)
+    result = {"max_top1_drift_before": round(drift, 5)}
+    if diverge is not None:
+        top1, top2 = base["greedy_top2"][diverge]
+        result["base_margin_at_divergence"] = round(top1 - top2, 5)
+    return result
+
+
 def summarize(out: Path, prefix: str) -> dict:
     runs = {}
     for mode in MODES:
@@ -220,6 +245,7 @@ def summarize(out: Path, prefix: str) -> dict:
                 (i for i, (a, b) in enumerate(zip(base, tokens, strict=False)) if a != b), None
             )
             compare[mode] = {"identical": tokens == base, "first_divergence": diverge}
+            compare[mode].update(_drift(measured[base_mode], r, diverge))
     single = measured.get("single", {}).get("decode_tok_s")
     speed = {
         m: {
@@ -275,7 +301,11 @@ def main() -> int:
             result = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
         result.update(env)
         (out / f"{prefix}-{mode}.json").write_text(json.dumps(result, indent=1))
-        brief = {k: v for k, v in result.items() if k not in ("greedy_tokens",) and k not in env}
+        brief = {
+            k: v
+            for k, v in result.items()
+            if k not in ("greedy_tokens", "greedy_top2") and k not in env
+        }
         print(json.dumps(brief), flush=True)
     summary = summarize(out, prefix)
     summary.update(env)
