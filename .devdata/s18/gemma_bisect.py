@@ -25,7 +25,7 @@ g = torch.Generator().manual_seed(1)
 prompts = {"short": torch.randint(3, 384, (40,), generator=g).tolist(),
            "long": torch.randint(3, 384, (1100,), generator=g).tolist()}
 with torch.no_grad():
-    ref = {k: hf(torch.tensor([v], device=device)).logits[0].float() for k, v in prompts.items()}
+    ref = {k: hf(torch.tensor([v], device=device)).logits[0].float().cpu() for k, v in prompts.items()}
     gen = hf.generate(torch.tensor([prompts["short"]], device=device), do_sample=False,
                       max_new_tokens=16, min_new_tokens=16, pad_token_id=1)[0, 40:].tolist()
 
@@ -56,7 +56,7 @@ for dtype in ("float32", "bfloat16"):
         try:
             m = loader.load(path, "kestrel", device=device, dtype=dtype, max_seq_len=2048, **opts)
             for k, ids in prompts.items():
-                lg = m.logits(ids).float()
+                lg = m.logits(ids).float().cpu()
                 r[k] = round(float((lg - ref[k]).abs().max() / ref[k].abs().max()), 6)
                 r[k + "_argmax"] = round(float((lg.argmax(-1) == ref[k].argmax(-1)).float().mean()), 4)
             s = {"max_new_tokens": 16, "temperature": 0, "ban_eos_token": True}
