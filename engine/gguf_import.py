@@ -10,7 +10,9 @@ Contract:
   which dequantizes every tensor; the result is one `model.safetensors` in `dtype`
   (float16 by default; bfloat16 instead if a weight would overflow float16), with
   `config.json`, `generation_config.json` where the model has one, and the tokenizer
-  (`tokenizer.json`, `tokenizer_config.json`, the chat template). Kestrel and transformers
+  (`tokenizer.json`, `tokenizer_config.json`, the chat template; a Gemma GGUF's
+  `tokenizer.json` is Kestrel's own, engine/gguf_tokenizer.py, since transformers before
+  5.2x builds a wrong one). Kestrel and transformers
   load it as any FP16 checkpoint; the config also carries the keys exllamav2 reads.
 - Atomic: everything is written into `.<name>.partial-<pid>` beside `out_dir` and renamed
   into place at the end; on any error (or Ctrl-C) that directory is removed and `out_dir`
@@ -49,6 +51,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from engine.gguf_tokenizer import write_gguf_tokenizer
 
 GGUF_MAGIC = b"GGUF"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -334,6 +338,8 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> 
     del tensors, state
 
     tokenizer.save_pretrained(out)
+    if write_gguf_tokenizer(gguf_path, out):
+        _say(progress, "wrote the tokenizer from the GGUF's vocabulary (engine/gguf_tokenizer.py)")
     if model.generation_config is not None and model.can_generate():
         model.generation_config.save_pretrained(out)
     model.config.save_pretrained(out)
