@@ -92,6 +92,24 @@ def test_gemma3_kestrel_matches_transformers(gemma: LoadedModel, gemma_dir: Path
     assert torch.equal(got_long.argmax(-1), want_long.argmax(-1))
 
 
+def test_gemma3_tokenizes_as_gemma(gemma: LoadedModel) -> None:
+    # The import writes the tokenizer from the GGUF's vocabulary (engine/gguf_tokenizer.py):
+    # Gemma's own ids (Google's tokenizer.json, and what transformers 5.24 rebuilds), where
+    # transformers 5.17 built a Unigram model ("capital" -> c|ap|it|al, no <bos>) that made
+    # the model read text at perplexity 183 instead of 19.
+    assert gemma.encode("The capital of France is Paris.") == [
+        2, 818, 5279, 529, 7001, 563, 9079, 236761,
+    ]  # fmt: skip
+    turn = "<start_of_turn>user\nWrite  code:\n\n    x = 1<end_of_turn>\n"
+    assert gemma.encode(turn) == [
+        2, 105, 2364, 107, 6974, 138, 3970, 236787, 108, 140, 236781, 578, 236743, 236770, 106,
+        107,
+    ]  # fmt: skip
+    assert gemma.encode("Café naïve 中文 🦅") == [
+        2, 160319, 236859, 120362, 17346, 237364, 236743, 248893,
+    ]  # fmt: skip
+
+
 def test_gemma3_answers(gemma: LoadedModel) -> None:
     # Greedy: " The capital of France is Paris." and " Tokyo. It is ..."
     answer = gemma.generate(
