@@ -17,8 +17,9 @@ Calibration settings (--calibrations, one or both):
 Evaluation: perplexity on the held-out domains of tools/heldout (--domains, default all:
 wiki, web, code, multilingual, chat; none of that text is in either converter's default
 calibration set, and the wiki text is the last 20% of the Wikipedia file whose head is the
-shared text), --windows windows of 1024 tokens a domain from the start of each file, no
-BOS, through the kestrel loader (tools/perplexity.py), so exllamav2-written models are
+shared text), --windows windows of 1024 tokens a domain from the start of each file, BOS in
+front where the model's tokenizer adds one (Gemma) and none where it does not (SmolLM2),
+through the kestrel loader (tools/perplexity.py), so exllamav2-written models are
 measured by the same code as ours.
 
 Each converter measures once per calibration (`-om`) and reuses the measurement for every
@@ -40,7 +41,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from tools.exllamav2_gemma3 import from_exllamav2, to_exllamav2  # noqa: E402
-from tools.perplexity import DOMAIN_WINDOWS, DOMAINS, domain_table, domain_texts  # noqa: E402
+from tools.perplexity import (  # noqa: E402
+    DOMAIN_WINDOWS,
+    DOMAINS,
+    bos_words,
+    domain_table,
+    domain_texts,
+)
 
 CALIBRATIONS = ("default", "shared")
 
@@ -127,8 +134,8 @@ def _perplexities(model_dir: Path, texts: dict[str, str], a: argparse.Namespace)
     from tools.perplexity import domain_perplexities
 
     # No decode CUDA graphs: scoring never decodes.
-    model = loader.load(
-        model_dir, "kestrel", device=a.device, max_seq_len=a.window, cuda_graphs=False
+    model = loader.load(  # window + 1: room for a BOS in front (tools/perplexity.py)
+        model_dir, "kestrel", device=a.device, max_seq_len=a.window + 1, cuda_graphs=False
     )
     try:
         return domain_perplexities(model, texts, window=a.window, windows=a.windows)
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         for bits in a.exllamav2_bits:
             out = work / f"exllamav2-{calib}-{bits:g}"
             record(f"exllamav2 {calib} {bits:g}", out, _exllamav2(src, out, bits, emeas, e_cal, a))
-    print(f"\n{a.windows} windows of {a.window} tokens a domain, no BOS\n")
+    print(f"\n{a.windows} windows of {a.window} tokens a domain, {bos_words(None)}\n")
     print(domain_table({label: row["ppl"] for label, row in rows.items()}))
     return 0
 
