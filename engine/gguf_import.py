@@ -338,7 +338,7 @@ def _convert(gguf_path: Path, out: Path, dtype: torch.dtype, progress: bool) -> 
     del tensors, state
 
     tokenizer.save_pretrained(out)
-    if write_gguf_tokenizer(gguf_path, out):
+    if write_gguf_tokenizer(fast_gguf_reader_class()(str(gguf_path)), out):
         _say(progress, "wrote the tokenizer from the GGUF's vocabulary (engine/gguf_tokenizer.py)")
     if model.generation_config is not None and model.can_generate():
         model.generation_config.save_pretrained(out)

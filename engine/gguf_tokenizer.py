@@ -108,12 +108,10 @@ def gemma_tokenizer(reader: Any) -> Any:
     return tokenizer
 
 
-def write_gguf_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> bool:
+def write_gguf_tokenizer(reader: Any, out_dir: str | Path) -> bool:
     """Replace the tokenizer.json transformers wrote into `out_dir` with Kestrel's own where
-    `builds_own_tokenizer`; returns whether it did."""
-    from engine.gguf_import import fast_gguf_reader_class
-
-    reader = fast_gguf_reader_class()(str(gguf_path))
+    `builds_own_tokenizer` says so of the GGUF `reader` (a gguf.GGUFReader) reads; returns
+    whether it did."""
     if not builds_own_tokenizer(reader):
         return False
     target = Path(out_dir) / "tokenizer.json"

@@ -69,10 +69,14 @@ def _write_gemma_gguf(path: Path, *, architecture: str = "gemma3", merges: bool 
     writer.close()
 
 
+def _read(path: Path):
+    return fast_gguf_reader_class()(str(path))
+
+
 @pytest.fixture
 def tokenizer(tmp_path: Path) -> Tokenizer:
     _write_gemma_gguf(tmp_path / "gemma.gguf")
-    assert write_gguf_tokenizer(tmp_path / "gemma.gguf", tmp_path)
+    assert write_gguf_tokenizer(_read(tmp_path / "gemma.gguf"), tmp_path)
     return Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
 
 
@@ -112,11 +116,11 @@ def test_only_gemma_vocabularies_without_merges_are_rebuilt(tmp_path: Path) -> N
     for architecture, expected in cases.items():
         path = tmp_path / f"{architecture}.gguf"
         _write_gemma_gguf(path, architecture=architecture)
-        assert builds_own_tokenizer(fast_gguf_reader_class()(str(path))) is expected
+        assert builds_own_tokenizer(_read(path)) is expected
     _write_gemma_gguf(tmp_path / "merges.gguf", merges=True)
-    assert not builds_own_tokenizer(fast_gguf_reader_class()(str(tmp_path / "merges.gguf")))
+    assert not builds_own_tokenizer(_read(tmp_path / "merges.gguf"))
     # Not rebuilt: the directory is left as it was.
-    assert not write_gguf_tokenizer(tmp_path / "merges.gguf", tmp_path)
+    assert not write_gguf_tokenizer(_read(tmp_path / "merges.gguf"), tmp_path)
     assert not (tmp_path / "tokenizer.json").exists()
 
 
