@@ -23,7 +23,6 @@ compares the two files on the real model):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +113,5 @@ def write_gguf_tokenizer(reader: Any, out_dir: str | Path) -> bool:
     whether it did."""
     if not builds_own_tokenizer(reader):
         return False
-    target = Path(out_dir) / "tokenizer.json"
-    written = json.loads(gemma_tokenizer(reader).to_str())
-    target.write_text(json.dumps(written, ensure_ascii=False, indent=2), encoding="utf-8")
+    gemma_tokenizer(reader).save(str(Path(out_dir) / "tokenizer.json"))
     return True

