@@ -219,9 +219,7 @@ def load_causal_lm(
                     "not tie it to the embeddings (tie_word_embeddings is false)"
                 )
             raise WeightError(f"tensor '{name}' not found in {model_dir}")
-        tensor = store.get(
-            name, dtype=dtype, device=placement.device_of(name), shape=tuple(param.shape)
-        )
+        tensor = _read_dense(store, name, tuple(param.shape), dtype, placement.device_of(name))
         _set_parameter(model, name, tensor)
         if progress:
             progress(start + (1 - start) * (i + 1) / len(params), f"weights {i + 1}/{len(params)}")
@@ -237,6 +235,33 @@ def load_causal_lm(
     store.close()
     model.eval()
     return model
+
+
+# Per-head norms of q and k (Qwen3, Gemma 3): one weight over head_dim, shared by every
+# head. exllamav2 repeats it per head when it loads the model, and its converter saves what
+# it loaded, so its EXL2 files hold these as [heads, head_dim].
+_HEAD_NORM = re.compile(r"\.self_attn\.[qk]_norm\.weight$")
+
+
+def _read_dense(
+    store: WeightStore,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """One unsplit tensor; a head norm stored once per head is read as the one weight that
+    all heads share (and refused, by name, if the heads' rows differ)."""
+    stored = store.info(name).shape
+    if not (_HEAD_NORM.search(name) and len(shape) == 1 and stored[1:] == shape):
+        return store.get(name, dtype=dtype, device=device, shape=shape)
+    rows = store.get(name, dtype=dtype, device=device, shape=stored)
+    if not bool((rows == rows[:1]).all()):
+        raise WeightError(
+            f"tensor '{name}' in {store.info(name).file.name} has a different norm weight "
+            f"for each of its {stored[0]} heads; this architecture shares one across heads"
+        )
+    return rows[0].contiguous()
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")

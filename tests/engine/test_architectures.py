@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import loader
 from engine.architectures import (
@@ -26,6 +27,7 @@ from engine.architectures import (
     UnsupportedArchitectureError,
     architecture_class,
 )
+from engine.weights import WeightError
 from helpers.architectures import CASES
 from helpers.model_factory import make_tiny_model
 
@@ -179,4 +181,45 @@ def test_longrope_without_factors_is_refused(tmp_path: Path):
     del config["rope_parameters"]["long_factor"]
     path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="longrope.*long_factor"):
+        _load(tmp_path, "cpu")
+
+
+def _repeat_head_norms(model_dir: Path, config: dict[str, Any], *, vary: bool = False) -> None:
+    """Rewrite q_norm/k_norm as exllamav2's converter saves them: one row per head (q over
+    the attention heads, k over the KV heads); `vary` makes the last head's row differ."""
+    file = model_dir / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    for key, t in list(tensors.items()):
+        if key.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            heads = config["num_attention_heads" if ".q_norm" in key else "num_key_value_heads"]
+            rows = t.repeat(heads, 1).contiguous()
+            if vary:
+                rows[-1, 0] += 0.5
+            tensors[key] = rows
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("case", ["qwen3", "gemma3"])
+def test_head_norms_stored_per_head_as_exllamav2_writes_them(tmp_path: Path, case: str):
+    """exllamav2 repeats Qwen3's and Gemma 3's q/k norm weight per head when it loads a model
+    and its converter saves them so: its EXL2 files hold [heads, head_dim]. The same logits."""
+    config_cls, overrides, _ = CASES[case]
+    make_tiny_model(tmp_path, config_cls, **overrides)
+    ids = _prompt(60, seed=5)
+    ref = _load(tmp_path, "cpu").logits(ids)
+    config = json.loads((tmp_path / "config.json").read_text())
+    _repeat_head_norms(tmp_path, config)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        shape = f.get_slice("model.layers.0.self_attn.q_norm.weight").get_shape()
+    assert shape == [config["num_attention_heads"], config["head_dim"]]
+    assert torch.equal(_load(tmp_path, "cpu").logits(ids), ref)
+
+
+def test_head_norms_that_differ_per_head_are_refused(tmp_path: Path):
+    config_cls, overrides, _ = CASES["qwen3"]
+    make_tiny_model(tmp_path, config_cls, **overrides)
+    config = json.loads((tmp_path / "config.json").read_text())
+    _repeat_head_norms(tmp_path, config, vary=True)
+    with pytest.raises(WeightError, match=r"layers\.0\.self_attn\.q_norm\.weight.*different"):
         _load(tmp_path, "cpu")
