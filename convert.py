@@ -25,6 +25,7 @@ from engine.quantizer.pipeline import (
     MAX_TOKEN_POWER,
     MIN_NORM,
 )
+from engine.quantizer.sensitivity import SENSITIVITIES
 
 
 def _rows_text(table: dict[str, tuple[int, int, int, int]], device: str) -> str:
@@ -125,6 +126,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "default 1: the mean). Measuring only, so not with -m",
     )
     p.add_argument(
+        "--sensitivity",
+        choices=SENSITIVITIES,
+        default="kl",
+        help="how the bit allocation weighs each module's measured error: kl (the default) "
+        "by what its noise costs at the model's output, probed while measuring on a few "
+        "calibration rows (the KL divergence of the next-token distribution when that "
+        "module alone is quantized to 4 bits); off: as measured. With -m, kl uses the "
+        "probe the measurement holds (none in files made with off)",
+    )
+    p.add_argument(
         "--rtn",
         action="store_true",
         help="round to nearest instead of GPTQ, same bit allocation (a baseline to compare)",
@@ -160,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         error_reference=args.error_reference,
         heldout=args.heldout_scoring,
         token_power=args.token_power,
+        sensitivity=args.sensitivity,
         threads=args.threads,
     )
     try:

@@ -136,13 +136,25 @@ class Job:
         """The hidden states of `stage` after `layers` finished layers."""
         return self.load_tensors(self.states_file(stage, layers))["states"]
 
+    def load_state_extras(self, stage: str, layers: int) -> dict[str, torch.Tensor]:
+        """What `advance_states` saved beside the states (its `extra`)."""
+        tensors = self.load_tensors(self.states_file(stage, layers))
+        tensors.pop("states")
+        return tensors
+
     def advance_states(
-        self, stage: str, layers: int, states: torch.Tensor, **progress: Any
+        self,
+        stage: str,
+        layers: int,
+        states: torch.Tensor,
+        *,
+        extra: dict[str, torch.Tensor] | None = None,
+        **progress: Any,
     ) -> None:
         """Save the states after `layers` finished layers, then record `progress`, then
         drop the states of the count before: at every moment the recorded count's states
         are on disk (a kill after the save but before the record resumes from the older
         count, whose states are still there)."""
-        self.save_tensors(self.states_file(stage, layers), {"states": states})
+        self.save_tensors(self.states_file(stage, layers), {"states": states, **(extra or {})})
         self.update(**progress)
         (self.path / self.states_file(stage, layers - 1)).unlink(missing_ok=True)

@@ -68,6 +68,8 @@ from engine.quantizer.model import CalibrationRunner, ModuleSpec, mid_stream_pat
 from engine.quantizer.profiles import LADDER, ROLE_OF_LINEAR, ModuleCandidate, module_candidates
 
 ERROR_REFERENCES = ("layer", "module")
+# Hears a module's (kind, {linear name: dequantized weight}) at one rung.
+KeepWeights = Callable[[str, dict[str, torch.Tensor]], None]
 
 
 def scoring_rows(
@@ -121,13 +123,17 @@ def measure_layer(
     heldout: float = 0.0,
     token_power: float = 1.0,
     tick: Callable[[], None] | None = None,
+    keep: tuple[int, KeepWeights] | None = None,
 ) -> tuple[torch.Tensor, dict[str, list[dict[str, Any]]]]:
     """(reference layer output [R, L, hidden], measurement record) for one loaded layer.
 
     The Hessians and the scored rows are `scoring_rows`' (module docstring): scoring on
     the first rows holding `score_tokens` tokens, when set, is enough because a relative
     error over a million values is a stable statistic, and the scoring forwards are most of
-    the measurement's time."""
+    the measurement's time.
+
+    `keep` = (rung, fn): fn(kind, {linear name: dequantized weight}) hears each module's
+    GPTQ result at that LADDER rung (the sensitivity probe's reference, sensitivity.py)."""
     if error_reference not in ERROR_REFERENCES:
         raise ValueError(
             f"error reference must be one of {', '.join(ERROR_REFERENCES)}, got {error_reference!r}"
@@ -166,7 +172,7 @@ def measure_layer(
     for spec in specs:
         record[spec.kind] = _measure_module(
             runner, layer_idx, layer, spec, cap, stream_norms[spec.kind], scale_search, damp,
-            token_power, tick,
+            token_power, tick, keep,
         )  # fmt: skip
     return out, record
 
@@ -182,6 +188,7 @@ def _measure_module(
     damp: float,
     token_power: float,
     tick: Callable[[], None] | None,
+    keep: tuple[int, KeepWeights] | None = None,
 ) -> list[dict[str, Any]]:
     # Roles this module has (Phi-3's fused qkv_proj has no separate v): candidates that
     # differ only in absent roles are one candidate.
@@ -212,6 +219,10 @@ def _measure_module(
                 dequantized[name, rung] = result.dequantized.to("cpu", originals[name].dtype)
                 if tick:
                     tick()
+
+    if keep is not None:
+        rung, hear = keep
+        hear(spec.kind, {name: dequantized[name, rung] for name in spec.linears})
 
     out_name = spec.output_linear
     out_role = role_of(out_name)

@@ -60,6 +60,13 @@ from engine.quantizer.quantize import (
     rtn_quantize_head,
     rtn_quantize_layer,
 )
+from engine.quantizer.sensitivity import (
+    REFERENCE_RUNG,
+    SENSITIVITIES,
+    SensitivityProbe,
+    probe_rows,
+    sensitivity_record,
+)
 from engine.quantizer.strategy import (
     MEASUREMENT_FORMAT,
     check_measurement,
@@ -131,6 +138,10 @@ class ConvertOptions:
     # Each candidate's error a power mean of this power over the scored tokens (1: the
     # mean; larger weighs a module's worst tokens more: measure.py). Measuring only.
     token_power: float = 1.0
+    # How the allocation weighs each module's errors (sensitivity.py): "kl" by what its
+    # noise costs at the model's output, probed while measuring (and, with -m, when the
+    # measurement holds the probe's result); "off" as measured.
+    sensitivity: str = "kl"
     rtn: bool = False  # round to nearest instead of GPTQ (a baseline for comparisons)
     shard_mb: int = 8192
     progress: bool = True
@@ -204,6 +215,8 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         settings["heldout"] = float(options.heldout)
     if options.token_power != 1:
         settings["token_power"] = float(options.token_power)
+    if options.sensitivity != "off":
+        settings["sensitivity"] = options.sensitivity
     try:
         job = Job.open(partial, settings, resume=options.resume)
     except JobMismatchError as e:
@@ -290,6 +303,10 @@ def _check_options(o: ConvertOptions) -> None:
         raise ConvertError(
             "--error_reference, --heldout_scoring and --token_power choose how a measurement "
             "is made; -m reuses one as it was made (drop them, or measure again)"
+        )
+    if o.sensitivity not in SENSITIVITIES:
+        raise ConvertError(
+            f"the sensitivity must be one of {', '.join(SENSITIVITIES)}, got {o.sensitivity!r}"
         )
     if o.shard_mb <= 0:
         raise ConvertError(f"shard size must be positive, got {o.shard_mb} MB")
@@ -440,13 +457,17 @@ def _run(
     # -- optimize ----------------------------------------------------------------------
     if job.get("strategy") is None:
         norm = float(s.get("error_norm", DEFAULT_NORM))
+        weighed = s.get("sensitivity", "off") == "kl" and "sensitivity" in measurement
+        if s.get("sensitivity", "off") == "kl" and not weighed:
+            _say(o, "note: the measurement holds no sensitivity probe: errors as measured")
         strategy, predicted, objective = choose_strategy(
-            lm, measurement, float(s["bits"]), error_norm=norm
+            lm, measurement, float(s["bits"]), error_norm=norm, sensitivity=weighed
         )
         job.update(strategy=strategy, predicted_bpw=predicted)
+        what = "predicted KL (nats/token)" if weighed else "Σ err²"
         _say(
             o,
-            f"strategy: {predicted:.4f} bpw for the decoder, Σ err² {objective:.5f} "
+            f"strategy: {predicted:.4f} bpw for the decoder, {what} {objective:.5f} "
             f"(minimizing Σ err^{norm:g})",
         )
     strategy = job.get("strategy")
@@ -571,6 +592,7 @@ def _measure(
 ) -> Measurement:
     n = lm.num_layers
     device = lm.device
+    probing = o.sensitivity == "kl"
     score_tokens = _score_tokens(o, device)
     fit, scored = scoring_rows(
         int(mrows.shape[0]), int(mrows.shape[1]), heldout=o.heldout, score_tokens=score_tokens
@@ -589,14 +611,29 @@ def _measure(
             "hessian_rows": fit,
             "scored_rows": scored,
             "damp": float(o.damp),
+            **(
+                {"sensitivity_rows": probe_rows(mrows.shape[0], mrows.shape[1], device.type)}
+                if probing
+                else {}
+            ),
         },
         "layers": [],
     }
     done = len(record["layers"])
-    if done == n:
+    if done == n and (not probing or "sensitivity" in record):
         return record
     runner = CalibrationRunner(lm, length=mrows.shape[1], chunk_rows=_chunk_rows(mrows, device))
     states = job.load_states("measure", done) if done else lm.embed(mrows).cpu()
+    probe = None
+    if probing:
+        rows = record["scoring"]["sensitivity_rows"]
+        probe = (
+            SensitivityProbe.from_tensors(job.load_state_extras("measure", done))
+            if done
+            else SensitivityProbe.start(states[:rows])
+        )
+    references: dict[str, dict[str, torch.Tensor]] = {}
+    keep = (REFERENCE_RUNG, references.__setitem__) if probe else None
     per_layer = gptq_runs(lm.layers[0])  # the bar counts GPTQ runs: rate and ETA
     with _bar(o, total=n * per_layer, initial=done * per_layer, desc="measure", unit="gptq") as bar:
         for i in range(done, n):
@@ -613,13 +650,22 @@ def _measure(
                 heldout=o.heldout,
                 token_power=o.token_power,
                 tick=bar.update,
+                keep=keep,
             )
+            if probe:
+                probe.advance(runner, i, references)
+                references.clear()
             lm.unload_layer(i)
             _check_finite(lm, i, states)
             record["layers"].append(layer_record)
-            job.advance_states("measure", i + 1, states, measurement=record)
+            extra = probe.tensors() if probe else None
+            job.advance_states("measure", i + 1, states, extra=extra, measurement=record)
             result.measured_now.append(i)
             steps.done()
+    if probe:
+        _say(o, f"sensitivity: {len(probe.branches)} probed modules through the head")
+        record["sensitivity"] = sensitivity_record(record, probe, probe.costs(lm))
+        job.update(measurement=record)
     return record
 
 

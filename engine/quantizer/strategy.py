@@ -10,7 +10,9 @@ A strategy is JSON-ready: [{"attn": {linear: profile name}, "mlp": {...}} per la
 
 A measurement file (-om / -m) is {"format": MEASUREMENT_FORMAT, "model": {...},
 "calibration": {...}, "layers": [{"attn": [{"profiles": {role: name}, "err": e}, ...],
-"mlp": [...]}, ...]}; `check_measurement` refuses one made for another model.
+"mlp": [...]}, ...]}, and when the sensitivity probe ran "sensitivity": [{"attn": {"kl",
+"err"}, "mlp": {...}} per layer] (sensitivity.py); `check_measurement` refuses one made for
+another model.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.quantizer.measure import role_of
 from engine.quantizer.model import LayerwiseModel, module_specs
 from engine.quantizer.optimize import DEFAULT_NORM, BudgetError, allocate, feasible_range
 from engine.quantizer.profiles import Profile, module_candidates
+from engine.quantizer.sensitivity import module_weights
 
 MEASUREMENT_FORMAT = "kestrel-exl2-measurement-1"
 
@@ -90,16 +93,20 @@ def check_target_feasible(lm: LayerwiseModel, target_bpw: float) -> None:
 
 
 def measurement_slots(
-    lm: LayerwiseModel, measurement: dict[str, Any]
+    lm: LayerwiseModel, measurement: dict[str, Any], *, sensitivity: bool = False
 ) -> tuple[list[list[tuple[int, float]]], list[tuple[int, str, Any, Any]]]:
-    """Per module of every layer: its candidates' (bits, error), and where it is."""
+    """Per module of every layer: its candidates' (bits, error), and where it is. With
+    `sensitivity` each error is scaled by √w of the measurement's probe (sensitivity.py),
+    so that the errors squared are the predicted KL at the output."""
+    weights = module_weights(measurement["sensitivity"]) if sensitivity else None
     slots: list[list[tuple[int, float]]] = []
     options: list[tuple[int, str, Any, Any]] = []
     for i, record in enumerate(measurement["layers"]):
         for kind, linears in layer_shapes(lm, i).items():
             entries = record[kind]
+            scale = math.sqrt(weights[i][kind]) if weights else 1.0
             slots.append(
-                [(candidate_bits(linears, e["profiles"]), float(e["err"])) for e in entries]
+                [(candidate_bits(linears, e["profiles"]), scale * float(e["err"])) for e in entries]
             )
             options.append((i, kind, linears, entries))
     return slots, options
@@ -111,12 +118,14 @@ def choose_strategy(
     target_bpw: float,
     *,
     error_norm: float = DEFAULT_NORM,
+    sensitivity: bool = False,
 ) -> tuple[list[dict[str, dict[str, str]]], float, float]:
     """(strategy, predicted decoder bpw, predicted Σ err² of the choice), the choice
-    minimizing Σ err^error_norm (optimize.allocate)."""
+    minimizing Σ err^error_norm (optimize.allocate); with `sensitivity` the errors are
+    weighed by the measurement's probe (measurement_slots) and Σ err² is a predicted KL."""
     numel = decoder_numel(lm)
     budget = int(numel * target_bpw)
-    slots, options = measurement_slots(lm, measurement)
+    slots, options = measurement_slots(lm, measurement, sensitivity=sensitivity)
     choice = allocate(slots, budget, norm=error_norm)
     strategy: list[dict[str, dict[str, str]]] = [{} for _ in range(lm.num_layers)]
     bits = 0

@@ -377,14 +377,15 @@ def test_error_norm_and_damp_reach_the_conversion(converted, tiny, tmp_path):
     bits = next(
         b
         for b in widths
-        if choose_strategy(lm, measurement, b)[0]
-        != choose_strategy(lm, measurement, b, error_norm=16.0)[0]
+        if choose_strategy(lm, measurement, b, sensitivity=True)[0]
+        != choose_strategy(lm, measurement, b, error_norm=16.0, sensitivity=True)[0]
     )
     out = tmp_path / "norm16"
     opts = _options(bits, measurement_in=meas, error_norm=16.0, damp=0.25, stop_after_layers=1)
     assert not convert(tiny, out, opts).finished
     job = json.loads((tmp_path / "norm16.partial" / "job.json").read_text())
-    assert job["state"]["strategy"] == choose_strategy(lm, measurement, bits, error_norm=16.0)[0]
+    chosen = choose_strategy(lm, measurement, bits, error_norm=16.0, sensitivity=True)
+    assert job["state"]["strategy"] == chosen[0]
     assert job["settings"]["error_norm"] == 16.0 and job["settings"]["damp"] == 0.25
 
 
@@ -404,7 +405,7 @@ def test_error_reference_and_heldout_reach_the_measurement(converted, tiny, tmp_
     _, meas = converted
     shared = json.loads(meas.read_text())
     assert shared["scoring"] == {"error_reference": "layer", "heldout": 0.0, "hessian_rows": 4,
-                                 "scored_rows": 4, "damp": 0.1}  # fmt: skip
+                                 "scored_rows": 4, "damp": 0.1, "sensitivity_rows": 4}  # fmt: skip
     base = shared["layers"][0]
 
     job = _first_layer_measurement(tiny, tmp_path / "module", error_reference="module")
@@ -423,7 +424,7 @@ def test_error_reference_and_heldout_reach_the_measurement(converted, tiny, tmp_
     assert job["settings"]["heldout"] == 0.5 and "error_reference" not in job["settings"]
     got = job["state"]["measurement"]
     assert got["scoring"] == {"error_reference": "layer", "heldout": 0.5, "hessian_rows": 2,
-                              "scored_rows": 2, "damp": 0.1}  # fmt: skip
+                              "scored_rows": 2, "damp": 0.1, "sensitivity_rows": 4}  # fmt: skip
     for kind in ("attn", "mlp"):
         assert all(
             a["err"] != b["err"] for a, b in zip(got["layers"][0][kind], base[kind], strict=True)

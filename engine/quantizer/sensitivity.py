@@ -1,0 +1,195 @@
+"""How much each measured module's error costs at the model's output (issue 29).
+
+The measurement scores a candidate by the noise it puts into the residual stream at its
+own layer, relative to that stream (measure.py). Equal relative noise does not cost the
+same everywhere: Gemma-3-270M reads its early and late layers' noise far more loudly than
+its middle ones', so an allocation that minimizes Σ err² over the modules starved the
+layers that mattered (4.0 bpw: wiki perplexity 26.7 against 14.4 when each module's errors
+were weighed by a perplexity probe of the module, on a CPU).
+
+The probe here runs in the measurement pass. A few measuring rows (`probe_rows`) are kept
+in copies of the stream: copy 0 is clean (every layer as measured: unquantized), and at
+each layer i two copies branch off it: the layer run with its attention's linears at the
+reference rung (`REFERENCE_RUNG`, 4 bits, group 128, the measurement's own GPTQ result),
+and the layer with its MLP's so. Every copy then goes on through the unquantized layers
+after it. At the end all copies pass the final norm and the head, and each branch's cost
+is the mean over the probe's tokens of KL(clean ‖ branch) of the next-token
+distributions. KL, not the change of the text's log-likelihood: the latter's first-order
+term has a random sign and drowned the small modules' effects in noise (a perplexity probe
+did worse than no probe on SmolLM2-135M), while KL is second order, never negative, and
+its token-to-token spread is shared by all branches (the same tokens).
+
+To second order KL grows with the square of the injected noise, so a module's cost is
+modelled as w · err² with w = KL / err_ref², err_ref the reference candidate's measured
+error. `weighted_errors` scales every candidate's error of the module by √w: the
+allocation's Σ err² becomes the predicted total KL of the choice.
+
+Cost: the copies grow by two a layer, so the probe's forwards are about L² layer-forwards
+of its rows for L layers (L/2 forwards of the probe rows per layer on average), and
+2L + 1 head passes at the end. With `PROBE_TOKENS` tokens that is small against the
+measurement's GPTQ runs and candidate scoring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.quantizer.model import CalibrationRunner, LayerwiseModel
+from engine.quantizer.profiles import LADDER
+
+SENSITIVITIES = ("kl", "off")
+# The rung every module is probed at: 4 bits, group 128 (each of its linears).
+REFERENCE_RUNG = 4
+# Tokens the probe follows, by device. On a GPU four rows of 2048: the calibration rows
+# interleave their sources, so the first rows are one of each.
+PROBE_TOKENS = {"cuda": 8192, "cpu": 2048}
+# A branch whose KL is this small a fraction of the median branch's weight is weighed at
+# it: its noise is numerical, and a weight of zero would let the allocation give the
+# module nothing (every candidate the same error).
+WEIGHT_FLOOR = 1e-3
+# Tokens per head pass at the end (a [tokens, vocab] float32 block each for the clean and
+# the branch's log-probabilities: 256 MiB at a vocabulary of 262 144).
+_HEAD_TOKENS = 256
+
+
+def probe_rows(rows: int, length: int, device_type: str) -> int:
+    """How many of the first measuring rows the probe follows."""
+    tokens = PROBE_TOKENS["cuda" if device_type == "cuda" else "cpu"]
+    return max(1, min(rows, tokens // max(1, length)))
+
+
+def reference_profile() -> str:
+    return LADDER[REFERENCE_RUNG].name
+
+
+class SensitivityProbe:
+    """The probe's stream copies [C, P, L, hidden] (host memory, the working dtype) and
+    what each copy is: copy 0 clean, then (layer, kind) for each branch in order."""
+
+    def __init__(self, copies: torch.Tensor, branches: list[tuple[int, str]]) -> None:
+        if copies.shape[0] != len(branches) + 1:
+            raise ValueError(f"{copies.shape[0]} probe copies for {len(branches)} branches")
+        self.copies = copies
+        self.branches = branches
+
+    @classmethod
+    def start(cls, states: torch.Tensor) -> SensitivityProbe:
+        """From the embedded probe rows [P, L, hidden]."""
+        return cls(states.detach().cpu()[None].clone(), [])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What a resumed measurement needs: the copies and the branches' (layer, kind)."""
+        kinds = torch.tensor([0 if k == "attn" else 1 for _, k in self.branches])
+        layers = torch.tensor([i for i, _ in self.branches])
+        return {"probe": self.copies, "probe_layers": layers, "probe_kinds": kinds}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> SensitivityProbe:
+        layers = tensors["probe_layers"].tolist()
+        kinds = ["attn" if k == 0 else "mlp" for k in tensors["probe_kinds"].tolist()]
+        return cls(tensors["probe"], list(zip(layers, kinds, strict=True)))
+
+    @torch.inference_mode()
+    def advance(
+        self,
+        runner: CalibrationRunner,
+        layer_idx: int,
+        references: dict[str, dict[str, torch.Tensor]],
+    ) -> None:
+        """Every copy through loaded layer `layer_idx`, then one branch per module of
+        `references` ({kind: {linear name: reference weight}}) off the clean copy."""
+        count, rows, length, hidden = self.copies.shape
+        flat = self.copies.reshape(count * rows, length, hidden)
+        out = [runner.run_layer(layer_idx, flat).reshape(count, rows, length, hidden)]
+        clean_in = self.copies[0]
+        layer = runner.lm.layers[layer_idx]
+        for kind, weights in references.items():
+            with _weights_set(layer, weights):
+                out.append(runner.run_layer(layer_idx, clean_in)[None])
+            self.branches.append((layer_idx, kind))
+        self.copies = torch.cat(out)
+
+    @torch.inference_mode()
+    def costs(self, lm: LayerwiseModel) -> list[float]:
+        """Each branch's mean KL(clean ‖ branch) over the probe's tokens, in nats."""
+        norm = lm.final_norm()
+        weight = lm.head_weight()
+        cap = getattr(lm.model, "final_logit_softcap", None)
+        hidden = self.copies.shape[-1]
+        flat = self.copies.reshape(self.copies.shape[0], -1, hidden)
+        tokens = flat.shape[1]
+        totals = torch.zeros(len(self.branches), dtype=torch.float64)
+
+        def log_probs(x: torch.Tensor) -> torch.Tensor:
+            h = norm(x.to(lm.device, lm.dtype)).float()
+            logits = F.linear(h, weight)
+            if cap is not None:
+                logits = torch.tanh(logits / cap) * cap
+            return torch.log_softmax(logits, dim=-1)
+
+        for start in range(0, tokens, _HEAD_TOKENS):
+            part = slice(start, min(tokens, start + _HEAD_TOKENS))
+            clean = log_probs(flat[0, part])
+            p = clean.exp()
+            for b in range(len(self.branches)):
+                kl = (p * (clean - log_probs(flat[b + 1, part]))).sum(dim=-1)
+                totals[b] += kl.clamp_min(0).sum().item()
+        return (totals / tokens).tolist()
+
+
+@contextmanager
+def _weights_set(layer: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+    """The layer's linears `weights` set for the duration (restored after)."""
+    originals: dict[str, torch.Tensor] = {}
+    for name in weights:
+        weight = layer.get_submodule(name).weight
+        assert isinstance(weight, torch.Tensor)
+        originals[name] = weight
+    try:
+        for name, w in weights.items():
+            original = originals[name]
+            layer.get_submodule(name).weight = nn.Parameter(
+                w.to(original.device, original.dtype), requires_grad=False
+            )
+        yield
+    finally:
+        for name, original in originals.items():
+            layer.get_submodule(name).weight = original
+
+
+def reference_error(entries: list[dict[str, Any]]) -> float:
+    """The measured error of a module's reference candidate (every role at the rung)."""
+    name = reference_profile()
+    for entry in entries:
+        if all(p == name for p in entry["profiles"].values()):
+            return float(entry["err"])
+    raise ValueError(f"the measurement has no candidate with every linear at {name}")
+
+
+def sensitivity_record(
+    measurement: dict[str, Any], probe: SensitivityProbe, costs: list[float]
+) -> list[dict[str, dict[str, float]]]:
+    """Per layer, per module: {"kl": the branch's cost, "err": its reference error}."""
+    out: list[dict[str, dict[str, float]]] = [{} for _ in measurement["layers"]]
+    for (i, kind), kl in zip(probe.branches, costs, strict=True):
+        out[i][kind] = {"kl": kl, "err": reference_error(measurement["layers"][i][kind])}
+    return out
+
+
+def module_weights(sensitivity: list[dict[str, dict[str, float]]]) -> list[dict[str, float]]:
+    """Per layer, per module: w = KL / err_ref², floored at WEIGHT_FLOOR × the median w."""
+    raw = [
+        {kind: v["kl"] / max(v["err"], 1e-12) ** 2 for kind, v in layer.items()}
+        for layer in sensitivity
+    ]
+    values = sorted(w for layer in raw for w in layer.values())
+    if not values:
+        return raw
+    floor = WEIGHT_FLOOR * values[len(values) // 2]
+    return [{kind: max(w, floor) for kind, w in layer.items()} for layer in raw]
