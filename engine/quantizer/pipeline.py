@@ -663,8 +663,10 @@ def _measure(
             result.measured_now.append(i)
             steps.done()
     if probe:
-        _say(o, f"sensitivity: {len(probe.branches)} probed modules through the head")
-        record["sensitivity"] = sensitivity_record(record, probe, probe.costs(lm))
+        desc = f"sensitivity of {len(probe.branches)} modules"
+        with _bar(o, total=probe.head_passes(), desc=desc, unit="block") as bar:
+            costs = probe.costs(lm, bar.update)
+        record["sensitivity"] = sensitivity_record(record, probe, costs)
         job.update(measurement=record)
     return record
 

@@ -32,7 +32,7 @@ measurement's GPTQ runs and candidate scoring.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -115,9 +115,15 @@ class SensitivityProbe:
             self.branches.append((layer_idx, kind))
         self.copies = torch.cat(out)
 
+    def head_passes(self) -> int:
+        """How many blocks of tokens `costs` takes through the head (its tick count)."""
+        tokens = self.copies.shape[1] * self.copies.shape[2]
+        return -(-tokens // _HEAD_TOKENS)
+
     @torch.inference_mode()
-    def costs(self, lm: LayerwiseModel) -> list[float]:
-        """Each branch's mean KL(clean ‖ branch) over the probe's tokens, in nats."""
+    def costs(self, lm: LayerwiseModel, tick: Callable[[], None] | None = None) -> list[float]:
+        """Each branch's mean KL(clean ‖ branch) over the probe's tokens, in nats; `tick`
+        hears each block of tokens done (`head_passes` of them)."""
         norm = lm.final_norm()
         weight = lm.head_weight()
         cap = getattr(lm.model, "final_logit_softcap", None)
@@ -140,6 +146,8 @@ class SensitivityProbe:
             for b in range(len(self.branches)):
                 kl = (p * (clean - log_probs(flat[b + 1, part]))).sum(dim=-1)
                 totals[b] += kl.clamp_min(0).sum().item()
+            if tick:
+                tick()
         return (totals / tokens).tolist()
 
 

@@ -1,0 +1,221 @@
+"""engine/quantizer/sensitivity.py: the probe that weighs each module's errors by what its
+noise costs at the model's output (issue 29).
+
+The probe's KL of a branch (one module's weights changed, every other layer as it is) is
+checked against transformers' own forward of the same checkpoint with the same weights
+changed; the conversion records the probe's result, a resumed measurement gets the same
+numbers, and the allocation follows the weights."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.quantizer import ConvertError, ConvertOptions, convert
+from engine.quantizer.model import CalibrationRunner, LayerwiseModel, module_specs
+from engine.quantizer.sensitivity import (
+    SensitivityProbe,
+    module_weights,
+    probe_rows,
+    reference_error,
+    reference_profile,
+)
+from engine.quantizer.strategy import choose_strategy, measurement_slots
+from helpers.architectures import CASES
+from helpers.model_factory import make_tiny_model
+
+LENGTH = 40
+
+
+def _noise(w: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return 0.05 * w.abs().mean() * torch.randn(w.shape, generator=g)
+
+
+def _kl(ref: torch.Tensor, other: torch.Tensor) -> float:
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(other.double(), -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("case", ["gemma2", "qwen2-tied"])
+def test_probe_kl_matches_transformers_with_the_same_weights_changed(tmp_path: Path, case: str):
+    """gemma2: soft-capped logits and sandwich norms; qwen2-tied: a head tied to the
+    embeddings. Branch by branch, the probe's KL equals transformers' KL of the same change."""
+    config_cls, overrides, _ = CASES[case]
+    hf = make_tiny_model(tmp_path, config_cls, **overrides)
+    vocab = hf.config.vocab_size
+    ids = torch.randint(0, vocab, (3, LENGTH), generator=torch.Generator().manual_seed(1))
+
+    lm = LayerwiseModel(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
+    runner = CalibrationRunner(lm, length=LENGTH, chunk_rows=2)
+    probe = SensitivityProbe.start(lm.embed(ids))
+    changes: list[dict[str, torch.Tensor]] = []  # per branch: {HF parameter: new weight}
+    for i in range(lm.num_layers):
+        layer = lm.load_layer(i)
+        references = {}
+        for spec in module_specs(layer):
+            weights = {}
+            for n, name in enumerate(spec.linears):
+                w = layer.get_submodule(name).weight
+                weights[name] = w + _noise(w, seed=100 * i + n)
+            references[spec.kind] = weights
+            changes.append({f"model.layers.{i}.{k}.weight": w for k, w in weights.items()})
+        probe.advance(runner, i, references)
+        lm.unload_layer(i)
+    assert probe.branches == [(i, k) for i in range(lm.num_layers) for k in ("attn", "mlp")]
+    costs = probe.costs(lm)
+
+    with torch.no_grad():
+        clean = hf(ids).logits
+        for branch, change, cost in zip(probe.branches, changes, costs, strict=True):
+            changed = copy.deepcopy(hf)
+            params = dict(changed.named_parameters())
+            for name, w in change.items():
+                params[name].data.copy_(w)
+            want = _kl(clean, changed(ids).logits)
+            assert want > 0
+            assert cost == pytest.approx(want, rel=2e-3, abs=1e-9), branch
+
+
+def test_the_clean_copy_costs_nothing_and_branches_survive_a_save(tmp_path: Path):
+    config_cls, overrides, _ = CASES["qwen2-tied"]
+    make_tiny_model(tmp_path, config_cls, **overrides)
+    lm = LayerwiseModel(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
+    runner = CalibrationRunner(lm, length=LENGTH, chunk_rows=4)
+    ids = torch.randint(0, 300, (2, LENGTH), generator=torch.Generator().manual_seed(2))
+    probe = SensitivityProbe.start(lm.embed(ids))
+    layer = lm.load_layer(0)
+    same = {
+        spec.kind: {name: layer.get_submodule(name).weight.clone() for name in spec.linears}
+        for spec in module_specs(layer)
+    }
+    probe.advance(runner, 0, same)
+    assert probe.costs(lm) == pytest.approx([0.0, 0.0], abs=1e-9)
+
+    back = SensitivityProbe.from_tensors(probe.tensors())
+    assert back.branches == [(0, "attn"), (0, "mlp")]
+    assert torch.equal(back.copies, probe.copies)
+    with pytest.raises(ValueError, match="3 probe copies for 1 branches"):
+        SensitivityProbe(probe.copies, [(0, "attn")])
+
+
+def test_probe_rows_hold_the_probe_tokens_within_the_measuring_rows():
+    assert probe_rows(12, 2048, "cuda") == 4
+    assert probe_rows(8, 512, "cpu") == 4
+    assert probe_rows(2, 512, "cpu") == 2
+    assert probe_rows(3, 4096, "cpu") == 1
+
+
+def _entry(names: list[str], profile: str, err: float) -> dict:
+    return {"profiles": dict.fromkeys(names, profile), "err": err}
+
+
+def test_weights_are_kl_over_the_reference_error_squared_with_a_floor():
+    ref = reference_profile()
+    entries = [_entry(["qk", "v", "o"], "3b128", 0.2), _entry(["qk", "v", "o"], ref, 0.1)]
+    assert reference_error(entries) == 0.1
+    with pytest.raises(ValueError, match="no candidate"):
+        reference_error(entries[:1])
+    sens = [
+        {"attn": {"kl": 0.02, "err": 0.1}, "mlp": {"kl": 0.0, "err": 0.1}},
+        {"attn": {"kl": 0.08, "err": 0.2}, "mlp": {"kl": 0.5, "err": 0.1}},
+    ]
+    w = module_weights(sens)
+    assert w[0]["attn"] == pytest.approx(2.0) and w[1]["attn"] == pytest.approx(2.0)
+    assert w[1]["mlp"] == pytest.approx(50.0)
+    assert w[0]["mlp"] == pytest.approx(1e-3 * 2.0)  # floored at a fraction of the median
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("sens") / "tiny"
+    config_cls, overrides, _ = CASES["qwen2-tied"]
+    make_tiny_model(path, config_cls, **overrides)
+    return path
+
+
+def _options(bits: float, **kw) -> ConvertOptions:
+    settings = dict(rows=4, length=64, measure_rows=4, measure_length=64, device="cpu")
+    return ConvertOptions(bits=bits, **{"progress": False, **settings, **kw})
+
+
+def test_a_measurement_records_the_probe_and_a_resume_gets_the_same(tiny: Path, tmp_path: Path):
+    whole = tmp_path / "whole.json"
+    convert(tiny, tmp_path / "a", _options(4.0, measurement_out=whole, measure_only=True))
+    record = json.loads(whole.read_text())
+    layers = len(record["layers"])
+    assert record["scoring"]["sensitivity_rows"] == 4
+    assert [set(s) for s in record["sensitivity"]] == [{"attn", "mlp"}] * layers
+    for i, s in enumerate(record["sensitivity"]):
+        for kind, v in s.items():
+            assert v["kl"] > 0 and v["err"] == reference_error(record["layers"][i][kind])
+
+    parts = tmp_path / "parts.json"
+    opts = _options(4.0, measurement_out=parts, measure_only=True)
+    stopped = ConvertOptions(**{**opts.__dict__, "stop_after_layers": 1})
+    assert not convert(tiny, tmp_path / "b", stopped).finished
+    assert convert(tiny, tmp_path / "b", opts).resumed
+    resumed = json.loads(parts.read_text())
+    assert resumed["sensitivity"] == record["sensitivity"]
+    assert resumed["layers"] == record["layers"]
+
+
+def test_sensitivity_off_measures_without_the_probe_and_kl_needs_one(
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    plain = tmp_path / "plain.json"
+    off = _options(4.0, measurement_out=plain, measure_only=True, sensitivity="off")
+    convert(tiny, tmp_path / "a", off)
+    record = json.loads(plain.read_text())
+    assert "sensitivity" not in record and "sensitivity_rows" not in record["scoring"]
+
+    # kl (the default) with a measurement made without the probe: said, and as measured.
+    capsys.readouterr()
+    opts = _options(3.5, measurement_in=plain, progress=True, stop_after_layers=1)
+    assert not convert(tiny, tmp_path / "b", opts).finished
+    said = capsys.readouterr()
+    assert "holds no sensitivity probe" in said.out + said.err
+    job = json.loads((tmp_path / "b.partial" / "job.json").read_text())
+    lm = LayerwiseModel(tiny, device=torch.device("cpu"), dtype=torch.float32)
+    assert job["state"]["strategy"] == choose_strategy(lm, record, 3.5)[0]
+    with pytest.raises(ConvertError, match="sensitivity must be one of kl, off, got 'ppl'"):
+        convert(tiny, tmp_path / "c", _options(4.0, sensitivity="ppl"))
+
+
+def test_the_allocation_follows_the_weights(tiny: Path, tmp_path: Path):
+    """Errors scaled by √w; a module whose probe says it matters most gets more bits than
+    the unweighted allocation gives it."""
+    meas = tmp_path / "m.json"
+    convert(tiny, tmp_path / "a", _options(4.0, measurement_out=meas, measure_only=True))
+    record = json.loads(meas.read_text())
+    lm = LayerwiseModel(tiny, device=torch.device("cpu"), dtype=torch.float32)
+    plain, _ = measurement_slots(lm, record)
+    weighed, _ = measurement_slots(lm, record, sensitivity=True)
+    weights = [w for layer in module_weights(record["sensitivity"]) for w in layer.values()]
+    for p, q, w in zip(plain, weighed, weights, strict=True):
+        assert [b for b, _ in p] == [b for b, _ in q]
+        assert [e for _, e in q] == pytest.approx([e * w**0.5 for _, e in p])
+
+    # The first layer's MLP made a thousand times as costly: at no width does it get fewer
+    # bits, and at some it gets more.
+    louder = copy.deepcopy(record)
+    louder["sensitivity"][0]["mlp"]["kl"] *= 1000
+    mlp_bits = []
+    for bits in (3.75, 4.0, 4.5, 5.0, 6.0):
+        before = choose_strategy(lm, record, bits, sensitivity=True)[0][0]["mlp"]
+        after = choose_strategy(lm, louder, bits, sensitivity=True)[0][0]["mlp"]
+        mlp_bits.append((sum(map(_bits, before.values())), sum(map(_bits, after.values()))))
+    assert all(a >= b for b, a in mlp_bits) and any(a > b for b, a in mlp_bits), mlp_bits
+
+
+def _bits(profile: str) -> float:
+    """Mean bits of a profile name ("4b128", "0.4:4b64+0.6:3b64")."""
+    total = 0.0
+    for part in profile.split("+"):
+        fraction, _, rest = part.rpartition(":")
+        total += float(fraction or 1.0) * int(rest.split("b")[0])
+    return total
