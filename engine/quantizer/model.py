@@ -173,7 +173,11 @@ class LayerwiseModel:
 class CalibrationRunner:
     """Runs one decoder layer over calibration rows, `chunk_rows` rows per forward."""
 
-    def __init__(self, lm: LayerwiseModel, *, length: int, chunk_rows: int) -> None:
+    def __init__(
+        self, lm: LayerwiseModel, *, length: int, chunk_rows: int, rotary_length: int | None = None
+    ) -> None:
+        """`rotary_length`: the positions the model's RoPE tables cover (default `length`);
+        a runner of shorter rows beside another keeps the other's tables so."""
         self.lm = lm
         self.length = length
         self.chunk_rows = max(1, chunk_rows)
@@ -196,7 +200,7 @@ class CalibrationRunner:
         self._rows = 0
         self._seqs: list[Sequence] = []
         self._batch: ForwardBatch | None = None
-        lm.setup_rotary(length)
+        lm.setup_rotary(max(length, rotary_length or 0))
 
     def batch(self, rows: int) -> ForwardBatch:
         """The batch of `rows` sequences of `length` tokens (pages reused between chunks)."""

@@ -64,7 +64,7 @@ from engine.quantizer.sensitivity import (
     REFERENCE_RUNG,
     SENSITIVITIES,
     SensitivityProbe,
-    probe_rows,
+    probe_shape,
     sensitivity_record,
 )
 from engine.quantizer.strategy import (
@@ -611,11 +611,7 @@ def _measure(
             "hessian_rows": fit,
             "scored_rows": scored,
             "damp": float(o.damp),
-            **(
-                {"sensitivity_rows": probe_rows(mrows.shape[0], mrows.shape[1], device.type)}
-                if probing
-                else {}
-            ),
+            **(_probe_scoring(lm, mrows) if probing else {}),
         },
         "layers": [],
     }
@@ -624,13 +620,20 @@ def _measure(
         return record
     runner = CalibrationRunner(lm, length=mrows.shape[1], chunk_rows=_chunk_rows(mrows, device))
     states = job.load_states("measure", done) if done else lm.embed(mrows).cpu()
-    probe = None
+    probe = probe_runner = None
     if probing:
         rows = record["scoring"]["sensitivity_rows"]
+        tokens = record["scoring"]["sensitivity_tokens"]
         probe = (
             SensitivityProbe.from_tensors(job.load_state_extras("measure", done))
             if done
-            else SensitivityProbe.start(states[:rows])
+            else SensitivityProbe.start(states[:rows, :tokens])
+        )
+        probe_runner = CalibrationRunner(
+            lm,
+            length=tokens,
+            chunk_rows=runner.chunk_rows * runner.length // tokens,
+            rotary_length=runner.length,
         )
     references: dict[str, dict[str, torch.Tensor]] = {}
     keep = (REFERENCE_RUNG, references.__setitem__) if probe else None
@@ -652,8 +655,8 @@ def _measure(
                 tick=bar.update,
                 keep=keep,
             )
-            if probe:
-                probe.advance(runner, i, references)
+            if probe and probe_runner:
+                probe.advance(probe_runner, i, references)
                 references.clear()
             lm.unload_layer(i)
             _check_finite(lm, i, states)
@@ -669,6 +672,18 @@ def _measure(
         record["sensitivity"] = sensitivity_record(record, probe, costs)
         job.update(measurement=record)
     return record
+
+
+def _probe_scoring(lm: LayerwiseModel, mrows: torch.Tensor) -> dict[str, int]:
+    rows, tokens = probe_shape(
+        int(mrows.shape[0]),
+        int(mrows.shape[1]),
+        layers=lm.num_layers,
+        hidden=lm.config.hidden_size,
+        element_bytes=torch.tensor([], dtype=lm.dtype).element_size(),
+        device_type=lm.device.type,
+    )
+    return {"sensitivity_rows": rows, "sensitivity_tokens": tokens}
 
 
 def forward_dtype(model_dir: Path, device: torch.device) -> torch.dtype:

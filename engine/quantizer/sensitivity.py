@@ -46,9 +46,14 @@ from engine.quantizer.profiles import LADDER
 SENSITIVITIES = ("kl", "off")
 # The rung every module is probed at: 4 bits, group 128 (each of its linears).
 REFERENCE_RUNG = 4
-# Tokens the probe follows, by device. On a GPU four rows of 2048: the calibration rows
+# Tokens the probe follows, by device, in up to PROBE_ROWS rows: the calibration rows
 # interleave their sources, so the first rows are one of each.
 PROBE_TOKENS = {"cuda": 8192, "cpu": 2048}
+PROBE_ROWS = 4
+# The copies at the end (2L + 1 of [tokens, hidden]) stay within this many bytes: they are
+# in host memory and saved with every layer's states (for a resume), so a large model
+# follows fewer tokens per row (each row's first ones: the model is causal).
+PROBE_BYTES = 1 << 30
 # A branch whose KL is this small a fraction of the median branch's weight is weighed at
 # it: its noise is numerical, and a weight of zero would let the allocation give the
 # module nothing (every candidate the same error).
@@ -58,10 +63,17 @@ WEIGHT_FLOOR = 1e-3
 _HEAD_TOKENS = 256
 
 
-def probe_rows(rows: int, length: int, device_type: str) -> int:
-    """How many of the first measuring rows the probe follows."""
-    tokens = PROBE_TOKENS["cuda" if device_type == "cuda" else "cpu"]
-    return max(1, min(rows, tokens // max(1, length)))
+def probe_shape(
+    rows: int, length: int, *, layers: int, hidden: int, element_bytes: int, device_type: str
+) -> tuple[int, int]:
+    """(rows, tokens per row) the probe follows: the first tokens of the first rows."""
+    count = max(1, min(rows, PROBE_ROWS))
+    tokens = PROBE_TOKENS["cuda" if device_type == "cuda" else "cpu"] // count
+    affordable = PROBE_BYTES // ((2 * layers + 1) * hidden * element_bytes * count)
+    per_row = min(length, tokens, affordable)
+    # Whole blocks of 64 where that leaves any (kernel-friendly), never below 16 tokens.
+    per_row = per_row // 64 * 64 if per_row >= 64 else per_row
+    return count, max(min(16, length), per_row)
 
 
 def reference_profile() -> str:

@@ -405,7 +405,8 @@ def test_error_reference_and_heldout_reach_the_measurement(converted, tiny, tmp_
     _, meas = converted
     shared = json.loads(meas.read_text())
     assert shared["scoring"] == {"error_reference": "layer", "heldout": 0.0, "hessian_rows": 4,
-                                 "scored_rows": 4, "damp": 0.1, "sensitivity_rows": 4}  # fmt: skip
+                                 "scored_rows": 4, "damp": 0.1, "sensitivity_rows": 4,
+                                 "sensitivity_tokens": 128}  # fmt: skip
     base = shared["layers"][0]
 
     job = _first_layer_measurement(tiny, tmp_path / "module", error_reference="module")
@@ -424,7 +425,8 @@ def test_error_reference_and_heldout_reach_the_measurement(converted, tiny, tmp_
     assert job["settings"]["heldout"] == 0.5 and "error_reference" not in job["settings"]
     got = job["state"]["measurement"]
     assert got["scoring"] == {"error_reference": "layer", "heldout": 0.5, "hessian_rows": 2,
-                              "scored_rows": 2, "damp": 0.1, "sensitivity_rows": 4}  # fmt: skip
+                              "scored_rows": 2, "damp": 0.1, "sensitivity_rows": 4,
+                                 "sensitivity_tokens": 64}  # fmt: skip
     for kind in ("attn", "mlp"):
         assert all(
             a["err"] != b["err"] for a, b in zip(got["layers"][0][kind], base[kind], strict=True)

@@ -20,7 +20,7 @@ from engine.quantizer.model import CalibrationRunner, LayerwiseModel, module_spe
 from engine.quantizer.sensitivity import (
     SensitivityProbe,
     module_weights,
-    probe_rows,
+    probe_shape,
     reference_error,
     reference_profile,
 )
@@ -44,14 +44,16 @@ def _kl(ref: torch.Tensor, other: torch.Tensor) -> float:
 @pytest.mark.parametrize("case", ["gemma2", "qwen2-tied"])
 def test_probe_kl_matches_transformers_with_the_same_weights_changed(tmp_path: Path, case: str):
     """gemma2: soft-capped logits and sandwich norms; qwen2-tied: a head tied to the
-    embeddings. Branch by branch, the probe's KL equals transformers' KL of the same change."""
+    embeddings. Branch by branch, the probe's KL equals transformers' KL of the same change.
+    The probe's rows are shorter than the measurement's (its runner keeps the longer RoPE
+    tables, as in a conversion)."""
     config_cls, overrides, _ = CASES[case]
     hf = make_tiny_model(tmp_path, config_cls, **overrides)
     vocab = hf.config.vocab_size
     ids = torch.randint(0, vocab, (3, LENGTH), generator=torch.Generator().manual_seed(1))
 
     lm = LayerwiseModel(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
-    runner = CalibrationRunner(lm, length=LENGTH, chunk_rows=2)
+    runner = CalibrationRunner(lm, length=LENGTH, chunk_rows=2, rotary_length=3 * LENGTH)
     probe = SensitivityProbe.start(lm.embed(ids))
     changes: list[dict[str, torch.Tensor]] = []  # per branch: {HF parameter: new weight}
     for i in range(lm.num_layers):
@@ -103,11 +105,21 @@ def test_the_clean_copy_costs_nothing_and_branches_survive_a_save(tmp_path: Path
         SensitivityProbe(probe.copies, [(0, "attn")])
 
 
-def test_probe_rows_hold_the_probe_tokens_within_the_measuring_rows():
-    assert probe_rows(12, 2048, "cuda") == 4
-    assert probe_rows(8, 512, "cpu") == 4
-    assert probe_rows(2, 512, "cpu") == 2
-    assert probe_rows(3, 4096, "cpu") == 1
+def test_the_probe_shape_fits_its_tokens_and_memory():
+    """(rows, tokens per row): up to four rows (one per calibration source) holding the
+    device's probe tokens, fewer tokens per row when the 2L + 1 copies would pass 1 GiB."""
+    small = dict(layers=30, hidden=576, element_bytes=2)
+    assert probe_shape(12, 2048, **small, device_type="cuda") == (4, 2048)
+    assert probe_shape(8, 512, **small, device_type="cpu") == (4, 512)
+    assert probe_shape(2, 512, **small, device_type="cpu") == (2, 512)
+    assert probe_shape(4, 40, **small, device_type="cpu") == (4, 40)
+    # Llama-3-8B's shape (32 layers, 4096 wide, bfloat16): 65 copies of 4 rows in 1 GiB.
+    big = dict(element_bytes=2, device_type="cuda")
+    rows, tokens = probe_shape(12, 2048, layers=32, hidden=4096, **big)
+    assert (rows, tokens) == (4, 448) and 65 * rows * tokens * 4096 * 2 <= 1 << 30
+    # 70B's (80 layers, 8192 wide): 64 tokens a row, and never fewer than 16.
+    assert probe_shape(12, 2048, layers=80, hidden=8192, **big) == (4, 64)
+    assert probe_shape(12, 2048, layers=400, hidden=16384, **big) == (4, 16)
 
 
 def _entry(names: list[str], profile: str, err: float) -> dict:
@@ -149,6 +161,7 @@ def test_a_measurement_records_the_probe_and_a_resume_gets_the_same(tiny: Path, 
     record = json.loads(whole.read_text())
     layers = len(record["layers"])
     assert record["scoring"]["sensitivity_rows"] == 4
+    assert record["scoring"]["sensitivity_tokens"] == 64
     assert [set(s) for s in record["sensitivity"]] == [{"attn", "mlp"}] * layers
     for i, s in enumerate(record["sensitivity"]):
         for kind, v in s.items():
@@ -172,6 +185,7 @@ def test_sensitivity_off_measures_without_the_probe_and_kl_needs_one(
     convert(tiny, tmp_path / "a", off)
     record = json.loads(plain.read_text())
     assert "sensitivity" not in record and "sensitivity_rows" not in record["scoring"]
+    assert "sensitivity_tokens" not in record["scoring"]
 
     # kl (the default) with a measurement made without the probe: said, and as measured.
     capsys.readouterr()
