@@ -426,7 +426,7 @@ def test_error_reference_and_heldout_reach_the_measurement(converted, tiny, tmp_
     got = job["state"]["measurement"]
     assert got["scoring"] == {"error_reference": "layer", "heldout": 0.5, "hessian_rows": 2,
                               "scored_rows": 2, "damp": 0.1, "sensitivity_rows": 4,
-                                 "sensitivity_tokens": 64}  # fmt: skip
+                                 "sensitivity_tokens": 128}  # fmt: skip
     for kind in ("attn", "mlp"):
         assert all(
             a["err"] != b["err"] for a, b in zip(got["layers"][0][kind], base[kind], strict=True)
