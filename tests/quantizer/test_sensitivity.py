@@ -176,6 +176,18 @@ def test_a_measurement_records_the_probe_and_a_resume_gets_the_same(tiny: Path, 
     assert resumed["sensitivity"] == record["sensitivity"]
     assert resumed["layers"] == record["layers"]
 
+    # Stopped after the last layer, before the head passes: the resume only probes.
+    last = tmp_path / "last.json"
+    opts = _options(4.0, measurement_out=last, measure_only=True)
+    stopped = ConvertOptions(**{**opts.__dict__, "stop_after_layers": layers})
+    assert not convert(tiny, tmp_path / "c", stopped).finished
+    job = json.loads((tmp_path / "c.partial" / "job.json").read_text())
+    assert len(job["state"]["measurement"]["layers"]) == layers
+    assert "sensitivity" not in job["state"]["measurement"]
+    result = convert(tiny, tmp_path / "c", opts)
+    assert result.resumed and result.measured_now == []
+    assert json.loads(last.read_text())["sensitivity"] == record["sensitivity"]
+
 
 def test_sensitivity_off_measures_without_the_probe_and_kl_needs_one(
     tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
