@@ -611,7 +611,7 @@ def _measure(
             "hessian_rows": fit,
             "scored_rows": scored,
             "damp": float(o.damp),
-            **(_probe_scoring(lm, mrows) if probing else {}),
+            **(_probe_scoring(lm, mrows, fast=o.fast) if probing else {}),
         },
         "layers": [],
     }
@@ -674,7 +674,7 @@ def _measure(
     return record
 
 
-def _probe_scoring(lm: LayerwiseModel, mrows: torch.Tensor) -> dict[str, int]:
+def _probe_scoring(lm: LayerwiseModel, mrows: torch.Tensor, *, fast: bool) -> dict[str, int]:
     rows, tokens = probe_shape(
         int(mrows.shape[0]),
         int(mrows.shape[1]),
@@ -682,6 +682,7 @@ def _probe_scoring(lm: LayerwiseModel, mrows: torch.Tensor) -> dict[str, int]:
         hidden=lm.config.hidden_size,
         element_bytes=torch.tensor([], dtype=lm.dtype).element_size(),
         device_type=lm.device.type,
+        fast=fast,
     )
     return {"sensitivity_rows": rows, "sensitivity_tokens": tokens}
 

@@ -49,6 +49,9 @@ REFERENCE_RUNG = 4
 # Tokens the probe follows, by device, in up to PROBE_ROWS rows: the calibration rows
 # interleave their sources, so the first rows are one of each.
 PROBE_TOKENS = {"cuda": 8192, "cpu": 2048}
+# `--fast` on a CPU: half, for half the probe's time (its head passes over a large
+# vocabulary are most of it there: Gemma's 262 144 rows).
+PROBE_TOKENS_FAST_CPU = 1024
 PROBE_ROWS = 4
 # The copies at the end (2L + 1 of [tokens, hidden]) stay within this many bytes: they are
 # in host memory and saved with every layer's states (for a resume), so a large model
@@ -64,11 +67,21 @@ _HEAD_TOKENS = 256
 
 
 def probe_shape(
-    rows: int, length: int, *, layers: int, hidden: int, element_bytes: int, device_type: str
+    rows: int,
+    length: int,
+    *,
+    layers: int,
+    hidden: int,
+    element_bytes: int,
+    device_type: str,
+    fast: bool = False,
 ) -> tuple[int, int]:
     """(rows, tokens per row) the probe follows: the first tokens of the first rows."""
     count = max(1, min(rows, PROBE_ROWS))
-    tokens = PROBE_TOKENS["cuda" if device_type == "cuda" else "cpu"] // count
+    if device_type == "cuda":
+        tokens = PROBE_TOKENS["cuda"] // count
+    else:
+        tokens = (PROBE_TOKENS_FAST_CPU if fast else PROBE_TOKENS["cpu"]) // count
     affordable = PROBE_BYTES // ((2 * layers + 1) * hidden * element_bytes * count)
     per_row = min(length, tokens, affordable)
     # Whole blocks of 64 where that leaves any (kernel-friendly), never below 16 tokens.

@@ -111,6 +111,8 @@ def test_the_probe_shape_fits_its_tokens_and_memory():
     small = dict(layers=30, hidden=576, element_bytes=2)
     assert probe_shape(12, 2048, **small, device_type="cuda") == (4, 2048)
     assert probe_shape(8, 512, **small, device_type="cpu") == (4, 512)
+    assert probe_shape(8, 512, **small, device_type="cpu", fast=True) == (4, 256)
+    assert probe_shape(12, 2048, **small, device_type="cuda", fast=True) == (4, 2048)
     assert probe_shape(2, 512, **small, device_type="cpu") == (2, 512)
     assert probe_shape(4, 40, **small, device_type="cpu") == (4, 40)
     # Llama-3-8B's shape (32 layers, 4096 wide, bfloat16): 65 copies of 4 rows in 1 GiB.
