@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -669,6 +670,14 @@ def _measure(
         desc = f"sensitivity of {len(probe.branches)} modules"
         with _bar(o, total=probe.head_passes(), desc=desc, unit="block") as bar:
             costs = probe.costs(lm, bar.update)
+        branches = zip(probe.branches, costs, strict=True)
+        bad = [f"layer {i} {kind}" for (i, kind), c in branches if not math.isfinite(c)]
+        if bad:
+            raise ConvertError(
+                f"the sensitivity probe's KL is not finite for {', '.join(bad[:4])} in "
+                f"{lm.dtype} (the model's activations may leave its range); --sensitivity off "
+                f"measures without it (the work so far stays in {job.path})"
+            )
         record["sensitivity"] = sensitivity_record(record, probe, costs)
         job.update(measurement=record)
     return record

@@ -247,3 +247,25 @@ def _bits(profile: str) -> float:
         fraction, _, rest = part.rpartition(":")
         total += float(fraction or 1.0) * int(rest.split("b")[0])
     return total
+
+
+def test_a_probe_that_is_not_finite_is_refused_by_name(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A branch whose KL is NaN (activations out of the working dtype's range) stops the
+    conversion with a clear error that names the module, and the work stays for a resume."""
+    real = SensitivityProbe.costs
+
+    def one_nan(self: SensitivityProbe, lm: LayerwiseModel, tick=None) -> list[float]:
+        costs = real(self, lm, tick)
+        return [float("nan"), *costs[1:]]
+
+    monkeypatch.setattr(SensitivityProbe, "costs", one_nan)
+    opts = _options(4.0, measurement_out=tmp_path / "m.json", measure_only=True)
+    with pytest.raises(ConvertError, match=r"not finite for layer 0 attn in torch.float32.*off"):
+        convert(tiny, tmp_path / "a", opts)
+    assert (tmp_path / "a.partial").is_dir()
+    monkeypatch.setattr(SensitivityProbe, "costs", real)
+    result = convert(tiny, tmp_path / "a", opts)
+    assert result.resumed and result.measured_now == []
+    assert "sensitivity" in json.loads((tmp_path / "m.json").read_text())
