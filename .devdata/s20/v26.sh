@@ -54,8 +54,9 @@ run)
     cmp $TAG-k-default default --kestrel-bits 4 3 &
     cmp $TAG-k-shared shared --kestrel-bits 4 3 &
     wait
-    cp $W/v26/$TAG*.json $W/v26/$TAG*.log $W/v26/status-$TAG.txt $OUT/v26/ 2>/dev/null
-    for d in $W/v26/$TAG*/; do mkdir -p $OUT/v26/logs/$(basename $d); cp $d/*.log $OUT/v26/logs/$(basename $d)/ 2>/dev/null; done
+    # Few files come back from a call: the JSONs, and one tar of every log.
+    cp $W/v26/*.json $OUT/v26/ 2>/dev/null
+    tar -czf $OUT/v26/logs.tgz -C $W/v26 $(cd $W/v26 && ls -d *.log status-*.txt */*.log 2>/dev/null)
     cat $W/v26/status-$TAG.txt
     [ "$(tail -6 $W/v26/status-$TAG.txt | grep -c 'rc=0')" -eq 6 ] && echo "V26 $TAG DONE"
     ;;
