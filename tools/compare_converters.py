@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "cal_fraction": a.cal_fraction, "rows": a.rows, "length": a.length,
         "measure_rows": a.measure_rows, "measure_length": a.measure_length,
         "kestrel_args": a.kestrel_args, "domains": a.domains, "window": a.window,
-        "windows": a.windows, "bos": False, "head_bits": a.head_bits,
+        "windows": a.windows, "bos": bos_words(None), "head_bits": a.head_bits,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
     }  # fmt: skip
