@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.quantizer import ConvertError, ConvertOptions, convert
+from engine.quantizer import ConvertError, ConvertOptions, convert, sensitivity
 from engine.quantizer.model import CalibrationRunner, LayerwiseModel, module_specs
 from engine.quantizer.sensitivity import (
     SensitivityProbe,
@@ -81,6 +81,44 @@ def test_probe_kl_matches_transformers_with_the_same_weights_changed(tmp_path: P
             want = _kl(clean, changed(ids).logits)
             assert want > 0
             assert cost == pytest.approx(want, rel=2e-3, abs=1e-9), branch
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("case", ["gemma2", "qwen2-tied"])
+def test_head_passes_in_slices_equal_the_float64_kl_and_take_large_shifts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, bf16: bool
+):
+    """The head's KL as a CPU computes it: the vocabulary in slices (7 entries, not a
+    divisor of the vocabulary), the branches' shifts through the head in float32 or in
+    bf16 (where the CPU multiplies it natively), against float64 KL; and with the head
+    scaled 3000x, logit shifts too large for exp in float32, on the logsumexp path."""
+    monkeypatch.setattr(sensitivity, "_CPU_VOCAB_SLICE", 7)
+    monkeypatch.setattr(sensitivity, "_fast_bf16", lambda device: bf16)
+    config_cls, overrides, _ = CASES[case]
+    make_tiny_model(tmp_path, config_cls, **overrides)
+    lm = LayerwiseModel(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    clean = lm.embed(torch.randint(0, 300, (2, LENGTH), generator=g)) * 4
+    noise = torch.randn(clean.shape, generator=g)
+    streams = [clean, clean + 0.02 * noise, clean + 0.3 * noise, clean + 3 * noise]
+    norm, head = lm.final_norm(), lm.head_weight()
+    cap = getattr(lm.model, "final_logit_softcap", None)
+
+    for scale in (1.0, 3000.0):
+        scaled = head * scale
+        monkeypatch.setattr(lm, "head_weight", lambda scaled=scaled: scaled)
+
+        def log_probs(x: torch.Tensor, scaled: torch.Tensor = scaled) -> torch.Tensor:
+            logits = norm(x).double() @ scaled.double().T
+            logits = logits if cap is None else torch.tanh(logits / cap) * cap
+            return torch.log_softmax(logits, dim=-1)
+
+        lp = log_probs(clean)
+        want = [float((lp.exp() * (lp - log_probs(s))).sum(-1).mean()) for s in streams[1:]]
+        probe = SensitivityProbe(torch.stack(streams), [(0, "attn"), (0, "mlp"), (1, "attn")])
+        got = probe.costs(lm)
+        assert got == pytest.approx(want, rel=5e-3 if bf16 else 1e-4), scale
+    assert cap is not None or want[2] > 1.0  # shifts far past exp's float32 range
 
 
 def test_the_clean_copy_costs_nothing_and_branches_survive_a_save(tmp_path: Path):
