@@ -61,10 +61,11 @@ PROBE_BYTES = 1 << 30
 # it: its noise is numerical, and a weight of zero would let the allocation give the
 # module nothing (every candidate the same error).
 WEIGHT_FLOOR = 1e-3
-# Tokens per head pass at the end (a [tokens, vocab] float32 block each for the clean and
-# the branch's log-probabilities: 256 MiB at a vocabulary of 262 144).
+# Tokens per head pass at the end (the clean logits, capped logits and probabilities are
+# [tokens, vocab] float32 each: 256 MiB at a vocabulary of 262 144).
 _HEAD_TOKENS = 256
-# Vocabulary entries per slice of the head on a CPU: [256, 16384] float32 is 16 MiB.
+# Vocabulary entries per slice of the head on a CPU: a branch's shifts are [256, 16384]
+# float32 (16 MiB) in each elementwise pass, not a whole block's 256 MiB.
 _CPU_VOCAB_SLICE = 16384
 
 
@@ -170,44 +171,69 @@ class SensitivityProbe:
         def capped(logits: torch.Tensor) -> torch.Tensor:
             return logits if cap is None else torch.tanh(logits / cap) * cap
 
-        # On a CPU the vocabulary goes in slices that stay in cache through the elementwise
-        # passes (a whole [256, 262144] block is 268 MB: each pass would go to memory).
-        vocab = weight.shape[0]
-        vocab_slice = vocab if weight.device.type == "cuda" else _CPU_VOCAB_SLICE
+        vocab_slice = weight.shape[0] if weight.device.type == "cuda" else _CPU_VOCAB_SLICE
         for start in range(0, tokens, _HEAD_TOKENS):
             part = slice(start, min(tokens, start + _HEAD_TOKENS))
             h_clean = normed(flat[0, part])
             raw_clean = F.linear(h_clean, weight)
             z_clean = capped(raw_clean)
             p = torch.softmax(z_clean, dim=-1)
+
+            def shifts(
+                dh: torch.Tensor,
+                rows: Any,
+                cols: slice,
+                raw_clean: torch.Tensor = raw_clean,
+                z_clean: torch.Tensor = z_clean,
+            ) -> torch.Tensor:
+                """z_branch − z_clean for the block's `rows` (dh holds them) over the
+                vocabulary entries `cols`, float32."""
+                dz = F.linear(dh, delta_weight[cols]).float()
+                if cap is None:
+                    return dz
+                return capped(raw_clean[rows, cols] + dz) - z_clean[rows, cols]
+
             for b in range(len(self.branches)):
                 dh = (normed(flat[b + 1, part]) - h_clean).to(delta_weight.dtype)
-                mean_shift = torch.zeros(dh.shape[0], dtype=torch.float64, device=dh.device)
-                mean_growth = torch.zeros_like(mean_shift)
-                for v in range(0, vocab, vocab_slice):
-                    cols = slice(v, min(vocab, v + vocab_slice))
-                    dz = F.linear(dh, delta_weight[cols]).float()
-                    if cap is not None:
-                        dz = capped(raw_clean[:, cols] + dz) - z_clean[:, cols]
-                    pc = p[:, cols]
-                    mean_shift += torch.linalg.vecdot(pc, dz).double()
-                    # e^dz − 1 as exp, then − 1 (exact for e^dz in [0.5, 2]): exp is
-                    # vectorized on a CPU where expm1 is not (3x), and its rounding of
-                    # 6e-8 per entry is weighted by p, so the sum keeps it below 1e-7.
-                    mean_growth += torch.linalg.vecdot(pc, dz.exp_().sub_(1)).double()
-                kl = _kl_of_moments(mean_growth, mean_shift)
-                if not torch.isfinite(kl).all():
-                    # A shift too large for exp in float32 (e^dz = inf, and 0 · inf where p
-                    # underflowed): the KL is large, and the direct form's float32 bias
-                    # nothing against it. (Below that, an entry whose p underflowed adds at
-                    # most e^(-103 + 88) to E_p[e^dz]: the moments lose nothing.)
-                    z = capped(raw_clean + F.linear(dh, delta_weight).float())
-                    log_p = torch.log_softmax(z_clean, dim=-1)
-                    kl = (p * (log_p - torch.log_softmax(z, dim=-1))).sum(dim=-1)
+                kl = _branch_kl(p, z_clean, dh, shifts, vocab_slice)
                 totals[b] += kl.clamp_min(0).sum().item()
             if tick:
                 tick()
         return (totals / tokens).tolist()
+
+
+def _branch_kl(
+    p: torch.Tensor,
+    z_clean: torch.Tensor,
+    dh: torch.Tensor,
+    shifts: Callable[[torch.Tensor, Any, slice], torch.Tensor],
+    vocab_slice: int,
+) -> torch.Tensor:
+    """KL(p ‖ q) per row for q = softmax(z_clean + dz), dz = shifts(dh, rows, cols): from
+    the moments of the shifts over vocabulary slices, and for the rows whose moments
+    overflow (a shift past exp's float32 range, or 0 · inf where p underflowed) by the
+    direct form, those rows alone. The moments take p e^dz in float32, so they assume no
+    large shift where p is subnormal: logits in the hundreds, not a real head's."""
+    vocab = p.shape[1]
+    mean_shift = torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
+    mean_growth = torch.zeros_like(mean_shift)
+    for v in range(0, vocab, vocab_slice):
+        cols = slice(v, min(vocab, v + vocab_slice))
+        dz, pc = shifts(dh, slice(None), cols), p[:, cols]
+        mean_shift += torch.linalg.vecdot(pc, dz).double()
+        # e^dz − 1 as exp, then − 1 (exact for e^dz in [0.5, 2]): 3x faster than expm1 on
+        # a CPU, and exp's rounding (about an ulp an entry) is weighted by p in the sum.
+        mean_growth += torch.linalg.vecdot(pc, dz.exp_().sub_(1)).double()
+    kl = _kl_of_moments(mean_growth, mean_shift)
+    broken = ~torch.isfinite(kl)
+    if broken.any():
+        # The direct form's float32 bias (~1e-3 nats at Gemma's vocabulary) stays in these
+        # rows; log p comes from the logits, so an entry whose p underflowed still counts.
+        z = z_clean[broken]
+        dz = shifts(dh[broken], broken, slice(0, vocab))
+        log_p, log_q = torch.log_softmax(z, dim=-1), torch.log_softmax(z + dz, dim=-1)
+        kl[broken] = (p[broken] * (log_p - log_q)).sum(dim=-1).double()
+    return kl
 
 
 def _kl_of_moments(mean_growth: torch.Tensor, mean_shift: torch.Tensor) -> torch.Tensor:

@@ -94,9 +94,13 @@ def test_head_passes_in_slices_equal_the_float64_kl_and_take_large_shifts(
     """The head's KL as a CPU computes it: the vocabulary in slices (7 entries, not a
     divisor of the vocabulary), the branches' shifts through the head in float32 or in
     bf16 (where the CPU multiplies it natively), against float64 KL; and with the head
-    scaled 3000x, logit shifts too large for exp in float32, on the direct path. On a GPU:
-    the whole vocabulary at once, float32."""
+    scaled 3000x, logit shifts too large for exp in float32, on the direct path; at 1000x
+    some rows of a block overflow and only those take it (the others' KL is not checked
+    there: logits in the hundreds leave p subnormal, past what the moments are for).
+    Blocks of 32 tokens (80 in all: three blocks).
+    On a GPU: the whole vocabulary at once, float32."""
     monkeypatch.setattr(sensitivity, "_CPU_VOCAB_SLICE", 7)
+    monkeypatch.setattr(sensitivity, "_HEAD_TOKENS", 32)
     if device == "cpu":
         monkeypatch.setattr(sensitivity, "_fast_bf16", lambda device: bf16)
     config_cls, overrides, _ = CASES[case]
@@ -109,7 +113,20 @@ def test_head_passes_in_slices_equal_the_float64_kl_and_take_large_shifts(
     norm, head = lm.final_norm(), lm.head_weight()
     cap = getattr(lm.model, "final_logit_softcap", None)
 
-    for scale in (1.0, 3000.0):
+    overflowed: list[int] = []  # rows whose moments were not finite, per branch and block
+    recomputed: list[int] = []  # rows the direct path took, per log_softmax call
+    moments, log_softmax = sensitivity._kl_of_moments, torch.log_softmax
+
+    def counted_moments(*args: torch.Tensor) -> torch.Tensor:
+        kl = moments(*args)
+        overflowed.append(int((~torch.isfinite(kl)).sum()))
+        return kl
+
+    def counted_log_softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+        recomputed.append(x.shape[0])
+        return log_softmax(x, dim=dim)
+
+    for scale in (1.0, 1000.0, 3000.0):
         scaled = head * scale
         monkeypatch.setattr(lm, "head_weight", lambda scaled=scaled: scaled)
 
@@ -121,10 +138,20 @@ def test_head_passes_in_slices_equal_the_float64_kl_and_take_large_shifts(
         lp = log_probs(clean)
         want = [float((lp.exp() * (lp - log_probs(x))).sum(-1).mean()) for x in streams[1:]]
         probe = SensitivityProbe(torch.stack(streams), [(0, "attn"), (0, "mlp"), (1, "attn")])
-        got = probe.costs(lm)
+        with monkeypatch.context() as spying:
+            spying.setattr(sensitivity, "_kl_of_moments", counted_moments)
+            spying.setattr(torch, "log_softmax", counted_log_softmax)
+            got = probe.costs(lm)
+        if scale == 1000.0:
+            continue
         # abs: a GPU's exp rounds to a few ulp, 1e-8 nats of a KL (the smallest here: 1e-5)
         assert got == pytest.approx(want, rel=5e-3 if bf16 else 1e-4, abs=3e-8), scale
     assert cap is not None or want[2] > 1.0  # shifts far past exp's float32 range
+    # Two log_softmax calls (p and q) for each branch and block that overflowed, over its
+    # overflowed rows alone; only the capped model (|dz| <= 2 cap) never overflows.
+    assert recomputed == [n for n in overflowed if n for _ in range(2)]
+    assert (cap is None) == (sum(overflowed) > 0)
+    assert cap is not None or any(0 < n < 32 for n in overflowed)  # some rows, not all
 
 
 def test_the_clean_copy_costs_nothing_and_branches_survive_a_save(tmp_path: Path):
