@@ -103,7 +103,8 @@ def _kestrel(src: Path, out: Path, bits: float, meas: Path, cal: Path | None,
         # quantizing call reuses it with -m, which refuses them.
         measuring = [*cmd[:6], "-om", str(meas), *cmd[6:], *a.kestrel_measure_args]
         seconds += _run(measuring, out.parent / f"{meas.stem}.log")
-    seconds += _run([*cmd, "-m", str(meas), *(["--rtn"] if rtn else [])], out.with_suffix(".log"))
+    quantizing = [*cmd, "-m", str(meas), *(["--rtn"] if rtn else []), *a.kestrel_quantize_args]
+    seconds += _run(quantizing, out.with_suffix(".log"))
     return seconds
 
 
@@ -168,6 +169,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(--kestrel-measure-args=--token_power=2); its measurement file is reused from "
         "--work, so give each setting a work directory of its own",
     )
+    p.add_argument(
+        "--kestrel-quantize-args",
+        nargs="*",
+        default=[],
+        help="convert.py flags for Kestrel's quantizing calls only (each width's, after the "
+        "measurement), written with '=' (--kestrel-quantize-args=--damp=0.3)",
+    )
     p.add_argument("--head-bits", type=int, default=6)
     p.add_argument("--rows", type=int, help="calibration rows (default: each converter's)")
     p.add_argument("--length", type=int, help="tokens per row (default: each converter's)")
@@ -213,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         "shared_text": Path(a.shared_text).name if a.shared_text else None,
         "cal_fraction": a.cal_fraction, "rows": a.rows, "length": a.length,
         "measure_rows": a.measure_rows, "measure_length": a.measure_length,
-        "kestrel_args": a.kestrel_args, "domains": a.domains, "window": a.window,
+        "kestrel_args": a.kestrel_args, "kestrel_measure_args": a.kestrel_measure_args,
+        "kestrel_quantize_args": a.kestrel_quantize_args, "domains": a.domains, "window": a.window,
         "windows": a.windows, "bos": bos_words(None), "head_bits": a.head_bits,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,

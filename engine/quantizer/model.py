@@ -28,7 +28,7 @@ from engine.architectures import ARCHITECTURES, architecture_class
 from engine.cache import ForwardBatch, PagedKVCache, Sequence
 from engine.config import ModelConfig
 from engine.loading import check_layer_count
-from engine.modules import Linear, Rotary
+from engine.modules import Linear, RMSNorm, Rotary
 from engine.weights import WeightStore
 
 # MoE layers route tokens to experts; their calibration needs per-expert Hessians.
@@ -156,7 +156,7 @@ class LayerwiseModel:
             name = "model.embed_tokens.weight"
         return self.store.get(name, dtype=torch.float32, device=self.device)
 
-    def final_norm(self) -> nn.Module:
+    def final_norm(self) -> RMSNorm:
         norm = self.model.model.norm
         if norm.weight.is_meta:
             self._materialize(norm, "model.norm.")

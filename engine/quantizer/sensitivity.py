@@ -42,6 +42,7 @@ from torch import nn
 
 from engine.quantizer.model import CalibrationRunner, LayerwiseModel
 from engine.quantizer.profiles import LADDER
+from kernels.rms_norm import rms_norm_reference
 
 SENSITIVITIES = ("kl", "off")
 # The rung every module is probed at: 4 bits, group 128 (each of its linears).
@@ -165,8 +166,13 @@ class SensitivityProbe:
         totals = torch.zeros(len(self.branches), dtype=torch.float64)
 
         def normed(x: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = norm(x.to(lm.device, lm.dtype))
-            return out.float()
+            # In float32 throughout: a branch enters the head as its difference from the
+            # clean copy, and rounding both norms to fp16 first would put ~1e-3 of the
+            # hidden state's size into a difference that is a few percent of it.
+            x32 = x.to(lm.device, torch.float32)
+            return rms_norm_reference(
+                x32, norm.weight.float(), norm.eps, unit_offset=norm.unit_offset
+            )
 
         def capped(logits: torch.Tensor) -> torch.Tensor:
             return logits if cap is None else torch.tanh(logits / cap) * cap

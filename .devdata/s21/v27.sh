@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Session 21, issue 29 on one warm nvidia-h200: GPTQ damping 0.3 against the default 0.1
+# (in the measurement and quantizing both, "d3", or in the quantizing pass alone, "q3") on
+# both models and calibrations at 3.0/4.0, and the README's width table for SmolLM2 (Kestrel,
+# round-to-nearest and exllamav2 at 2.5, 5.0 and 6.0 bpw, own calibration).
+# After the carry calls of .devdata/s16/q29.sh (gguf.part0, gguf.part1; gemma/c0..c4 for gemma):
+#   call A: bash .devdata/s21/v27.sh stage (carry .devdata/s11/w .devdata/s14/d/small): the
+#           sensitivity probe's GPU tests run while exllamav2's extension builds.
+#   call B: bash .devdata/s21/v27.sh run smol; call C: ... run gemma (no carry); repeat a run
+#           until it says "V27 <model> DONE" (finished outputs are skipped on a rerun).
+# Every job is its own tools/compare_converters.py process (the small models leave the GPU
+# mostly idle); a job that needs another's measurement starts once that file is written.
+# Conversion seconds here are not comparable (shared GPU); the perplexities are.
+set -u
+W=/tmp/q29
+case "${1:-}" in
+stage)
+    pip install -q --no-index --no-deps --target /tmp/site .devdata/s11/w/*.whl > /tmp/pip.log 2>&1
+    ( PYTHONPATH=$PWD:/tmp/site timeout 400 python -m pytest -q -m gpu -p no:cacheprovider \
+        tests/quantizer/test_sensitivity.py > $OUT/pytest_gpu.txt 2>&1; echo "rc=$?" >> $OUT/pytest_gpu.txt ) &
+    TP=$!
+    bash .devdata/s16/q29.sh stage
+    wait $TP
+    echo "pytest gpu: $(grep -E 'passed|failed|rc=' $OUT/pytest_gpu.txt | tail -2 | tr '\n' ' ')"
+    grep -E "^(FAILED|ERROR|E )" $OUT/pytest_gpu.txt | head -20
+    ;;
+run)
+    [ -f $W/site/exllamav2/attn.py ] && [ -d $W/models ] || { echo "STAGING LOST"; exit 3; }
+    export PYTHONPATH=$W/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
+    export TORCH_EXTENSIONS_DIR=$W/ext MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0
+    case "${2:-}" in
+        gemma) MODEL=$(ls -d $W/models/gemma-3-270m* | head -1) ;;
+        smol) MODEL=$W/models/smol-fp16 ;;
+        *) echo "run gemma|smol"; exit 2 ;;
+    esac
+    TAG=$2; S=$SECONDS; mkdir -p $W/v27 $OUT/v27; N=0
+    cmp() {  # job-name work-name calibration extra args...
+        local name=$1 wdir=$2 cal=$3; shift 3
+        timeout $((555 - (SECONDS - S))) python3 tools/compare_converters.py --model $MODEL \
+            --calibrations $cal --shared-text $W/wiki.utf8 --device cuda:0 --windows 20 \
+            --work $W/v27/$TAG-$wdir --json $W/v27/$TAG-$name.json "$@" > $W/v27/$TAG-$name.log 2>&1
+        echo "$name rc=$? t=$((SECONDS - S))" >> $W/v27/status-$TAG.txt
+    }
+    after() {  # measurement file, then the cmp arguments: runs once the file exists
+        local m=$1; shift
+        while [ ! -f $m ] && [ $((SECONDS - S)) -lt 540 ]; do sleep 3; done
+        sleep 5; cmp "$@"
+    }
+    jobs_started() { N=$((N + 1)); }
+    for cal in default shared; do
+        cmp k-$cal-d3 $cal-d3 $cal --kestrel-bits 4 3 --kestrel-args=--damp=0.3 & jobs_started
+        cmp k-$cal-q3 $cal-q3 $cal --kestrel-bits 4 3 --kestrel-quantize-args=--damp=0.3 & jobs_started
+    done
+    if [ $TAG = smol ]; then
+        KM=$W/v27/$TAG-widths/kestrel-default-measurement.json
+        EM=$W/v27/$TAG-widths/exllamav2-default-measurement.json
+        cmp k-widths widths default --kestrel-bits 2.5 5 6 & jobs_started
+        after $KM rtn-a widths default --kestrel-bits --rtn-bits 2.5 3 4 & jobs_started
+        after $KM rtn-b widths default --kestrel-bits --rtn-bits 5 6 & jobs_started
+        cmp exl-25 widths default --kestrel-bits --exllamav2-bits 2.5 & jobs_started
+        after $EM exl-5 widths default --kestrel-bits --exllamav2-bits 5 & jobs_started
+        after $EM exl-6 widths default --kestrel-bits --exllamav2-bits 6 & jobs_started
+    fi
+    wait
+    cp $W/v27/*.json $OUT/v27/ 2>/dev/null
+    tar -czf $OUT/v27/logs-$TAG.tgz -C $W/v27 $(cd $W/v27 && ls -d $TAG-*.log status-*.txt $TAG-*/*.log 2>/dev/null)
+    cat $W/v27/status-$TAG.txt
+    [ "$(tail -$N $W/v27/status-$TAG.txt | grep -c 'rc=0')" -eq $N ] && echo "V27 $TAG DONE"
+    ;;
+*) echo "usage: v27.sh stage | run smol|gemma"; exit 2 ;;
+esac
