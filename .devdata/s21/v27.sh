@@ -8,6 +8,7 @@
 #           sensitivity probe's GPU tests run while exllamav2's extension builds.
 #   call B: bash .devdata/s21/v27.sh run smol; call C: ... run gemma (no carry); repeat a run
 #           until it says "V27 <model> DONE" (finished outputs are skipped on a rerun).
+#   "run smol refresh" & "run gemma refresh": Kestrel's defaults as main has them, 4.0 and 3.0.
 # Every job is its own tools/compare_converters.py process (the small models leave the GPU
 # mostly idle); a job that needs another's measurement starts once that file is written.
 # Conversion seconds here are not comparable (shared GPU); the perplexities are.
@@ -47,6 +48,13 @@ run)
         sleep 5; cmp "$@"
     }
     jobs_started() { N=$((N + 1)); }
+    if [ "${3:-}" = refresh ]; then  # main's converter as it is now, both calibrations
+        for cal in default shared; do
+            cmp k-$cal-now $cal-now $cal --kestrel-bits 4 3 & jobs_started
+        done
+        wait; tar -czf $OUT/v27/json-$TAG-now.tgz -C $W/v27 $(cd $W/v27 && ls $TAG-*-now.json)
+        cat $W/v27/status-$TAG.txt; exit 0
+    fi
     for cal in default shared; do
         cmp k-$cal-d3 $cal-d3 $cal --kestrel-bits 4 3 --kestrel-args=--damp=0.3 & jobs_started
         cmp k-$cal-q3 $cal-q3 $cal --kestrel-bits 4 3 --kestrel-quantize-args=--damp=0.3 & jobs_started
@@ -62,7 +70,7 @@ run)
         after $EM exl-6 widths default --kestrel-bits --exllamav2-bits 6 & jobs_started
     fi
     wait
-    cp $W/v27/*.json $OUT/v27/ 2>/dev/null
+    tar -czf $OUT/v27/json-$TAG.tgz -C $W/v27 $(cd $W/v27 && ls *.json)  # at most 8 files come back
     tar -czf $OUT/v27/logs-$TAG.tgz -C $W/v27 $(cd $W/v27 && ls -d $TAG-*.log status-*.txt $TAG-*/*.log 2>/dev/null)
     cat $W/v27/status-$TAG.txt
     [ "$(tail -$N $W/v27/status-$TAG.txt | grep -c 'rc=0')" -eq $N ] && echo "V27 $TAG DONE"
