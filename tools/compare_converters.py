@@ -10,9 +10,9 @@ Calibration settings (--calibrations, one or both):
 - `default`: each converter as a user runs it, with its own default calibration text and
   rows × length (Kestrel: the mix shipped in engine/quantizer/data; exllamav2: its standard
   calibration set);
-- `shared`: both calibrate on one text, the first --cal-fraction of --shared-text (a
-  one-row parquet file given to both; to Kestrel as .txt with --kestrel-shared-as text,
-  or where pyarrow is missing), each with its default rows ×
+- `shared`: both calibrate on one text, the first --cal-fraction of --shared-text (given
+  to exllamav2 as a one-row parquet, to Kestrel as .txt, or as that parquet with
+  --kestrel-shared-as parquet), each with its default rows ×
   length unless --rows/--length/--measure-rows/--measure-length say otherwise.
 
 Evaluation: perplexity on the held-out domains of tools/heldout (--domains, default all:
@@ -163,10 +163,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cal-fraction", type=float, default=0.6)
     p.add_argument(
         "--kestrel-shared-as",
-        choices=("parquet", "text"),
-        default="parquet",
-        help="the shared text reaches Kestrel as exllamav2's parquet file (the same bytes; "
-        "needs pyarrow) or as .txt (Kestrel's text reader drops `<doc ...>` lines)",
+        choices=("text", "parquet"),
+        default="text",
+        help="the shared text reaches Kestrel as .txt (its text reader drops `<doc ...>` "
+        "lines) or as exllamav2's parquet file (the same bytes, markup kept; needs pyarrow)",
     )
     p.add_argument("--kestrel-args", nargs="*", default=[], help="more convert.py flags")
     p.add_argument(
@@ -240,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     shared_txt, shared_pq = (
         _shared_files(Path(a.shared_text), a.cal_fraction, work) if a.shared_text else (None, None)
     )
-    # The same bytes to both where Kestrel can read the parquet: its .txt reader drops the
-    # `<doc …>` header lines of a Wikipedia dump, which exllamav2 reads as text (14% of its
-    # calibration tokens on wiki.utf8), so the .txt is not quite the text exllamav2 sees.
-    if a.kestrel_shared_as == "parquet" and shared_pq and shared_pq.is_file():
+    # With "parquet" both get the same bytes: Kestrel's .txt reader drops the `<doc …>`
+    # header lines of a Wikipedia dump, which exllamav2 reads as text (14% of its
+    # calibration tokens on wiki.utf8). The README's tables use "text", the user's path.
+    if a.kestrel_shared_as == "parquet" and shared_pq:
+        if not shared_pq.is_file():
+            raise SystemExit("--kestrel-shared-as parquet needs pandas and pyarrow to write it")
         shared_txt = shared_pq
     for calib in a.calibrations:
         k_cal = shared_txt if calib == "shared" else None
