@@ -81,6 +81,18 @@ def _shared_files(text_path: Path, fraction: float, work: Path) -> tuple[Path, P
     return txt, pq
 
 
+def _kestrel_shared_file(shared_as: str, txt: Path | None, pq: Path | None) -> Path | None:
+    """The shared calibration file Kestrel reads. With "parquet" both converters get the
+    same bytes: Kestrel's .txt reader drops the `<doc …>` header lines of a Wikipedia dump,
+    which exllamav2 reads as text (14% of its calibration tokens on wiki.utf8). The
+    README's tables use "text", a user's path."""
+    if shared_as != "parquet" or txt is None:
+        return txt
+    if pq is None or not pq.is_file():
+        raise SystemExit("--kestrel-shared-as parquet needs pandas and pyarrow to write it")
+    return pq
+
+
 def _row_args(a: argparse.Namespace) -> list[str]:
     args = []
     for flag, value in (("-r", a.rows), ("-l", a.length), ("-mr", a.measure_rows),
@@ -240,15 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     shared_txt, shared_pq = (
         _shared_files(Path(a.shared_text), a.cal_fraction, work) if a.shared_text else (None, None)
     )
-    # With "parquet" both get the same bytes: Kestrel's .txt reader drops the `<doc …>`
-    # header lines of a Wikipedia dump, which exllamav2 reads as text (14% of its
-    # calibration tokens on wiki.utf8). The README's tables use "text", the user's path.
-    if a.kestrel_shared_as == "parquet" and shared_pq:
-        if not shared_pq.is_file():
-            raise SystemExit("--kestrel-shared-as parquet needs pandas and pyarrow to write it")
-        shared_txt = shared_pq
+    k_shared = _kestrel_shared_file(a.kestrel_shared_as, shared_txt, shared_pq)
     for calib in a.calibrations:
-        k_cal = shared_txt if calib == "shared" else None
+        k_cal = k_shared if calib == "shared" else None
         e_cal = shared_pq if calib == "shared" else None
         kmeas = work / f"kestrel-{calib}-measurement.json"
         emeas = work / f"exllamav2-{calib}-measurement.json"

@@ -1,0 +1,75 @@
+"""tools/compare_converters.py with Kestrel's converter alone (exllamav2 needs CUDA): the
+shared calibration reaches convert.py as the file asked for, flags meant for the quantizing
+calls reach them and not the measurement, the table is written and a rerun reuses it."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from helpers.model_factory import CORPUS, make_tiny_llama
+from tools.compare_converters import _kestrel_shared_file, main
+
+SMALL = ["--rows", "2", "--length", "64", "--measure-rows", "2", "--measure-length", "64"]
+
+
+def test_shared_file_is_the_text_unless_parquet_is_asked(tmp_path: Path) -> None:
+    txt, pq = tmp_path / "shared.txt", tmp_path / "shared.parquet"
+    txt.write_text("text")
+    assert _kestrel_shared_file("text", txt, pq) == txt
+    assert _kestrel_shared_file("parquet", None, None) is None  # no shared calibration
+    with pytest.raises(SystemExit, match="needs pandas and pyarrow"):
+        _kestrel_shared_file("parquet", txt, pq)  # the parquet could not be written
+    pq.write_bytes(b"PAR1")
+    assert _kestrel_shared_file("parquet", txt, pq) == pq
+
+
+def _linear_weights(model_dir: Path) -> dict:
+    tensors = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return {k: v for k, v in tensors.items() if k.endswith(".q_weight")}
+
+
+def test_kestrel_run_writes_the_table_and_routes_quantize_flags(tmp_path: Path) -> None:
+    model = tmp_path / "fp"
+    make_tiny_llama(model)
+    shared = tmp_path / "wiki.txt"
+    shared.write_text("\n\n".join(CORPUS * 4), encoding="utf-8")
+    common = ["--model", str(model), "--kestrel-bits", "4", "--calibrations", "shared",
+              "--shared-text", str(shared), "--cal-fraction", "1.0", "--window", "32",
+              "--windows", "1", "--domains", "wiki", "code", "--device", "cpu", *SMALL]  # fmt: skip
+    damped, plain = tmp_path / "damped", tmp_path / "plain"
+    table = tmp_path / "damped.json"
+    argv = [*common, "--work", str(damped), "--json", str(table),
+            "--kestrel-quantize-args=--damp=0.5"]  # fmt: skip
+    assert main(argv) == 0
+    assert main([*common, "--work", str(plain), "--json", str(tmp_path / "plain.json")]) == 0
+
+    rows = json.loads(table.read_text())["rows"]
+    assert set(rows) == {"fp16", "kestrel shared 4"}
+    for row in rows.values():
+        assert set(row["ppl"]) == {"wiki", "code"}
+        assert all(math.isfinite(v) and v > 1 for v in row["ppl"].values())
+    config = json.loads((damped / "kestrel-shared-4" / "config.json").read_text())
+    assert config["quantization_config"]["calibration"]["dataset"] == "shared-calibration.txt"
+
+    # The damping went to the quantizing call alone: the two measurements agree, the
+    # quantized weights do not.
+    def measured(work: Path) -> list:
+        return json.loads((work / "kestrel-shared-measurement.json").read_text())["layers"]
+
+    assert measured(damped) == measured(plain)
+    a = _linear_weights(damped / "kestrel-shared-4")
+    b = _linear_weights(plain / "kestrel-shared-4")
+    assert a.keys() == b.keys() and a
+    assert any(not a[k].equal(b[k]) for k in a)
+
+    # A rerun finds every output done and leaves the table as it was.
+    before = table.read_text()
+    assert main(argv) == 0
+    assert json.loads(table.read_text())["rows"] == json.loads(before)["rows"]
