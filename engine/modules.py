@@ -38,7 +38,14 @@ from torch import nn
 import kernels
 from engine.cache import ForwardBatch, PagedKVCache
 from engine.lora.batch import LoraBatch
-from engine.norm_fold import FoldedHidden, folded_weight, linears_fold, norm_folds
+from engine.norm_fold import (
+    FoldedHidden,
+    folded_weight,
+    input_row_order,
+    linears_fold,
+    norm_folds,
+    plain_quantized,
+)
 from kernels.attention import paged_attention, prompt_attention, prompt_attention_applies
 from kernels.quant_matmul.norm_fold import (
     quant_matmul_normed,
@@ -452,6 +459,7 @@ class DecoderLayer(nn.Module):
         cache: PagedKVCache,
         rotary: Rotary,
         next_norm: nn.Module | None = None,
+        next_qkv: nn.Module | None = None,
     ) -> tuple[torch.Tensor | FoldedHidden, torch.Tensor | None]:
         """`forward` with every residual add inside the following norm's kernel.
 
@@ -460,11 +468,12 @@ class DecoderLayer(nn.Module):
         to the next layer's input norm, or the final norm (`CausalLM.forward`). Where the
         norms fold into the GEMVs (engine/norm_fold.py) x is a FoldedHidden, and
         `next_norm` (the next layer's input norm, on this device) is the one whose weight
-        down_proj's slot sum applies for it.
+        down_proj's slot sum applies for it, in the row order of `next_qkv` (the next
+        layer's qkv projection) where that is a plain quantized linear.
         """
         folded = self._folded(x, batch)
         if folded is not None:
-            return folded(x, residual, batch, cache, rotary, next_norm)
+            return folded(x, residual, batch, cache, rotary, next_norm, next_qkv)
         if isinstance(x, FoldedHidden):  # the previous layer folded, this one does not
             x = x.h
         if residual is None:
@@ -505,6 +514,7 @@ class DecoderLayer(nn.Module):
         cache: PagedKVCache,
         rotary: Rotary,
         next_norm: nn.Module | None,
+        next_qkv: nn.Module | None = None,
     ) -> tuple[FoldedHidden, None]:
         """`forward_residual` with both norms inside the GEMVs: o_proj's and down_proj's
         slot sums add the residual and write the sums of squares and h * w for the next
@@ -515,18 +525,23 @@ class DecoderLayer(nn.Module):
         layer's norm, runs its input norm as a kernel first."""
         attn, mlp = self.self_attn, getattr(self, self.mlp_name)
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-        if isinstance(x, FoldedHidden) and x.xw is not None and x.norm is norm_in:
+        qkv_weight = folded_weight(attn.qkv_proj)
+        xw_in = x.xw_for(qkv_weight) if isinstance(x, FoldedHidden) else None
+        if isinstance(x, FoldedHidden) and xw_in is not None and x.norm is norm_in:
             h = x.h
-            qkv_weight = folded_weight(attn.qkv_proj)
+            qkv_x, in_order = xw_in
             rope = attn.rope_cache_write(batch, cache, rotary, h.dtype)
             if rope is not None:
                 # RoPE and the cache write in qkv's slot sum too: q comes back rotated.
                 q = quant_matmul_normed_rope(
-                    x.xw, x.squares, norm_in.eps, qkv_weight, h.dtype, rope
-                )
+                    qkv_x, x.squares, norm_in.eps, qkv_weight, h.dtype, rope,
+                    x_in_row_order=in_order,
+                )  # fmt: skip
                 out = attn.attend_cached(q, batch, cache)
             else:
-                qkv = quant_matmul_normed(x.xw, x.squares, norm_in.eps, qkv_weight, h.dtype)
+                qkv = quant_matmul_normed(
+                    qkv_x, x.squares, norm_in.eps, qkv_weight, h.dtype, x_in_row_order=in_order
+                )
                 out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
         else:
             if isinstance(x, FoldedHidden):  # h, the residual already added
@@ -537,22 +552,33 @@ class DecoderLayer(nn.Module):
                 normed, h = norm_in.forward_add(x, residual)
             qkv = attn.qkv_proj(normed, None)
             out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
+        gate_up, down = folded_weight(mlp.gate_up_proj), folded_weight(mlp.down_proj)
+        silu = mlp.act_name == "silu"
+        # gate_up's input, and down's where gate_up's slot sum makes it (silu), are stored
+        # in those weights' row order: their GEMVs then gather nothing (input_row_order).
+        gate_up_order = input_row_order(gate_up)
+        down_order = input_row_order(down) if silu else None
         h, squares, xw = quant_matmul_residual(
             out, folded_weight(attn.o_proj), h.contiguous(), norm_post.weight,
-            unit_offset=norm_post.unit_offset,
+            unit_offset=norm_post.unit_offset, xw_scatter=gate_up_order,
         )  # fmt: skip
         assert xw is not None  # a norm weight was given
-        silu = mlp.act_name == "silu"
         hidden = quant_matmul_normed(
-            xw, squares, norm_post.eps, folded_weight(mlp.gate_up_proj), h.dtype, silu_mul=silu
-        )
+            xw, squares, norm_post.eps, gate_up, h.dtype, silu_mul=silu,
+            x_in_row_order=gate_up_order is not None, scatter=down_order,
+        )  # fmt: skip
         if not silu:
             gate, up = hidden.chunk(2, dim=-1)
             hidden = gated_activation(mlp.act_name, gate, up, fused=True)
         # The next layer's input norm, when it can read h * w (else it runs as a kernel).
         nxt = next_norm if type(next_norm) is RMSNorm and norm_folds(next_norm, h) else None
+        # In the next qkv's row order where it is a plain quantized linear (it checks).
+        next_base = plain_quantized(next_qkv) if nxt is not None else None
+        qkv_order = input_row_order(next_base.qweight) if next_base is not None else None
         h, squares, xw = quant_matmul_residual(
-            hidden, folded_weight(mlp.down_proj), h, nxt.weight if nxt is not None else None,
+            hidden, down, h, nxt.weight if nxt is not None else None,
             unit_offset=nxt is not None and nxt.unit_offset,
+            x_in_row_order=down_order is not None, xw_scatter=qkv_order,
         )  # fmt: skip
-        return FoldedHidden(h, squares, xw, nxt), None
+        xw_perm = next_base.qweight.perm if qkv_order is not None and next_base else None
+        return FoldedHidden(h, squares, xw, nxt, xw_perm), None

@@ -28,9 +28,11 @@ from engine.quantized_linear import QuantizedLinear
 from kernels.quant_matmul.layout import QuantizedWeight
 from kernels.quant_matmul.norm_fold import norm_fold_applies
 from kernels.quant_matmul.slot_sum import RowSquares
+from kernels.quant_matmul.split_k import row_order
 
-# Process-wide switch (benchmarks and tests compare both ways).
+# Process-wide switches (benchmarks and tests compare both ways).
 _ENABLED = True
+_ROW_ORDER = True
 
 
 def set_norm_fold(enabled: bool) -> None:
@@ -40,17 +42,45 @@ def set_norm_fold(enabled: bool) -> None:
     _ENABLED = bool(enabled)
 
 
+def set_input_row_order(enabled: bool) -> None:
+    """Let the fold's slot sums store the inputs of qkv, gate_up and down_proj in those
+    weights' row order (`input_row_order`, the default) or not, for forwards from now on."""
+    global _ROW_ORDER
+    _ROW_ORDER = bool(enabled)
+
+
+def input_row_order(weight: QuantizedWeight) -> torch.Tensor | None:
+    """Where the slot sum before `weight`'s GEMV stores each column of that GEMV's input:
+    weight's row order (kernels.quant_matmul.split_k.row_order, the inverse of its
+    act-order perm), so that the GEMV reads x without a gather and adds the same products
+    in the same order, the same bits. None (a plain store, the GEMV gathers) when weight
+    has no perm or the switch is off. On one H200 the gather cost an 8B EXL2 model's
+    qkv 1.3 us, gate_up 3.4 us and down_proj 2.4 us a layer (bench/results/
+    2026-11-29-h200-exl2-row-order-s22.json)."""
+    return row_order(weight) if _ROW_ORDER else None
+
+
 @dataclass
 class FoldedHidden:
     """A decoder layer's output with the next norm pending in the next GEMV: h [T, D] the
     hidden state (residual added), squares its RowSquares; xw = h * w for `norm` (w its
     weight, 1 + w with a unit offset), the next layer's input norm, or both None (the
-    next norm then runs as a kernel on h)."""
+    next norm then runs as a kernel on h). xw_perm: the act-order perm of the GEMV that
+    xw was stored for in row order (`input_row_order`: xw is (h * w)[:, xw_perm]), or
+    None (xw in h's order); only that GEMV may read it then."""
 
     h: torch.Tensor
     squares: RowSquares
     xw: torch.Tensor | None = None
     norm: nn.Module | None = None
+    xw_perm: torch.Tensor | None = None
+
+    def xw_for(self, weight: QuantizedWeight) -> tuple[torch.Tensor, bool] | None:
+        """(xw, whether it is in weight's row order) for the GEMV of `weight`, or None when
+        there is no xw or it was stored in another weight's row order."""
+        if self.xw is None or (self.xw_perm is not None and self.xw_perm is not weight.perm):
+            return None
+        return self.xw, self.xw_perm is not None
 
 
 def folded_weight(linear: nn.Module | None) -> QuantizedWeight:

@@ -224,12 +224,16 @@ class CausalLM(FusesKernels):
             forward_residual = getattr(layer, "forward_residual", None)
             if self.fuse_kernels and forward_residual is not None:
                 # The next layer's input norm, for a layer that folds it into its GEMVs.
-                next_norm = None
+                # Its qkv projection: the row order the norm's input is stored in.
+                next_norm = next_qkv = None
                 if i + 1 < stop and self.layer_devices[i + 1] == device:
-                    next_norm = getattr(self.model.layers[i + 1], "input_layernorm", None)
+                    following = self.model.layers[i + 1]
+                    next_norm = getattr(following, "input_layernorm", None)
+                    next_qkv = getattr(getattr(following, "self_attn", None), "qkv_proj", None)
                 x, residual = forward_residual(
-                    x, residual, batch.on(device), cache, rotary, next_norm=next_norm
-                )
+                    x, residual, batch.on(device), cache, rotary, next_norm=next_norm,
+                    next_qkv=next_qkv,
+                )  # fmt: skip
                 continue
             if isinstance(x, FoldedHidden):
                 x = x.h

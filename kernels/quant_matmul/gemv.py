@@ -513,15 +513,19 @@ def launch_gemv_partials(
     tiling: GemvTiling,
     *,
     add_bias: bool = True,
+    x_in_row_order: bool = False,
 ) -> None:
     """The GEMV's programs alone: each stores its float32 partial of x2d [M <= 4, k] @ W
     (+ bias, in split 0 of the first segment, unless `add_bias` is False: a slot sum that
     scales the sum adds it after, kernels/quant_matmul/slot_sum.py's SlotNorm) in its own
-    slot of sums ([slots, M, n], the first tiling.arrivals slots). One launch per segment."""
+    slot of sums ([slots, M, n], the first tiling.arrivals slots). One launch per segment.
+    `x_in_row_order`: x2d is already x[:, perm] (a slot sum scattered it so, slot_sum.py's
+    module docstring): read contiguously, no gather, the same sums."""
     M, n = x2d.shape[0], qw.out_features
     t = tiling
     rows_per_split = t.iters * t.block_k
-    perm = qw.perm if qw.perm is not None else qw.row_group  # dummy pointer when absent
+    gather = qw.perm is not None and not x_in_row_order
+    perm = qw.perm if gather else qw.row_group  # dummy pointer when absent
     bias = qw.bias if qw.bias is not None else qw.scales
     segments = [s for s in qw.segments if s.row_end > s.row_start]
     pdl = programmatic_launch(x2d)
@@ -552,7 +556,7 @@ def launch_gemv_partials(
             int(first and add_bias and qw.bias is not None),
             slot_base,
             _FLOAT_MAGIC,
-            HAS_PERM=qw.perm is not None,
+            HAS_PERM=gather,
             GROUPED=t.grouped,
             ZERO_PER_GROUP=per_group_zeros(qw.zeros),
             **plane_meta(segment),
@@ -575,14 +579,16 @@ def launch_gemv_to_slots(
     tiling: GemvTiling | None = None,
     *,
     add_bias: bool = True,
+    x_in_row_order: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """The first half of every decode GEMV: (the device's workspace, slots) after
-    `launch_gemv_partials` stored x2d @ W's partials (+ bias unless not `add_bias`) in its
-    first slots; a slot sum (kernels/quant_matmul/slot_sum.py, slot_sum_rope.py) finishes."""
+    `launch_gemv_partials` stored x2d @ W's partials (+ bias unless not `add_bias`; x2d
+    gathered through perm unless `x_in_row_order`) in its first slots; a slot sum
+    (kernels/quant_matmul/slot_sum.py, slot_sum_rope.py) finishes."""
     t = tiling if tiling is not None else gemv_tiling(x2d, qw)
     slots = gemv_slots(t)
     sums, _ = split_k_workspace(x2d.device, slots * x2d.shape[0] * qw.out_features, 0)
-    launch_gemv_partials(x2d, qw, sums, t, add_bias=add_bias)
+    launch_gemv_partials(x2d, qw, sums, t, add_bias=add_bias, x_in_row_order=x_in_row_order)
     return sums, slots
 
 
@@ -594,6 +600,8 @@ def launch_gemv(
     *,
     silu_mul: bool = False,
     norm: SlotNorm | None = None,
+    x_in_row_order: bool = False,
+    scatter: torch.Tensor | None = None,
 ) -> None:
     """y [M, n] (x's dtype or float32, contiguous) = x2d [M <= 4, k] @ W (+ bias): the
     GEMV's programs store their partials in the device's workspace slots
@@ -603,14 +611,18 @@ def launch_gemv(
     bits of the GEMV followed by kernels.silu_mul, from the slot sum. `norm`: x2d is
     h * w (an RMSNorm's input times its weight) and y = rstd * (x2d @ W) + bias, the norm's
     rstd per row applied by the slot sum, which also adds the bias (SlotNorm, issue 28).
+    `x_in_row_order`: x2d is x[:, perm] already (no gather); `scatter`: y's column c is
+    stored at column scatter[c], the next GEMV's row order (slot_sum.py's docstring).
 
     If the GPU-side gaps between these launches show in decode profiles, the next step is
     one launch per linear: the split-K axis spanning all segments, with a branch per segment
     (its plane layout as constexprs).
     """
-    sums, slots = launch_gemv_to_slots(x2d, qw, tiling, add_bias=norm is None)
+    sums, slots = launch_gemv_to_slots(
+        x2d, qw, tiling, add_bias=norm is None, x_in_row_order=x_in_row_order
+    )
     bias = qw.bias if norm is not None else None
-    launch_slot_sum(sums, y, slots, silu_mul=silu_mul, norm=norm, bias=bias)
+    launch_slot_sum(sums, y, slots, silu_mul=silu_mul, norm=norm, bias=bias, scatter=scatter)
 
 
 def launch_gemv_residual(
@@ -623,6 +635,8 @@ def launch_gemv_residual(
     norm_weight: torch.Tensor | None = None,
     unit_offset: bool = False,
     xw: torch.Tensor | None = None,
+    xw_scatter: torch.Tensor | None = None,
+    x_in_row_order: bool = False,
     config: SlotSumConfig | None = None,
 ) -> RowSquares:
     """h [M, n] (x's dtype, contiguous) = residual [M, n] + x2d @ W (+ bias), rounded as
@@ -630,9 +644,10 @@ def launch_gemv_residual(
     with `norm_weight` (the next RMSNorm's, [n]) also xw [M, n] = h * w (or h * (1 + w),
     `unit_offset`) in float32 (exact), the next GEMV's x (`launch_gemv` with a
     SlotNorm): a pre-norm block's o_proj or down_proj with the next norm's add, sum of
-    squares and weight in its slot sum (issue 28). `config`: the slot sum's (its block is
-    the squares' chunk; tests and benchmarks vary it)."""
-    sums, slots = launch_gemv_to_slots(x2d, qw, tiling)
+    squares and weight in its slot sum (issue 28); `xw_scatter` stores xw in the next GEMV's
+    row order, `x_in_row_order` reads x2d in this one's (as `launch_gemv`). `config`: the
+    slot sum's (its block is the squares' chunk; tests and benchmarks vary it)."""
+    sums, slots = launch_gemv_to_slots(x2d, qw, tiling, x_in_row_order=x_in_row_order)
     return launch_slot_sum_residual(
         sums,
         residual,
@@ -641,5 +656,6 @@ def launch_gemv_residual(
         norm_weight=norm_weight,
         unit_offset=unit_offset,
         xw=xw,
+        xw_scatter=xw_scatter,
         config=config,
     )

@@ -60,12 +60,17 @@ def quant_matmul_residual(
     norm_weight: torch.Tensor | None = None,
     *,
     unit_offset: bool = False,
+    x_in_row_order: bool = False,
+    xw_scatter: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RowSquares, torch.Tensor | None]:
     """(h, its RowSquares, xw): h = residual + (x @ W + bias rounded to x's dtype), rounded,
     the bits of `kernels.add_rms_norm(quant_matmul(x, qw), residual)[1]`; with the next
     norm's `norm_weight` w ([n], x's dtype) xw = h * w (h * (1 + w) with `unit_offset`)
     in float32 (exact), the x of `quant_matmul_normed`, else None. x [..., k], residual
-    [..., n] of x's dtype; `norm_fold_applies(x, qw, "out")` must hold."""
+    [..., n] of x's dtype; `norm_fold_applies(x, qw, "out")` must hold. `x_in_row_order`:
+    x is x[..., perm] already (no gather: kernels/quant_matmul/slot_sum.py's docstring);
+    `xw_scatter` (the next GEMV's split_k.row_order): xw is stored in that GEMV's row order,
+    for `quant_matmul_normed(..., x_in_row_order=True)`."""
     check_args(x, qw)
     if not norm_fold_applies(x, qw, "out"):
         raise ValueError("quant_matmul_residual runs on the decode GEMV only (norm_fold_applies)")
@@ -87,6 +92,8 @@ def quant_matmul_residual(
             norm_weight=weight,
             unit_offset=unit_offset,
             xw=xw,
+            xw_scatter=xw_scatter,
+            x_in_row_order=x_in_row_order,
         )
     shape = (*x.shape[:-1], n)
     return h.view(shape), squares, xw.view(shape) if xw is not None else None
@@ -110,6 +117,8 @@ def quant_matmul_normed(
     dtype: torch.dtype,
     *,
     silu_mul: bool = False,
+    x_in_row_order: bool = False,
+    scatter: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rms_norm(h, w, eps) @ W + bias as rstd * (xw @ W) + bias: xw = h * w and `squares`
     h's, both from quant_matmul_residual (the norm's unit offset is in xw). The GEMV reads
@@ -118,7 +127,10 @@ def quant_matmul_normed(
     (h's). Not rms_norm + GEMV's bits (xw is float32, where rms_norm's output is rounded to
     h's dtype), the same bits every run. `silu_mul`: W is
     a fused [gate | up] projection and the result is silu(gate) * up, as
-    kernels.quant_matmul_silu_mul. `norm_fold_applies(xw, qw, "in")` must hold."""
+    kernels.quant_matmul_silu_mul. `norm_fold_applies(xw, qw, "in")` must hold.
+    `x_in_row_order`: xw is in W's row order (quant_matmul_residual's xw_scatter);
+    `scatter`: the result's column c is stored at column scatter[c] (the next GEMV's
+    split_k.row_order, for quant_matmul_residual(..., x_in_row_order=True))."""
     _check_normed(xw, qw, dtype)
     n = qw.out_features
     if silu_mul and n % 2:
@@ -128,7 +140,15 @@ def quant_matmul_normed(
     y = torch.empty((x2d.shape[0], width), dtype=dtype, device=xw.device)
     norm = SlotNorm(squares, qw.in_features, float(eps))
     with device_guard(xw):
-        launch_gemv(x2d, qw, y, silu_mul=silu_mul, norm=norm)
+        launch_gemv(
+            x2d,
+            qw,
+            y,
+            silu_mul=silu_mul,
+            norm=norm,
+            x_in_row_order=x_in_row_order,
+            scatter=scatter,
+        )
     return y.view(*xw.shape[:-1], width)
 
 
@@ -139,13 +159,15 @@ def quant_matmul_normed_rope(
     qw: QuantizedWeight,
     dtype: torch.dtype,
     rope: RopeCacheWrite,
+    *,
+    x_in_row_order: bool = False,
 ) -> torch.Tensor:
     """A fused qkv projection after a folded norm, with RoPE and the native cache write in
     its slot sum (kernels/quant_matmul/slot_sum_rope.py): returns the rotated q [T, Hq, D]
     and stores the rotated k and v at rope.slots of rope's caches. The bits of
     `quant_matmul_normed` followed by kernels.apply_rope_write, one launch and the qkv
     tensor fewer. qw's out_features must be rope.width; `norm_fold_applies(xw, qw, "in",
-    dtype)` must hold."""
+    dtype)` must hold. `x_in_row_order` as for `quant_matmul_normed`."""
     _check_normed(xw, qw, dtype)
     if qw.out_features != rope.width:
         raise ValueError(
@@ -156,6 +178,6 @@ def quant_matmul_normed_rope(
     q = torch.empty((x2d.shape[0], rope.num_heads, rope.head_dim), dtype=dtype, device=xw.device)
     norm = SlotNorm(squares, qw.in_features, float(eps))
     with device_guard(xw):
-        sums, slots = launch_gemv_to_slots(x2d, qw, add_bias=False)
+        sums, slots = launch_gemv_to_slots(x2d, qw, add_bias=False, x_in_row_order=x_in_row_order)
         launch_slot_sum_rope(sums, slots, rope, q, norm=norm, bias=qw.bias)
     return q

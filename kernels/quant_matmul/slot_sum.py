@@ -14,6 +14,13 @@ writes y. The GEMV itself needs no atomics, no counters and no last-program bran
 The elements are y's, flattened ([M, n] contiguous, M * n of them): slot s of the
 workspace holds element i at s * M * n + i (kernels/quant_matmul/gemv.py's layout).
 
+Scatter (issue 28): when the next GEMV's weight has an act-order permutation (EXL2 always,
+GPTQ with act-order), that GEMV reads its x through perm, a gathered load per row of x that
+cost an 8B EXL2 model 1-3.4 us per GEMV on an H200. A slot sum whose output is that GEMV's x
+can store column c of it at column `scatter[c]` (`split_k.row_order`, perm's inverse)
+instead: the GEMV then reads x in its row order, contiguously, and adds the same products
+in the same order (the same bits). Only for an output that nothing else reads.
+
 With `silu_mul` the GEMV was a gated MLP's fused gate_up projection (output [gate | up],
 n = 2I) and y is [M, I] = silu(gate) * up: each program sums the gate's and the up's slots
 of its elements, rounds both to y's dtype (where the GEMV alone would have stored them) and
@@ -151,6 +158,7 @@ def _slot_sum_kernel(
     elements,  # y's
     width,  # y's row width (n, or n / 2 with SILU_MUL: the gate's columns, then the up's)
     bias_ptr,  # HAS_BIAS: the GEMV's bias [n], left out of its partials; else unused
+    scatter_ptr,  # SCATTER: int32 [width], column c of y stored at column scatter[c]
     squares_ptr,  # NORM: float32 [M, chunks], the RowSquares of x's h; else unused
     chunks,
     norm_d,  # NORM: the norm's width (run time, as rms_norm passes it)
@@ -161,6 +169,7 @@ def _slot_sum_kernel(
     SILU_MUL: tl.constexpr,  # y = silu(gate) * up of the [gate | up] sums (module docstring)
     NORM: tl.constexpr,  # each sum times its row's rstd (SlotNorm), before the bias
     HAS_BIAS: tl.constexpr,
+    SCATTER: tl.constexpr,
     M_ROWS: tl.constexpr,  # NORM: y's rows (at most 4, the GEMV's)
     CHUNKS_POW2: tl.constexpr,  # NORM: chunks rounded up to a power of two
     USE_PDL: tl.constexpr,
@@ -206,7 +215,14 @@ def _slot_sum_kernel(
         if HAS_BIAS:
             sums = sums + bias
         out = cast_rtne(sums, dtype, EMULATE_BF16)
-    tl.store(y_ptr + offsets, out, mask=mask)
+    store_at = offsets
+    if SCATTER:
+        # Loaded here, after the sums, although it is a weight: loaded anywhere before them
+        # (before the PDL wait too) ptxas issued the slot loads one at a time, each before
+        # its add, and an 8B gate_up's slot sum took 5.6 us more on an H200 (bench/results/
+        # 2026-11-29-h200-exl2-row-order-s22.json); here they stay in flight together.
+        store_at = row * width + tl.load(scatter_ptr + col, mask=mask, other=0)
+    tl.store(y_ptr + store_at, out, mask=mask)
 
 
 # Triton 3.6's interpreter truncates float32 -> bfloat16 (kernels.backend.cast_rtne) and has
@@ -218,6 +234,24 @@ def _check_norm(y: torch.Tensor, norm: SlotNorm) -> None:
     if y.dim() != 2 or not 0 < y.shape[0] <= 4:
         raise ValueError(f"a SlotNorm takes y as [M <= 4, n], got shape {tuple(y.shape)}")
     check_slot_norm(y.shape[0], norm)
+
+
+def check_scatter(scatter: torch.Tensor, out: torch.Tensor, what: str) -> None:
+    """That `scatter` can place the columns of `out` [M, width]: int32 [width], contiguous,
+    on out's device. (That it is a permutation is split_k.row_order's to ensure.)"""
+    if out.dim() != 2:
+        raise ValueError(f"a scatter takes {what} as [M, n], got shape {tuple(out.shape)}")
+    width = out.shape[1]
+    if (
+        scatter.dtype != torch.int32
+        or scatter.shape != (width,)
+        or not scatter.is_contiguous()
+        or scatter.device != out.device
+    ):
+        raise ValueError(
+            f"scatter must be a contiguous int32 [{width}] on {out.device}, got "
+            f"{scatter.dtype} {tuple(scatter.shape)} on {scatter.device}"
+        )
 
 
 def check_slot_norm(rows: int, norm: SlotNorm) -> None:
@@ -241,6 +275,7 @@ def launch_slot_sum(
     silu_mul: bool = False,
     norm: SlotNorm | None = None,
     bias: torch.Tensor | None = None,
+    scatter: torch.Tensor | None = None,
     pdl: bool | None = None,
     config: SlotSumConfig | None = None,
 ) -> None:
@@ -249,7 +284,9 @@ def launch_slot_sum(
     its row's rstd (the GEMV read x = h * w: module docstring). `bias` ([n]; y [M, n]):
     added after that, unscaled (the GEMV left it out of its partials). `silu_mul`: the
     slots hold [M, 2 * I] sums ([gate | up] per row) and y [M, I] gets silu(gate) * up,
-    each sum (scaled, biased) rounded to y's dtype first (module docstring). `pdl`: launch
+    each sum (scaled, biased) rounded to y's dtype first (module docstring). `scatter`
+    (int32 [I], y [M, I]): column c of y is stored at column scatter[c], the next GEMV's
+    row order (module docstring). `pdl`: launch
     with programmatic dependent launch (default: where kernels.backend.programmatic_launch
     says; pass False after a join of streams, whose other branch PDL would not wait for).
     `config`: the default `slot_sum_config` unless given (benchmarks sweep it)."""
@@ -269,6 +306,8 @@ def launch_slot_sum(
         raise ValueError(f"bias must be [{(2 if silu_mul else 1) * width}]")
     if norm is not None:
         _check_norm(y, norm)
+    if scatter is not None:
+        check_scatter(scatter, y, "y")
     if elements == 0:
         return
     use_pdl = programmatic_launch(y) if pdl is None else pdl and programmatic_launch(y)
@@ -282,6 +321,7 @@ def launch_slot_sum(
         elements,
         width,
         bias.contiguous() if bias is not None else sums,  # a dummy pointer when absent
+        scatter if scatter is not None else sums,
         squares.sums if squares is not None else sums,
         squares.chunks if squares is not None else 1,
         norm.d if norm is not None else 1,
@@ -292,6 +332,7 @@ def launch_slot_sum(
         SILU_MUL=silu_mul,
         NORM=norm is not None,
         HAS_BIAS=bias is not None,
+        SCATTER=scatter is not None,
         M_ROWS=y.shape[0] if norm is not None else 1,
         CHUNKS_POW2=triton.next_power_of_2(squares.chunks) if squares is not None else 1,
         USE_PDL=use_pdl,
@@ -313,6 +354,7 @@ def _slot_sum_residual_kernel(
     squares_ptr,  # float32 [M, chunks]: RowSquares.sums
     norm_w_ptr,  # XW: the next RMSNorm's weight [n], h's dtype; else unused
     xw_ptr,  # XW: float32 [M, n] contiguous: h * w (h * (1 + w), UNIT_OFFSET), exact
+    xw_scatter_ptr,  # XW_SCATTER: int32 [n], column c of xw stored at column scatter[c]
     n,
     elements,  # M * n: the workspace's slot stride
     chunks,
@@ -321,6 +363,7 @@ def _slot_sum_residual_kernel(
     BLOCK: tl.constexpr,  # the chunk: a power of two
     XW: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,  # XW: Gemma's (1 + w)
+    XW_SCATTER: tl.constexpr,  # XW: in the next GEMV's row order (module docstring)
     USE_PDL: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
 ):
@@ -336,6 +379,9 @@ def _slot_sum_residual_kernel(
         w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if UNIT_OFFSET:
             w = 1.0 + w  # as kernels.rms_norm's y * (1 + w)
+    xw_at = offsets
+    if XW_SCATTER:  # a weight's permutation: before the wait too
+        xw_at = row * n + tl.load(xw_scatter_ptr + cols, mask=mask, other=0)
     # The residual is an earlier kernel's output: loaded after the wait.
     pdl_wait(USE_PDL)
     y = cast_rtne(sum_slots(sums_ptr, elements, offsets, mask, SLOTS, GROUP), dtype, EMULATE_BF16)
@@ -350,7 +396,7 @@ def _slot_sum_residual_kernel(
         # would overflow float16 where a residual channel is large (h 20,000 times w 4 is
         # past 65,504; rms_norm rounds the far smaller h * rstd * w) and lose bits in
         # float16's subnormals where h and w are small.
-        tl.store(xw_ptr + offsets, hf * w, mask=mask)
+        tl.store(xw_ptr + xw_at, hf * w, mask=mask)
 
 
 def launch_slot_sum_residual(
@@ -362,6 +408,7 @@ def launch_slot_sum_residual(
     norm_weight: torch.Tensor | None = None,
     unit_offset: bool = False,
     xw: torch.Tensor | None = None,
+    xw_scatter: torch.Tensor | None = None,
     pdl: bool | None = None,
     config: SlotSumConfig | None = None,
 ) -> RowSquares:
@@ -370,8 +417,9 @@ def launch_slot_sum_residual(
     for bit, for a GEMV's y. Returns h's `RowSquares` (chunk = the program's block, a row
     never straddles two programs). With `norm_weight` (the next RMSNorm's, [n] in h's
     dtype) also writes xw [M, n] = h * w, or h * (1 + w) with `unit_offset`, in float32
-    (exact): the next GEMV's x (module docstring). `pdl` and `config` as for
-    `launch_slot_sum`."""
+    (exact): the next GEMV's x (module docstring), with column c at column xw_scatter[c]
+    when given (the next GEMV's row order: `launch_slot_sum`'s scatter). `pdl` and
+    `config` as for `launch_slot_sum`."""
     if h.dim() != 2 or not h.is_contiguous() or h.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
             f"h must be a contiguous float16/bfloat16 [M, n], got {h.dtype} {tuple(h.shape)}"
@@ -394,6 +442,10 @@ def launch_slot_sum_residual(
         xw.shape != h.shape or xw.dtype != torch.float32 or not xw.is_contiguous()
     ):
         raise ValueError(f"xw must be a contiguous float32 {tuple(h.shape)}")
+    if xw_scatter is not None:
+        if xw is None:
+            raise ValueError("xw_scatter places xw: it needs norm_weight and xw")
+        check_scatter(xw_scatter, xw, "xw")
     c = config if config is not None else slot_sum_config(M * n, slots, h.device)
     chunks = triton.cdiv(n, c.block)
     squares = RowSquares(torch.empty((M, chunks), dtype=torch.float32, device=h.device), c.block)
@@ -407,6 +459,7 @@ def launch_slot_sum_residual(
         squares.sums,
         norm_weight if norm_weight is not None else h,  # dummy pointers when absent
         xw if xw is not None else h,
+        xw_scatter if xw_scatter is not None else h,
         n,
         M * n,
         chunks,
@@ -415,6 +468,7 @@ def launch_slot_sum_residual(
         BLOCK=c.block,
         XW=xw is not None,
         UNIT_OFFSET=unit_offset,
+        XW_SCATTER=xw_scatter is not None,
         USE_PDL=use_pdl,
         EMULATE_BF16=_INTERPRETED,
         num_warps=c.num_warps,

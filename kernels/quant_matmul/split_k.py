@@ -120,6 +120,37 @@ def chunks_in_groups(qw: QuantizedWeight, block_k: int) -> bool:
     return result
 
 
+# (id of perm, its data pointer) -> perm's inverse, int32.
+_ROW_ORDER_CACHE: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def row_order(qw: QuantizedWeight) -> torch.Tensor | None:
+    """Where each column of x sits in qw's row order: int32 [k], the inverse of perm (the
+    decode GEMV's row i reads x[:, perm[i]], so x's column c is its row row_order[c]).
+    A slot sum that stores its output at these columns hands the GEMV an x it reads
+    without a gather, adding the same products in the same order (kernels/quant_matmul/
+    slot_sum.py's docstring). None when qw has no perm, and during CUDA graph capture for
+    a weight not seen before (the inverse is computed once per weight and cached; a
+    capture's allocations belong to its graph): call once before capturing, as for
+    `chunks_in_groups`."""
+    perm = qw.perm
+    if perm is None:
+        return None
+    key = (id(perm), perm.data_ptr())
+    cached = _ROW_ORDER_CACHE.get(key)
+    if cached is not None:
+        return cached
+    if perm.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    # A normal tensor even under the engine's inference mode (it outlives the call).
+    with torch.inference_mode(False):
+        inverse = torch.empty_like(perm, dtype=torch.int32)
+        inverse[perm.long()] = torch.arange(perm.numel(), dtype=torch.int32, device=perm.device)
+    _ROW_ORDER_CACHE[key] = inverse
+    weakref.finalize(perm, _ROW_ORDER_CACHE.pop, key, None)
+    return inverse
+
+
 # Per device: a float32 buffer of partial slots and int32 tile counters that are zero
 # between calls. A split-K call lays its partials out as [slots, M, n] (kernels/quant_matmul/
 # tiles.py: each program stores its own slot, the last program of each tile adds them in

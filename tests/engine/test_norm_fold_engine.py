@@ -22,7 +22,7 @@ from engine.modules import DecoderLayer
 from engine.norm_fold import set_norm_fold
 from helpers.decoding import greedy_with_logits
 from kernels.backend import set_programmatic_launch
-from tools.bench import build_model
+from tools.bench import SHAPES, build_model
 
 STEPS = 24
 # Logits of the tiny float16 model, fold against unfused, relative to each row's largest:
@@ -155,9 +155,9 @@ def test_the_engine_fold_matches_the_unfused_ops_on_the_interpreter(
     rotated = []
     real_rope = modules.quant_matmul_normed_rope
 
-    def counted_rope(*args):  # qkv's slot sum with RoPE and the cache write in it
+    def counted_rope(*args, **kwargs):  # qkv's slot sum with RoPE and the cache write in it
         rotated.append(True)
-        return real_rope(*args)
+        return real_rope(*args, **kwargs)
 
     monkeypatch.setattr(modules, "quant_matmul_normed_rope", counted_rope)
     results = {}
@@ -229,3 +229,78 @@ def test_a_loaded_adapter_leaves_plain_requests_folded_on_the_interpreter(
     (_, adapted_logits), adapted_folds = runs["selected"]
     assert not any(adapted_folds), adapted_folds
     assert not torch.allclose(adapted_logits, logits, rtol=LOGIT_RTOL), "the adapter did nothing"
+
+
+_REAL_NORMED = modules.quant_matmul_normed
+ROW_ORDER_STEPS = 6
+_REAL_NORMED_ROPE = modules.quant_matmul_normed_rope
+
+
+def _decode_row_order(model: Path, device: str, enabled: bool, monkeypatch: pytest.MonkeyPatch):
+    """Greedy tokens and logits with the fold, its inputs in row order or not, and for each
+    folded qkv (all but a step's first layer's) and gate_up GEMV whether it read x in its
+    row order."""
+    in_row_order: list[bool] = []
+
+    def counted_normed(*args, **kwargs):
+        in_row_order.append(bool(kwargs.get("x_in_row_order")))
+        return _REAL_NORMED(*args, **kwargs)
+
+    def counted_rope(*args, **kwargs):
+        in_row_order.append(bool(kwargs.get("x_in_row_order")))
+        return _REAL_NORMED_ROPE(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "quant_matmul_normed", counted_normed)
+    monkeypatch.setattr(modules, "quant_matmul_normed_rope", counted_rope)
+    norm_fold.set_input_row_order(enabled)
+    prompt = torch.randint(2, 1000, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    try:
+        options = EngineOptions(device=device, dtype="float16", max_seq_len=64, cache_tokens=128)
+        engine = Engine.load(model, options)
+        try:
+            tokens, logits = greedy_with_logits(engine, prompt, ROW_ORDER_STEPS)
+        finally:
+            engine.unload()
+    finally:
+        norm_fold.set_input_row_order(True)
+    return tokens, logits, in_row_order
+
+
+def _row_order_case(
+    model: Path, device: str, monkeypatch: pytest.MonkeyPatch, *, every_step: bool
+) -> None:
+    off_tokens, off_logits, off_calls = _decode_row_order(model, device, False, monkeypatch)
+    on_tokens, on_logits, on_calls = _decode_row_order(model, device, True, monkeypatch)
+    # Every folded qkv and gate_up reads xw in its row order when on (EXL2 weights all
+    # have a perm), none when off; the bits are the same either way. Per eager decode
+    # step (`every_step`: no graphs, whose replays call no Python): a gate_up per layer,
+    # a qkv per layer but the first.
+    layers = SHAPES["tiny"]["num_hidden_layers"]
+    assert len(on_calls) == len(off_calls) > 0, (on_calls, off_calls)
+    if every_step:
+        assert len(on_calls) == ROW_ORDER_STEPS * (2 * layers - 1), on_calls
+    assert all(on_calls) and not any(off_calls), (on_calls, off_calls)
+    assert on_tokens == off_tokens and torch.equal(on_logits, off_logits)
+
+
+def test_inputs_in_row_order_give_the_same_bits_on_the_interpreter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """qkv's, gate_up's and down_proj's inputs stored in their weights' row order by the
+    slot sums before them (engine/norm_fold.py: input_row_order): greedy tokens and logits
+    of an EXL2 model equal those with the gathers, bit for bit."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available():
+        pytest.skip("the interpreter's run of the fold; on a GPU the test below runs it")
+    model = build_model(tmp_path / "exl2", "tiny", "exl2", device="cpu")
+    monkeypatch.setattr(norm_fold, "kernels_run_on", lambda x: True)
+    _row_order_case(model, "cpu", monkeypatch, every_step=True)
+
+
+@pytest.mark.gpu
+def test_inputs_in_row_order_give_the_same_bits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, compiled, with the decode graphs (captured after the eager warm-up that
+    computes each weight's row order)."""
+    model = build_model(tmp_path / "exl2", "tiny", "exl2")
+    _row_order_case(model, "cuda", monkeypatch, every_step=False)
