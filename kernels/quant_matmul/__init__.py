@@ -28,12 +28,14 @@ Paths, by the number of activation rows M (thresholds and `choose_path` in paths
   chunk inside one row group. That holds for EXL2 and GPTQ (groups of 32k rows, bit widths
   changing only at group boundaries) and is checked once per weight on the host
   (`chunks_in_groups`); other groupings take a per-row path. x is gathered through perm
-  in the kernel. The grid is (column tiles, split-K slices) with about
-  GemvConfig.programs_per_sm programs per SM, so n = k = 4096 still fills 132 SMs. With
-  GemvConfig.prefetch each program loads the next chunk's words while it works on this
-  one, and the first chunk's before it waits for the previous kernel (programmatic
-  dependent launch, kernels/backend.py): weights are never written, so their loads may
-  overlap the tail of whatever ran before.
+  in the kernel, unless the slot sum that wrote x stored it in the weight's row order
+  already (`x_in_row_order`: slot_sum.py's scatter, split_k.row_order; the folded decode
+  path does so for qkv, gate_up and down_proj). The grid is (column tiles, split-K
+  slices) with about GemvConfig.programs_per_sm programs per SM, so n = k = 4096 still
+  fills 132 SMs. With GemvConfig.prefetch each program loads the next chunk's words
+  while it works on this one, and the first chunk's before it waits for the previous
+  kernel (programmatic dependent launch, kernels/backend.py): weights are never written,
+  so their loads may overlap the tail of whatever ran before.
 * GEMV_MAX_M < M < DEQUANT_MIN_M (batched decode, speculative verification, short
   prefill chunks): `_dot_kernel` (dot.py), the same split-K structure with
   a [BLOCK_M, BLOCK_K] x tile and a [BLOCK_K, BLOCK_N] code tile on the tensor cores
