@@ -154,6 +154,43 @@ def test_head_passes_in_slices_equal_the_float64_kl_and_take_large_shifts(
     assert cap is not None or any(0 < n < 32 for n in overflowed)  # some rows, not all
 
 
+@pytest.mark.parametrize("case", ["gemma2", "qwen2-tied"])
+def test_a_16_bit_model_probes_its_head_in_float32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
+):
+    """A measurement in a 16-bit dtype (the GPU's: its streams and the final norm's weight
+    in that dtype) still takes the head's norm in float32: a branch enters the head as its
+    difference from the clean copy, a few percent of the hidden state for a small change,
+    and a norm output rounded to 16 bits first (about 2^-8 of the state in bfloat16) would
+    swamp it. Against float64 KL of the very same 16-bit streams, small branches too."""
+    monkeypatch.setattr(sensitivity, "_fast_bf16", lambda device: False)
+    config_cls, overrides, _ = CASES[case]
+    make_tiny_model(tmp_path, config_cls, **overrides)
+    lm = LayerwiseModel(tmp_path, device=torch.device("cpu"), dtype=torch.bfloat16)
+    norm, head = lm.final_norm(), lm.head_weight()
+    assert norm.weight.dtype == torch.bfloat16
+    cap = getattr(lm.model, "final_logit_softcap", None)
+    g = torch.Generator().manual_seed(4)
+    clean = lm.embed(torch.randint(0, 300, (2, LENGTH), generator=g)) * 4
+    noise = torch.randn(clean.shape, generator=g)
+    streams = [(clean.float() + s * noise).to(torch.bfloat16) for s in (0.0, 0.02, 0.1, 0.5)]
+    weight = norm.weight.double() + (1.0 if norm.unit_offset else 0.0)
+
+    def log_probs(x: torch.Tensor) -> torch.Tensor:
+        xd = x.double()
+        h = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + norm.eps) * weight
+        logits = h @ head.double().T
+        logits = logits if cap is None else torch.tanh(logits / cap) * cap
+        return torch.log_softmax(logits, dim=-1)
+
+    lp = log_probs(streams[0])
+    want = [float((lp.exp() * (lp - log_probs(x))).sum(-1).mean()) for x in streams[1:]]
+    probe = SensitivityProbe(torch.stack(streams), [(0, "attn"), (0, "mlp"), (1, "attn")])
+    got = probe.costs(lm)
+    assert min(want) > 0
+    assert got == pytest.approx(want, rel=1e-3, abs=1e-9)
+
+
 def test_the_clean_copy_costs_nothing_and_branches_survive_a_save(tmp_path: Path):
     config_cls, overrides, _ = CASES["qwen2-tied"]
     make_tiny_model(tmp_path, config_cls, **overrides)
