@@ -13,9 +13,10 @@ Hooks an architecture may override or set:
 - `unit_offset_norm`: the final norm multiplies by (1 + w) (Gemma);
 - `final_logit_softcap`: logits become cap * tanh(logits / cap) (Gemma 2).
 
-A layer with `forward_residual(x, residual, batch, cache, rotary) -> (x, residual)` (see
-engine.modules.DecoderLayer) runs that way while `fuse_kernels` is on: the hidden state
-stays split in two until the next norm adds them in its own kernel. The result is that
+A layer with `forward_residual(x, residual, batch, cache, rotary, next_norm=, next_qkv=)
+-> (x, residual)` (see engine.modules.DecoderLayer; the next layer's input norm and qkv
+projection on this device, or None) runs that way while `fuse_kernels` is on: the hidden
+state stays split in two until the next norm adds them in its own kernel. The result is that
 of the layers' plain `forward`, bit for bit where the kernels' roundings are torch's.
 
 `tensor_names` gives the checkpoint's tensor names to architectures whose module layout

@@ -60,10 +60,11 @@ class GemmaDecoderLayer(nn.Module):
         cache: PagedKVCache,
         rotary: Rotary,
         next_norm: nn.Module | None = None,
+        next_qkv: nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward` with the residual adds inside the input and pre-feedforward norms (see
         engine.modules.DecoderLayer.forward_residual); the post norms stay separate.
-        `next_norm` is unused: no norm folds into this layer's GEMVs."""
+        `next_norm` and `next_qkv` are unused: no norm folds into this layer's GEMVs."""
         if residual is None:
             normed, residual = self.input_layernorm(x), x
         else:
