@@ -580,5 +580,7 @@ class DecoderLayer(nn.Module):
             unit_offset=nxt is not None and nxt.unit_offset,
             x_in_row_order=down_order is not None, xw_scatter=qkv_order,
         )  # fmt: skip
-        xw_perm = next_base.qweight.perm if qkv_order is not None and next_base else None
+        xw_perm = None
+        if qkv_order is not None and next_base is not None:  # (qkv_order implies next_base)
+            xw_perm = next_base.qweight.perm
         return FoldedHidden(h, squares, xw, nxt, xw_perm), None

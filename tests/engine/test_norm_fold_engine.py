@@ -304,3 +304,21 @@ def test_inputs_in_row_order_give_the_same_bits(
     computes each weight's row order)."""
     model = build_model(tmp_path / "exl2", "tiny", "exl2")
     _row_order_case(model, "cuda", monkeypatch, every_step=False)
+
+
+def test_an_xw_in_one_weights_row_order_is_read_by_that_weight_alone() -> None:
+    """FoldedHidden.xw_for: an xw stored in a weight's row order goes to that weight's GEMV
+    (in order) and to no other; an xw in h's order goes to any (gathered)."""
+    from helpers.quant_weights import make_weight
+    from kernels.quant_matmul.slot_sum import RowSquares
+
+    qkv, other = make_weight(64, 32, [4], seed=1), make_weight(64, 32, [4], seed=2)
+    h, xw = torch.zeros(1, 64), torch.ones(1, 64)
+    squares = RowSquares(torch.zeros(1, 2), 32)
+    ordered = norm_fold.FoldedHidden(h, squares, xw, None, qkv.perm)
+    got = ordered.xw_for(qkv)
+    assert got is not None and got[0] is xw and got[1] is True
+    assert ordered.xw_for(other) is None
+    plain = norm_fold.FoldedHidden(h, squares, xw, None)
+    assert plain.xw_for(other) == (xw, False)
+    assert norm_fold.FoldedHidden(h, squares).xw_for(qkv) is None
