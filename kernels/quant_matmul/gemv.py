@@ -89,27 +89,74 @@ _FLOAT_MAGIC = 0x4B000000  # the bits of 2^23 as float32
 
 
 @triton.jit
-def _gemv_plane_row(values, row_factor, x_ptrs, row_ok):
-    """sum over the chunk's rows of values * x * row_factor, for one row of x -> [N]."""
-    xv = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32) * row_factor  # [W, RPW, 1]
-    return tl.sum(tl.sum(values * xv, axis=1), axis=0)
+def _gemv_plane_row(values, row_factor, x_ptrs, row_ok, xc, X_GIVEN: tl.constexpr):
+    """sum over the chunk's rows of values * x * row_factor, for one row of x -> [N]. x is
+    loaded at x_ptrs, or given (`X_GIVEN`: xc, this chunk's rows from `_gemv_x_chunk`). The
+    products of a column are added in one chain over the chunk's rows."""
+    if X_GIVEN:
+        xv = tl.reshape(xc, [values.shape[0], values.shape[1], 1]) * row_factor
+    else:
+        xv = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32) * row_factor  # [W, RPW, 1]
+    products = values * xv
+    return tl.sum(
+        tl.reshape(products, [products.shape[0] * products.shape[1], products.shape[2]]), 0
+    )
+
+
+@triton.jit
+def _gemv_x_chunk(
+    x_ptr, x_row_offset, r0, k_end, HAS_PERM: tl.constexpr, EVEN_K: tl.constexpr,
+    VEC_X: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The chunk's rows r0 .. r0 + BLOCK_K of one row of x, in float32, as a [BLOCK_K, 1, 1]
+    tile in every thread: loaded once for every plane and the zero term. Gathered through
+    perm (HAS_PERM: x_row_offset points at perm), or contiguous; `VEC_X` reads contiguous
+    rows in 8-byte words (two float32 or four 16-bit rows a load, x 8-byte aligned: checked
+    on the host) where a load per row costs an instruction and an address per row and
+    thread."""
+    if VEC_X:
+        x_base = x_ptr + x_row_offset + r0
+        pairs = x_base.to(tl.pointer_type(tl.int64))
+        if x_ptr.dtype.element_ty == tl.float32:
+            words = tl.load(pairs + tl.arange(0, BLOCK_K // 2)[:, None, None])
+            lo = words.to(tl.int32).to(tl.float32, bitcast=True)
+            hi = (words >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            return tl.reshape(tl.join(lo, hi), [BLOCK_K, 1, 1])
+        else:
+            HALF: tl.constexpr = x_ptr.dtype.element_ty
+            words = tl.load(pairs + tl.arange(0, BLOCK_K // 4)[:, None, None])
+            h0 = words.to(tl.int16).to(HALF, bitcast=True).to(tl.float32)
+            h1 = (words >> 16).to(tl.int16).to(HALF, bitcast=True).to(tl.float32)
+            h2 = (words >> 32).to(tl.int16).to(HALF, bitcast=True).to(tl.float32)
+            h3 = (words >> 48).to(tl.int16).to(HALF, bitcast=True).to(tl.float32)
+            return tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [BLOCK_K, 1, 1])
+    rows = r0 + tl.arange(0, BLOCK_K)[:, None, None]
+    row_ok = rows < k_end
+    if EVEN_K:
+        row_ok = tl.full(rows.shape, True, tl.int1)
+    if HAS_PERM:
+        x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
+    else:
+        x_ptrs = x_ptr + x_row_offset + rows
+    return tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _gemv_plane_words(
-    plane_ptr, plane_stride, r0, k_end, cols, col_ok, BITS: tl.constexpr, BLOCK_K: tl.constexpr
-):
+    plane_ptr, plane_stride, r0, k_end, cols, col_ok, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
     """The packed words [W, 1, N] of one plane for the chunk of rows [r0, r0 + BLOCK_K):
     r0 is a multiple of 32, hence of the rows per word, so word w of the chunk is word
     r0 / RPW + w. Words past k_end read as 0 (no memory traffic)."""
     RPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = BLOCK_K // RPW
     word = tl.arange(0, W)[:, None, None]  # [W, 1, 1]
-    return tl.load(
-        plane_ptr + (r0 // RPW + word) * plane_stride + cols[None, None, :],
-        mask=(r0 + word * RPW < k_end) & col_ok[None, None, :],
-        other=0,
-    )
+    ptrs = plane_ptr + (r0 // RPW) * plane_stride + (word * plane_stride + cols[None, None, :])
+    if EVEN_K:
+        # Whole chunks only: one uniform test (the prefetch past a split's last chunk).
+        return tl.load(ptrs, mask=(r0 < k_end) & col_ok[None, None, :], other=0)
+    return tl.load(ptrs, mask=(r0 + word * RPW < k_end) & col_ok[None, None, :], other=0)
 
 
 @triton.jit
@@ -133,6 +180,12 @@ def _gemv_plane(
     GROUPED: tl.constexpr,
     M_ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PTX: tl.constexpr,
+    xc0,
+    xc1,
+    xc2,
+    xc3,
 ):
     """One plane's share of the chunk of rows [r0, r0 + BLOCK_K), for up to 4 rows of x.
 
@@ -161,13 +214,24 @@ def _gemv_plane(
     lane = tl.arange(0, RPW)[None, :, None]  # [1, RPW, 1]
     rows = r0 + word * RPW + lane  # [W, RPW, 1], segment-relative
     row_ok = rows < k_end
+    if EVEN_K:
+        row_ok = tl.full(rows.shape, True, tl.int1)
     cols3 = cols[None, None, :]
     col_ok3 = col_ok[None, None, :]
     position = lane * BITS
     q = position % 16
     # Codes never straddle bit 16 (BITS divides 16); an arithmetic shift's sign copies land
     # at bit 16 and above, outside every mask.
-    code_bits = (words >> (position - q)) & (((1 << BITS) - 1) << q)
+    # The top half once per word (a shift all its codes share), then one AND a code. Left to
+    # LLVM, `(w >> 16) & m` becomes a shift per code (and(lshr) is canonicalised to
+    # lshr(and)), so on the GPU the shift is inline PTX that it cannot see through.
+    if PTX:
+        top = tl.inline_asm_elementwise(
+            "shr.u32 $0, $1, 16;", "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        top = (words.to(tl.uint32, bitcast=True) >> 16).to(tl.int32, bitcast=True)
+    code_bits = tl.where(position >= 16, top, words) & (((1 << BITS) - 1) << q)
     if GROUPED:
         values = code_bits.to(tl.float32, bitcast=True)  # code * 2^(q - 149), a denormal
         # 2^(101 + SHIFT - q) from its exponent bits (127 + 101 = 228): exact, constant.
@@ -187,30 +251,33 @@ def _gemv_plane(
         x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
     else:
         x_ptrs = x_ptr + x_row_offset + rows
-    part0 = _gemv_plane_row(values, row_factor, x_ptrs, row_ok)
+    part0 = _gemv_plane_row(values, row_factor, x_ptrs, row_ok, xc0, GROUPED)
     part1 = part0
     part2 = part0
     part3 = part0
     if M_ROWS > 1:
-        part1 = _gemv_plane_row(values, row_factor, x_ptrs + stride_xm, row_ok)
+        part1 = _gemv_plane_row(values, row_factor, x_ptrs + stride_xm, row_ok, xc1, GROUPED)
     if M_ROWS > 2:
-        part2 = _gemv_plane_row(values, row_factor, x_ptrs + 2 * stride_xm, row_ok)
+        part2 = _gemv_plane_row(values, row_factor, x_ptrs + 2 * stride_xm, row_ok, xc2, GROUPED)
     if M_ROWS > 3:
-        part3 = _gemv_plane_row(values, row_factor, x_ptrs + 3 * stride_xm, row_ok)
+        part3 = _gemv_plane_row(values, row_factor, x_ptrs + 3 * stride_xm, row_ok, xc3, GROUPED)
     return part0, part1, part2, part3
 
 
 @triton.jit
 def _gemv_zero_term(
     x_ptrs, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok, GROUPED,
-    ZERO_PER_GROUP,
+    ZERO_PER_GROUP, xc, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """What the zeros take off one row of x's dot products: [N]. `zero` (GROUPED) is
-    already zero point * scale; otherwise each row's zero point and scale are loaded."""
-    xv = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+    already zero point * scale, and the chunk's x is xc (`_gemv_x_chunk`), summed in every
+    thread; otherwise each row's zero point and scale are loaded."""
     if GROUPED:
-        return tl.sum(xv, axis=0) * zero
+        # Summed from the tile plane 0 multiplies (the same layout: no shuffles).
+        x_tile = tl.reshape(xc, [BLOCK_K // (32 // BITS), 32 // BITS, 1])
+        return tl.sum(tl.sum(tl.sum(x_tile, axis=2), axis=1), axis=0) * zero
     else:
+        xv = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
         offsets = group_offsets[:, None] + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
         row_zero = zero_points(zeros_ptr, group[:, None], offsets, mask, ZERO_PER_GROUP)
@@ -254,6 +321,10 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # a multiple of 32
     PREFETCH: tl.constexpr,  # load chunk it + 1's words before working on chunk it
+    EVEN_K: tl.constexpr,  # every split has ITERS * BLOCK_K rows: no row masks
+    EVEN_N: tl.constexpr,  # n is a multiple of BLOCK_N: no column masks
+    VEC_X: tl.constexpr,  # x read once per chunk in 8-byte words (_gemv_x_chunk)
+    PTX: tl.constexpr,  # compiled for a GPU (inline PTX), not run by the interpreter
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
     pdl_launch_dependents(USE_PDL)
@@ -263,6 +334,8 @@ def _gemv_kernel(
     # and the fp16 scales in the same register layout, so no tile changes layout per chunk.
     cols = tl.max_contiguous(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), 4)
     col_ok = cols < n
+    if EVEN_N:
+        col_ok = tl.full([BLOCK_N], True, tl.int1)
     offs_k = tl.arange(0, BLOCK_K)
     if HAS_PERM:
         x_row_offset = perm_ptr + row_start
@@ -280,26 +353,52 @@ def _gemv_kernel(
     # the registers. Chunks past k_end (the tail of a segment's last split) are masked out:
     # their codes and x read as 0.
     if PREFETCH:
-        next0 = _gemv_plane_words(p0_ptr, p0_stride, k_begin, k_end, cols, col_ok, P0_BITS, BLOCK_K)
+        next0 = _gemv_plane_words(
+            p0_ptr, p0_stride, k_begin, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
+        )
         next1 = next0
         if NUM_PLANES == 2:
             next1 = _gemv_plane_words(
-                p1_ptr, p1_stride, k_begin, k_end, cols, col_ok, P1_BITS, BLOCK_K
+                p1_ptr, p1_stride, k_begin, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
             )
     # Weights are never written by a kernel: their first loads above may fly while the
     # previous kernel finishes; x and the workspace only after it has.
     pdl_wait(USE_PDL)
     for it in range(ITERS):
         r0 = k_begin + it * BLOCK_K
+        xc0 = r0  # unused without GROUPED
+        xc1 = r0
+        xc2 = r0
+        xc3 = r0
+        if GROUPED:
+            # x once per chunk, for every plane and the zero term (_gemv_x_chunk).
+            xc0 = _gemv_x_chunk(x_ptr, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K)
+            xc1 = xc0
+            xc2 = xc0
+            xc3 = xc0
+            if M_ROWS > 1:
+                xc1 = _gemv_x_chunk(
+                    x_ptr + stride_xm, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K
+                )
+            if M_ROWS > 2:
+                xc2 = _gemv_x_chunk(
+                    x_ptr + 2 * stride_xm, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K
+                )
+            if M_ROWS > 3:
+                xc3 = _gemv_x_chunk(
+                    x_ptr + 3 * stride_xm, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K
+                )
         if PREFETCH:
             # Registers as a two-stage pipeline: this chunk's words were loaded last
             # iteration; the next chunk's loads (masked off past k_end) fly meanwhile.
             words0 = next0
             next0 = _gemv_plane_words(
-                p0_ptr, p0_stride, r0 + BLOCK_K, k_end, cols, col_ok, P0_BITS, BLOCK_K
+                p0_ptr, p0_stride, r0 + BLOCK_K, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
             )
         else:
-            words0 = _gemv_plane_words(p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K)
+            words0 = _gemv_plane_words(
+                p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
+            )
         a0, a1, a2, a3 = _gemv_plane(
             words0,
             x_ptr,
@@ -320,16 +419,22 @@ def _gemv_kernel(
             GROUPED,
             M_ROWS,
             BLOCK_K,
+            EVEN_K,
+            PTX,
+            xc0,
+            xc1,
+            xc2,
+            xc3,
         )
         if NUM_PLANES == 2:
             if PREFETCH:
                 words1 = next1
                 next1 = _gemv_plane_words(
-                    p1_ptr, p1_stride, r0 + BLOCK_K, k_end, cols, col_ok, P1_BITS, BLOCK_K
+                    p1_ptr, p1_stride, r0 + BLOCK_K, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
                 )
             else:
                 words1 = _gemv_plane_words(
-                    p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K
+                    p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
                 )
             b0, b1, b2, b3 = _gemv_plane(
                 words1,
@@ -351,6 +456,12 @@ def _gemv_kernel(
                 GROUPED,
                 M_ROWS,
                 BLOCK_K,
+                EVEN_K,
+                PTX,
+                xc0,
+                xc1,
+                xc2,
+                xc3,
             )
             a0 += b0
             a1 += b1
@@ -360,6 +471,8 @@ def _gemv_kernel(
         # Scale and zero: per column once per chunk when the chunk is one group.
         rows = r0 + offs_k
         row_ok = rows < k_end
+        if EVEN_K:
+            row_ok = tl.full([BLOCK_K], True, tl.int1)
         if HAS_PERM:
             x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
         else:
@@ -380,7 +493,7 @@ def _gemv_kernel(
             group_offsets = group * sz_stride
         acc0 += a0 * scale - _gemv_zero_term(
             x_ptrs, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok,
-            GROUPED, ZERO_PER_GROUP,
+            GROUPED, ZERO_PER_GROUP, xc0, P0_BITS, BLOCK_K,
         )  # fmt: skip
         if M_ROWS > 1:
             acc1 += a1 * scale - _gemv_zero_term(
@@ -395,6 +508,9 @@ def _gemv_kernel(
                 col_ok,
                 GROUPED,
                 ZERO_PER_GROUP,
+                xc1,
+                P0_BITS,
+                BLOCK_K,
             )
         if M_ROWS > 2:
             acc2 += a2 * scale - _gemv_zero_term(
@@ -409,6 +525,9 @@ def _gemv_kernel(
                 col_ok,
                 GROUPED,
                 ZERO_PER_GROUP,
+                xc2,
+                P0_BITS,
+                BLOCK_K,
             )
         if M_ROWS > 3:
             acc3 += a3 * scale - _gemv_zero_term(
@@ -423,6 +542,9 @@ def _gemv_kernel(
                 col_ok,
                 GROUPED,
                 ZERO_PER_GROUP,
+                xc3,
+                P0_BITS,
+                BLOCK_K,
             )
 
     # Split 0 of the first segment adds the bias (bias_ptr is a dummy when there is none).
@@ -533,6 +655,15 @@ def launch_gemv_partials(
     slot_base = 0
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start
+        # x read in 8-byte words (_gemv_x_chunk): contiguous rows (no gather), whole chunks,
+        # one group per chunk, and every row of x 8-byte aligned at the segment's start.
+        vec_x = (
+            not gather
+            and t.grouped
+            and seg_rows % rows_per_split == 0
+            and (x2d.data_ptr() + segment.row_start * x2d.element_size()) % 8 == 0
+            and (x2d.stride(0) * x2d.element_size()) % 8 == 0
+        )
         p0, p1, p0_stride, p1_stride = plane_args(segment)
         grid = (t.n_tiles, triton.cdiv(seg_rows, rows_per_split))
         _gemv_kernel[grid](
@@ -565,6 +696,10 @@ def launch_gemv_partials(
             BLOCK_N=t.block_n,
             BLOCK_K=t.block_k,
             PREFETCH=t.prefetch,
+            EVEN_K=seg_rows % rows_per_split == 0,
+            EVEN_N=n % t.block_n == 0,
+            VEC_X=vec_x,
+            PTX=x2d.is_cuda,
             USE_PDL=pdl,
             num_warps=t.num_warps,
             launch_pdl=pdl,

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Session 23, issue 28: the leaner decode GEMV loop.
+#   bash .devdata/s23/v28.sh lean   : GPU tests of the GEMV paths, then lean_ab.py (main vs lean,
+#                                     8B GPTQ and EXL2, alternating, each in its own process).
+#   bash .devdata/s23/v28.sh tune   : tools/tune_gemv.py per shape, main's GEMV then the lean one.
+set -u
+[ -d /tmp/site/llguidance ] || pip install -q --no-index --no-deps --target /tmp/site .devdata/s11/w/*.whl > /tmp/pip.log 2>&1
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+S=$SECONDS
+case "${1:-}" in
+lean)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv > $OUT/smi.txt
+    timeout 220 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_quant_matmul_kernels.py \
+        tests/kernels/test_row_order.py tests/kernels/test_split_k_sums.py tests/kernels/test_gate_up_silu.py \
+        tests/kernels/test_norm_fold.py tests/engine/test_norm_fold_engine.py \
+        tests/kernels/test_programmatic_launch.py 2>&1 | tail -15 | tee $OUT/pytest_lean.txt
+    echo "tests t=$((SECONDS - S))"
+    timeout $((585 - (SECONDS - S))) python3 .devdata/s23/lean_ab.py $OUT/lean_ab.json ${FORMATS:-gptq exl2} 2>&1 | tail -12
+    echo "ab t=$((SECONDS - S))"
+    ;;
+tune)
+    cp kernels/quant_matmul/gemv.py /tmp/gemv_lean.py
+    for v in main lean; do
+        if [ $v = main ]; then cp .devdata/s23/gemv_main.py kernels/quant_matmul/gemv.py; else cp /tmp/gemv_lean.py kernels/quant_matmul/gemv.py; fi
+        for f in ${FORMATS:-gptq exl2}; do
+            [ $((SECONDS - S)) -gt 500 ] && break
+            timeout $((580 - (SECONDS - S))) python3 tools/tune_gemv.py --format $f --out /tmp/tune-$v-$f \
+                --warps 4 --cols 8 --programs-per-sm 2 --max-iters 4 --prefetch on > /tmp/tune-$v-$f.txt 2>&1
+            cp /tmp/tune-$v-$f/tune.json $OUT/tune-$v-$f.json 2>/dev/null
+            echo "== $v $f t=$((SECONDS - S))"; grep -v "^ " /tmp/tune-$v-$f.txt | tail -12
+        done
+    done
+    cp /tmp/gemv_lean.py kernels/quant_matmul/gemv.py
+    ;;
+*) echo "usage: v28.sh lean|tune"; exit 2 ;;
+esac
