@@ -24,8 +24,9 @@ tune)
         if [ $v = main ]; then cp .devdata/s23/gemv_main.py kernels/quant_matmul/gemv.py; else cp /tmp/gemv_lean.py kernels/quant_matmul/gemv.py; fi
         for f in ${FORMATS:-gptq exl2}; do
             [ $((SECONDS - S)) -gt 500 ] && break
+            if [ $v = lean ] && [ $f = gptq ]; then SWEEP=${LEAN_SWEEP:---warps 4 --cols 8 --programs-per-sm 2 --max-iters 4}; else SWEEP="--warps 4 --cols 8 --programs-per-sm 2 --max-iters 4"; fi
             timeout $((580 - (SECONDS - S))) python3 tools/tune_gemv.py --format $f --out /tmp/tune-$v-$f \
-                --warps 4 --cols 8 --programs-per-sm 2 --max-iters 4 --prefetch on > /tmp/tune-$v-$f.txt 2>&1
+                $SWEEP --prefetch on > /tmp/tune-$v-$f.txt 2>&1
             cp /tmp/tune-$v-$f/tune.json $OUT/tune-$v-$f.json 2>/dev/null
             echo "== $v $f t=$((SECONDS - S))"; grep -v "^ " /tmp/tune-$v-$f.txt | tail -12
         done
