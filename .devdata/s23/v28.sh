@@ -33,5 +33,44 @@ tune)
     done
     cp /tmp/gemv_lean.py kernels/quant_matmul/gemv.py
     ;;
-*) echo "usage: v28.sh lean|tune"; exit 2 ;;
+variants)
+    # The lean GEMV's prefetch depth and unroll (KESTREL_GEMV_DEPTH / _UNROLL, experiment
+    # knobs) per shape, main's GEMV as the control; then lean_ab.py with the best pair.
+    cp kernels/quant_matmul/gemv.py /tmp/gemv_lean.py
+    cp .devdata/s23/gemv_main.py kernels/quant_matmul/gemv.py
+    for f in gptq exl2; do
+        python3 tools/tune_gemv.py --format $f --out /tmp/tune-main-$f --warps 4 --cols 8 \
+            --programs-per-sm 2 --max-iters 4 --prefetch on > /tmp/tune-main-$f.txt 2>&1
+        echo "== main $f t=$((SECONDS - S))"; grep -v "^ " /tmp/tune-main-$f.txt | tail -7
+    done
+    cp /tmp/gemv_lean.py kernels/quant_matmul/gemv.py
+    for du in ${VARIANTS:-1,1 2,1 1,2 1,4}; do
+        for f in gptq exl2; do
+            KESTREL_GEMV_DEPTH=${du%,*} KESTREL_GEMV_UNROLL=${du#*,} python3 tools/tune_gemv.py --format $f \
+                --out /tmp/tune-$du-$f --warps 4 --cols 8 --programs-per-sm 2 --max-iters 4 \
+                --prefetch on > /tmp/tune-$du-$f.txt 2>&1
+            echo "== d,u=$du $f t=$((SECONDS - S))"; grep -v "^ " /tmp/tune-$du-$f.txt | tail -7
+        done
+    done
+    python3 - <<'PY' > $OUT/variants.json
+import json, glob
+out = {}
+for f in glob.glob("/tmp/tune-*/tune.json"):
+    d = json.load(open(f))
+    out[f.split("/")[2]] = {"default_total_us": d["default_total_us"],
+        "shapes": {f"{s['k']}x{s['n']}": s["default"]["us"] for s in d["shapes"]}}
+print(json.dumps(out, indent=1))
+PY
+    BEST=$(python3 -c "
+import json; d = json.load(open('$OUT/variants.json'))
+tot = {}
+for k, v in d.items():
+    du = k[len('tune-'):].rsplit('-', 1)[0]
+    if du != 'main': tot[du] = tot.get(du, 0) + v['default_total_us']
+print(min(tot, key=tot.get))")
+    echo "best d,u=$BEST t=$((SECONDS - S))"
+    KESTREL_GEMV_DEPTH=${BEST%,*} KESTREL_GEMV_UNROLL=${BEST#*,} timeout $((585 - (SECONDS - S))) \
+        python3 .devdata/s23/lean_ab.py $OUT/lean_ab.json gptq exl2 2>&1 | tail -10
+    ;;
+*) echo "usage: v28.sh lean|tune|variants"; exit 2 ;;
 esac

@@ -85,6 +85,11 @@ _GEMV_CONFIG = GemvConfig(
 )
 
 
+import os  # noqa: E402  (experiment only)
+
+_EXPERIMENT_DEPTH = int(os.environ.get("KESTREL_GEMV_DEPTH", "1"))
+_EXPERIMENT_UNROLL = int(os.environ.get("KESTREL_GEMV_UNROLL", "1"))
+
 _FLOAT_MAGIC = 0x4B000000  # the bits of 2^23 as float32
 
 
@@ -325,6 +330,8 @@ def _gemv_kernel(
     EVEN_N: tl.constexpr,  # n is a multiple of BLOCK_N: no column masks
     VEC_X: tl.constexpr,  # x read once per chunk in 8-byte words (_gemv_x_chunk)
     PTX: tl.constexpr,  # compiled for a GPU (inline PTX), not run by the interpreter
+    DEPTH: tl.constexpr,  # PREFETCH: chunks loaded ahead (1 or 2)
+    UNROLL: tl.constexpr,  # the chunk loop's unroll factor
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
     pdl_launch_dependents(USE_PDL)
@@ -361,11 +368,86 @@ def _gemv_kernel(
             next1 = _gemv_plane_words(
                 p1_ptr, p1_stride, k_begin, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
             )
+        after0 = next0
+        after1 = next1
+        if DEPTH == 2:
+            after0 = _gemv_plane_words(
+                p0_ptr, p0_stride, k_begin + BLOCK_K, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
+            )
+            after1 = after0
+            if NUM_PLANES == 2:
+                after1 = _gemv_plane_words(
+                    p1_ptr, p1_stride, k_begin + BLOCK_K, k_end, cols, col_ok, P1_BITS, BLOCK_K,
+                    EVEN_K,
+                )  # fmt: skip
     # Weights are never written by a kernel: their first loads above may fly while the
     # previous kernel finishes; x and the workspace only after it has.
     pdl_wait(USE_PDL)
-    for it in range(ITERS):
+    for it in tl.range(0, ITERS, 1, loop_unroll_factor=UNROLL):
         r0 = k_begin + it * BLOCK_K
+        # Every load that does not wait on another first (the next chunk's words, then x and
+        # this chunk's scales): a warp issues in order, and a load that waits on an earlier
+        # one (x through perm, scales through row_group) stalls those behind it.
+        if PREFETCH:
+            # Registers as a two-stage pipeline: this chunk's words were loaded last
+            # iteration; the next chunk's loads (masked off past k_end) fly meanwhile.
+            words0 = next0
+            if DEPTH == 2:
+                next0 = after0
+                after0 = _gemv_plane_words(
+                    p0_ptr, p0_stride, r0 + 2 * BLOCK_K, k_end, cols, col_ok, P0_BITS, BLOCK_K,
+                    EVEN_K,
+                )  # fmt: skip
+            else:
+                next0 = _gemv_plane_words(
+                    p0_ptr, p0_stride, r0 + BLOCK_K, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
+                )
+        else:
+            words0 = _gemv_plane_words(
+                p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
+            )
+        words1 = words0
+        if NUM_PLANES == 2:
+            if PREFETCH:
+                words1 = next1
+                if DEPTH == 2:
+                    next1 = after1
+                    after1 = _gemv_plane_words(
+                        p1_ptr, p1_stride, r0 + 2 * BLOCK_K, k_end, cols, col_ok, P1_BITS,
+                        BLOCK_K, EVEN_K,
+                    )  # fmt: skip
+                else:
+                    next1 = _gemv_plane_words(
+                        p1_ptr, p1_stride, r0 + BLOCK_K, k_end, cols, col_ok, P1_BITS, BLOCK_K,
+                        EVEN_K,
+                    )  # fmt: skip
+            else:
+                words1 = _gemv_plane_words(
+                    p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
+                )
+        # Scale and zero: per column once per chunk when the chunk is one group.
+        rows = r0 + offs_k
+        row_ok = rows < k_end
+        if EVEN_K:
+            row_ok = tl.full([BLOCK_K], True, tl.int1)
+        if HAS_PERM:
+            x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
+        else:
+            x_ptrs = x_ptr + x_row_offset + rows
+        if GROUPED:
+            group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
+            sz = group * sz_stride + cols
+            # 2^48 undoes the scaling of the denormal-code trick (see _gemv_plane).
+            raw_scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
+            scale = raw_scale * 2.0**48
+            # zero point * scale: exact in fp32 (a small integer times an fp16 value)
+            zero = zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP) * raw_scale
+            group_offsets = offs_k  # unused
+        else:
+            scale = 1.0
+            zero = 0.0
+            group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
+            group_offsets = group * sz_stride
         xc0 = r0  # unused without GROUPED
         xc1 = r0
         xc2 = r0
@@ -388,17 +470,6 @@ def _gemv_kernel(
                 xc3 = _gemv_x_chunk(
                     x_ptr + 3 * stride_xm, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K
                 )
-        if PREFETCH:
-            # Registers as a two-stage pipeline: this chunk's words were loaded last
-            # iteration; the next chunk's loads (masked off past k_end) fly meanwhile.
-            words0 = next0
-            next0 = _gemv_plane_words(
-                p0_ptr, p0_stride, r0 + BLOCK_K, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
-            )
-        else:
-            words0 = _gemv_plane_words(
-                p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
-            )
         a0, a1, a2, a3 = _gemv_plane(
             words0,
             x_ptr,
@@ -427,15 +498,6 @@ def _gemv_kernel(
             xc3,
         )
         if NUM_PLANES == 2:
-            if PREFETCH:
-                words1 = next1
-                next1 = _gemv_plane_words(
-                    p1_ptr, p1_stride, r0 + BLOCK_K, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
-                )
-            else:
-                words1 = _gemv_plane_words(
-                    p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
-                )
             b0, b1, b2, b3 = _gemv_plane(
                 words1,
                 x_ptr,
@@ -468,29 +530,6 @@ def _gemv_kernel(
             a2 += b2
             a3 += b3
 
-        # Scale and zero: per column once per chunk when the chunk is one group.
-        rows = r0 + offs_k
-        row_ok = rows < k_end
-        if EVEN_K:
-            row_ok = tl.full([BLOCK_K], True, tl.int1)
-        if HAS_PERM:
-            x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
-        else:
-            x_ptrs = x_ptr + x_row_offset + rows
-        if GROUPED:
-            group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
-            sz = group * sz_stride + cols
-            # 2^48 undoes the scaling of the denormal-code trick (see _gemv_plane).
-            raw_scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
-            scale = raw_scale * 2.0**48
-            # zero point * scale: exact in fp32 (a small integer times an fp16 value)
-            zero = zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP) * raw_scale
-            group_offsets = offs_k  # unused
-        else:
-            scale = 1.0
-            zero = 0.0
-            group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
-            group_offsets = group * sz_stride
         acc0 += a0 * scale - _gemv_zero_term(
             x_ptrs, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok,
             GROUPED, ZERO_PER_GROUP, xc0, P0_BITS, BLOCK_K,
@@ -700,6 +739,8 @@ def launch_gemv_partials(
             EVEN_N=n % t.block_n == 0,
             VEC_X=vec_x,
             PTX=x2d.is_cuda,
+            DEPTH=_EXPERIMENT_DEPTH,
+            UNROLL=_EXPERIMENT_UNROLL,
             USE_PDL=pdl,
             num_warps=t.num_warps,
             launch_pdl=pdl,
