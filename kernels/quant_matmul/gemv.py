@@ -290,6 +290,70 @@ def _gemv_zero_term(
         return tl.sum(row_zero * row_scale * xv[:, None], axis=0)
 
 
+@triton.jit
+def _gemv_chunk_x(
+    x_ptr, stride_xm, x_row_offset, r0, k_end, HAS_PERM: tl.constexpr, GROUPED: tl.constexpr,
+    EVEN_K: tl.constexpr, VEC_X: tl.constexpr, M_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The chunk's x for each row of x (`_gemv_x_chunk`; placeholders without GROUPED)."""
+    xc0 = r0  # unused without GROUPED
+    xc1 = r0
+    xc2 = r0
+    xc3 = r0
+    if GROUPED:
+        # x once per chunk, for every plane and the zero term (_gemv_x_chunk).
+        xc0 = _gemv_x_chunk(x_ptr, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K)
+        xc1 = xc0
+        xc2 = xc0
+        xc3 = xc0
+        if M_ROWS > 1:
+            xc1 = _gemv_x_chunk(
+                x_ptr + stride_xm, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K
+            )
+        if M_ROWS > 2:
+            xc2 = _gemv_x_chunk(
+                x_ptr + 2 * stride_xm, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K
+            )
+        if M_ROWS > 3:
+            xc3 = _gemv_x_chunk(
+                x_ptr + 3 * stride_xm, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K
+            )
+    return xc0, xc1, xc2, xc3
+
+
+@triton.jit
+def _gemv_chunk_scales(
+    x_ptr, x_row_offset, row_group_ptr, scales_ptr, zeros_ptr, sz_stride, row_start, r0, k_end,
+    cols, col_ok, offs_k, HAS_PERM: tl.constexpr, GROUPED: tl.constexpr,
+    ZERO_PER_GROUP: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """(scale, zero point * scale, group, group offsets, x pointers, row mask) of the chunk
+    for the zero term (`_gemv_zero_term`): per column when the chunk is one group (GROUPED)."""
+    rows = r0 + offs_k
+    row_ok = rows < k_end
+    if EVEN_K:
+        row_ok = tl.full([BLOCK_K], True, tl.int1)
+    if HAS_PERM:
+        x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
+    else:
+        x_ptrs = x_ptr + x_row_offset + rows
+    if GROUPED:
+        group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
+        sz = group * sz_stride + cols
+        # 2^48 undoes the scaling of the denormal-code trick (see _gemv_plane).
+        raw_scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
+        scale = raw_scale * 2.0**48
+        # zero point * scale: exact in fp32 (a small integer times an fp16 value)
+        zero = zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP) * raw_scale
+        group_offsets = offs_k  # unused
+    else:
+        scale = 1.0
+        zero = 0.0
+        group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
+        group_offsets = group * sz_stride
+    return scale, zero, group, group_offsets, x_ptrs, row_ok
+
+
 @triton.jit(do_not_specialize=["add_bias", "slot_base"])
 def _gemv_kernel(
     x_ptr,  # [M, k], unit column stride
@@ -385,9 +449,14 @@ def _gemv_kernel(
     pdl_wait(USE_PDL)
     for it in tl.range(0, ITERS, 1, loop_unroll_factor=UNROLL):
         r0 = k_begin + it * BLOCK_K
-        # Every load that does not wait on another first (the next chunk's words, then x and
-        # this chunk's scales): a warp issues in order, and a load that waits on an earlier
-        # one (x through perm, scales through row_group) stalls those behind it.
+        # x first where it waits on nothing (contiguous rows): the chunk starts with it. A
+        # gathered x waits on perm, and a warp issues in order: there the next chunk's words
+        # go first, so that they fly while the gather waits (issue 28, session 23).
+        if not HAS_PERM:
+            xc0, xc1, xc2, xc3 = _gemv_chunk_x(
+                x_ptr, stride_xm, x_row_offset, r0, k_end, HAS_PERM, GROUPED, EVEN_K, VEC_X,
+                M_ROWS, BLOCK_K,
+            )  # fmt: skip
         if PREFETCH:
             # Registers as a two-stage pipeline: this chunk's words were loaded last
             # iteration; the next chunk's loads (masked off past k_end) fly meanwhile.
@@ -425,51 +494,16 @@ def _gemv_kernel(
                 words1 = _gemv_plane_words(
                     p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
                 )
-        # Scale and zero: per column once per chunk when the chunk is one group.
-        rows = r0 + offs_k
-        row_ok = rows < k_end
-        if EVEN_K:
-            row_ok = tl.full([BLOCK_K], True, tl.int1)
         if HAS_PERM:
-            x_ptrs = x_ptr + tl.load(x_row_offset + rows, mask=row_ok, other=0)
-        else:
-            x_ptrs = x_ptr + x_row_offset + rows
-        if GROUPED:
-            group = tl.load(row_group_ptr + row_start + tl.minimum(r0, k_end - 1))
-            sz = group * sz_stride + cols
-            # 2^48 undoes the scaling of the denormal-code trick (see _gemv_plane).
-            raw_scale = tl.load(scales_ptr + sz, mask=col_ok, other=0.0).to(tl.float32)
-            scale = raw_scale * 2.0**48
-            # zero point * scale: exact in fp32 (a small integer times an fp16 value)
-            zero = zero_points(zeros_ptr, group, sz, col_ok, ZERO_PER_GROUP) * raw_scale
-            group_offsets = offs_k  # unused
-        else:
-            scale = 1.0
-            zero = 0.0
-            group = tl.load(row_group_ptr + row_start + rows, mask=row_ok, other=0)
-            group_offsets = group * sz_stride
-        xc0 = r0  # unused without GROUPED
-        xc1 = r0
-        xc2 = r0
-        xc3 = r0
-        if GROUPED:
-            # x once per chunk, for every plane and the zero term (_gemv_x_chunk).
-            xc0 = _gemv_x_chunk(x_ptr, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K)
-            xc1 = xc0
-            xc2 = xc0
-            xc3 = xc0
-            if M_ROWS > 1:
-                xc1 = _gemv_x_chunk(
-                    x_ptr + stride_xm, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K
-                )
-            if M_ROWS > 2:
-                xc2 = _gemv_x_chunk(
-                    x_ptr + 2 * stride_xm, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K
-                )
-            if M_ROWS > 3:
-                xc3 = _gemv_x_chunk(
-                    x_ptr + 3 * stride_xm, x_row_offset, r0, k_end, HAS_PERM, EVEN_K, VEC_X, BLOCK_K
-                )
+            scale, zero, group, group_offsets, x_ptrs, row_ok = _gemv_chunk_scales(
+                x_ptr, x_row_offset, row_group_ptr, scales_ptr, zeros_ptr, sz_stride, row_start,
+                r0, k_end, cols, col_ok, offs_k, HAS_PERM, GROUPED, ZERO_PER_GROUP, EVEN_K,
+                BLOCK_K,
+            )  # fmt: skip
+            xc0, xc1, xc2, xc3 = _gemv_chunk_x(
+                x_ptr, stride_xm, x_row_offset, r0, k_end, HAS_PERM, GROUPED, EVEN_K, VEC_X,
+                M_ROWS, BLOCK_K,
+            )  # fmt: skip
         a0, a1, a2, a3 = _gemv_plane(
             words0,
             x_ptr,
@@ -530,6 +564,12 @@ def _gemv_kernel(
             a2 += b2
             a3 += b3
 
+        if not HAS_PERM:
+            scale, zero, group, group_offsets, x_ptrs, row_ok = _gemv_chunk_scales(
+                x_ptr, x_row_offset, row_group_ptr, scales_ptr, zeros_ptr, sz_stride, row_start,
+                r0, k_end, cols, col_ok, offs_k, HAS_PERM, GROUPED, ZERO_PER_GROUP, EVEN_K,
+                BLOCK_K,
+            )  # fmt: skip
         acc0 += a0 * scale - _gemv_zero_term(
             x_ptrs, row_ok, zero, group, group_offsets, zeros_ptr, scales_ptr, cols, col_ok,
             GROUPED, ZERO_PER_GROUP, xc0, P0_BITS, BLOCK_K,
