@@ -72,5 +72,22 @@ print(min(tot, key=tot.get))")
     KESTREL_GEMV_DEPTH=${BEST%,*} KESTREL_GEMV_UNROLL=${BEST#*,} timeout $((585 - (SECONDS - S))) \
         python3 .devdata/s23/lean_ab.py $OUT/lean_ab.json gptq exl2 2>&1 | tail -10
     ;;
-*) echo "usage: v28.sh lean|tune|variants"; exit 2 ;;
+bench)
+    # tools/bench.py for GPTQ and EXL2 with exllamav2 0.3.2 (built on the CPU meanwhile).
+    W=/tmp/exl; mkdir -p $W/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $W/site \
+        .devdata/s11/w/exllamav2-0.3.2-py3-none-any.whl > $W/pip.txt 2>&1
+    sed -i 's/block_diag_layers or causal:/block_diag_layers:/' $W/site/exllamav2/attn.py
+    PYTHONPATH=$W/site:$PYTHONPATH TORCH_EXTENSIONS_DIR=$W/ext MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 \
+        timeout 300 python3 -c "import exllamav2, exllamav2.ext" > $W/build.txt 2>&1
+    echo "build rc=$? t=$((SECONDS - S))"
+    for f in gptq exl2; do
+        left=$((470 - (SECONDS - S))); [ $left -lt 60 ] && break
+        PYTHONPATH=$W/site:$PYTHONPATH TORCH_EXTENSIONS_DIR=$W/ext timeout $left \
+            python3 tools/bench.py --format $f --prompts 512 8192 --json $OUT/bench-$f.json \
+            > $OUT/bench-$f.txt 2>&1
+        echo "bench $f rc=$? t=$((SECONDS - S))"; tail -12 $OUT/bench-$f.txt
+    done
+    ;;
+*) echo "usage: v28.sh lean|tune|variants|bench"; exit 2 ;;
 esac

@@ -85,11 +85,6 @@ _GEMV_CONFIG = GemvConfig(
 )
 
 
-import os  # noqa: E402  (experiment only)
-
-_EXPERIMENT_DEPTH = int(os.environ.get("KESTREL_GEMV_DEPTH", "1"))
-_EXPERIMENT_UNROLL = int(os.environ.get("KESTREL_GEMV_UNROLL", "1"))
-
 _FLOAT_MAGIC = 0x4B000000  # the bits of 2^23 as float32
 
 
@@ -394,8 +389,6 @@ def _gemv_kernel(
     EVEN_N: tl.constexpr,  # n is a multiple of BLOCK_N: no column masks
     VEC_X: tl.constexpr,  # x read once per chunk in 8-byte words (_gemv_x_chunk)
     PTX: tl.constexpr,  # compiled for a GPU (inline PTX), not run by the interpreter
-    DEPTH: tl.constexpr,  # PREFETCH: chunks loaded ahead (1 or 2)
-    UNROLL: tl.constexpr,  # the chunk loop's unroll factor
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
 ):
     pdl_launch_dependents(USE_PDL)
@@ -432,22 +425,10 @@ def _gemv_kernel(
             next1 = _gemv_plane_words(
                 p1_ptr, p1_stride, k_begin, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
             )
-        after0 = next0
-        after1 = next1
-        if DEPTH == 2:
-            after0 = _gemv_plane_words(
-                p0_ptr, p0_stride, k_begin + BLOCK_K, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
-            )
-            after1 = after0
-            if NUM_PLANES == 2:
-                after1 = _gemv_plane_words(
-                    p1_ptr, p1_stride, k_begin + BLOCK_K, k_end, cols, col_ok, P1_BITS, BLOCK_K,
-                    EVEN_K,
-                )  # fmt: skip
     # Weights are never written by a kernel: their first loads above may fly while the
     # previous kernel finishes; x and the workspace only after it has.
     pdl_wait(USE_PDL)
-    for it in tl.range(0, ITERS, 1, loop_unroll_factor=UNROLL):
+    for it in range(ITERS):
         r0 = k_begin + it * BLOCK_K
         # x first where it waits on nothing (contiguous rows): the chunk starts with it. A
         # gathered x waits on perm, and a warp issues in order: there the next chunk's words
@@ -461,16 +442,9 @@ def _gemv_kernel(
             # Registers as a two-stage pipeline: this chunk's words were loaded last
             # iteration; the next chunk's loads (masked off past k_end) fly meanwhile.
             words0 = next0
-            if DEPTH == 2:
-                next0 = after0
-                after0 = _gemv_plane_words(
-                    p0_ptr, p0_stride, r0 + 2 * BLOCK_K, k_end, cols, col_ok, P0_BITS, BLOCK_K,
-                    EVEN_K,
-                )  # fmt: skip
-            else:
-                next0 = _gemv_plane_words(
-                    p0_ptr, p0_stride, r0 + BLOCK_K, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
-                )
+            next0 = _gemv_plane_words(
+                p0_ptr, p0_stride, r0 + BLOCK_K, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
+            )
         else:
             words0 = _gemv_plane_words(
                 p0_ptr, p0_stride, r0, k_end, cols, col_ok, P0_BITS, BLOCK_K, EVEN_K
@@ -479,17 +453,9 @@ def _gemv_kernel(
         if NUM_PLANES == 2:
             if PREFETCH:
                 words1 = next1
-                if DEPTH == 2:
-                    next1 = after1
-                    after1 = _gemv_plane_words(
-                        p1_ptr, p1_stride, r0 + 2 * BLOCK_K, k_end, cols, col_ok, P1_BITS,
-                        BLOCK_K, EVEN_K,
-                    )  # fmt: skip
-                else:
-                    next1 = _gemv_plane_words(
-                        p1_ptr, p1_stride, r0 + BLOCK_K, k_end, cols, col_ok, P1_BITS, BLOCK_K,
-                        EVEN_K,
-                    )  # fmt: skip
+                next1 = _gemv_plane_words(
+                    p1_ptr, p1_stride, r0 + BLOCK_K, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
+                )
             else:
                 words1 = _gemv_plane_words(
                     p1_ptr, p1_stride, r0, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
@@ -779,8 +745,6 @@ def launch_gemv_partials(
             EVEN_N=n % t.block_n == 0,
             VEC_X=vec_x,
             PTX=x2d.is_cuda,
-            DEPTH=_EXPERIMENT_DEPTH,
-            UNROLL=_EXPERIMENT_UNROLL,
             USE_PDL=pdl,
             num_warps=t.num_warps,
             launch_pdl=pdl,
