@@ -673,6 +673,23 @@ def gemv_slots(tiling: GemvTiling, extra_slots: int = 0) -> int:
     return tiling.arrivals + extra_slots
 
 
+def reads_x_in_words(
+    x2d: torch.Tensor, row_start: int, seg_rows: int, tiling: GemvTiling, *, gather: bool
+) -> bool:
+    """Whether the GEMV of a segment (rows row_start .. + seg_rows of W) reads x in 8-byte
+    words (`_gemv_x_chunk`'s VEC_X): contiguous rows (no gather through perm), whole chunks
+    in every split, one group per chunk, and every row of x 8-byte aligned at row_start.
+    Otherwise it loads x a row at a time, to the same values."""
+    size = x2d.element_size()
+    return (
+        not gather
+        and tiling.grouped
+        and seg_rows % (tiling.iters * tiling.block_k) == 0
+        and (x2d.data_ptr() + row_start * size) % 8 == 0
+        and (x2d.stride(0) * size) % 8 == 0
+    )
+
+
 def launch_gemv_partials(
     x2d: torch.Tensor,
     qw: QuantizedWeight,
@@ -700,15 +717,7 @@ def launch_gemv_partials(
     slot_base = 0
     for segment in segments:
         seg_rows = segment.row_end - segment.row_start
-        # x read in 8-byte words (_gemv_x_chunk): contiguous rows (no gather), whole chunks,
-        # one group per chunk, and every row of x 8-byte aligned at the segment's start.
-        vec_x = (
-            not gather
-            and t.grouped
-            and seg_rows % rows_per_split == 0
-            and (x2d.data_ptr() + segment.row_start * x2d.element_size()) % 8 == 0
-            and (x2d.stride(0) * x2d.element_size()) % 8 == 0
-        )
+        vec_x = reads_x_in_words(x2d, segment.row_start, seg_rows, t, gather=gather)
         p0, p1, p0_stride, p1_stride = plane_args(segment)
         grid = (t.n_tiles, triton.cdiv(seg_rows, rows_per_split))
         _gemv_kernel[grid](
