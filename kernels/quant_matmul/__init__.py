@@ -27,8 +27,10 @@ Paths, by the number of activation rows M (thresholds and `choose_path` in paths
   column: sum_r x_r (c_r s - z) = s * sum_r x_r c_r - z * sum_r x_r, which needs every
   chunk inside one row group. That holds for EXL2 and GPTQ (groups of 32k rows, bit widths
   changing only at group boundaries) and is checked once per weight on the host
-  (`chunks_in_groups`); other groupings take a per-row path. x is gathered through perm
-  in the kernel, unless the slot sum that wrote x stored it in the weight's row order
+  (`chunks_in_groups`); other groupings take a per-row path. Every thread needs every row of
+  x of its chunk: it loads them once per chunk for all planes and the zero term, in 8-byte
+  words where the rows are contiguous and aligned (`reads_x_in_words`), and whole chunks and
+  column tiles launch without masks. x is gathered through perm in the kernel, unless the slot sum that wrote x stored it in the weight's row order
   already (`x_in_row_order`: slot_sum.py's scatter, split_k.row_order; the folded decode
   path does so for qkv, gate_up and down_proj). The grid is (column tiles, split-K
   slices) with about GemvConfig.programs_per_sm programs per SM, so n = k = 4096 still
