@@ -30,10 +30,10 @@ Paths, by the number of activation rows M (thresholds and `choose_path` in paths
   (`chunks_in_groups`); other groupings take a per-row path. Every thread needs every row of
   x of its chunk: it loads them once per chunk for all planes and the zero term, in 8-byte
   words where the rows are contiguous and aligned (`reads_x_in_words`), and whole chunks and
-  column tiles launch without masks. x is gathered through perm in the kernel, unless the slot sum that wrote x stored it in the weight's row order
-  already (`x_in_row_order`: slot_sum.py's scatter, split_k.row_order; the folded decode
-  path does so for qkv, gate_up and down_proj). The grid is (column tiles, split-K
-  slices) with about GemvConfig.programs_per_sm programs per SM, so n = k = 4096 still
+  column tiles launch without masks. x is gathered through perm in the kernel, unless the
+  slot sum that wrote x stored it in the weight's row order already (`x_in_row_order`:
+  slot_sum.py's scatter, split_k.row_order; the folded decode path does so for qkv,
+  gate_up and down_proj). The grid is (column tiles, split-K slices) with about GemvConfig.programs_per_sm programs per SM, so n = k = 4096 still
   fills 132 SMs. With GemvConfig.prefetch each program loads the next chunk's words
   while it works on this one, and the first chunk's before it waits for the previous
   kernel (programmatic dependent launch, kernels/backend.py): weights are never written,
