@@ -16,28 +16,28 @@ and benchmarks pick a path. Every path accumulates in float32 and rounds once to
 
 Paths, by the number of activation rows M (thresholds and `choose_path` in paths.py):
 
-* M <= GEMV_MAX_M (decode): `_gemv_kernel` (gemv.py), a fused dequantizing GEMV. It is bound by
-  memory and, nearly as much, by instructions per byte, so each packed int32 word is loaded
-  once (coalesced along n, 16 bytes per load) and each code costs about two instructions
-  per row of x: a chunk of 32 rows is a [words, rows per word, BLOCK_N] tile held by the
-  thread that owns the column (lanes and warps lie only along n, so sums over rows stay in
-  registers), and codes are masked in place and used as float32 denormals (see
-  `_gemv_plane`). The planes of a segment are separate bit matrices: code = sum of
-  plane << shift, so each adds its own dot product. Scale and zero apply once per chunk and
-  column: sum_r x_r (c_r s - z) = s * sum_r x_r c_r - z * sum_r x_r, which needs every
-  chunk inside one row group. That holds for EXL2 and GPTQ (groups of 32k rows, bit widths
-  changing only at group boundaries) and is checked once per weight on the host
-  (`chunks_in_groups`); other groupings take a per-row path. Every thread needs every row of
-  x of its chunk: it loads them once per chunk for all planes and the zero term, in 8-byte
-  words where the rows are contiguous and aligned (`reads_x_in_words`), and whole chunks and
-  column tiles launch without masks. x is gathered through perm in the kernel, unless the
-  slot sum that wrote x stored it in the weight's row order already (`x_in_row_order`:
-  slot_sum.py's scatter, split_k.row_order; the folded decode path does so for qkv,
-  gate_up and down_proj). The grid is (column tiles, split-K slices) with about GemvConfig.programs_per_sm programs per SM, so n = k = 4096 still
-  fills 132 SMs. With GemvConfig.prefetch each program loads the next chunk's words
-  while it works on this one, and the first chunk's before it waits for the previous
-  kernel (programmatic dependent launch, kernels/backend.py): weights are never written,
-  so their loads may overlap the tail of whatever ran before.
+* M <= GEMV_MAX_M (decode): `_gemv_kernel` (gemv.py), a fused dequantizing GEMV. It is bound
+  by memory and, nearly as much, by instructions per byte, so each packed int32 word is
+  loaded once (coalesced along n, 16 bytes per load) and each code costs about two
+  instructions per row of x: a chunk of 32 rows is a [words, rows per word, BLOCK_N] tile
+  held by the thread that owns the column (lanes and warps lie only along n, so sums over
+  rows stay in registers), and codes are masked in place and used as float32 denormals (see
+  `_gemv_plane`). The planes of a segment are separate bit matrices: code = sum of plane <<
+  shift, so each adds its own dot product. Scale and zero apply once per chunk and column:
+  sum_r x_r (c_r s - z) = s * sum_r x_r c_r - z * sum_r x_r, which needs every chunk inside
+  one row group. That holds for EXL2 and GPTQ (groups of 32k rows, bit widths changing only
+  at group boundaries) and is checked once per weight on the host (`chunks_in_groups`);
+  other groupings take a per-row path. Every thread needs every row of x of its chunk: it
+  loads them once per chunk for all planes and the zero term, in 8-byte words where the rows
+  are contiguous and aligned (`reads_x_in_words`), and whole chunks and column tiles launch
+  without masks. x is gathered through perm in the kernel, unless the slot sum that wrote x
+  stored it in the weight's row order already (`x_in_row_order`: slot_sum.py's scatter,
+  split_k.row_order; the folded decode path does so for qkv, gate_up and down_proj). The
+  grid is (column tiles, split-K slices) with about GemvConfig.programs_per_sm programs per
+  SM, so n = k = 4096 still fills 132 SMs. With GemvConfig.prefetch each program loads the
+  next chunk's words while it works on this one, and the first chunk's before it waits for
+  the previous kernel (programmatic dependent launch, kernels/backend.py): weights are never
+  written, so their loads may overlap the tail of whatever ran before.
 * GEMV_MAX_M < M < DEQUANT_MIN_M (batched decode, speculative verification, short
   prefill chunks): `_dot_kernel` (dot.py), the same split-K structure with
   a [BLOCK_M, BLOCK_K] x tile and a [BLOCK_K, BLOCK_N] code tile on the tensor cores
