@@ -2,6 +2,8 @@
 # Session 23, issue 28: the leaner decode GEMV loop.
 #   bash .devdata/s23/v28.sh lean   : GPU tests of the GEMV paths, then lean_ab.py (main vs lean,
 #                                     8B GPTQ and EXL2, alternating, each in its own process).
+# main's GEMV for the A/Bs is not kept here: first
+#   git show f5f8c6c:kernels/quant_matmul/gemv.py > .devdata/s23/gemv_main.py
 #   bash .devdata/s23/v28.sh tune   : tools/tune_gemv.py per shape, main's GEMV then the lean one.
 set -u
 [ -d /tmp/site/llguidance ] || pip install -q --no-index --no-deps --target /tmp/site .devdata/s11/w/*.whl > /tmp/pip.log 2>&1
