@@ -3,7 +3,7 @@ follow its calibration text (session 22's transplant), and English-only text lea
 channels other languages and code excite nearly unmeasured. Text sampled from the model
 (temperature 1 from a few different openings) covers what the model itself puts weight on,
 without choosing domains by hand.
-    python .devdata/s23/selfgen.py MODEL_DIR OUT_TXT [ROWS] [TOKENS]
+    python .devdata/s23/selfgen.py MODEL_DIR OUT_TXT [ROWS] [TOKENS] [SEED]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 model_dir, out = sys.argv[1], sys.argv[2]
 rows = int(sys.argv[3]) if len(sys.argv) > 3 else 16
 tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 512
-torch.manual_seed(0)
+torch.manual_seed(int(sys.argv[5]) if len(sys.argv) > 5 else 0)
 tok = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
 # Openings: BOS alone, and BOS + one token drawn uniformly from the vocabulary (any script).
