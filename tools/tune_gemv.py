@@ -36,6 +36,7 @@ COLS = (4, 8, 16)
 PROGRAMS_PER_SM = (2, 4, 8, 16)
 MAX_ITERS = (2, 4, 8)
 PREFETCH = (False, True)
+STAGES = (1,)
 
 
 def _linears_by_shape(model: torch.nn.Module) -> dict[tuple[int, int], list[QuantizedLinear]]:
@@ -50,6 +51,7 @@ def _key(config: gemv.GemvConfig) -> str:
     return (
         f"w{config.num_warps} c{config.cols_per_thread[0]} p{config.programs_per_sm} "
         f"i{config.max_iters}{' pf' if config.prefetch else ''}"
+        f"{f' s{config.stages}' if config.stages > 1 else ''}"
     )
 
 
@@ -61,6 +63,10 @@ def main() -> int:
     parser.add_argument("--programs-per-sm", type=int, nargs="+", default=list(PROGRAMS_PER_SM))
     parser.add_argument("--max-iters", type=int, nargs="+", default=list(MAX_ITERS))
     parser.add_argument("--prefetch", choices=["on", "off", "both"], default="both")
+    parser.add_argument(
+        "--stages", type=int, nargs="+", default=list(STAGES),
+        help="software-pipeline stages of the chunk loop (GemvConfig.stages; 1: none)",
+    )  # fmt: skip
     args = parser.parse_args()
     path, out = model_from_arguments(args)
     engine = Engine.load(
@@ -71,9 +77,14 @@ def main() -> int:
     default = gemv._GEMV_CONFIG
     prefetch_values = {"on": (True,), "off": (False,), "both": PREFETCH}[args.prefetch]
     configs = [
-        gemv.GemvConfig(warps, (cols, cols, 4, 4), pps, iters, prefetch)
-        for warps, cols, pps, iters, prefetch in itertools.product(
-            args.warps, args.cols, args.programs_per_sm, args.max_iters, prefetch_values
+        gemv.GemvConfig(warps, (cols, cols, 4, 4), pps, iters, prefetch, stages)
+        for warps, cols, pps, iters, prefetch, stages in itertools.product(
+            args.warps,
+            args.cols,
+            args.programs_per_sm,
+            args.max_iters,
+            prefetch_values,
+            args.stages,
         )
     ]
     if default not in configs:

@@ -62,6 +62,10 @@ class GemvConfig:
     max_iters: chunks of _GEMV_BLOCK_K rows per program (a loop, not unrolled).
     prefetch: load the next chunk's packed words before working on this one (registers
         as a two-stage pipeline), so a program keeps a load in flight while it computes.
+    stages: the chunk loop's software pipeline (Triton's `tl.range(num_stages=...)`): above
+        1, every load of a chunk (words, x, scales) is issued `stages - 1` chunks ahead by
+        cp.async into shared memory, so the bytes in flight need no registers; 1 is the
+        plain loop.
     """
 
     num_warps: int = 2
@@ -69,6 +73,7 @@ class GemvConfig:
     programs_per_sm: int = 4
     max_iters: int = 4
     prefetch: bool = False
+    stages: int = 1
 
 
 # tools/tune_gemv.py on an H100 (8B GPTQ shapes, every layer's weight in turn): 4 warps,
@@ -385,6 +390,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # a multiple of 32
     PREFETCH: tl.constexpr,  # load chunk it + 1's words before working on chunk it
+    STAGES: tl.constexpr,  # the loop's software-pipeline stages (GemvConfig.stages)
     EVEN_K: tl.constexpr,  # every split has ITERS * BLOCK_K rows: no row masks
     EVEN_N: tl.constexpr,  # n is a multiple of BLOCK_N: no column masks
     VEC_X: tl.constexpr,  # x read once per chunk in 8-byte words (_gemv_x_chunk)
@@ -428,7 +434,7 @@ def _gemv_kernel(
     # Weights are never written by a kernel: their first loads above may fly while the
     # previous kernel finishes; x and the workspace only after it has.
     pdl_wait(USE_PDL)
-    for it in range(ITERS):
+    for it in tl.range(0, ITERS, num_stages=STAGES):
         r0 = k_begin + it * BLOCK_K
         # x first where it waits on nothing (contiguous rows): the chunk starts with it. A
         # gathered x waits on perm, and a warp issues in order: there the next chunk's words
@@ -633,6 +639,7 @@ class GemvTiling:
     arrivals: int
     num_warps: int
     prefetch: bool
+    stages: int = 1
 
 
 def gemv_tiling(
@@ -662,7 +669,15 @@ def gemv_tiling(
         if s.row_end > s.row_start
     )
     return GemvTiling(
-        block_k, block_n, n_tiles, iters, grouped, arrivals, config.num_warps, config.prefetch
+        block_k,
+        block_n,
+        n_tiles,
+        iters,
+        grouped,
+        arrivals,
+        config.num_warps,
+        config.prefetch,
+        config.stages,
     )
 
 
@@ -750,6 +765,7 @@ def launch_gemv_partials(
             BLOCK_N=t.block_n,
             BLOCK_K=t.block_k,
             PREFETCH=t.prefetch,
+            STAGES=t.stages,
             EVEN_K=seg_rows % rows_per_split == 0,
             EVEN_N=n % t.block_n == 0,
             VEC_X=vec_x,

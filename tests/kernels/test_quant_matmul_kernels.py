@@ -294,20 +294,28 @@ def test_group_layouts(
 
 
 @pytest.mark.parametrize(
-    "path,M,prefetch",
-    [("gemv", 2, False), ("gemv", 1, True), ("gemv", 2, True), ("dot", 17, False)],
+    "path,M,prefetch,stages",
+    [
+        ("gemv", 2, False, 1),
+        ("gemv", 1, True, 1),
+        ("gemv", 2, True, 1),
+        ("gemv", 1, False, 3),
+        ("gemv", 2, True, 3),
+        ("dot", 17, False, 1),
+    ],
 )
 def test_several_column_tiles_and_chunks_per_program(
-    device: str, path: str, M: int, prefetch: bool, monkeypatch: pytest.MonkeyPatch
+    device: str, path: str, M: int, prefetch: bool, stages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # One program per SM wanted: each split-K slice walks several chunks (with the next
-    # chunk's words prefetched or not; 6 bits are two planes, and the 8 chunks of a slice
-    # end where the segment does). Two columns per thread: n = 200 spans two column tiles
-    # (128 + a partial one) on both paths.
+    # chunk's words prefetched or not, the loop software-pipelined or not: the interpreter
+    # runs the plain loop either way, a GPU stages the loads through shared memory; 6 bits
+    # are two planes, and the 8 chunks of a slice end where the segment does). Two columns
+    # per thread: n = 200 spans two column tiles (128 + a partial one) on both paths.
     _require_triton(device)
     config = gemv.GemvConfig(
         num_warps=2, cols_per_thread=(2, 2, 2, 2), programs_per_sm=1, max_iters=8,
-        prefetch=prefetch,
+        prefetch=prefetch, stages=stages,
     )  # fmt: skip
     monkeypatch.setattr(gemv, "_GEMV_CONFIG", config)
     monkeypatch.setattr(
