@@ -38,6 +38,7 @@ from kernels.quant_matmul.split_k import (
     chunks_in_groups,
     plane_args,
     plane_meta,
+    sm_count,
     split_iters,
     split_k_workspace,
 )
@@ -65,7 +66,7 @@ class GemvConfig:
     stages: the chunk loop's software pipeline (Triton's `tl.range(num_stages=...)`): above
         1, every load of a chunk (words, x, scales) is issued `stages - 1` chunks ahead by
         cp.async into shared memory, so the bytes in flight need no registers; 1 is the
-        plain loop.
+        plain loop. Only where it pays (`_gemv_stages`).
     """
 
     num_warps: int = 2
@@ -668,6 +669,7 @@ def gemv_tiling(
         for s in qw.segments
         if s.row_end > s.row_start
     )
+    stages = _gemv_stages(config, iters, arrivals * n_tiles, x2d.device)
     return GemvTiling(
         block_k,
         block_n,
@@ -677,8 +679,30 @@ def gemv_tiling(
         arrivals,
         config.num_warps,
         config.prefetch,
-        config.stages,
+        stages,
     )
+
+
+# Programs per SM above which a launch is several waves: there the other resident programs
+# already hide a program's load latency, and staged buffers (a chunk's words, 16 KB at 4
+# bits and 1024 columns, per stage) only cut how many programs fit on an SM.
+_STAGED_MAX_PROGRAMS_PER_SM = 8
+
+
+def _gemv_stages(config: GemvConfig, iters: int, programs: int, device: torch.device) -> int:
+    """The chunk loop's pipeline stages for one GEMV: config.stages where a program walks at
+    least that many chunks (a shorter loop never reaches the pipeline's steady state) and
+    the grid is about one wave; else 1, the plain loop. An H200 (tools/tune_gemv.py, 8B
+    GPTQ, each layer's weight in turn, bench/results/2026-11-29-h200-gemv-stages-s24.json):
+    down_proj 15.0 -> 13.5 us and gate_up 21.9 -> 21.0 us with 3 stages, while o_proj (2
+    chunks a program) lost 7.0 -> 7.8 and the head (30 programs per SM) 82 -> 87. A gathered
+    x (launch_gemv_partials) keeps the plain loop too: its loads through perm staged by
+    cp.async cost EXL2's GEMVs 10-25%."""
+    if config.stages <= 1 or iters < config.stages:
+        return 1
+    if programs > _STAGED_MAX_PROGRAMS_PER_SM * sm_count(device):
+        return 1
+    return config.stages
 
 
 def gemv_slots(tiling: GemvTiling, extra_slots: int = 0) -> int:
@@ -765,7 +789,7 @@ def launch_gemv_partials(
             BLOCK_N=t.block_n,
             BLOCK_K=t.block_k,
             PREFETCH=t.prefetch,
-            STAGES=t.stages,
+            STAGES=1 if gather else t.stages,
             EVEN_K=seg_rows % rows_per_split == 0,
             EVEN_N=n % t.block_n == 0,
             VEC_X=vec_x,
