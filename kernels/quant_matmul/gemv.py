@@ -86,8 +86,17 @@ class GemvConfig:
 # Fewer, longer splits for wide outputs (fewer slots for the slot sum to read) were
 # measured slower on an H100 (issue 31, session 12: qkv 7.7 -> 10.4 us, gate_up 26.0 -> 38.0
 # us, 8B decode -27%): the many short splits keep more loads in flight, so max_iters stays 4.
+# Three stages where they pay (`_gemv_stages`): 8B decode graph on an H200 2.039 -> 2.017 ms
+# (GPTQ) and 2.131 -> 2.111 ms (EXL2), logits bitwise equal (the same sums in the same
+# order); tune_gemv's GEMVs alone 1760 -> 1685 us a token
+# (bench/results/2026-11-29-h200-gemv-stages-s24.json).
 _GEMV_CONFIG = GemvConfig(
-    num_warps=4, cols_per_thread=(8, 8, 4, 4), programs_per_sm=2, max_iters=4, prefetch=True
+    num_warps=4,
+    cols_per_thread=(8, 8, 4, 4),
+    programs_per_sm=2,
+    max_iters=4,
+    prefetch=True,
+    stages=3,
 )
 
 
