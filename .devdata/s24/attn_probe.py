@@ -2,7 +2,8 @@
 dims, fp16 cache), one sequence: µs per layer over 32 layers' caches in turn (a CUDA graph
 of 32 calls, so the caches come from HBM as in a decode step), at the plan the engine
 picks and at forced keys per split.
-    python .devdata/s24/attn_probe.py OUT_JSON
+    python .devdata/s24/attn_probe.py OUT_JSON [CONTEXTS [SPLIT_TOKENS [nowide]]]
+CONTEXTS, SPLIT_TOKENS: comma-separated (plan: the engine's own plan).
 """
 
 from __future__ import annotations
@@ -43,8 +44,16 @@ def probe(context: int, split_tokens: int | None, headroom: int = 256) -> float:
 
 def main() -> int:
     out: dict = {"gpu": torch.cuda.get_device_name(), "us_per_layer": {}}
-    for context in (512, 2048, 8192):
-        for st in (None, 64, 128, 256, 512, 1024, 1 << 20):
+    contexts = [int(c) for c in sys.argv[2].split(",")] if len(sys.argv) > 2 else [512, 2048, 8192]
+    splits = [None, 64, 128, 256, 512, 1024, 1 << 20]
+    if len(sys.argv) > 3:
+        splits = [None if s == "plan" else int(s) for s in sys.argv[3].split(",")]
+    if len(sys.argv) > 4 and sys.argv[4] == "nowide":
+        # The plan without wide_split_config's 128-key blocks on 8 warps.
+        decode.wide_split_config = lambda *args, **kwargs: None
+        out["nowide"] = True
+    for context in contexts:
+        for st in splits:
             if st is not None and st > context + 256 and st != 1 << 20:
                 continue
             us = probe(context, st)
