@@ -455,44 +455,16 @@ def _splits_of(key_span: int, split_tokens: int, block_n: int) -> tuple[int, int
     return triton.cdiv(key_span, split_tokens), split_tokens
 
 
-def wide_split_config(
-    config: tuple[int, int, int],
-    num_splits: int,
-    split_tokens: int,
-    block_d: int,
-    use_dot: bool,
-    dtype: torch.dtype,
-    native_cache: bool = True,
-) -> tuple[int, int, int] | None:
-    """The tile for a plan of splits that each take 2-4 blocks of 64 keys (on an H100, one
-    sequence at about 4k-8k keys), or None to keep `config`: blocks of 128 keys on 8 warps,
-    double the bytes in flight per load. On an H100 (8B shapes, one sequence, fp16 cache)
-    that took 4096 keys from 14.0 to 12.1 µs per layer and 8192 from 20.5 to 17.7; splits
-    of one block (short contexts, batches) or of 6 and more (16k keys, two sequences at 8k)
-    were as fast or faster with 64-key blocks on 4 warps
-    (bench/results/2026-11-25-h100-mid-m-fold-and-decode-attention-s8.json,
-    attn_wide_tiles). Only measured with an unquantized cache: quantized ones
-    (`native_cache` False) keep `config`."""
-    block_g, block_n, _ = config
-    if (
-        not use_dot
-        or not native_cache
-        or num_splits < 2
-        or block_n != 64
-        or block_d > 128
-        or dtype == torch.float32
-        or not 2 * block_n <= split_tokens <= 4 * block_n
-    ):
-        return None
-    return block_g, 128, 8
-
-
 def _decode_config(
     group: int, block_d: int, use_dot: bool, dtype: torch.dtype
 ) -> tuple[int, int, int]:
     """(BLOCK_G, BLOCK_N, num_warps)."""
     if use_dot:
         # tl.dot needs 16 rows; 64 keys of 128 dims keep 32 KB of K+V in flight per step.
+        # Splits of 2-4 blocks once took 128-key blocks on 8 warps (an H100, 2026-11-25,
+        # two pipeline stages); with today's one stage that tile was slower on an H200, 8B
+        # shape, one sequence: 4096 keys 13.6 against 11.0 us a layer, 8192 keys 21.2
+        # against 15.4 (bench/results/2026-11-29-h200-decode-attention-tiles-s24.json).
         # float32's tf32x3 dots need half the keys to stay clear of register spills.
         block_n = (64 if block_d <= 128 else 32) // (2 if dtype == torch.float32 else 1)
         return max(16, triton.next_power_of_2(group)), block_n, 4
@@ -544,15 +516,6 @@ def decode_attention(
         num_splits, split_tokens = plan_splits(
             batch, num_kv_heads, key_span, _num_sms(q.device), block_n
         )
-        wide = wide_split_config(
-            (block_g, block_n, num_warps), num_splits, split_tokens, block_d, use_dot, q.dtype,
-            native_cache=not (k_format.quantized or v_format.quantized),
-        )  # fmt: skip
-        if wide is not None:
-            block_g, block_n, num_warps = wide
-            num_splits, split_tokens = plan_splits(
-                batch, num_kv_heads, key_span, _num_sms(q.device), block_n
-            )
     else:
         num_splits, split_tokens = _splits_of(max(key_span, 1), split_tokens, block_n)
     split = num_splits > 1
