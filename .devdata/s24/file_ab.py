@@ -9,6 +9,7 @@ A_COPY: the A version of FILE (e.g. from `git show REV:FILE`); B is FILE as chec
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def main() -> int:
     try:
         for fmt in formats:
             ref = None
-            for i, name in enumerate(["A", "B", "A", "B"]):
+            for i, name in enumerate(["A", "B", "A", "B"][: int(os.environ.get("RUNS", 4))]):
                 shutil.copy(a_copy if name == "A" else b_copy, target)
                 rows_out = f"/tmp/rows-{fmt}-{i}.pt"
                 p = subprocess.run(
@@ -54,6 +55,20 @@ def main() -> int:
                 r = torch.load(rows_out)
                 ref = ref or r
                 m["tokens_equal_A"] = r["tokens"] == ref["tokens"]
+                if not m["tokens_equal_A"]:
+                    # Where the greedy tokens part, and how far apart A's and this run's two
+                    # candidates were at that step (logits, fp32).
+                    pairs = zip(ref["tokens"], r["tokens"], strict=True)
+                    first = next(j for j, (a, b) in enumerate(pairs) if a != b)
+                    m["first_differing_step"] = first
+                    for tag, run in (("A", ref), ("this", r)):
+                        row = run["rows"][first].float()
+                        m[f"candidates_{tag}"] = {
+                            str(t): float(row[t])
+                            for t in (ref["tokens"][first], r["tokens"][first])
+                        }
+                    prev = (ref["rows"][:first].float() - r["rows"][:first].float()).abs()
+                    m["max_abs_logit_diff_before"] = float(prev.max()) if first else 0.0
                 diff = (r["rows"].float() - ref["rows"].float()).abs().max()
                 m["max_abs_logit_diff_vs_A"] = float(diff)
                 m["tok_s_replay"] = 1e3 / m["replay_ms"]
