@@ -14,12 +14,15 @@ def greedy_with_logits(
     last row and of every step (float32, on the CPU)."""
     session = engine.open_session()
     try:
-        logits = session.prefill(prompt)
+        # Each row copied out at once: on a GPU the session's logits can be a view of a
+        # buffer the next step writes again (a CUDA graph's output), so rows kept as
+        # returned all read the last step's values.
+        logits = session.prefill(prompt).float().cpu().clone()
         rows, tokens = [logits], []
         for _ in range(steps):
             tokens.append(int(logits.argmax()))
-            logits = session.step(tokens[-1])
+            logits = session.step(tokens[-1]).float().cpu().clone()
             rows.append(logits)
     finally:
         session.close()
-    return tokens, torch.stack(rows).float().cpu()
+    return tokens, torch.stack(rows)
