@@ -8,6 +8,12 @@
 Contract:
 - `hessian` is Σ XᵀX over the calibration inputs of the linear (fp32); inputs never seen
   (zero diagonal) get a unit diagonal so the inverse exists.
+- H is shrunk toward its diagonal, H + `shrink`·diag(H): XᵀX from a few thousand tokens
+  of one text estimates the inputs' correlations, and GPTQ moves each row's rounding error
+  onto the later rows through them, so correlations that hold only for the calibration
+  text misplace the error on other text (the sample-covariance remedy; issue 29: on
+  SmolLM2 at 4.0 bpw calibrated on English encyclopedia text alone, 0.3 lowered the
+  perplexity of all five held-out domains, multilingual by 6% and code by 4%).
 - Rows (input features) are permuted by argsort(diag H, descending) (stable), so the
   widest groups of the profile cover the most active inputs. H is damped by
   `damp`·mean(diag H); when the Cholesky factorization fails, the damping grows (up to 8
@@ -52,12 +58,15 @@ __all__ = [
     "gptq_quantize",
     "gptq_quantize_many",
     "output_error",
+    "DEFAULT_DAMP",
+    "DEFAULT_SHRINK",
     "prepare_hessian",
     "rtn_factors",
     "rtn_quantize",
 ]
 
 DEFAULT_DAMP = 0.1
+DEFAULT_SHRINK = 0.3
 _DAMP_RETRIES = 8
 # Candidates quantized together hold k·n·C fp32 values three times over (weights, results,
 # codes); beyond this many per sweep they are split, so a large linear's ten candidates
@@ -113,16 +122,22 @@ def check_reconstruction(
 
 
 def prepare_hessian(
-    hessian: torch.Tensor, *, damp: float = DEFAULT_DAMP, name: str = "linear"
+    hessian: torch.Tensor,
+    *,
+    damp: float = DEFAULT_DAMP,
+    shrink: float = DEFAULT_SHRINK,
+    name: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(perm, U): the act-order permutation and the upper Cholesky factor of the damped,
-    permuted inverse Hessian. Linears sharing an input share this."""
+    """(perm, U): the act-order permutation and the upper Cholesky factor of the shrunk,
+    damped, permuted inverse Hessian. Linears sharing an input share this."""
     h = hessian.detach().to(torch.float32).clone()
     k = h.shape[0]
     diag = torch.diagonal(h)
     dead = diag <= 0
     if bool(dead.any()):
         diag[dead] = 1.0
+    # Scales the diagonal alone (a view of h): act-order's permutation is unchanged.
+    diag.mul_(1.0 + shrink)
     perm = torch.argsort(diag, descending=True, stable=True)
     h = h[perm][:, perm]
     step = damp * float(torch.diagonal(h).mean())

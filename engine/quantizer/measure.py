@@ -63,7 +63,12 @@ from torch import nn
 
 from engine.modules import Linear
 from engine.quantizer.capture import Capture, capture_layer
-from engine.quantizer.gptq import gptq_quantize_many, prepare_hessian
+from engine.quantizer.gptq import (
+    DEFAULT_DAMP,
+    DEFAULT_SHRINK,
+    gptq_quantize_many,
+    prepare_hessian,
+)
 from engine.quantizer.model import CalibrationRunner, ModuleSpec, mid_stream_path, module_specs
 from engine.quantizer.profiles import LADDER, ROLE_OF_LINEAR, ModuleCandidate, module_candidates
 
@@ -117,7 +122,8 @@ def measure_layer(
     states: torch.Tensor,
     *,
     scale_search: str = "coarse",
-    damp: float = 0.1,
+    damp: float = DEFAULT_DAMP,
+    shrink: float = DEFAULT_SHRINK,
     score_tokens: int | None = None,
     error_reference: str = "layer",
     heldout: float = 0.0,
@@ -172,7 +178,7 @@ def measure_layer(
     for spec in specs:
         record[spec.kind] = _measure_module(
             runner, layer_idx, layer, spec, cap, stream_norms[spec.kind], scale_search, damp,
-            token_power, tick, keep,
+            shrink, token_power, tick, keep,
         )  # fmt: skip
     return out, record
 
@@ -186,6 +192,7 @@ def _measure_module(
     stream_norm: torch.Tensor,
     scale_search: str,
     damp: float,
+    shrink: float,
     token_power: float,
     tick: Callable[[], None] | None,
     keep: tuple[int, KeepWeights] | None = None,
@@ -206,7 +213,9 @@ def _measure_module(
     # Every (linear, rung) the table needs, quantized once.
     dequantized: dict[tuple[str, int], torch.Tensor] = {}
     for group in spec.groups:
-        perm, upper = prepare_hessian(cap.hessians[group.names[0]], damp=damp, name=group.names[0])
+        perm, upper = prepare_hessian(
+            cap.hessians[group.names[0]], damp=damp, shrink=shrink, name=group.names[0]
+        )
         for name in group.names:
             rungs = sorted({dict(c.rungs)[role_of(name)] for c in candidates})
             # All rungs in one sweep: they share the row loop and the error feedback.

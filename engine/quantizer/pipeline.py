@@ -44,7 +44,7 @@ from engine.config import ConfigError, ModelConfig
 from engine.cpu_threads import cpu_threads
 from engine.loading import overflows_float16, resolve_device
 from engine.quantizer import calibration as cal
-from engine.quantizer.gptq import DEFAULT_DAMP
+from engine.quantizer.gptq import DEFAULT_DAMP, DEFAULT_SHRINK
 from engine.quantizer.job import Job, JobMismatchError, atomic_write_text
 from engine.quantizer.measure import ERROR_REFERENCES, gptq_runs, measure_layer, scoring_rows
 from engine.quantizer.model import (
@@ -87,6 +87,7 @@ Measurement = dict[str, Any]
 QUANTIZER_VERSION = "kestrel-0.1.0"
 MIN_BITS, MAX_BITS = 2.0, 8.0
 MAX_DAMP = 10.0  # beyond this GPTQ is rounding to nearest with extra steps
+MAX_SHRINK = 100.0  # H nearly diagonal: error feedback along the diagonal alone
 MAX_TOKEN_POWER = 8.0  # past it a few worst tokens alone decide
 MIN_NORM, MAX_NORM = 1.0, 16.0  # 16: the largest error alone decides, for any practical table
 # (rows, length, measure rows, measure length) per device. The defaults put quality first;
@@ -129,6 +130,9 @@ class ConvertOptions:
     # GPTQ damping: this fraction of the Hessian's mean diagonal is added to its diagonal
     # (measuring and quantizing; a reused measurement keeps the damping it was made with).
     damp: float = DEFAULT_DAMP
+    # GPTQ's Hessian shrunk toward its diagonal, H + shrink * diag(H), before the damping
+    # (gptq.py's contract says why; measuring and quantizing, as the damping).
+    shrink: float = DEFAULT_SHRINK
     # The bit allocation minimizes Σ err^error_norm over the measured modules (optimize.py).
     error_norm: float = DEFAULT_NORM
     # How a measurement scores candidates (measure.py; measuring only, so not with -m):
@@ -208,6 +212,8 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         "score_tokens": _score_tokens(options, device),
     }
     # Each only when set: an OUT.partial from before the option existed still resumes.
+    if options.shrink:
+        settings["shrink"] = options.shrink
     if options.error_norm != DEFAULT_NORM:
         settings["error_norm"] = options.error_norm
     if options.error_reference != "layer":
@@ -280,6 +286,8 @@ def _check_options(o: ConvertOptions) -> None:
         raise ConvertError("measure_only needs measurement_out, the file to save it in")
     if not isinstance(o.damp, (int, float)) or not 0 < float(o.damp) <= MAX_DAMP:
         raise ConvertError(f"damping must lie in (0, {MAX_DAMP:g}], got {o.damp}")
+    if not isinstance(o.shrink, (int, float)) or not 0 <= float(o.shrink) <= MAX_SHRINK:
+        raise ConvertError(f"the Hessian shrinkage must lie in [0, {MAX_SHRINK:g}], got {o.shrink}")
     if not isinstance(o.error_norm, (int, float)) or not MIN_NORM <= o.error_norm <= MAX_NORM:
         raise ConvertError(
             f"the error norm must lie in {MIN_NORM:g}-{MAX_NORM:g}, got {o.error_norm}"
@@ -527,8 +535,9 @@ def _quantize_gptq(
             for i in range(done, n):
                 lm.load_layer(i)
                 states, tensors, errors = quantize_layer(
-                    runner, i, states, strategy[i], scale_search=search, damp=o.damp
-                )
+                    runner, i, states, strategy[i], scale_search=search, damp=o.damp,
+                    shrink=o.shrink,
+                )  # fmt: skip
                 lm.unload_layer(i)
                 _check_finite(lm, i, states)
                 job.save_tensors(Job.layer_file(i), tensors)
@@ -541,8 +550,9 @@ def _quantize_gptq(
         states = job.load_states("quant", n)
         with _bar(o, total=1, desc="lm_head", unit="linear") as bar:
             head, err = quantize_head(
-                lm, runner, states, job.settings["head_bits"], scale_search=search, damp=o.damp
-            )
+                lm, runner, states, job.settings["head_bits"], scale_search=search, damp=o.damp,
+                shrink=o.shrink,
+            )  # fmt: skip
             bar.set_postfix(err=f"{err:.4f}")
             bar.update()
         job.save_tensors("head.safetensors", head)
@@ -612,6 +622,7 @@ def _measure(
             "hessian_rows": fit,
             "scored_rows": scored,
             "damp": float(o.damp),
+            "shrink": float(o.shrink),
             **(_probe_scoring(lm, mrows, fast=o.fast) if probing else {}),
         },
         "layers": [],
@@ -649,6 +660,7 @@ def _measure(
                 states,
                 scale_search=search,
                 damp=o.damp,
+                shrink=o.shrink,
                 score_tokens=score_tokens,
                 error_reference=o.error_reference,
                 heldout=o.heldout,

@@ -32,6 +32,8 @@ from torch import nn
 from engine.modules import Linear
 from engine.quantizer.capture import capture_layer
 from engine.quantizer.gptq import (
+    DEFAULT_DAMP,
+    DEFAULT_SHRINK,
     GptqResult,
     gptq_quantize,
     output_error,
@@ -50,7 +52,8 @@ def quantize_layer(
     layer_strategy: dict[str, dict[str, str]],
     *,
     scale_search: str = "fast",
-    damp: float = 0.1,
+    damp: float = DEFAULT_DAMP,
+    shrink: float = DEFAULT_SHRINK,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
     lm = runner.lm
     layer = lm.layers[layer_idx]
@@ -78,7 +81,7 @@ def quantize_layer(
             )
             attn_out.update(cap.outputs)
             hessian = cap.hessians[first]
-            perm, upper = prepare_hessian(hessian, damp=damp, name=prefix + first)
+            perm, upper = prepare_hessian(hessian, damp=damp, shrink=shrink, name=prefix + first)
             for name in group.names:
                 linear = layer.get_submodule(name)
                 assert isinstance(linear, Linear)  # the model being quantized is dense
@@ -108,7 +111,8 @@ def quantize_head(
     head_bits: int,
     *,
     scale_search: str = "fast",
-    damp: float = 0.1,
+    damp: float = DEFAULT_DAMP,
+    shrink: float = DEFAULT_SHRINK,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """lm_head's EXL2 tensors (from the final norm of the last layer's quantized output)."""
     norm = lm.final_norm()
@@ -118,7 +122,7 @@ def quantize_head(
         hessian = x.t() @ x if hessian is None else hessian.addmm_(x.t(), x)
     assert hessian is not None
     weight = lm.head_weight()
-    perm, upper = prepare_hessian(hessian, damp=damp, name="lm_head")
+    perm, upper = prepare_hessian(hessian, damp=damp, shrink=shrink, name="lm_head")
     result = gptq_quantize(
         weight, perm, upper, HEAD_PROFILES[head_bits], name="lm_head", scale_search=scale_search
     )

@@ -366,7 +366,7 @@ def test_a_higher_error_norm_evens_out_the_errors():
 
 def test_error_norm_and_damp_reach_the_conversion(converted, tiny, tmp_path):
     """The strategy a conversion records is the one its error norm chooses (at a width
-    where norms 2 and 16 choose differently), and both options are in its settings."""
+    where norms 2 and 16 choose differently), and the options are in its settings."""
     from engine.quantizer.model import LayerwiseModel
     from engine.quantizer.strategy import choose_strategy
 
@@ -381,12 +381,15 @@ def test_error_norm_and_damp_reach_the_conversion(converted, tiny, tmp_path):
         != choose_strategy(lm, measurement, b, error_norm=16.0, sensitivity=True)[0]
     )
     out = tmp_path / "norm16"
-    opts = _options(bits, measurement_in=meas, error_norm=16.0, damp=0.25, stop_after_layers=1)
+    opts = _options(
+        bits, measurement_in=meas, error_norm=16.0, damp=0.25, shrink=0.5, stop_after_layers=1
+    )
     assert not convert(tiny, out, opts).finished
     job = json.loads((tmp_path / "norm16.partial" / "job.json").read_text())
     chosen = choose_strategy(lm, measurement, bits, error_norm=16.0, sensitivity=True)
     assert job["state"]["strategy"] == chosen[0]
     assert job["settings"]["error_norm"] == 16.0 and job["settings"]["damp"] == 0.25
+    assert job["settings"]["shrink"] == 0.5
 
 
 def _first_layer_measurement(tiny: Path, out: Path, **kw) -> dict:
@@ -405,8 +408,8 @@ def test_error_reference_and_heldout_reach_the_measurement(converted, tiny, tmp_
     _, meas = converted
     shared = json.loads(meas.read_text())
     assert shared["scoring"] == {"error_reference": "layer", "heldout": 0.0, "hessian_rows": 4,
-                                 "scored_rows": 4, "damp": 0.1, "sensitivity_rows": 4,
-                                 "sensitivity_tokens": 128}  # fmt: skip
+                                 "scored_rows": 4, "damp": 0.1, "shrink": 0.3,
+                                 "sensitivity_rows": 4, "sensitivity_tokens": 128}  # fmt: skip
     base = shared["layers"][0]
 
     job = _first_layer_measurement(tiny, tmp_path / "module", error_reference="module")
@@ -425,8 +428,8 @@ def test_error_reference_and_heldout_reach_the_measurement(converted, tiny, tmp_
     assert job["settings"]["heldout"] == 0.5 and "error_reference" not in job["settings"]
     got = job["state"]["measurement"]
     assert got["scoring"] == {"error_reference": "layer", "heldout": 0.5, "hessian_rows": 2,
-                              "scored_rows": 2, "damp": 0.1, "sensitivity_rows": 4,
-                                 "sensitivity_tokens": 128}  # fmt: skip
+                              "scored_rows": 2, "damp": 0.1, "shrink": 0.3,
+                              "sensitivity_rows": 4, "sensitivity_tokens": 128}  # fmt: skip
     for kind in ("attn", "mlp"):
         assert all(
             a["err"] != b["err"] for a, b in zip(got["layers"][0][kind], base[kind], strict=True)
