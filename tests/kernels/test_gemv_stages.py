@@ -12,6 +12,13 @@ from helpers.quant_weights import make_weight
 from kernels.quant_matmul import gemv, split_k
 
 
+def _config(num_warps: int = 2, max_iters: int = 8, stages: int = 3) -> gemv.GemvConfig:
+    return gemv.GemvConfig(
+        num_warps=num_warps, cols_per_thread=(2, 2, 2, 2), programs_per_sm=1,
+        max_iters=max_iters, prefetch=True, stages=stages,
+    )  # fmt: skip
+
+
 def _stages(k: int, n: int, config: gemv.GemvConfig, sms: int, monkeypatch) -> tuple[int, int]:
     monkeypatch.setattr(split_k, "sm_count", lambda device: sms)
     monkeypatch.setattr(gemv, "sm_count", lambda device: sms)
@@ -34,27 +41,17 @@ def _stages(k: int, n: int, config: gemv.GemvConfig, sms: int, monkeypatch) -> t
 def test_stages_only_where_the_loop_is_long_enough(
     k: int, n: int, sms: int, max_iters: int, want_iters: int, want_stages: int, monkeypatch
 ) -> None:
-    config = gemv.GemvConfig(
-        num_warps=2, cols_per_thread=(2, 2, 2, 2), programs_per_sm=1, max_iters=max_iters,
-        prefetch=True, stages=3,
-    )  # fmt: skip
+    config = _config(max_iters=max_iters)
     assert _stages(k, n, config, sms, monkeypatch) == (want_iters, want_stages)
 
 
 def test_many_waves_keep_the_plain_loop(monkeypatch) -> None:
     # 64 column tiles of 64 columns x 8 chunks of 32 rows: 64 programs on one SM, above
     # _STAGED_MAX_PROGRAMS_PER_SM; on 8 SMs the same grid is one wave and is staged.
-    config = gemv.GemvConfig(
-        num_warps=1, cols_per_thread=(2, 2, 2, 2), programs_per_sm=1, max_iters=8,
-        prefetch=True, stages=3,
-    )  # fmt: skip
+    config = _config(num_warps=1)
     assert _stages(256, 4096, config, 1, monkeypatch) == (8, 1)
     assert _stages(256, 4096, config, 8, monkeypatch) == (8, 3)
 
 
 def test_stages_one_is_the_plain_loop(monkeypatch) -> None:
-    config = gemv.GemvConfig(
-        num_warps=2, cols_per_thread=(2, 2, 2, 2), programs_per_sm=1, max_iters=8,
-        prefetch=True, stages=1,
-    )  # fmt: skip
-    assert _stages(1024, 256, config, 1, monkeypatch) == (8, 1)
+    assert _stages(1024, 256, _config(stages=1), 1, monkeypatch) == (8, 1)
