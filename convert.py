@@ -87,12 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--shrink",
         type=float,
-        default=DEFAULT_SHRINK,
+        default=None,
         help="GPTQ Hessian shrinkage toward its diagonal: H + SHRINK * diag(H) before the "
-        f"damping (default {DEFAULT_SHRINK:g}; 0 is plain GPTQ). Correlations between inputs "
-        "measured on one kind of text may not hold on others; shrinking them keeps GPTQ "
-        "from leaning on them, so the result reads other languages and code better when the "
-        "calibration text is narrow. With -m it applies to the quantization pass only",
+        f"damping (0 is plain GPTQ; default {DEFAULT_SHRINK:g} with -c, 0 with the shipped "
+        "mix). Correlations between inputs measured on one kind of text may not hold on "
+        "others; shrinking them keeps GPTQ from leaning on them, so the model reads other "
+        "languages and code better when the calibration text is narrow. With -m it applies "
+        "to the quantization pass only",
     )
     p.add_argument(
         "--error_norm",

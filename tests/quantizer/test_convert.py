@@ -408,7 +408,7 @@ def test_error_reference_and_heldout_reach_the_measurement(converted, tiny, tmp_
     _, meas = converted
     shared = json.loads(meas.read_text())
     assert shared["scoring"] == {"error_reference": "layer", "heldout": 0.0, "hessian_rows": 4,
-                                 "scored_rows": 4, "damp": 0.1, "shrink": 0.3,
+                                 "scored_rows": 4, "damp": 0.1, "shrink": 0.0,
                                  "sensitivity_rows": 4, "sensitivity_tokens": 128}  # fmt: skip
     base = shared["layers"][0]
 
@@ -428,7 +428,7 @@ def test_error_reference_and_heldout_reach_the_measurement(converted, tiny, tmp_
     assert job["settings"]["heldout"] == 0.5 and "error_reference" not in job["settings"]
     got = job["state"]["measurement"]
     assert got["scoring"] == {"error_reference": "layer", "heldout": 0.5, "hessian_rows": 2,
-                              "scored_rows": 2, "damp": 0.1, "shrink": 0.3,
+                              "scored_rows": 2, "damp": 0.1, "shrink": 0.0,
                               "sensitivity_rows": 4, "sensitivity_tokens": 128}  # fmt: skip
     for kind in ("attn", "mlp"):
         assert all(

@@ -70,3 +70,17 @@ def test_every_shrinkage_still_quantizes(shrink: float) -> None:
     result = gptq_quantize(weight, perm, upper, LADDER[0], scale_search="fast")
     assert torch.isfinite(result.dequantized).all()
     result.pack()  # checked against dequantize_exl2 inside
+
+
+def test_the_default_shrinkage_follows_the_calibration_source(tmp_path) -> None:
+    # The shipped mix spans the domains already: plain GPTQ. A user's own text (-c) is
+    # usually one kind of text: shrunk. An explicit value wins either way, 0 included.
+    from engine.quantizer.pipeline import ConvertOptions, _shrink, default_shrink
+
+    text = tmp_path / "mine.txt"
+    assert default_shrink(None) == 0.0
+    assert default_shrink(str(text)) == DEFAULT_SHRINK
+    assert _shrink(ConvertOptions(bits=4.0)) == 0.0
+    assert _shrink(ConvertOptions(bits=4.0, calibration=text)) == DEFAULT_SHRINK
+    assert _shrink(ConvertOptions(bits=4.0, calibration=text, shrink=0.0)) == 0.0
+    assert _shrink(ConvertOptions(bits=4.0, shrink=1.5)) == 1.5
