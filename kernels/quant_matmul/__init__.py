@@ -37,7 +37,10 @@ Paths, by the number of activation rows M (thresholds and `choose_path` in paths
   SM, so n = k = 4096 still fills 132 SMs. With GemvConfig.prefetch each program loads the
   next chunk's words while it works on this one, and the first chunk's before it waits for
   the previous kernel (programmatic dependent launch, kernels/backend.py): weights are never
-  written, so their loads may overlap the tail of whatever ran before.
+  written, so their loads may overlap the tail of whatever ran before. Where a program
+  walks enough chunks in about one wave (GemvConfig.stages, `_gemv_stages`), Triton's
+  software pipeline issues every load of a chunk two chunks ahead by cp.async into shared
+  memory, so more bytes are in flight than the registers could hold.
 * GEMV_MAX_M < M < DEQUANT_MIN_M (batched decode, speculative verification, short
   prefill chunks): `_dot_kernel` (dot.py), the same split-K structure with
   a [BLOCK_M, BLOCK_K] x tile and a [BLOCK_K, BLOCK_N] code tile on the tensor cores
