@@ -66,6 +66,8 @@ __all__ = [
 ]
 
 DEFAULT_DAMP = 0.1
+# The converter's shrinkage for a calibration text of the user's (pipeline.default_shrink);
+# the functions here default to 0, plain GPTQ.
 DEFAULT_SHRINK = 0.3
 _DAMP_RETRIES = 8
 # Candidates quantized together hold k·n·C fp32 values three times over (weights, results,
@@ -125,7 +127,7 @@ def prepare_hessian(
     hessian: torch.Tensor,
     *,
     damp: float = DEFAULT_DAMP,
-    shrink: float = DEFAULT_SHRINK,
+    shrink: float = 0.0,
     name: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(perm, U): the act-order permutation and the upper Cholesky factor of the shrunk,

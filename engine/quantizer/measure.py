@@ -65,7 +65,6 @@ from engine.modules import Linear
 from engine.quantizer.capture import Capture, capture_layer
 from engine.quantizer.gptq import (
     DEFAULT_DAMP,
-    DEFAULT_SHRINK,
     gptq_quantize_many,
     prepare_hessian,
 )
@@ -123,7 +122,7 @@ def measure_layer(
     *,
     scale_search: str = "coarse",
     damp: float = DEFAULT_DAMP,
-    shrink: float = DEFAULT_SHRINK,
+    shrink: float = 0.0,
     score_tokens: int | None = None,
     error_reference: str = "layer",
     heldout: float = 0.0,

@@ -33,7 +33,6 @@ from engine.modules import Linear
 from engine.quantizer.capture import capture_layer
 from engine.quantizer.gptq import (
     DEFAULT_DAMP,
-    DEFAULT_SHRINK,
     GptqResult,
     gptq_quantize,
     output_error,
@@ -53,7 +52,7 @@ def quantize_layer(
     *,
     scale_search: str = "fast",
     damp: float = DEFAULT_DAMP,
-    shrink: float = DEFAULT_SHRINK,
+    shrink: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
     lm = runner.lm
     layer = lm.layers[layer_idx]
@@ -112,7 +111,7 @@ def quantize_head(
     *,
     scale_search: str = "fast",
     damp: float = DEFAULT_DAMP,
-    shrink: float = DEFAULT_SHRINK,
+    shrink: float = 0.0,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """lm_head's EXL2 tensors (from the final norm of the last layer's quantized output)."""
     norm = lm.final_norm()
