@@ -44,7 +44,7 @@ from engine.config import ConfigError, ModelConfig
 from engine.cpu_threads import cpu_threads
 from engine.loading import overflows_float16, resolve_device
 from engine.quantizer import calibration as cal
-from engine.quantizer.gptq import DEFAULT_DAMP, DEFAULT_SHRINK
+from engine.quantizer.gptq import DEFAULT_DAMP
 from engine.quantizer.job import Job, JobMismatchError, atomic_write_text
 from engine.quantizer.measure import ERROR_REFERENCES, gptq_runs, measure_layer, scoring_rows
 from engine.quantizer.model import (
@@ -131,9 +131,11 @@ class ConvertOptions:
     # (measuring and quantizing; a reused measurement keeps the damping it was made with).
     damp: float = DEFAULT_DAMP
     # GPTQ's Hessian shrunk toward its diagonal, H + shrink * diag(H), before the damping
-    # (gptq.py's contract says why; measuring and quantizing, as the damping). None:
-    # `default_shrink`, by where the calibration text comes from.
-    shrink: float | None = None
+    # (gptq.py's contract says why; measuring and quantizing, as the damping). 0: plain
+    # GPTQ. Not on by default: on a narrow calibration text 0.3 helped SmolLM2-135M on
+    # every held-out domain and cost Gemma-3-270M 2-4% on every one (a CPU,
+    # bench/results/2026-11-29-cpu-quant-hessian-shrink-s24.json).
+    shrink: float = 0.0
     # The bit allocation minimizes Σ err^error_norm over the measured modules (optimize.py).
     error_norm: float = DEFAULT_NORM
     # How a measurement scores candidates (measure.py; measuring only, so not with -m):
@@ -167,22 +169,6 @@ class ConvertResult:
     measured_now: list[int] = field(default_factory=list)
     quantized_now: list[int] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def default_shrink(calibration: object) -> float:
-    """The Hessian shrinkage when none is asked for: DEFAULT_SHRINK for a calibration text
-    of the user's (-c), none for the shipped mix. A user's own text is usually one kind of
-    text, and the correlations GPTQ leans on then hold for that kind alone: on SmolLM2 at
-    3.0 bpw calibrated on English encyclopedia text, 0.3 lowered the perplexity of all
-    five held-out domains (multilingual 128 -> 107, code 19.6 -> 16.6, the calibration
-    domain's own 36.8 -> 36.0); at 4.0 all five too (multilingual 43.2 -> 40.7). The mix
-    already spans those kinds of text, and there 0.3 cost 0.4-2.5% at 4.0 bpw (a CPU,
-    16 windows a domain, bench/results/2026-11-29-cpu-quant-hessian-shrink-s24.json)."""
-    return 0.0 if calibration is None else DEFAULT_SHRINK
-
-
-def _shrink(o: ConvertOptions) -> float:
-    return float(o.shrink) if o.shrink is not None else default_shrink(o.calibration)
 
 
 def convert(input_path: str | Path, output: str | Path, options: ConvertOptions) -> ConvertResult:
@@ -229,8 +215,8 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         "score_tokens": _score_tokens(options, device),
     }
     # Each only when set: an OUT.partial from before the option existed still resumes.
-    if _shrink(options):
-        settings["shrink"] = _shrink(options)
+    if options.shrink:
+        settings["shrink"] = options.shrink
     if options.error_norm != DEFAULT_NORM:
         settings["error_norm"] = options.error_norm
     if options.error_reference != "layer":
@@ -303,9 +289,7 @@ def _check_options(o: ConvertOptions) -> None:
         raise ConvertError("measure_only needs measurement_out, the file to save it in")
     if not isinstance(o.damp, (int, float)) or not 0 < float(o.damp) <= MAX_DAMP:
         raise ConvertError(f"damping must lie in (0, {MAX_DAMP:g}], got {o.damp}")
-    if o.shrink is not None and (
-        not isinstance(o.shrink, (int, float)) or not 0 <= float(o.shrink) <= MAX_SHRINK
-    ):
+    if not isinstance(o.shrink, (int, float)) or not 0 <= float(o.shrink) <= MAX_SHRINK:
         raise ConvertError(f"the Hessian shrinkage must lie in [0, {MAX_SHRINK:g}], got {o.shrink}")
     if not isinstance(o.error_norm, (int, float)) or not MIN_NORM <= o.error_norm <= MAX_NORM:
         raise ConvertError(
@@ -555,7 +539,7 @@ def _quantize_gptq(
                 lm.load_layer(i)
                 states, tensors, errors = quantize_layer(
                     runner, i, states, strategy[i], scale_search=search, damp=o.damp,
-                    shrink=_shrink(o),
+                    shrink=o.shrink,
                 )  # fmt: skip
                 lm.unload_layer(i)
                 _check_finite(lm, i, states)
@@ -570,7 +554,7 @@ def _quantize_gptq(
         with _bar(o, total=1, desc="lm_head", unit="linear") as bar:
             head, err = quantize_head(
                 lm, runner, states, job.settings["head_bits"], scale_search=search, damp=o.damp,
-                shrink=_shrink(o),
+                shrink=o.shrink,
             )  # fmt: skip
             bar.set_postfix(err=f"{err:.4f}")
             bar.update()
@@ -641,7 +625,7 @@ def _measure(
             "hessian_rows": fit,
             "scored_rows": scored,
             "damp": float(o.damp),
-            "shrink": _shrink(o),
+            "shrink": float(o.shrink),
             **(_probe_scoring(lm, mrows, fast=o.fast) if probing else {}),
         },
         "layers": [],
@@ -679,7 +663,7 @@ def _measure(
                 states,
                 scale_search=search,
                 damp=o.damp,
-                shrink=_shrink(o),
+                shrink=o.shrink,
                 score_tokens=score_tokens,
                 error_reference=o.error_reference,
                 heldout=o.heldout,

@@ -9,7 +9,6 @@ import torch
 
 from engine.quantizer.gptq import (
     DEFAULT_DAMP,
-    DEFAULT_SHRINK,
     gptq_quantize,
     output_error,
     prepare_hessian,
@@ -37,7 +36,6 @@ def test_prepare_hessian_shrinks_the_diagonal_before_damping() -> None:
     want.diagonal().add_(DEFAULT_DAMP * float(want.diagonal().mean()))
     # U is the upper Cholesky factor of the inverse: Uᵀ U = H⁻¹.
     torch.testing.assert_close(upper.t() @ upper, torch.linalg.inv(want), rtol=1e-4, atol=1e-6)
-    assert 0 < DEFAULT_SHRINK
 
 
 def test_shrinkage_holds_up_where_the_correlations_change() -> None:
@@ -72,15 +70,11 @@ def test_every_shrinkage_still_quantizes(shrink: float) -> None:
     result.pack()  # checked against dequantize_exl2 inside
 
 
-def test_the_default_shrinkage_follows_the_calibration_source(tmp_path) -> None:
-    # The shipped mix spans the domains already: plain GPTQ. A user's own text (-c) is
-    # usually one kind of text: shrunk. An explicit value wins either way, 0 included.
-    from engine.quantizer.pipeline import ConvertOptions, _shrink, default_shrink
+def test_plain_gptq_unless_asked() -> None:
+    # Off by default: 0.3 helped SmolLM2-135M and cost Gemma-3-270M (issue 29, session 24).
+    import convert
+    from engine.quantizer.pipeline import ConvertOptions
 
-    text = tmp_path / "mine.txt"
-    assert default_shrink(None) == 0.0
-    assert default_shrink(str(text)) == DEFAULT_SHRINK
-    assert _shrink(ConvertOptions(bits=4.0)) == 0.0
-    assert _shrink(ConvertOptions(bits=4.0, calibration=text)) == DEFAULT_SHRINK
-    assert _shrink(ConvertOptions(bits=4.0, calibration=text, shrink=0.0)) == 0.0
-    assert _shrink(ConvertOptions(bits=4.0, shrink=1.5)) == 1.5
+    assert ConvertOptions(bits=4.0).shrink == 0.0
+    assert convert.parse_args(["-i", "m", "-o", "o", "-b", "4"]).shrink == 0.0
+    assert convert.parse_args(["-i", "m", "-o", "o", "-b", "4", "--shrink", "0.3"]).shrink == 0.3
