@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 29, next GPU session: the README's converter comparison with the Hessian shrinkage
-# (--shrink, 0.3 by default whenever -c gives the text: the "shared" calibration).
+# (--shrink 0.3; off by default since it cost Gemma-3-270M on the CPU) on the shared text.
 # Staging as .devdata/s16/q29.sh says (one warm machine, timeout_s 600 each):
 #   calls 1-7: "bash .devdata/s16/q29.sh carry DIR" with carry [DIR], for DIR in
 #     .devdata/s16/gemma/c0 ... c4, .devdata/s14/d/gguf.part0, .devdata/s14/d/gguf.part1;
@@ -25,6 +25,7 @@ run)
     esac
     timeout 570 python3 tools/compare_converters.py --model "$MODEL" --calibrations shared \
         --shared-text "$W/wiki.utf8" --kestrel-bits 4 3 --exllamav2-bits 4 3 --windows 20 \
+        --kestrel-args=--shrink=0.3 \
         --device cuda:0 --work "$W/s24-$2" --json "$OUT/q29s-$2.json" > "$OUT/q29s-$2.txt" 2>&1
     rc=$?
     tail -20 "$OUT/q29s-$2.txt"
