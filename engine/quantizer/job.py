@@ -12,6 +12,9 @@ any moment leaves either the old or the new version, never half of one):
                               between the two still finds the states of the recorded count
     layers/layer_NNNNN.safetensors   a quantized layer's tensors (checkpoint names)
     head.safetensors          the quantized lm_head
+    layers-sX/, head-sX.safetensors, states/quant-sX_NNNNN.safetensors
+                              the same for the quantizing pass at Hessian shrinkage X,
+                              when the shrinkage is chosen among passes (shrink_choice.py)
     input/                    a GGUF input imported to FP16 (when the input is GGUF)
     final/                    the output being assembled; renamed to OUT when complete
 
@@ -125,8 +128,9 @@ class Job:
         return (self.path / name).is_file()
 
     @staticmethod
-    def layer_file(i: int) -> str:
-        return f"layers/layer_{i:05d}.safetensors"
+    def layer_file(i: int, tag: str = "") -> str:
+        """Layer i's quantized tensors; `tag` names one of several quantizing passes."""
+        return f"layers{tag}/layer_{i:05d}.safetensors"
 
     @staticmethod
     def states_file(stage: str, layers: int) -> str:

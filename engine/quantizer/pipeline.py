@@ -68,6 +68,12 @@ from engine.quantizer.sensitivity import (
     probe_shape,
     sensitivity_record,
 )
+from engine.quantizer.shrink_choice import (
+    best_shrink,
+    heldout_loss,
+    heldout_row_count,
+    next_shrink,
+)
 from engine.quantizer.strategy import (
     MEASUREMENT_FORMAT,
     check_measurement,
@@ -88,6 +94,7 @@ QUANTIZER_VERSION = "kestrel-0.1.0"
 MIN_BITS, MAX_BITS = 2.0, 8.0
 MAX_DAMP = 10.0  # beyond this GPTQ is rounding to nearest with extra steps
 MAX_SHRINK = 100.0  # H nearly diagonal: error feedback along the diagonal alone
+AUTO_SHRINK = "auto"  # ConvertOptions.shrink: chosen per model (shrink_choice.py)
 MAX_TOKEN_POWER = 8.0  # past it a few worst tokens alone decide
 MIN_NORM, MAX_NORM = 1.0, 16.0  # 16: the largest error alone decides, for any practical table
 # (rows, length, measure rows, measure length) per device. The defaults put quality first;
@@ -131,11 +138,14 @@ class ConvertOptions:
     # (measuring and quantizing; a reused measurement keeps the damping it was made with).
     damp: float = DEFAULT_DAMP
     # GPTQ's Hessian shrunk toward its diagonal, H + shrink * diag(H), before the damping
-    # (gptq.py's contract says why; measuring and quantizing, as the damping). 0: plain
-    # GPTQ. Not on by default: on a narrow calibration text 0.3 helped SmolLM2-135M on
-    # every held-out domain and cost Gemma-3-270M 2-4% on every one (a CPU,
-    # bench/results/2026-11-29-cpu-quant-hessian-shrink-s24.json).
-    shrink: float = 0.0
+    # (gptq.py's contract says why). A number: that shrinkage, measuring and quantizing
+    # (0: plain GPTQ). "auto": chosen per model (shrink_choice.py): measured at 0, then
+    # quantized at two or three rungs, keeping the one whose held-out calibration rows
+    # read best, since what helps one model costs another (SmolLM2-135M gained on every
+    # domain, Gemma-3-270M lost). None: "auto" for the user's own calibration text, 0 for
+    # the shipped mix (broad already: 0.3 cost SmolLM2 0.4-2.5% there) and with `fast` or
+    # `rtn` (a quick try makes one pass).
+    shrink: float | str | None = None
     # The bit allocation minimizes Σ err^error_norm over the measured modules (optimize.py).
     error_norm: float = DEFAULT_NORM
     # How a measurement scores candidates (measure.py; measuring only, so not with -m):
@@ -215,8 +225,8 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         "score_tokens": _score_tokens(options, device),
     }
     # Each only when set: an OUT.partial from before the option existed still resumes.
-    if options.shrink:
-        settings["shrink"] = options.shrink
+    if _shrink_setting(options) != 0.0:
+        settings["shrink"] = _shrink_setting(options)
     if options.error_norm != DEFAULT_NORM:
         settings["error_norm"] = options.error_norm
     if options.error_reference != "layer":
@@ -289,8 +299,15 @@ def _check_options(o: ConvertOptions) -> None:
         raise ConvertError("measure_only needs measurement_out, the file to save it in")
     if not isinstance(o.damp, (int, float)) or not 0 < float(o.damp) <= MAX_DAMP:
         raise ConvertError(f"damping must lie in (0, {MAX_DAMP:g}], got {o.damp}")
-    if not isinstance(o.shrink, (int, float)) or not 0 <= float(o.shrink) <= MAX_SHRINK:
-        raise ConvertError(f"the Hessian shrinkage must lie in [0, {MAX_SHRINK:g}], got {o.shrink}")
+    if (
+        o.shrink is not None
+        and o.shrink != AUTO_SHRINK
+        and (not isinstance(o.shrink, (int, float)) or not 0 <= float(o.shrink) <= MAX_SHRINK)
+    ):
+        raise ConvertError(
+            f"the Hessian shrinkage must be {AUTO_SHRINK!r} or lie in [0, {MAX_SHRINK:g}], "
+            f"got {o.shrink!r}"
+        )
     if not isinstance(o.error_norm, (int, float)) or not MIN_NORM <= o.error_norm <= MAX_NORM:
         raise ConvertError(
             f"the error norm must lie in {MIN_NORM:g}-{MAX_NORM:g}, got {o.error_norm}"
@@ -366,6 +383,21 @@ def _row_settings(o: ConvertOptions, device: torch.device) -> tuple[int, int, in
     return (o.rows or r, o.length or ln, o.measure_rows or mr, o.measure_length or ml)
 
 
+def _shrink_setting(o: ConvertOptions) -> float | str:
+    """The shrinkage this conversion quantizes with, or "auto" (chosen per model)."""
+    if o.shrink == AUTO_SHRINK:
+        return 0.0 if o.rtn else AUTO_SHRINK
+    if o.shrink is not None:
+        return float(o.shrink)
+    return 0.0 if o.fast or o.rtn or o.calibration is None else AUTO_SHRINK
+
+
+def _measure_shrink(o: ConvertOptions) -> float:
+    """The shrinkage the measurement uses: a chosen one is chosen after it, from 0."""
+    setting = _shrink_setting(o)
+    return 0.0 if setting == AUTO_SHRINK else float(setting)
+
+
 def _score_tokens(o: ConvertOptions, device: torch.device) -> int | None:
     return SCORE_TOKENS_CPU if o.fast and device.type == "cpu" else None
 
@@ -429,7 +461,16 @@ def _run(
         tokenizer = Tokenizer.from_dir(model_dir)
         with _bar(o, total=2, desc="tokenize", unit="set") as bar:
             try:
-                quant_rows = cal.calibration_rows(tokenizer, texts, s["rows"], s["length"])
+                # Held-out rows (shrinkage chosen per model) continue the quantizing rows,
+                # so the Hessians never see them.
+                extra = (
+                    heldout_row_count(s["rows"], s["length"])
+                    if s.get("shrink") == AUTO_SHRINK
+                    else 0
+                )
+                quant_rows = cal.calibration_rows(tokenizer, texts, s["rows"] + extra, s["length"])
+                heldout_rows = quant_rows[s["rows"] :]
+                quant_rows = quant_rows[: s["rows"]]
                 bar.update()
                 mids = cal.calibration_rows(
                     tokenizer, texts, s["measure_rows"], s["measure_length"]
@@ -452,7 +493,16 @@ def _run(
         ):
             if got.shape[0] < want:
                 _say(o, f"note: the calibration text gives {got.shape[0]} {what}, not {want}")
-        job.save_tensors("calibration.safetensors", {"rows": quant_rows, "measure_rows": mids})
+        if extra and heldout_rows.shape[0] < extra:
+            _say(
+                o,
+                f"note: the calibration text leaves {heldout_rows.shape[0]} held-out rows, "
+                f"not {extra}" + (", so the shrinkage is 0" if not heldout_rows.shape[0] else ""),
+            )
+        saved = {"rows": quant_rows, "measure_rows": mids}
+        if heldout_rows.shape[0]:
+            saved["heldout_rows"] = heldout_rows
+        job.save_tensors("calibration.safetensors", saved)
     ids = job.load_tensors("calibration.safetensors")
 
     # -- measure -----------------------------------------------------------------------
@@ -486,18 +536,26 @@ def _run(
 
     # -- quantize ----------------------------------------------------------------------
     rows = ids["rows"]
+    shrink = 0.0
     if o.rtn:
         _quantize_rtn(job, lm, strategy, o, full_search, steps, result)
+    elif s.get("shrink") == AUTO_SHRINK and "heldout_rows" in ids:
+        shrink = _quantize_choosing_shrink(
+            job, lm, rows, ids["heldout_rows"], strategy, o, full_search, steps, result
+        )
     else:
-        _quantize_gptq(job, lm, rows, strategy, o, full_search, steps, result)
+        shrink = float(s.get("shrink", 0.0)) if s.get("shrink") != AUTO_SHRINK else 0.0
+        _quantize_gptq(job, lm, rows, strategy, o, full_search, steps, result, shrink=shrink)
+    chosen = s.get("shrink") == AUTO_SHRINK and "heldout_rows" in ids
+    tag = _shrink_tag(shrink) if chosen else ""
 
     # -- compile -----------------------------------------------------------------------
     written: dict[str, torch.Tensor] = {}
     with _bar(o, total=n + 2, desc="compile", unit="file") as bar:
         for i in range(n):
-            written.update(job.load_tensors(Job.layer_file(i)))
+            written.update(job.load_tensors(Job.layer_file(i, tag)))
             bar.update()
-        written.update(job.load_tensors("head.safetensors"))
+        written.update(job.load_tensors(f"head{tag}.safetensors"))
         for name in ("model.embed_tokens.weight", "model.norm.weight"):
             written[name] = lm.store.get(name, dtype=torch.float16)
         bpw = written_bpw(written, lm)
@@ -507,6 +565,9 @@ def _run(
             "bits": float(s["bits"]),
             "head_bits": s["head_bits"],
             "achieved_bits": round(bpw, 4),
+            **({} if o.rtn else {"hessian_shrink": shrink}),
+            # How the shrinkage was chosen: held-out perplexity per tried shrinkage.
+            **({"hessian_shrink_heldout_ppl": _trial_ppl(job)} if chosen else {}),
             "calibration": {"rows": int(rows.shape[0]), "length": int(rows.shape[1]),
                             "dataset": s["dataset"]},
         }  # fmt: skip
@@ -518,6 +579,55 @@ def _run(
     _say(o, f"wrote {out}: {bpw:.4f} bpw (decoder), head {s['head_bits']} bits")
 
 
+def _shrink_tag(shrink: float) -> str:
+    """The suffix of one shrinkage's quantizing pass (its states, layer files, head)."""
+    return f"-s{shrink:g}"
+
+
+def _quantize_choosing_shrink(
+    job: Job,
+    lm: LayerwiseModel,
+    rows: torch.Tensor,
+    heldout: torch.Tensor,
+    strategy: list[dict[str, dict[str, str]]],
+    o: ConvertOptions,
+    search: str,
+    steps: _Steps,
+    result: ConvertResult,
+) -> float:
+    """One quantizing pass per rung of shrink_choice's ladder; returns the chosen rung, whose
+    pass is kept (the others' files are removed as soon as they lose)."""
+    trials = {float(k): float(v) for k, v in job.get("shrink_losses", {}).items()}
+    while (shrink := next_shrink(trials)) is not None:
+        loss = _quantize_gptq(
+            job, lm, rows, strategy, o, search, steps, result,
+            shrink=shrink, tag=_shrink_tag(shrink), heldout=heldout,
+        )  # fmt: skip
+        assert loss is not None
+        trials[shrink] = loss
+        job.update(shrink_losses={f"{k:g}": v for k, v in trials.items()})
+        _say(o, f"shrinkage {shrink:g}: held-out perplexity {math.exp(loss):.3f}")
+        best = best_shrink(trials)
+        for tried in trials:
+            if tried != best:
+                _remove_pass(job, _shrink_tag(tried))
+    best = best_shrink(trials)
+    if job.get("shrink") != best:
+        job.update(shrink=best)
+        tried = ", ".join(f"{k:g}: {math.exp(v):.3f}" for k, v in sorted(trials.items()))
+        _say(o, f"shrinkage {best:g} chosen (held-out perplexity by shrinkage: {tried})")
+    return best
+
+
+def _trial_ppl(job: Job) -> dict[str, float]:
+    return {k: round(math.exp(v), 4) for k, v in job.get("shrink_losses", {}).items()}
+
+
+def _remove_pass(job: Job, tag: str) -> None:
+    shutil.rmtree(job.path / f"layers{tag}", ignore_errors=True)
+    (job.path / f"head{tag}.safetensors").unlink(missing_ok=True)
+
+
 def _quantize_gptq(
     job: Job,
     lm: LayerwiseModel,
@@ -527,39 +637,68 @@ def _quantize_gptq(
     search: str,
     steps: _Steps,
     result: ConvertResult,
-) -> None:
-    """GPTQ, layer by layer, each fed the states of the already-quantized layers before it."""
+    *,
+    shrink: float,
+    tag: str = "",
+    heldout: torch.Tensor | None = None,
+) -> float | None:
+    """GPTQ, layer by layer, each fed the states of the already-quantized layers before it.
+    With `heldout` token rows, their states go through each quantized layer too and the
+    pass returns their mean next-token loss (nats) through the quantized head."""
     n = lm.num_layers
+    stage = "quant" + tag
+    layers_key, head_key, loss_key = (f"quantized_layers{tag}", f"head_done{tag}",
+                                      f"heldout_loss{tag}")  # fmt: skip
+    if job.get(head_key) and (heldout is None or job.get(loss_key) is not None):
+        return job.get(loss_key)
     runner = CalibrationRunner(lm, length=rows.shape[1], chunk_rows=_chunk_rows(rows, lm.device))
-    done = job.get("quantized_layers", 0)
+    done = job.get(layers_key, 0)
+    held = None
     if done < n:
-        states = job.load_states("quant", done) if done else lm.embed(rows).cpu()
-        with _bar(o, total=n, initial=done, desc="quantize", unit="layer") as bar:
+        if done:
+            states = job.load_states(stage, done)
+            held = job.load_state_extras(stage, done).get("heldout")
+        else:
+            states = lm.embed(rows).cpu()
+            held = lm.embed(heldout).cpu() if heldout is not None else None
+        desc = "quantize" if not tag else f"quantize (shrinkage {shrink:g})"
+        with _bar(o, total=n, initial=done, desc=desc, unit="layer") as bar:
             for i in range(done, n):
                 lm.load_layer(i)
                 states, tensors, errors = quantize_layer(
                     runner, i, states, strategy[i], scale_search=search, damp=o.damp,
-                    shrink=o.shrink,
+                    shrink=shrink,
                 )  # fmt: skip
+                if held is not None:
+                    held = runner.run_layer(i, held).cpu()
                 lm.unload_layer(i)
                 _check_finite(lm, i, states)
-                job.save_tensors(Job.layer_file(i), tensors)
-                job.advance_states("quant", i + 1, states, quantized_layers=i + 1)
+                job.save_tensors(Job.layer_file(i, tag), tensors)
+                extra = {"heldout": held} if held is not None else None
+                job.advance_states(stage, i + 1, states, extra=extra, **{layers_key: i + 1})
                 result.quantized_now.append(i)
                 bar.set_postfix(max_err=f"{max(errors.values()):.4f}")
                 bar.update()
                 steps.done()
-    if not job.get("head_done"):
-        states = job.load_states("quant", n)
-        with _bar(o, total=1, desc="lm_head", unit="linear") as bar:
-            head, err = quantize_head(
-                lm, runner, states, job.settings["head_bits"], scale_search=search, damp=o.damp,
-                shrink=o.shrink,
-            )  # fmt: skip
-            bar.set_postfix(err=f"{err:.4f}")
-            bar.update()
-        job.save_tensors("head.safetensors", head)
-        job.update(head_done=True)
+    states = job.load_states(stage, n)
+    if heldout is not None and held is None:
+        held = job.load_state_extras(stage, n).get("heldout")
+    with _bar(o, total=1, desc="lm_head", unit="linear") as bar:
+        head, err, head_weight = quantize_head(
+            lm, runner, states, job.settings["head_bits"], scale_search=search, damp=o.damp,
+            shrink=shrink,
+        )  # fmt: skip
+        bar.set_postfix(err=f"{err:.4f}")
+        bar.update()
+    loss = None
+    if heldout is not None:
+        assert held is not None
+        loss = heldout_loss(lm, held, head_weight, heldout)
+    job.save_tensors(f"head{tag}.safetensors", head)
+    job.update(**{head_key: True, loss_key: loss})
+    if tag:  # a finished pass needs its states no more
+        (job.path / Job.states_file(stage, n)).unlink(missing_ok=True)
+    return loss
 
 
 def _quantize_rtn(
@@ -625,7 +764,7 @@ def _measure(
             "hessian_rows": fit,
             "scored_rows": scored,
             "damp": float(o.damp),
-            "shrink": float(o.shrink),
+            "shrink": _measure_shrink(o),
             **(_probe_scoring(lm, mrows, fast=o.fast) if probing else {}),
         },
         "layers": [],
@@ -663,7 +802,7 @@ def _measure(
                 states,
                 scale_search=search,
                 damp=o.damp,
-                shrink=o.shrink,
+                shrink=_measure_shrink(o),
                 score_tokens=score_tokens,
                 error_reference=o.error_reference,
                 heldout=o.heldout,

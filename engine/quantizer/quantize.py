@@ -1,7 +1,7 @@
 """The quantization pass: each layer's linears by GPTQ, fed by already-quantized layers.
 
     out_states, tensors, errors = quantize_layer(runner, i, states, layer_strategy)
-    tensors = quantize_head(lm, runner, states, head_bits)
+    tensors, error, dequantized = quantize_head(lm, runner, states, head_bits)
     tensors, errors = rtn_quantize_layer(lm, i, layer_strategy)     # convert.py --rtn
     tensors = rtn_quantize_head(lm, head_bits)
 
@@ -112,8 +112,9 @@ def quantize_head(
     scale_search: str = "fast",
     damp: float = DEFAULT_DAMP,
     shrink: float = 0.0,
-) -> tuple[dict[str, torch.Tensor], float]:
-    """lm_head's EXL2 tensors (from the final norm of the last layer's quantized output)."""
+) -> tuple[dict[str, torch.Tensor], float, torch.Tensor]:
+    """lm_head's EXL2 tensors (from the final norm of the last layer's quantized output),
+    its relative output error and its dequantized weight [vocab, hidden] (float32)."""
     norm = lm.final_norm()
     hessian = None
     for rows in runner.chunks(states.shape[0]):
@@ -128,7 +129,7 @@ def quantize_head(
     bias = lm.store.get("lm_head.bias", dtype=torch.float16) if "lm_head.bias" in lm.store else None
     packed = result.pack(bias)
     error = output_error(weight, result.dequantized, hessian)
-    return {f"lm_head.{k}": v.cpu() for k, v in packed.items()}, error
+    return {f"lm_head.{k}": v.cpu() for k, v in packed.items()}, error, result.dequantized
 
 
 @torch.inference_mode()

@@ -534,6 +534,7 @@ def test_a_listener_hears_every_stage_of_a_conversion(tiny, tmp_path):
     convert(tiny, tmp_path / "out", _options(4.0, listener=heard.append))
     stages = {line.split(" ", 1)[0] for line in heard}
     assert {"measure", "quantize", "compile"} <= stages
+    # "<stage> <done>/<total> <unit>"; a stage may hold spaces ("quantize (shrinkage 0.3)").
     last_quantize = [line for line in heard if line.startswith("quantize")][-1]
-    done, total = last_quantize.split(" ")[1].split("/")
+    done, total = last_quantize.rsplit(" ", 2)[1].split("/")
     assert done == total  # the last report of a bar is its end

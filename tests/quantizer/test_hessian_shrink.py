@@ -70,11 +70,24 @@ def test_every_shrinkage_still_quantizes(shrink: float) -> None:
     result.pack()  # checked against dequantize_exl2 inside
 
 
-def test_plain_gptq_unless_asked() -> None:
-    # Off by default: 0.3 helped SmolLM2-135M and cost Gemma-3-270M (issue 29, session 24).
+def test_chosen_for_a_users_own_text_plain_otherwise() -> None:
+    """Issue 29: 0.3 helped SmolLM2-135M and cost Gemma-3-270M, so by default the shrinkage
+    is chosen per model on a user's own text; the shipped mix, --fast and --rtn take 0."""
     import convert
-    from engine.quantizer.pipeline import ConvertOptions
+    from engine.quantizer.pipeline import ConvertOptions, _shrink_setting
 
-    assert ConvertOptions(bits=4.0).shrink == 0.0
-    assert convert.parse_args(["-i", "m", "-o", "o", "-b", "4"]).shrink == 0.0
-    assert convert.parse_args(["-i", "m", "-o", "o", "-b", "4", "--shrink", "0.3"]).shrink == 0.3
+    def setting(**kw) -> float | str:
+        return _shrink_setting(ConvertOptions(bits=4.0, **kw))
+
+    assert ConvertOptions(bits=4.0).shrink is None
+    assert setting() == 0.0
+    assert setting(calibration="own.txt") == "auto"
+    assert setting(calibration="own.txt", fast=True) == 0.0
+    assert setting(calibration="own.txt", rtn=True) == 0.0
+    assert setting(shrink="auto") == "auto" and setting(shrink="auto", rtn=True) == 0.0
+    assert setting(calibration="own.txt", shrink=0.5) == 0.5
+    assert setting(calibration="own.txt", shrink=0) == 0.0
+    args = ["-i", "m", "-o", "o", "-b", "4"]
+    assert convert.parse_args(args).shrink is None
+    assert convert.parse_args([*args, "--shrink", "auto"]).shrink == "auto"
+    assert convert.parse_args([*args, "--shrink", "0.3"]).shrink == 0.3
