@@ -536,17 +536,19 @@ def _run(
 
     # -- quantize ----------------------------------------------------------------------
     rows = ids["rows"]
+    # Chosen among passes when asked and the text left rows to hold out (else plain GPTQ).
+    chosen = s.get("shrink") == AUTO_SHRINK and "heldout_rows" in ids
     shrink = 0.0
     if o.rtn:
         _quantize_rtn(job, lm, strategy, o, full_search, steps, result)
-    elif s.get("shrink") == AUTO_SHRINK and "heldout_rows" in ids:
+    elif chosen:
         shrink = _quantize_choosing_shrink(
             job, lm, rows, ids["heldout_rows"], strategy, o, full_search, steps, result
         )
     else:
-        shrink = float(s.get("shrink", 0.0)) if s.get("shrink") != AUTO_SHRINK else 0.0
+        if s.get("shrink") != AUTO_SHRINK:
+            shrink = float(s.get("shrink", 0.0))
         _quantize_gptq(job, lm, rows, strategy, o, full_search, steps, result, shrink=shrink)
-    chosen = s.get("shrink") == AUTO_SHRINK and "heldout_rows" in ids
     tag = _shrink_tag(shrink) if chosen else ""
 
     # -- compile -----------------------------------------------------------------------
