@@ -69,6 +69,7 @@ from engine.quantizer.sensitivity import (
     sensitivity_record,
 )
 from engine.quantizer.shrink_choice import (
+    SHRINK_LADDER,
     best_shrink,
     heldout_loss,
     heldout_row_count,
@@ -600,6 +601,15 @@ def _quantize_choosing_shrink(
     """One quantizing pass per rung of shrink_choice's ladder; returns the chosen rung, whose
     pass is kept (the others' files are removed as soon as they lose)."""
     trials = {float(k): float(v) for k, v in job.get("shrink_losses", {}).items()}
+    if not trials:
+        rungs = [f"{r:g}" for r in SHRINK_LADDER]
+        _say(
+            o,
+            f"choosing GPTQ's Hessian shrinkage (--shrink auto): a quantizing pass at "
+            f"{' and '.join(rungs[:2])}, then {', '.join(rungs[2:])} while the last helped; "
+            f"the pass whose {heldout.shape[0]} held-out rows of the calibration text read "
+            "best is kept",
+        )
     while (shrink := next_shrink(trials)) is not None:
         loss = _quantize_gptq(
             job, lm, rows, strategy, o, search, steps, result,
