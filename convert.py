@@ -94,9 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(0: plain GPTQ). Correlations between inputs seen in one kind of text may not hold "
         "in others; shrinking them keeps GPTQ from leaning on them, which helps some models "
         f"and costs others. auto: quantize at {_ladder()} (the next only while the last "
-        "helped) and keep the one whose held-out calibration rows read best (about 1.2-1.4x "
-        "the conversion time). Default: auto with your own text (-c), 0 with the shipped "
-        "mix, --fast or --rtn. With -m it applies to the quantization pass only",
+        "helped) and keep the one whose held-out calibration rows read best: two or three "
+        "quantizing passes instead of one (about 1.5x a whole conversion; 2-3x with -m, "
+        "where quantizing is all the work). Default: auto with your own text (-c), 0 with "
+        "the shipped mix, --fast or --rtn. With -m it applies to the quantization pass only",
     )
 
     p.add_argument(

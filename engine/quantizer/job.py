@@ -103,6 +103,18 @@ class Job:
         job.save()
         return job
 
+    @staticmethod
+    def saved_settings(path: Path) -> dict[str, Any] | None:
+        """The settings of the job in `path`, or None where there is no readable one."""
+        try:
+            saved = json.loads((path / "job.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(saved, dict) or saved.get("format") != JOB_FORMAT:
+            return None
+        settings = saved.get("settings")
+        return settings if isinstance(settings, dict) else None
+
     def save(self) -> None:
         payload = {"format": JOB_FORMAT, "settings": self.settings, "state": self.state}
         atomic_write_text(self.path / "job.json", json.dumps(payload, indent=1))

@@ -69,6 +69,7 @@ from engine.quantizer.sensitivity import (
     sensitivity_record,
 )
 from engine.quantizer.shrink_choice import (
+    MIN_HELDOUT_TOKENS,
     SHRINK_LADDER,
     best_shrink,
     heldout_loss,
@@ -238,6 +239,14 @@ def convert(input_path: str | Path, output: str | Path, options: ConvertOptions)
         settings["token_power"] = float(options.token_power)
     if options.sensitivity != "off":
         settings["sensitivity"] = options.sensitivity
+    if (
+        options.shrink is None
+        and settings.get("shrink") == AUTO_SHRINK
+        and "shrink" not in (Job.saved_settings(partial) or {"shrink": None})
+    ):
+        # A job begun before the shrinkage was chosen by default resumes as it began:
+        # plain GPTQ (its settings hold no shrinkage), instead of a mismatch error.
+        del settings["shrink"]
     try:
         job = Job.open(partial, settings, resume=options.resume)
     except JobMismatchError as e:
@@ -466,7 +475,7 @@ def _run(
                 # so the Hessians never see them.
                 extra = (
                     heldout_row_count(s["rows"], s["length"])
-                    if s.get("shrink") == AUTO_SHRINK
+                    if s.get("shrink") == AUTO_SHRINK and not o.measure_only
                     else 0
                 )
                 quant_rows = cal.calibration_rows(tokenizer, texts, s["rows"] + extra, s["length"])
@@ -495,11 +504,15 @@ def _run(
             if got.shape[0] < want:
                 _say(o, f"note: the calibration text gives {got.shape[0]} {what}, not {want}")
         if extra and heldout_rows.shape[0] < extra:
+            # Too few tokens and the rungs' small differences are noise: plain GPTQ then.
+            enough = heldout_rows.numel() >= MIN_HELDOUT_TOKENS // 2
             _say(
                 o,
                 f"note: the calibration text leaves {heldout_rows.shape[0]} held-out rows, "
-                f"not {extra}" + (", so the shrinkage is 0" if not heldout_rows.shape[0] else ""),
+                f"not {extra}" + ("" if enough else ", too few to choose by: shrinkage 0"),
             )
+            if not enough:
+                heldout_rows = heldout_rows[:0]
         saved = {"rows": quant_rows, "measure_rows": mids}
         if heldout_rows.shape[0]:
             saved["heldout_rows"] = heldout_rows
@@ -626,13 +639,15 @@ def _quantize_choosing_shrink(
     best = best_shrink(trials)
     if job.get("shrink") != best:
         job.update(shrink=best)
-        tried = ", ".join(f"{k:g}: {math.exp(v):.3f}" for k, v in sorted(trials.items()))
-        _say(o, f"shrinkage {best:g} chosen (held-out perplexity by shrinkage: {tried})")
+        table = ", ".join(f"{k:g}: {math.exp(v):.3f}" for k, v in sorted(trials.items()))
+        _say(o, f"shrinkage {best:g} chosen (held-out perplexity by shrinkage: {table})")
     return best
 
 
-def _trial_ppl(job: Job) -> dict[str, float]:
-    return {k: round(math.exp(v), 4) for k, v in job.get("shrink_losses", {}).items()}
+def _trial_ppl(job: Job) -> dict[str, float | None]:
+    """Held-out perplexity per tried shrinkage (None where the loss was not finite)."""
+    losses = job.get("shrink_losses", {})
+    return {k: round(math.exp(v), 4) if math.isfinite(v) else None for k, v in losses.items()}
 
 
 def _remove_pass(job: Job, tag: str) -> None:
@@ -662,7 +677,8 @@ def _quantize_gptq(
     layers_key, head_key, loss_key = (f"quantized_layers{tag}", f"head_done{tag}",
                                       f"heldout_loss{tag}")  # fmt: skip
     if job.get(head_key) and (heldout is None or job.get(loss_key) is not None):
-        return job.get(loss_key)
+        recorded = job.get(loss_key)
+        return None if recorded is None else float(recorded)
     runner = CalibrationRunner(lm, length=rows.shape[1], chunk_rows=_chunk_rows(rows, lm.device))
     done = job.get(layers_key, 0)
     held = None

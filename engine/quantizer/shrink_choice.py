@@ -18,10 +18,12 @@ Contract:
   rung before it lowered the held-out loss below every rung before that (the loss is about
   unimodal in the shrinkage: more of it trades the calibration text's fit for
   generality). So a conversion makes two or three quantizing passes.
-- `best_shrink` breaks ties toward less shrinkage (plain GPTQ on a tie).
+- `best_shrink` breaks ties toward less shrinkage (plain GPTQ on a tie); a loss that is
+  not finite counts as the worst.
 - `heldout_row_count` holds out an eighth of the quantizing rows, and at least
   MIN_HELDOUT_TOKENS tokens: the rungs' losses differ by about a percent, which a few
-  thousand tokens resolve as a paired comparison (the same tokens under each rung).
+  thousand tokens resolve as a paired comparison (the same tokens under each rung). A text
+  that leaves fewer than half of MIN_HELDOUT_TOKENS is quantized at 0 (pipeline.py).
 - `heldout_loss` is the mean next-token negative log-likelihood in nats of `token_ids`
   [R, L] given the final hidden states [R, L, hidden] after the quantized layers, through
   the final norm (float32) and the quantized head's dequantized weight, with the model's
@@ -63,10 +65,11 @@ def next_shrink(trials: dict[float, float]) -> float | None:
 
 
 def best_shrink(trials: dict[float, float]) -> float:
-    """The tried rung with the lowest loss (the smallest shrinkage on a tie)."""
+    """The tried rung with the lowest loss (the smallest shrinkage on a tie; a loss that is
+    not finite, from a pass whose held-out states overflowed, loses to any finite one)."""
     if not trials:
         raise ValueError("no shrinkage was tried")
-    return min(sorted(trials), key=lambda s: trials[s])
+    return min(sorted(trials), key=lambda s: trials[s] if math.isfinite(trials[s]) else math.inf)
 
 
 @torch.inference_mode()
