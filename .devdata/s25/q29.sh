@@ -62,5 +62,14 @@ auto)
         tail -6 "$OUT/auto-$m.txt"
     done | tee "$OUT/auto-summary.txt"
     ;;
-*) echo "usage: q29.sh stage|run|auto"; exit 2 ;;
+smol05)
+    # Next: SmolLM2 at a fixed 0.5 (the CPU read multilingual 2.7% better there than at 0.3).
+    [ -d "$W/models/smol-fp16" ] || { echo "STAGING LOST"; exit 3; }
+    timeout 570 python3 tools/compare_converters.py --model "$W/models/smol-fp16" \
+        --calibrations shared --shared-text "$W/wiki.utf8" --kestrel-bits 4 3 --exllamav2-bits \
+        --windows 20 --kestrel-quantize-args=--shrink=0.5 --device cuda:0 --work "$W/s25-smol-0.5" \
+        --json "$OUT/q29-smol-0.5.json" > "$OUT/q29-smol-0.5.txt" 2>&1
+    tail -8 "$OUT/q29-smol-0.5.txt"
+    ;;
+*) echo "usage: q29.sh stage|run|auto|smol05"; exit 2 ;;
 esac
