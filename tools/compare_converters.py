@@ -157,10 +157,18 @@ def _perplexities(model_dir: Path, texts: dict[str, str], a: argparse.Namespace)
         model.unload()
 
 
-def _bpw(model_dir: Path) -> float | None:
+def _quantization_config(model_dir: Path) -> dict:
     config = json.loads((model_dir / "config.json").read_text())
-    q = config.get("quantization_config") or {}
+    return config.get("quantization_config") or {}
+
+
+def _bpw(model_dir: Path) -> float | None:
+    q = _quantization_config(model_dir)
     return q.get("achieved_bits") or q.get("bits")
+
+
+# What a Kestrel output says of how it was made (convert.py --shrink auto's choice).
+RECORDED_KEYS = ("hessian_shrink", "hessian_shrink_heldout_ppl")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -227,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
             return
         started = time.perf_counter()
         ppl = _perplexities(model_dir, texts, a)
+        q = _quantization_config(model_dir) if (model_dir / "config.json").is_file() else {}
         rows[label] = {"ppl": ppl, "bpw": _bpw(model_dir), "dir": model_dir.name,
-                       "convert_seconds": seconds}  # fmt: skip
+                       "convert_seconds": seconds,
+                       **{k: q[k] for k in RECORDED_KEYS if k in q}}  # fmt: skip
         shown = "  ".join(f"{d} {v:.3f}" for d, v in ppl.items())
         print(f"{label:28s} {shown}  ({time.perf_counter() - started:.0f} s)", flush=True)
         if a.json:

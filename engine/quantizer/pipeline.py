@@ -619,7 +619,8 @@ def _quantize_choosing_shrink(
         _say(
             o,
             f"choosing GPTQ's Hessian shrinkage (--shrink auto): a quantizing pass at "
-            f"{' and '.join(rungs[:2])}, then {', '.join(rungs[2:])} while the last helped; "
+            f"{' and '.join(rungs[:2])}, then at {', '.join(rungs[2:])} only while the last "
+            "pass lowered the held-out loss; "
             f"the pass whose {heldout.shape[0]} held-out rows of the calibration text read "
             "best is kept",
         )

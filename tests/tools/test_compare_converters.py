@@ -57,6 +57,11 @@ def test_kestrel_run_writes_the_table_and_routes_quantize_flags(tmp_path: Path) 
         assert all(math.isfinite(v) and v > 1 for v in row["ppl"].values())
     config = json.loads((damped / "kestrel-shared-4" / "config.json").read_text())
     assert config["quantization_config"]["calibration"]["dataset"] == "shared-calibration.txt"
+    # How the output was made rides along: a text this short leaves too few held-out
+    # tokens for --shrink auto to choose by, so plain GPTQ.
+    assert (
+        rows["kestrel shared 4"]["hessian_shrink"] == 0.0 and "hessian_shrink" not in rows["fp16"]
+    )
 
     # The damping went to the quantizing call alone: the two measurements agree, the
     # quantized weights do not.
