@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Session 26, issue 33 on 2x H200 (kind nvidia-h200-x2, carry .devdata/s11/w, timeout 590).
+#   table: test_multigpu.py whole (first TP GPU run since session 18's engine changes), the 70B
+#          GPTQ shape whole, P512: one GPU then TP=2 (push all-reduce), then profile_tp_decode
+#          on the same 80-layer model (symlinked), tp then single.
+#   eight: the 8B shape, single then tp, and its profile (tp, single).
+set -u
+pip install -q --no-index --no-deps --target /tmp/site .devdata/s11/w/*.whl > /tmp/pip.log 2>&1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD:/tmp/site
+what=${1:-table}
+L=$OUT/v33-$what.log; S=$SECONDS
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader > $L
+nvidia-smi topo -m >> $L 2>&1
+summ() { python - "$@" <<'PY'
+import json, sys
+for f in sys.argv[1:]:
+    try:
+        d = json.load(open(f))
+    except Exception as e:
+        print(f, "unreadable", e); continue
+    keys = ("mode", "load_s", "gpu_mem_used_gib", "decode_tok_s", "decode_sync_tok_s", "prefill_tok_s", "tok_s", "sync_tok_s")
+    print(f.split("/")[-1], {k: d[k] for k in keys if k in d})
+PY
+}
+prof() {  # shape layers modes...
+  local shape=$1 layers=$2; shift 2
+  timeout 200 python tools/profile_tp_decode.py --shape $shape --layers $layers --modes "$@" \
+    --prompt 512 --steps 32 --work /tmp/kp --out /tmp/prof > /tmp/prof-$shape.txt 2>&1
+  echo "profile $shape L$layers $* rc=$? t=$((SECONDS-S))" >> $L
+  grep -v Warn /tmp/prof-$shape.txt | tail -45 >> $L
+  cp /tmp/prof/tp_profile-*.json $OUT/ 2>/dev/null; rm -f $OUT/*.trace.json
+}
+if [ "$what" = table ]; then
+  timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_multigpu.py \
+    > $OUT/pytest_multigpu.txt 2>&1
+  echo "test_multigpu rc=$? $(tail -1 $OUT/pytest_multigpu.txt) t=$((SECONDS-S))" >> $L
+  for m in single tp; do
+    timeout 200 python tools/multigpu_check.py --shape llama3-70b --format gptq --modes $m \
+      --work /tmp/k70 --out $OUT/mg > /tmp/mg-$m.txt 2>&1
+    echo "70b $m rc=$? t=$((SECONDS-S))" >> $L; tail -3 /tmp/mg-$m.txt >> $L
+  done
+  summ $OUT/mg/llama3-70b-gptq-single.json $OUT/mg/llama3-70b-gptq-tp.json >> $L
+  python -c "import json;d=json.load(open('$OUT/mg/llama3-70b-gptq-summary.json'));print(json.dumps(d.get('greedy', d))[:600])" >> $L 2>&1
+  mkdir -p /tmp/kp && ln -sfn /tmp/k70/llama3-70b-gptq /tmp/kp/llama3-70b-L80-gptq
+  [ $((SECONDS-S)) -lt 400 ] && prof llama3-70b 80 tp single
+fi
+if [ "$what" = eight ]; then
+  for m in single tp; do
+    timeout 120 python tools/multigpu_check.py --shape llama3-8b --format gptq --modes $m \
+      --work /tmp/kmg --out $OUT/mg > /tmp/mg-$m.txt 2>&1
+    echo "8b $m rc=$? t=$((SECONDS-S))" >> $L; tail -3 /tmp/mg-$m.txt >> $L
+  done
+  summ $OUT/mg/llama3-8b-gptq-single.json $OUT/mg/llama3-8b-gptq-tp.json >> $L
+  mkdir -p /tmp/kp && ln -sfn /tmp/kmg/llama3-8b-gptq /tmp/kp/llama3-8b-L32-gptq
+  prof llama3-8b 32 tp single
+fi
+cat $L
