@@ -45,6 +45,7 @@ from engine.norm_fold import (
     linears_fold,
     norm_folds,
     plain_quantized,
+    projection_rotates,
 )
 from kernels.attention import paged_attention, prompt_attention, prompt_attention_applies
 from kernels.quant_matmul.norm_fold import (
@@ -52,6 +53,7 @@ from kernels.quant_matmul.norm_fold import (
     quant_matmul_normed_rope,
     quant_matmul_residual,
 )
+from kernels.quant_matmul.qkv_rope import quant_matmul_rope
 from kernels.quant_matmul.slot_sum_rope import RopeCacheWrite
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -244,9 +246,31 @@ class Attention(FusesKernels):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
     ) -> torch.Tensor:
-        q, k, v = self.project(x, batch.lora)
-        out: torch.Tensor = self.o_proj(self.attend(q, k, v, batch, cache, rotary), batch.lora)
+        q_rotated = self.project_rotated(x, batch, cache, rotary)
+        if q_rotated is not None:
+            attended = self.attend_cached(q_rotated, batch, cache)
+        else:
+            attended = self.attend(*self.project(x, batch.lora), batch, cache, rotary)
+        out: torch.Tensor = self.o_proj(attended, batch.lora)
         return out
+
+    def project_rotated(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
+    ) -> torch.Tensor | None:
+        """q [T, Hq, D] rotated, k and v rotated and written into the cache, by the qkv
+        GEMV's slot sum (kernels/quant_matmul/qkv_rope.py: one launch fewer than the
+        projection and apply_rope_write), where that applies: a decode step without LoRA,
+        a plain quantized fused qkv_proj (engine.norm_fold.projection_rotates) and a cache
+        write that fuses (rope_cache_write). None: project and attend as usual."""
+        if batch.lora is not None or not self.spec.fused_qkv:
+            return None
+        rope = self.rope_cache_write(batch, cache, rotary, x.dtype)
+        if rope is None:
+            return None
+        weight = projection_rotates(x, self.qkv_proj, rope.width)
+        if weight is None:
+            return None
+        return quant_matmul_rope(x, weight, rope)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v views of a fused qkv_proj's output [T, (Hq + 2 Hk) D]."""
@@ -550,8 +574,12 @@ class DecoderLayer(nn.Module):
                 normed, h = norm_in(x), x
             else:
                 normed, h = norm_in.forward_add(x, residual)
-            qkv = attn.qkv_proj(normed, None)
-            out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
+            q_rotated = attn.project_rotated(normed, batch, cache, rotary)
+            if q_rotated is not None:  # RoPE and the cache write in qkv's slot sum, no norm
+                out = attn.attend_cached(q_rotated, batch, cache)
+            else:
+                qkv = attn.qkv_proj(normed, None)
+                out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
         gate_up, down = folded_weight(mlp.gate_up_proj), folded_weight(mlp.down_proj)
         silu = mlp.act_name == "silu"
         # gate_up's input, and down's where gate_up's slot sum makes it (silu), are stored

@@ -11,8 +11,11 @@ decode GEMV (CUDA, at most GEMV_MAX_M rows), no LoRA batch (a linear wrapped for
 adapters still folds when no row of the batch uses one: the wrapper then runs its base alone,
 and the base model's bits must not depend on what else is loaded), no forward hooks, unpadded
 weights, stock attention with one qkv_proj and a gated MLP with one gate_up_proj, norms
-without a dtype promotion. Tensor parallelism's linears are not QuantizedLinear (its site kernel
-does the add and norm itself); everything else runs the unfused kernels.
+without a dtype promotion. Tensor parallelism's row-parallel linears are not QuantizedLinear
+(its site kernel does the add and norm itself), so its layers do not fold; their qkv
+projections (column shards, plain QuantizedLinear) still rotate q and k and write the cache
+in their slot sum (`projection_rotates`), as the first layer of a step does. Everything else
+runs the unfused kernels.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from engine.lora.layers import LoraLinear
 from engine.quantized_linear import QuantizedLinear
 from kernels.quant_matmul.layout import QuantizedWeight
 from kernels.quant_matmul.norm_fold import norm_fold_applies
+from kernels.quant_matmul.qkv_rope import qkv_rope_applies
 from kernels.quant_matmul.slot_sum import RowSquares
 from kernels.quant_matmul.split_k import row_order
 
@@ -124,6 +128,22 @@ def kernels_run_on(x: torch.Tensor) -> bool:
     on CPU tensors too, which tests/engine/test_norm_fold_engine.py uses to check the
     engine's fold path where no GPU is; on the CPU the engine's own path is torch's.)"""
     return x.is_cuda
+
+
+def projection_rotates(
+    x: torch.Tensor, qkv: nn.Module | None, width: int
+) -> QuantizedWeight | None:
+    """The weight of a fused qkv projection whose slot sum can rotate q and k and write the
+    cache for input x without a folded norm (kernels/quant_matmul/qkv_rope.py): a plain
+    quantized linear of `width` outputs at the decode GEMV's rows, where the fold's kernels
+    run and the fold is on (set_norm_fold switches the decode GEMV's fusions together).
+    None otherwise."""
+    if not (_ENABLED and kernels_run_on(x)):
+        return None
+    base = plain_quantized(qkv)
+    if base is None or not qkv_rope_applies(x, base.qweight, width):
+        return None
+    return base.qweight
 
 
 def linears_fold(

@@ -16,7 +16,8 @@ so the charges of a step add up to its length from the first event's end, idle g
 included (a gap is charged to the event after it: on the step's first kernels it is the
 host's lateness). Steps are split at the sampler's argmax kernel (one per decode step); the
 first --skip steps are left out (graph warm-up). Prints per kernel name: µs per step, calls
-per step, µs per call, largest first.
+per step, µs per call, largest first. --by-grid keys each kernel by its name and launch grid
+too, so that one kernel's calls at different shapes (a layer's four GEMVs) are told apart.
 """
 
 from __future__ import annotations
@@ -73,7 +74,15 @@ def short_name(name: str) -> str:
     return name[:60]
 
 
-def attribute(events: list[dict[str, Any]], skip: int = 3) -> Attribution:
+def event_key(event: dict[str, Any], by_grid: bool) -> str:
+    """The row an event is charged to: its short name, with its launch grid (torch.profiler's
+    args.grid, kernels only) when `by_grid`."""
+    name = short_name(event["name"])
+    grid = event.get("args", {}).get("grid") if by_grid else None
+    return f"{name} grid={list(grid)}" if grid else name
+
+
+def attribute(events: list[dict[str, Any]], skip: int = 3, by_grid: bool = False) -> Attribution:
     """Charge every event between consecutive step marks (see the module docstring)."""
     marks = [i for i, e in enumerate(events) if STEP_MARK in e["name"]]
     result = Attribution()
@@ -84,7 +93,7 @@ def attribute(events: list[dict[str, Any]], skip: int = 3) -> Attribution:
         for event in step[1:]:
             event_end = event["ts"] + event["dur"]
             result.idle_us += max(0.0, event["ts"] - end)
-            name = short_name(event["name"])
+            name = event_key(event, by_grid)
             result.charge_us[name] += max(0.0, event_end - end)
             result.calls[name] += 1
             end = max(end, event_end)
@@ -110,8 +119,9 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=3, help="first steps left out (warm-up)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--json", type=Path, help="also write the table here")
+    p.add_argument("--by-grid", action="store_true", help="one row per kernel and launch grid")
     args = p.parse_args()
-    result = attribute(device_events(load_trace(args.trace)), args.skip)
+    result = attribute(device_events(load_trace(args.trace)), args.skip, args.by_grid)
     rows = result.rows(args.top)
     median = statistics.median(result.step_us)
     print(

@@ -55,4 +55,29 @@ if [ "$what" = eight ]; then
   mkdir -p /tmp/kp && ln -sfn /tmp/kmg/llama3-8b-gptq /tmp/kp/llama3-8b-L32-gptq
   prof llama3-8b 32 tp single
 fi
+# ab: main's TP qkv rope fusion (this tree) against the tree before it (.devdata/s26/base,
+#     carried), 70B TP=2, then the profile's critical path by grid, then the GPU tests.
+#     carry .devdata/s11/w, .devdata/s26/base; the single-GPU result of call 1 is copied
+#     into the results folder first so that the greedy tokens are compared with it.
+if [ "$what" = ab ]; then
+  mkdir -p $OUT/mg && cp .devdata/s26/single70.json $OUT/mg/llama3-70b-gptq-single.json
+  timeout 240 python tools/multigpu_check.py --shape llama3-70b --format gptq --modes tp \
+    --work /tmp/k70 --out $OUT/mg > /tmp/mg-tp.txt 2>&1
+  echo "70b tp (new) rc=$? t=$((SECONDS-S))" >> $L; tail -2 /tmp/mg-tp.txt >> $L
+  (cd .devdata/s26/base && PYTHONPATH=$PWD:/tmp/site timeout 120 python tools/multigpu_check.py \
+    --shape llama3-70b --format gptq --modes tp --work /tmp/k70 --out /tmp/mg-base > /tmp/mg-base.txt 2>&1)
+  echo "70b tp (base) rc=$? t=$((SECONDS-S))" >> $L; tail -2 /tmp/mg-base.txt >> $L
+  summ $OUT/mg/llama3-70b-gptq-tp.json /tmp/mg-base/llama3-70b-gptq-tp.json >> $L
+  python -c "import json;d=json.load(open('$OUT/mg/llama3-70b-gptq-summary.json'));print(json.dumps(d.get('greedy', d))[:600])" >> $L 2>&1
+  mkdir -p /tmp/kp && ln -sfn /tmp/k70/llama3-70b-gptq /tmp/kp/llama3-70b-L80-gptq
+  timeout 150 python tools/profile_tp_decode.py --shape llama3-70b --layers 80 --modes tp \
+    --prompt 512 --steps 24 --work /tmp/kp --out /tmp/prof > /tmp/prof.txt 2>&1
+  echo "profile tp rc=$? t=$((SECONDS-S))" >> $L; grep -v Warn /tmp/prof.txt | tail -16 >> $L
+  python tools/critical_path.py /tmp/prof/tp_profile-llama3-70b-L80-tp.trace.json --by-grid \
+    --top 30 --json $OUT/cp-70b-tp.json >> $L 2>&1
+  timeout $((570-SECONDS+S)) python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider \
+    tests/kernels/test_qkv_rope.py tests/kernels/test_slot_sum_rope.py \
+    tests/engine/test_norm_fold_engine.py tests/engine/test_multigpu.py > $OUT/pytest.txt 2>&1
+  echo "pytest rc=$? $(tail -1 $OUT/pytest.txt) t=$((SECONDS-S))" >> $L
+fi
 cat $L

@@ -2,10 +2,11 @@
 rounds h * w where rms_norm rounded h * rstd * w, so its bits are not the unfused ops': greedy
 decode of a tiny quantized model gives the same tokens with the fold on and off up to any
 near tie, and logits within a tolerance; with the fold on, every run gives the same tokens
-and logits bit for bit, with PDL on or off; one decode step launches 3 * layers - 2 kernels
-fewer (each layer's two add_rms_norm launches, minus the first layer's input norm, which
-stays a kernel, and the RoPE + cache write launch of every layer whose qkv slot sum does it:
-all but the first). The kernels' own tests, on the CPU too, are tests/kernels/test_norm_fold.py."""
+and logits bit for bit, with PDL on or off; one decode step launches 3 * layers - 1 kernels
+fewer (each layer's two add_rms_norm launches but the first layer's input norm, which stays
+a kernel, and every layer's RoPE + cache write launch: its qkv slot sum does it, the first
+layer's without the norm). The kernels' own tests, on the CPU too, are
+tests/kernels/test_norm_fold.py and test_qkv_rope.py."""
 
 from __future__ import annotations
 
@@ -120,8 +121,9 @@ def test_the_fold_removes_the_norm_and_rope_launches(tmp_path: Path) -> None:
     finally:
         set_norm_fold(True)
     # Two norms per layer but the first layer's input norm, and RoPE + the cache write in
-    # every layer's qkv slot sum but the first's (its qkv reads a norm kernel's output).
-    assert counts[False] - counts[True] == 2 * layers - 1 + layers - 1, counts
+    # every layer's qkv slot sum (the first layer's without the norm: its qkv reads a norm
+    # kernel's output, kernels/quant_matmul/qkv_rope.py).
+    assert counts[False] - counts[True] == 2 * layers - 1 + layers, counts
 
 
 def _count_folds(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
@@ -160,11 +162,20 @@ def test_the_engine_fold_matches_the_unfused_ops_on_the_interpreter(
         return real_rope(*args, **kwargs)
 
     monkeypatch.setattr(modules, "quant_matmul_normed_rope", counted_rope)
+    first_rotated = []
+    real_first = modules.quant_matmul_rope
+
+    def counted_first(*args, **kwargs):  # the same, for qkv after a norm kernel (no fold)
+        first_rotated.append(True)
+        return real_first(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "quant_matmul_rope", counted_first)
     results = {}
     for fold in (False, True):
         monkeypatch.setattr(norm_fold, "kernels_run_on", lambda x, fold=fold: fold)
         folds.clear()
         rotated.clear()
+        first_rotated.clear()
         options = EngineOptions(device="cpu", dtype="float16", max_seq_len=64, cache_tokens=128)
         engine = Engine.load(model, options)
         try:
@@ -177,6 +188,8 @@ def test_the_engine_fold_matches_the_unfused_ops_on_the_interpreter(
         # Every folded layer but a step's first (its input norm runs as a kernel after the
         # embedding) rotates q and writes k and v in qkv's slot sum.
         assert len(rotated) == (steps * 3 if fold else 0), len(rotated)
+        # A step's first layer does too, without the norm (kernels/quant_matmul/qkv_rope.py).
+        assert len(first_rotated) == (steps if fold else 0), len(first_rotated)
     off_tokens, off_logits = results[False]
     on_tokens, on_logits = results[True]
     scale = off_logits.abs().amax(dim=-1, keepdim=True)
@@ -252,6 +265,14 @@ def _decode_row_order(model: Path, device: str, enabled: bool, monkeypatch: pyte
 
     monkeypatch.setattr(modules, "quant_matmul_normed", counted_normed)
     monkeypatch.setattr(modules, "quant_matmul_normed_rope", counted_rope)
+    first_rotated = []
+    real_first = modules.quant_matmul_rope
+
+    def counted_first(*args, **kwargs):  # the same, for qkv after a norm kernel (no fold)
+        first_rotated.append(True)
+        return real_first(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "quant_matmul_rope", counted_first)
     norm_fold.set_input_row_order(enabled)
     prompt = torch.randint(2, 1000, (12,), generator=torch.Generator().manual_seed(5)).tolist()
     try:

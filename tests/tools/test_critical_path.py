@@ -56,6 +56,21 @@ def test_an_overlapped_kernel_is_charged_only_what_it_adds() -> None:
     assert "aten::mm" not in rows and "marker" not in rows
 
 
+def test_by_grid_tells_one_kernels_shapes_apart() -> None:
+    """Two GEMVs of one step, different grids: one row each with --by-grid, one row without."""
+    trace = _trace(3)
+    for event in trace["traceEvents"]:
+        if event["name"] == "_gemv_kernel":
+            event["args"] = {"grid": [80, 4, 1]}
+    trace["traceEvents"].insert(2, {**_kernel("_gemv_kernel", 0, 0.5), "args": {"grid": [8, 1, 1]}})
+    plain = {r["kernel"] for r in attribute(device_events(trace), skip=1).rows(10)}
+    split = {r["kernel"] for r in attribute(device_events(trace), skip=1, by_grid=True).rows(10)}
+    assert "_gemv_kernel" in plain and not any("grid" in k for k in plain)
+    assert "_gemv_kernel grid=[80, 4, 1]" in split and "_gemv_kernel" not in split
+    # Events without a grid (the hand-made norm here) keep their plain name.
+    assert "_rms_norm_kernel" in split
+
+
 def test_too_few_steps_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="no decode step"):
         attribute(device_events(_trace(2)), skip=3)
