@@ -80,4 +80,33 @@ if [ "$what" = ab ]; then
     tests/engine/test_norm_fold_engine.py tests/engine/test_multigpu.py > $OUT/pytest.txt 2>&1
   echo "pytest rc=$? $(tail -1 $OUT/pytest.txt) t=$((SECONDS-S))" >> $L
 fi
+# rest: the 8B shape single/TP=2 (decode, prefill P512) and the TP profile's critical path;
+#       the 70B at P2048 (prefill), one GPU then TP=2; then the 70B's TP load phases warm.
+if [ "$what" = rest ]; then
+  for m in single tp; do
+    timeout 120 python tools/multigpu_check.py --shape llama3-8b --format gptq --modes $m \
+      --work /tmp/kmg --out $OUT/mg8 > /tmp/mg8-$m.txt 2>&1
+    echo "8b $m rc=$? t=$((SECONDS-S))" >> $L
+  done
+  summ $OUT/mg8/llama3-8b-gptq-single.json $OUT/mg8/llama3-8b-gptq-tp.json >> $L
+  python -c "import json;d=json.load(open('$OUT/mg8/llama3-8b-gptq-summary.json'));print(json.dumps(d.get('greedy', d))[:400])" >> $L 2>&1
+  mkdir -p /tmp/kp && ln -sfn /tmp/kmg/llama3-8b-gptq /tmp/kp/llama3-8b-L32-gptq
+  timeout 120 python tools/profile_tp_decode.py --shape llama3-8b --layers 32 --modes tp \
+    --prompt 512 --steps 32 --work /tmp/kp --out /tmp/prof8 > /tmp/prof8.txt 2>&1
+  echo "profile 8b tp rc=$? t=$((SECONDS-S))" >> $L; grep -v Warn /tmp/prof8.txt | tail -14 >> $L
+  python tools/critical_path.py /tmp/prof8/tp_profile-llama3-8b-L32-tp.trace.json --by-grid \
+    --top 16 >> $L 2>&1
+  for m in single tp; do
+    timeout 200 python tools/multigpu_check.py --shape llama3-70b --format gptq --modes $m \
+      --prompt 2048 --greedy 8 --work /tmp/k70 --out /tmp/mg2048 > /tmp/mg2048-$m.txt 2>&1
+    echo "70b P2048 $m rc=$? t=$((SECONDS-S))" >> $L
+  done
+  summ /tmp/mg2048/llama3-70b-gptq-single.json /tmp/mg2048/llama3-70b-gptq-tp.json >> $L
+  cp /tmp/mg2048/llama3-70b-gptq-tp.json $OUT/p2048-tp.json; cp /tmp/mg2048/llama3-70b-gptq-single.json $OUT/p2048-single.json
+  if [ $((SECONDS-S)) -lt 480 ]; then
+    timeout 90 python tools/profile_tp_load.py /tmp/k70/llama3-70b-gptq --mode tp --prestart \
+      --t0 $(date +%s.%N) --json $OUT/load-tp.json > /tmp/load.txt 2>&1
+    echo "load tp rc=$? t=$((SECONDS-S))" >> $L; tail -30 /tmp/load.txt >> $L
+  fi
+fi
 cat $L
