@@ -109,4 +109,40 @@ if [ "$what" = rest ]; then
     echo "load tp rc=$? t=$((SECONDS-S))" >> $L; tail -30 /tmp/load.txt >> $L
   fi
 fi
+# exch: KESTREL_TP_SITE_KERNEL=exchange (o_proj's and down_proj's slot sums exchange the
+#       partials, the TP layers fold their norms) against push, 70B TP=2 then 8B, greedy
+#       compared with call 1's one-GPU run (copied in); the multi-GPU tests under exchange;
+#       the profile's critical path. Stops starting work past 430 s (budget).
+if [ "$what" = exch ]; then
+  mkdir -p $OUT/mg && cp .devdata/s26/single70.json $OUT/mg/llama3-70b-gptq-single.json
+  KESTREL_TP_SITE_KERNEL=exchange timeout 200 python tools/multigpu_check.py --shape llama3-70b \
+    --format gptq --modes tp --work /tmp/k70 --out $OUT/mg > /tmp/mg-ex.txt 2>&1
+  echo "70b tp exchange rc=$? t=$((SECONDS-S))" >> $L; grep -i "error\|Traceback" /tmp/mg-ex.txt | tail -5 >> $L
+  KESTREL_TP_SITE_KERNEL=push timeout 90 python tools/multigpu_check.py --shape llama3-70b \
+    --format gptq --modes tp --work /tmp/k70 --out /tmp/mg-push > /tmp/mg-push.txt 2>&1
+  echo "70b tp push rc=$? t=$((SECONDS-S))" >> $L
+  summ $OUT/mg/llama3-70b-gptq-tp.json /tmp/mg-push/llama3-70b-gptq-tp.json >> $L
+  python -c "import json;d=json.load(open('$OUT/mg/llama3-70b-gptq-summary.json'));print(json.dumps(d.get('greedy', d))[:600])" >> $L 2>&1
+  if [ $((SECONDS-S)) -lt 330 ]; then
+    KESTREL_TP_SITE_KERNEL=exchange timeout 120 python -m pytest -q -m gpu -p no:cacheprovider \
+      tests/engine/test_multigpu.py > $OUT/pytest_multigpu_exchange.txt 2>&1
+    echo "test_multigpu exchange rc=$? $(tail -1 $OUT/pytest_multigpu_exchange.txt) t=$((SECONDS-S))" >> $L
+  fi
+  if [ $((SECONDS-S)) -lt 400 ]; then
+    mkdir -p /tmp/kp && ln -sfn /tmp/k70/llama3-70b-gptq /tmp/kp/llama3-70b-L80-gptq
+    KESTREL_TP_SITE_KERNEL=exchange timeout 70 python tools/profile_tp_decode.py --shape llama3-70b \
+      --layers 80 --modes tp --prompt 512 --steps 16 --work /tmp/kp --out /tmp/prof > /tmp/prof.txt 2>&1
+    echo "profile tp exchange rc=$? t=$((SECONDS-S))" >> $L; grep -v Warn /tmp/prof.txt | grep "tok/s" >> $L
+    python tools/critical_path.py /tmp/prof/tp_profile-llama3-70b-L80-tp.trace.json --by-grid \
+      --skip 2 --top 14 >> $L 2>&1
+  fi
+  if [ $((SECONDS-S)) -lt 430 ]; then
+    for k in exchange push; do
+      KESTREL_TP_SITE_KERNEL=$k timeout 45 python tools/multigpu_check.py --shape llama3-8b \
+        --format gptq --modes tp --work /tmp/kmg --out /tmp/mg8-$k > /tmp/mg8-$k.txt 2>&1
+      echo "8b tp $k rc=$? t=$((SECONDS-S))" >> $L
+      summ /tmp/mg8-$k/llama3-8b-gptq-tp.json >> $L
+    done
+  fi
+fi
 cat $L
