@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +46,6 @@ from engine.norm_fold import (
     norm_folds,
     plain_quantized,
     projection_rotates,
-    residual_fold,
 )
 from kernels.attention import paged_attention, prompt_attention, prompt_attention_applies
 from kernels.quant_matmul.norm_fold import (
@@ -156,16 +154,6 @@ class RMSNorm(nn.Module):
         return kernels.add_rms_norm(
             x, residual, self.weight, self.eps, unit_offset=self.unit_offset
         )
-
-
-def rms_norm_math(norm: nn.Module | None) -> TypeGuard[RMSNorm]:
-    """Whether `norm` computes exactly RMSNorm's norm from its weight, eps and unit offset,
-    so that the decode GEMVs may fold it (engine/norm_fold.py): an RMSNorm, or a subclass
-    that says so (`keeps_rms_norm_math`: tensor parallelism's ReducingRMSNorm, which only
-    receives a deferred sum in forward_add). Other subclasses may change the math."""
-    return type(norm) is RMSNorm or (
-        isinstance(norm, RMSNorm) and getattr(type(norm), "keeps_rms_norm_math", False)
-    )
 
 
 @dataclass
@@ -534,7 +522,7 @@ class DecoderLayer(nn.Module):
         if not (attn.fuse_kernels and mlp.fuse_kernels):
             return None
         norms = (self.input_layernorm, self.post_attention_layernorm)
-        if any(not rms_norm_math(n) or not norm_folds(n, h) for n in norms):
+        if any(type(n) is not RMSNorm or not norm_folds(n, h) for n in norms):
             return None
         if not linears_fold(
             h, normed=(attn.qkv_proj, mlp.gate_up_proj), residual=(attn.o_proj, mlp.down_proj)
@@ -592,20 +580,15 @@ class DecoderLayer(nn.Module):
             else:
                 qkv = attn.qkv_proj(normed, None)
                 out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
-        gate_up = folded_weight(mlp.gate_up_proj)
-        # o_proj and down_proj: plain, or a tensor-parallel row shard whose slot sum also
-        # sums the ranks' partials (`exchange`, issue 33); `_folded` checked both fold.
-        o_fold, down_fold = residual_fold(attn.o_proj), residual_fold(mlp.down_proj)
-        assert o_fold is not None and down_fold is not None
-        (o_weight, o_exchange), (down, down_exchange) = o_fold, down_fold
+        gate_up, down = folded_weight(mlp.gate_up_proj), folded_weight(mlp.down_proj)
         silu = mlp.act_name == "silu"
         # gate_up's input, and down's where gate_up's slot sum makes it (silu), are stored
         # in those weights' row order: their GEMVs then gather nothing (input_row_order).
         gate_up_order = input_row_order(gate_up)
         down_order = input_row_order(down) if silu else None
         h, squares, xw = quant_matmul_residual(
-            out, o_weight, h.contiguous(), norm_post.weight,
-            unit_offset=norm_post.unit_offset, xw_scatter=gate_up_order, exchange=o_exchange,
+            out, folded_weight(attn.o_proj), h.contiguous(), norm_post.weight,
+            unit_offset=norm_post.unit_offset, xw_scatter=gate_up_order,
         )  # fmt: skip
         assert xw is not None  # a norm weight was given
         hidden = quant_matmul_normed(
@@ -616,7 +599,7 @@ class DecoderLayer(nn.Module):
             gate, up = hidden.chunk(2, dim=-1)
             hidden = gated_activation(mlp.act_name, gate, up, fused=True)
         # The next layer's input norm, when it can read h * w (else it runs as a kernel).
-        nxt = next_norm if rms_norm_math(next_norm) and norm_folds(next_norm, h) else None
+        nxt = next_norm if type(next_norm) is RMSNorm and norm_folds(next_norm, h) else None
         # In the next qkv's row order where it is a plain quantized linear (it checks).
         next_base = plain_quantized(next_qkv) if nxt is not None else None
         qkv_order = input_row_order(next_base.qweight) if next_base is not None else None
@@ -624,7 +607,6 @@ class DecoderLayer(nn.Module):
             hidden, down, h, nxt.weight if nxt is not None else None,
             unit_offset=nxt is not None and nxt.unit_offset,
             x_in_row_order=down_order is not None, xw_scatter=qkv_order,
-            exchange=down_exchange,
         )  # fmt: skip
         xw_perm = None
         if qkv_order is not None and next_base is not None:  # (qkv_order implies next_base)

@@ -33,7 +33,6 @@ from kernels.quant_matmul.norm_fold import norm_fold_applies
 from kernels.quant_matmul.qkv_rope import qkv_rope_applies
 from kernels.quant_matmul.slot_sum import RowSquares
 from kernels.quant_matmul.split_k import row_order
-from kernels.tp_push_all_reduce import ColumnExchange
 
 # Process-wide switches (benchmarks and tests compare both ways).
 _ENABLED = True
@@ -147,21 +146,6 @@ def projection_rotates(
     return base.qweight
 
 
-def residual_fold(linear: nn.Module | None) -> tuple[QuantizedWeight, ColumnExchange | None] | None:
-    """How an o_proj or down_proj folds the next norm's residual add and squares: a plain
-    quantized linear as (its weight, None); a tensor-parallel row shard with the column
-    exchange (engine/tensor_parallel/transform.AllReduceLinear.fold_exchange) as (its
-    weight, the exchange): its slot sum also sums the ranks' partials. None: it does not."""
-    base = plain_quantized(linear)
-    if base is not None:
-        return base.qweight, None
-    exchange_of = getattr(linear, "fold_exchange", None)
-    if linear is None or _hooked(linear) or not callable(exchange_of):
-        return None
-    found: tuple[QuantizedWeight, ColumnExchange] | None = exchange_of()
-    return found
-
-
 def linears_fold(
     x: torch.Tensor,
     normed: tuple[nn.Module | None, ...],
@@ -178,19 +162,7 @@ def linears_fold(
     )
     for linears, side in sides:
         for linear in linears:
-            if side == "out":
-                folds = residual_fold(linear)
-                if folds is None:
-                    return False
-                weight, exchange = folds
-                rows = x.numel() // max(x.shape[-1], 1)
-                if exchange is not None and not exchange.fits(rows, weight.out_features):
-                    return False
-            else:
-                base = plain_quantized(linear)
-                if base is None:
-                    return False
-                weight = base.qweight
-            if not norm_fold_applies(x, weight, side):
+            base = plain_quantized(linear)
+            if base is None or not norm_fold_applies(x, base.qweight, side):
                 return False
     return True

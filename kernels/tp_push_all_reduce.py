@@ -105,43 +105,6 @@ class PushBuffers:
         return 0 < rows <= self.max_rows and hidden <= self.row_floats and self.row_floats % 4 == 0
 
 
-# Columns per program of a column exchange (ColumnExchange): fixed, so that every call of
-# every site cuts a row into the same chunks and each chunk's next slot is one counter.
-EXCHANGE_BLOCK = 64
-
-
-@dataclass(frozen=True)
-class ColumnExchange:
-    """The push exchange done by many programs a row, each for its own `block` columns
-    (kernels/quant_matmul/slot_sum.py's residual slot sum with an exchange: a row-parallel
-    o_proj's or down_proj's partial summed over the ranks inside its slot sum, issue 33).
-    The protocol of this module's docstring, per (row, chunk) instead of per row: chunk c
-    of a row pushes and polls only columns [c * block, (c + 1) * block) of the row's cells,
-    and keeps its own next slot, slots[row, c]. Its own receive region (not the push
-    kernel's, whose calls keep their own slots): recv int32 [RECV_SLOTS, world, max_rows,
-    row_floats], every word SENTINEL at first; recv_bases int64 [world]; slots int32
-    [max_rows, row_floats // block], zero at first."""
-
-    recv: torch.Tensor
-    recv_bases: torch.Tensor
-    slots: torch.Tensor
-    rank: int
-    world: int
-    max_rows: int
-    row_floats: int
-    block: int = EXCHANGE_BLOCK
-
-    def fits(self, rows: int, n: int) -> bool:
-        """Whether `rows` rows of `n` outputs go through the exchange: every chunk whole
-        (n a multiple of block, itself of 4: the 16-byte stores) and within the cells."""
-        return (
-            0 < rows <= self.max_rows
-            and n == self.row_floats
-            and n % self.block == 0
-            and self.block % 4 == 0
-        )
-
-
 def recv_words(world: int, max_rows: int, row_floats: int) -> int:
     """int32 words of one rank's receive region."""
     return RECV_SLOTS * world * max_rows * row_floats

@@ -34,11 +34,7 @@ class SiteLinear(Protocol):
 
 class ReducingRMSNorm(RMSNorm):
     """An RMSNorm whose residual add may receive a deferred site partial: then the sum over
-    the ranks, the add and the norm are one kernel; anything else goes to RMSNorm's. Its
-    math is RMSNorm's, so the folded decode path folds it (engine/modules.rms_norm_math);
-    there no partial is deferred (o_proj's and down_proj's slot sums exchange them)."""
-
-    keeps_rms_norm_math = True
+    the ranks, the add and the norm are one kernel; anything else goes to RMSNorm's."""
 
     def __init__(self, norm: RMSNorm, sites: SiteAllReduce) -> None:
         super().__init__(norm.weight.shape[0], norm.eps, unit_offset=norm.unit_offset)

@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from engine.tensor_parallel.all_reduce import symmetric_empty
-from kernels.quant_matmul.paths import GEMV_MAX_M
 from kernels.tp_all_reduce import (
     MAX_FUSED_D,
     SiteBuffers,
@@ -46,10 +45,8 @@ from kernels.tp_all_reduce import (
     site_all_reduce_add_rms_norm,
 )
 from kernels.tp_push_all_reduce import (
-    EXCHANGE_BLOCK,
     RECV_SLOTS,
     SENTINEL,
-    ColumnExchange,
     PushBuffers,
     push_all_reduce,
     push_all_reduce_add_rms_norm,
@@ -66,12 +63,7 @@ SITE_BYTES = 256 << 10
 MAX_SITE_ROWS = 64
 
 
-SITE_KERNELS = ("flags", "push", "exchange")
-# The kernels that push (both hold the push kernel's receive region).
-PUSHING = ("push", "exchange")
-# Decode rows the exchange inside the slot sums takes: the folded decode path's (the GEMV's
-# rows); larger decode batches take the push kernel.
-EXCHANGE_ROWS = GEMV_MAX_M
+SITE_KERNELS = ("flags", "push")
 
 
 def fused_enabled() -> bool:
@@ -133,18 +125,10 @@ def _log_unavailable(problem: Exception | None) -> None:
 class SiteAllReduce:
     """One rank's site buffers over symmetric memory and the calls on them."""
 
-    def __init__(
-        self,
-        sites: SiteBuffers,
-        push: PushBuffers | None = None,
-        exchange: ColumnExchange | None = None,
-    ) -> None:
-        """push: the receive region of the `push` kernel; None: the `flags` kernel.
-        exchange: the `exchange` kernel's column exchange, which o_proj's and down_proj's slot
-        sums run on the folded decode path (engine/norm_fold.py), else None."""
+    def __init__(self, sites: SiteBuffers, push: PushBuffers | None = None) -> None:
+        """push: the receive region of the `push` kernel; None: the `flags` kernel."""
         self.buffers = sites
         self.push = push
-        self.exchange = exchange
         self._pending: _Pending | None = None
 
     @classmethod
@@ -188,10 +172,8 @@ class SiteAllReduce:
                 world = dist.get_world_size(world_group)
                 data_floats = sites * site_floats
                 flag_ints = sites * world * max_rows
-                recv_ints = recv_words(world, max_rows, hidden) if kernel in PUSHING else 0
-                exchanges = kernel == "exchange" and hidden % EXCHANGE_BLOCK == 0
-                exchange_ints = recv_words(world, EXCHANGE_ROWS, hidden) if exchanges else 0
-                words = data_floats + flag_ints + 4 + recv_ints + exchange_ints
+                recv_ints = recv_words(world, max_rows, hidden) if kernel == "push" else 0
+                words = data_floats + flag_ints + 4 + recv_ints
                 buffer = symmetric_empty(words, torch.float32, device)
                 # The receive region on a 16-byte boundary: the kernel stores 4 words at a time.
                 flags_end = -(-(data_floats + flag_ints) // 4) * 4
@@ -201,11 +183,6 @@ class SiteAllReduce:
                 buffer[data_floats:flags_end].view(torch.int32).zero_()
                 recv = buffer[flags_end : flags_end + recv_ints].view(torch.int32)
                 recv.fill_(SENTINEL)
-                # The exchange's region after it (recv_ints is a multiple of 4: aligned too).
-                exchange_start = flags_end + recv_ints
-                exchange_end = exchange_start + exchange_ints
-                exchange_recv = buffer[exchange_start:exchange_end].view(torch.int32)
-                exchange_recv.fill_(SENTINEL)
             except Exception as error:  # no symmetric memory in this torch, no room
                 problem = error
         try:
@@ -239,20 +216,8 @@ class SiteAllReduce:
             _log_unavailable(problem)
             return None
         handle.barrier()
-        push = exchange = None
-        if exchange_ints:
-            exchange = ColumnExchange(
-                recv=exchange_recv.view(RECV_SLOTS, handle.world_size, EXCHANGE_ROWS, hidden),
-                recv_bases=data_bases + exchange_start * 4,
-                slots=torch.zeros(
-                    EXCHANGE_ROWS, hidden // EXCHANGE_BLOCK, dtype=torch.int32, device=device
-                ),
-                rank=handle.rank,
-                world=handle.world_size,
-                max_rows=EXCHANGE_ROWS,
-                row_floats=hidden,
-            )
-        if kernel in PUSHING:
+        push = None
+        if kernel == "push":
             push = PushBuffers(
                 recv=recv.view(RECV_SLOTS, handle.world_size, max_rows, hidden),
                 recv_bases=data_bases + flags_end * 4,
@@ -275,7 +240,6 @@ class SiteAllReduce:
                 max_rows=max_rows,
             ),
             push,
-            exchange,
         )
 
     def staging(self, site: int, shape: tuple[int, ...]) -> torch.Tensor | None:

@@ -54,8 +54,6 @@ from engine.tensor_parallel.shard import (
 from engine.tensor_parallel.site_reduce import SiteAllReduce, fused_enabled
 from engine.tensor_parallel.vocab import LoadedVocab, VocabParallelEmbedding, shard_vocab
 from kernels.quant_matmul import quant_matmul
-from kernels.quant_matmul.layout import QuantizedWeight
-from kernels.tp_push_all_reduce import ColumnExchange
 
 log = logging.getLogger(__name__)
 
@@ -84,21 +82,6 @@ class AllReduceLinear(FusesKernels):
         self.sites: SiteAllReduce | None = None
         self.site = -1
         self.defer_sum = False
-
-    def fold_exchange(self) -> tuple[QuantizedWeight, ColumnExchange] | None:
-        """The weight and column exchange with which the folded decode path runs this
-        linear (engine/norm_fold.py's `residual_fold`: its partial summed over the ranks in
-        its own slot sum, with the residual add and the next norm's squares), or None: a
-        site kernel without the exchange, fused kernels off, or a weight the site path does
-        not take (dense, padded). Every rank answers alike (the same set-up, one model)."""
-        sites, inner = self.sites, self.inner
-        if sites is None or sites.exchange is None or not self.fuse_kernels:
-            return None
-        if type(inner) is not QuantizedLinear or inner._forward_hooks or inner._forward_pre_hooks:
-            return None
-        if inner.out_features != inner.qweight.out_features:
-            return None
-        return inner.qweight, sites.exchange
 
     def _sum(self, y: torch.Tensor) -> torch.Tensor:
         if self.reduce is not None:

@@ -43,7 +43,6 @@ from kernels.quant_matmul.split_k import (
     split_k_workspace,
 )
 from kernels.quant_matmul.tiles import store_partial, zero_points
-from kernels.tp_push_all_reduce import ColumnExchange
 
 _GEMV_BLOCK_K = 32  # rows per chunk: the least group size of EXL2, one group per chunk
 
@@ -877,7 +876,6 @@ def launch_gemv_residual(
     xw_scatter: torch.Tensor | None = None,
     x_in_row_order: bool = False,
     config: SlotSumConfig | None = None,
-    exchange: ColumnExchange | None = None,
 ) -> RowSquares:
     """h [M, n] (x's dtype, contiguous) = residual [M, n] + x2d @ W (+ bias), rounded as
     kernels.add_rms_norm rounds its residual output for this GEMV's y, and h's RowSquares;
@@ -886,9 +884,7 @@ def launch_gemv_residual(
     SlotNorm): a pre-norm block's o_proj or down_proj with the next norm's add, sum of
     squares and weight in its slot sum (issue 28); `xw_scatter` stores xw in the next GEMV's
     row order, `x_in_row_order` reads x2d in this one's (as `launch_gemv`). `config`: the
-    slot sum's (its block is the squares' chunk; tests and benchmarks vary it). `exchange`:
-    W is this rank's row shard of a tensor-parallel linear, and its partial is summed over
-    the ranks inside the slot sum (slot_sum.launch_slot_sum_residual)."""
+    slot sum's (its block is the squares' chunk; tests and benchmarks vary it)."""
     sums, slots = launch_gemv_to_slots(x2d, qw, tiling, x_in_row_order=x_in_row_order)
     return launch_slot_sum_residual(
         sums,
@@ -900,5 +896,4 @@ def launch_gemv_residual(
         xw=xw,
         xw_scatter=xw_scatter,
         config=config,
-        exchange=exchange,
     )

@@ -29,7 +29,6 @@ from kernels.quant_matmul.slot_sum import RowSquares, SlotNorm
 from kernels.quant_matmul.slot_sum_rope import RopeCacheWrite, launch_slot_sum_rope
 from kernels.quant_matmul.split_k import unit_col_stride
 from kernels.rms_norm import MAX_SINGLE_PASS_D
-from kernels.tp_push_all_reduce import ColumnExchange
 
 
 def norm_fold_applies(
@@ -63,7 +62,6 @@ def quant_matmul_residual(
     unit_offset: bool = False,
     x_in_row_order: bool = False,
     xw_scatter: torch.Tensor | None = None,
-    exchange: ColumnExchange | None = None,
 ) -> tuple[torch.Tensor, RowSquares, torch.Tensor | None]:
     """(h, its RowSquares, xw): h = residual + (x @ W + bias rounded to x's dtype), rounded,
     the bits of `kernels.add_rms_norm(quant_matmul(x, qw), residual)[1]`; with the next
@@ -72,10 +70,7 @@ def quant_matmul_residual(
     [..., n] of x's dtype; `norm_fold_applies(x, qw, "out")` must hold. `x_in_row_order`:
     x is x[..., perm] already (no gather: kernels/quant_matmul/slot_sum.py's docstring);
     `xw_scatter` (the next GEMV's split_k.row_order): xw is stored in that GEMV's row order,
-    for `quant_matmul_normed(..., x_in_row_order=True)`. `exchange`: W is this rank's row
-    shard of a tensor-parallel linear; x @ W is summed over the ranks in the slot sum (in
-    rank order, float32) before the residual add, so h, the squares and xw are every
-    rank's alike (issue 33: no all-reduce kernel of its own)."""
+    for `quant_matmul_normed(..., x_in_row_order=True)`."""
     check_args(x, qw)
     if not norm_fold_applies(x, qw, "out"):
         raise ValueError("quant_matmul_residual runs on the decode GEMV only (norm_fold_applies)")
@@ -99,7 +94,6 @@ def quant_matmul_residual(
             xw=xw,
             xw_scatter=xw_scatter,
             x_in_row_order=x_in_row_order,
-            exchange=exchange,
         )
     shape = (*x.shape[:-1], n)
     return h.view(shape), squares, xw.view(shape) if xw is not None else None

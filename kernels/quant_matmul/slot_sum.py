@@ -63,8 +63,6 @@ from kernels.backend import (
 from kernels.quant_matmul.split_k import sm_count
 from kernels.quant_matmul.tiles import sum_slots
 from kernels.rms_norm import pairwise_sum, rms_rstd
-from kernels.tp_all_reduce import peer_timeout_ns
-from kernels.tp_push_all_reduce import RECV_SLOTS, ColumnExchange, push_and_sum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,16 +366,6 @@ def _slot_sum_residual_kernel(
     XW_SCATTER: tl.constexpr,  # XW: in the next GEMV's row order (module docstring)
     USE_PDL: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
-    # EXCHANGE: the sum over the tensor-parallel ranks (ColumnExchange); else unused.
-    recv_bases_ptr,  # int64 [WORLD]: every rank's receive region
-    exchange_slots_ptr,  # int32 [max_rows, chunks]: this rank's next slot per (row, chunk)
-    rank,
-    EXCHANGE: tl.constexpr,
-    WORLD: tl.constexpr,
-    MAX_ROWS: tl.constexpr,
-    RECV_SLOTS: tl.constexpr,
-    MAX_SPINS: tl.constexpr,  # 0 in the engine; tests bound the polls
-    TIMEOUT_NS: tl.constexpr,
 ):
     pdl_launch_dependents(USE_PDL)
     chunk = tl.program_id(0)
@@ -396,22 +384,7 @@ def _slot_sum_residual_kernel(
         xw_at = row * n + tl.load(xw_scatter_ptr + cols, mask=mask, other=0)
     # The residual is an earlier kernel's output: loaded after the wait.
     pdl_wait(USE_PDL)
-    y32 = sum_slots(sums_ptr, elements, offsets, mask, SLOTS, GROUP)
-    if EXCHANGE:
-        # This rank's float32 partial of the chunk, summed with every peer's in rank order
-        # (kernels/tp_push_all_reduce.py's push_and_sum, per chunk): the bits of the push
-        # kernel's sum, so h is the push path's. The slot is read volatile and by every
-        # warp before one thread stores the next (as the push kernel does, for the same
-        # reason: an earlier kernel on another SM stored it).
-        counter = exchange_slots_ptr + row * chunks + chunk
-        slot = tl.load(counter, volatile=True)
-        tl.debug_barrier()
-        tl.store(counter, (slot + 1) % RECV_SLOTS)
-        y32 = push_and_sum(
-            y32, cols, mask, recv_bases_ptr, rank, slot, row, n,
-            WORLD, MAX_ROWS, MAX_SPINS, TIMEOUT_NS,
-        )  # fmt: skip
-    y = cast_rtne(y32, dtype, EMULATE_BF16)
+    y = cast_rtne(sum_slots(sums_ptr, elements, offsets, mask, SLOTS, GROUP), dtype, EMULATE_BF16)
     r = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
     # add_rms_norm's x + residual: both rounded to the dtype, added in float32, rounded once.
     h = cast_rtne(y.to(tl.float32) + r.to(tl.float32), dtype, EMULATE_BF16)
@@ -438,8 +411,6 @@ def launch_slot_sum_residual(
     xw_scatter: torch.Tensor | None = None,
     pdl: bool | None = None,
     config: SlotSumConfig | None = None,
-    exchange: ColumnExchange | None = None,
-    max_spins: int = 0,
 ) -> RowSquares:
     """h [M, n] = residual + (the sum over slots 0..slots-1 of the workspace, in slot order,
     rounded to h's dtype), rounded once more: kernels.add_rms_norm's residual output, bit
@@ -448,12 +419,7 @@ def launch_slot_sum_residual(
     dtype) also writes xw [M, n] = h * w, or h * (1 + w) with `unit_offset`, in float32
     (exact): the next GEMV's x (module docstring), with column c at column xw_scatter[c]
     when given (the next GEMV's row order: `launch_slot_sum`'s scatter). `pdl` and
-    `config` as for `launch_slot_sum`. `exchange` (tensor parallelism, issue 33): the sum
-    of the slots is this rank's float32 partial of a row-parallel linear, and y is the sum
-    of every rank's partial in rank order, exchanged chunk by chunk inside this kernel
-    (kernels/tp_push_all_reduce.py's ColumnExchange; the chunk is its block, not
-    `config`'s), before the rounding: the bits of the push kernel's add_rms_norm residual.
-    `max_spins`: tests only (bounded polls)."""
+    `config` as for `launch_slot_sum`."""
     if h.dim() != 2 or not h.is_contiguous() or h.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
             f"h must be a contiguous float16/bfloat16 [M, n], got {h.dtype} {tuple(h.shape)}"
@@ -481,13 +447,6 @@ def launch_slot_sum_residual(
             raise ValueError("xw_scatter places xw: it needs norm_weight and xw")
         check_scatter(xw_scatter, xw, "xw")
     c = config if config is not None else slot_sum_config(M * n, slots, h.device)
-    if exchange is not None:
-        if not exchange.fits(M, n):
-            raise ValueError(
-                f"{M} rows of {n} outputs do not fit the column exchange (at most "
-                f"{exchange.max_rows} rows of {exchange.row_floats}, in chunks of {exchange.block})"
-            )
-        c = SlotSumConfig(exchange.block, max(1, min(_MAX_WARPS, exchange.block // 32)))
     chunks = triton.cdiv(n, c.block)
     squares = RowSquares(torch.empty((M, chunks), dtype=torch.float32, device=h.device), c.block)
     if M * n == 0:
@@ -512,15 +471,6 @@ def launch_slot_sum_residual(
         XW_SCATTER=xw_scatter is not None,
         USE_PDL=use_pdl,
         EMULATE_BF16=_INTERPRETED,
-        recv_bases_ptr=exchange.recv_bases if exchange is not None else h,
-        exchange_slots_ptr=exchange.slots if exchange is not None else h,
-        rank=exchange.rank if exchange is not None else 0,
-        EXCHANGE=exchange is not None,
-        WORLD=exchange.world if exchange is not None else 1,
-        MAX_ROWS=exchange.max_rows if exchange is not None else 1,
-        RECV_SLOTS=RECV_SLOTS,
-        MAX_SPINS=max_spins,
-        TIMEOUT_NS=peer_timeout_ns(_INTERPRETED) if exchange is not None else 0,
         num_warps=c.num_warps,
         enable_fp_fusion=False,  # adds, squares and one multiply, each rounded alone
         launch_pdl=use_pdl,

@@ -17,25 +17,14 @@ import torch
 import torch.distributed as dist
 
 import loader
-from engine import norm_fold
 from engine.fusion import set_kernel_fusion
-from engine.modules import DecoderLayer
 from engine.quantized_linear import QuantizedLinear
 from engine.tensor_parallel.fused_sites import ReducingRMSNorm, wire_sites
 from engine.tensor_parallel.site_reduce import SiteAllReduce
 from engine.tensor_parallel.transform import AllReduceLinear, shard_model
-from helpers.decoding import greedy_with_logits
 from helpers.mixed_model import build_mixed_model
 from kernels.tp_all_reduce import SiteBuffers
-from kernels.tp_push_all_reduce import (
-    EXCHANGE_BLOCK,
-    RECV_SLOTS,
-    SENTINEL,
-    ColumnExchange,
-    PushBuffers,
-    recv_words,
-)
-from tools.bench import build_model
+from kernels.tp_push_all_reduce import RECV_SLOTS, SENTINEL, PushBuffers, recv_words
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU)"
@@ -50,19 +39,8 @@ def _cpu_sites(sites: int, hidden: int, max_rows: int, kernel: str = "flags") ->
     buffer = torch.zeros(sites * site_floats + sites * max_rows)
     data_floats = sites * site_floats
     bases = torch.tensor([buffer.data_ptr()], dtype=torch.int64)
-    push = exchange = None
-    if kernel == "exchange":
-        cells = torch.full((recv_words(1, 2, hidden),), SENTINEL, dtype=torch.int32)
-        exchange = ColumnExchange(
-            recv=cells.view(RECV_SLOTS, 1, 2, hidden),
-            recv_bases=torch.tensor([cells.data_ptr()], dtype=torch.int64),
-            slots=torch.zeros(2, hidden // EXCHANGE_BLOCK, dtype=torch.int32),
-            rank=0,
-            world=1,
-            max_rows=2,
-            row_floats=hidden,
-        )
-    if kernel in ("push", "exchange"):
+    push = None
+    if kernel == "push":
         recv = torch.full((recv_words(1, max_rows, hidden),), SENTINEL, dtype=torch.int32)
         push = PushBuffers(
             recv=recv.view(RECV_SLOTS, 1, max_rows, hidden),
@@ -86,7 +64,6 @@ def _cpu_sites(sites: int, hidden: int, max_rows: int, kernel: str = "flags") ->
             max_rows=max_rows,
         ),
         push,
-        exchange,
     )
 
 
@@ -160,62 +137,6 @@ def test_deferred_sums_reach_their_norms_and_match_the_unsharded_model(
             assert [n % RECV_SLOTS for n in ran] == [sum(quantized) % RECV_SLOTS]
         else:
             assert [bool(n) for n in ran] == quantized
-    finally:
-        model.unload()
-
-
-def test_the_folded_decode_sums_the_ranks_inside_the_slot_sums(
-    tmp_path: Path, one_rank_group: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The `exchange` kernel (issue 33): on the folded decode path (engine/norm_fold.py, its
-    kernels run here through the interpreter) o_proj's and down_proj's slot sums exchange the
-    ranks' partials themselves, so every layer folds its norms as on one GPU and no partial
-    is deferred to a norm. The prompt (over the GEMV's rows) takes the push kernel. Against
-    the unsharded model on the same folded path: the same greedy tokens, logits within the
-    fold tests' tolerance (the prompt's row-parallel sums round once in float32 under TP).
-    Each decode step runs the exchange twice per layer on every chunk of row 0."""
-    model_dir = build_model(tmp_path / "gptq", "tiny", "gptq", device="cpu")
-    ids = torch.randint(2, 1000, (10,), generator=torch.Generator().manual_seed(5)).tolist()
-    steps = 4
-    monkeypatch.setattr(norm_fold, "kernels_run_on", lambda x: True)
-    folds: list[bool] = []
-    real_folded = DecoderLayer._folded
-
-    def counted(self, x, batch):
-        chosen = real_folded(self, x, batch)
-        folds.append(chosen is not None)
-        return chosen
-
-    monkeypatch.setattr(DecoderLayer, "_folded", counted)
-    model = loader.load(model_dir, "kestrel", device="cpu", dtype="float16")
-    try:
-        expected_tokens, expected_logits = greedy_with_logits(model.engine, ids, steps)
-        causal = model.engine.model
-        layers = causal.model.layers
-        assert folds.count(True) == len(layers) * steps  # every decode step, every layer
-        shard_model(causal, rank=0, world=1)
-        linears = [m for m in causal.modules() if isinstance(m, AllReduceLinear)]
-        hidden = linears[0].out_features
-        sites = _cpu_sites(len(linears), hidden, max_rows=16, kernel="exchange")
-        wire_sites(layers, linears, sites)
-        assert sites.exchange is not None and sites.push is not None
-        folds.clear()
-        tokens, logits = greedy_with_logits(model.engine, ids, steps)
-        assert folds.count(True) == len(layers) * steps
-        assert tokens == expected_tokens
-        scale = expected_logits.abs().amax(dim=-1, keepdim=True)
-        assert ((logits - expected_logits).abs() <= 2e-2 * scale).all()
-        # Two exchanges per layer and step on each chunk of row 0; row 1 never ran.
-        calls = (2 * len(layers) * steps) % RECV_SLOTS
-        assert sites.exchange.slots.tolist() == [
-            [calls] * (hidden // EXCHANGE_BLOCK),
-            [0] * (hidden // EXCHANGE_BLOCK),
-        ]
-        assert bool((sites.exchange.recv == SENTINEL).all())  # every cell read and freed
-        # The prompt's 10 rows: the push kernel, once per site (no decode step pushed).
-        pushed = (2 * len(layers)) % RECV_SLOTS
-        assert sites.push.slots.tolist() == [pushed] * len(ids) + [0] * (16 - len(ids))
-        assert sites.take(logits) is None
     finally:
         model.unload()
 
