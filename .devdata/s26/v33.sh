@@ -145,4 +145,19 @@ if [ "$what" = exch ]; then
     done
   fi
 fi
+# l2: the GEMV's L2 prefetch (KESTREL_GEMV_L2_PREFETCH=1) against main, 8 layers of the 70B
+#     shape, one GPU then TP=2, each with and without; the bitwise GPU test first. Short:
+#     the session's last device seconds (stops starting runs past 80 s).
+if [ "$what" = l2 ]; then
+  timeout 30 python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemv_l2_prefetch.py \
+    > /tmp/l2test.txt 2>&1; echo "l2 test rc=$? $(tail -1 /tmp/l2test.txt) t=$((SECONDS-S))" >> $L
+  for m in single tp; do
+    for v in 0 1; do
+      [ $((SECONDS-S)) -gt 80 ] && break 2
+      KESTREL_GEMV_L2_PREFETCH=$v timeout 40 python tools/profile_tp_decode.py --shape llama3-70b \
+        --layers 8 --modes $m --prompt 512 --steps 16 --work /tmp/kp --out /tmp/p-$m-$v > /tmp/p.txt 2>&1
+      echo "$m l2=$v rc=$? t=$((SECONDS-S)) $(grep 'tok/s' /tmp/p.txt)" >> $L
+    done
+  done
+fi
 cat $L

@@ -1,0 +1,95 @@
+"""The decode GEMV's L2 prefetch (GemvConfig.l2_prefetch, kernels/quant_matmul/gemv.py's
+`_gemv_prefetch_l2`): before its programmatic-dependent-launch wait each program asks L2 for
+every 128-byte line of packed words it will read, so the weight's DRAM reads can run while
+the kernels before it finish.
+
+Compiled here for sm_90 without a GPU, in a child process (the suite's kernels run
+interpreted, where the inline PTX does not exist): with the setting the PTX holds one
+prefetch per thread and chunk, all before the wait, and none without it. On a GPU: the
+GEMV's sums are bit for bit the same with and without it (a prefetch moves no data into
+registers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.quant_weights import make_weight
+from kernels.quant_matmul import gemv
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_COMPILE = """
+import importlib, inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+kernel = importlib.import_module("kernels.quant_matmul.gemv")._gemv_kernel
+l2, planes = sys.argv[1] == "1", int(sys.argv[2])
+consts = dict(HAS_PERM=False, GROUPED=True, ZERO_PER_GROUP=False, NUM_PLANES=planes,
+    P0_BITS=4, P0_SHIFT=0, P1_BITS=2, P1_SHIFT=4, M_ROWS=1, ITERS=4, BLOCK_N=1024,
+    BLOCK_K=32, PREFETCH=True, STAGES=3, EVEN_K=True, EVEN_N=True, VEC_X=True, PTX=True,
+    USE_PDL=True, L2_PREFETCH=l2)
+pointers = {"x_ptr": "*fp16", "out_ptr": "*fp32", "p0_ptr": "*i32", "p1_ptr": "*i32",
+            "scales_ptr": "*fp16", "zeros_ptr": "*fp16", "row_group_ptr": "*i32",
+            "perm_ptr": "*i32", "bias_ptr": "*fp16"}
+names = list(inspect.signature(kernel.fn).parameters)
+signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in names}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in pointers}
+ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+wait = ptx.find("griddepcontrol.wait")
+print(json.dumps({"total": ptx.count("prefetch.global.L2"),
+                  "before_wait": ptx[:wait].count("prefetch.global.L2"), "wait": wait > 0}))
+"""
+
+
+def _prefetches(l2: bool, planes: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, str(int(l2)), str(planes)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"sm_90 compile of the GEMV failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_every_line_of_the_split_is_prefetched_before_the_wait(planes: int) -> None:
+    on, off = _prefetches(True, planes), _prefetches(False, planes)
+    assert off["total"] == 0 and on["wait"]
+    # Per chunk and plane: (32 rows / rows per word) word rows x 1024 / 32 lines, over
+    # 128 threads: 4-bit 4 x 32 = one line a thread, 2-bit 2 x 32 = half (still one
+    # instruction a thread: the layout repeats a tile smaller than the block). 4 chunks.
+    assert on["total"] == on["before_wait"] == 4 * planes, on
+
+
+@pytest.mark.gpu
+def test_the_prefetch_leaves_the_sums_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    qw = make_weight(4096, 3072, [4, 3], device="cuda", seed=3, perm=False)
+    x = torch.randn(1, 4096, dtype=torch.float16, device="cuda")
+    results = []
+    for l2 in (False, True):
+        config = dataclasses.replace(gemv._GEMV_CONFIG, l2_prefetch=l2)
+        monkeypatch.setattr(gemv, "_GEMV_CONFIG", config)
+        y = torch.empty(1, 3072, dtype=torch.float16, device="cuda")
+        gemv.launch_gemv(x, qw, y)
+        results.append(y)
+    assert torch.equal(results[0], results[1])
