@@ -184,24 +184,37 @@ def _gemv_plane_words(
 
 
 @triton.jit
-def _gemv_prefetch_l2(
-    plane_ptr, plane_stride, k_begin, k_end, pid_n, n, BITS: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ITERS: tl.constexpr,
+def _gemv_l2_lines(
+    plane_stride, r0, k_end, pid_n, n, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Ask L2 for the packed words of one plane that this program reads (its ITERS chunks
-    from k_begin, its BLOCK_N columns): one `prefetch.global.L2` per 128-byte line (32
-    words of a word row), nothing loaded into registers. Lines past k_end or n prefetch the
-    plane's first line instead (an address that is surely mapped)."""
+    """(offsets, ok) [W, BLOCK_N / 32]: the first word of every 128-byte line (32 words of a
+    word row) of one plane that the chunk of rows [r0, r0 + BLOCK_K) of column tile pid_n
+    reads (`_gemv_plane_words`'s words), relative to the plane's base, and whether the
+    line is the chunk's (rows before k_end, columns before n)."""
     RPW: tl.constexpr = 32 // BITS
     W: tl.constexpr = BLOCK_K // RPW
     LINES: tl.constexpr = BLOCK_N // 32
     word = tl.arange(0, W)[:, None]
     col = pid_n * BLOCK_N + tl.arange(0, LINES)[None, :] * 32
+    ok = (r0 + word * RPW < k_end) & (col < n)
+    return (r0 // RPW + word) * plane_stride + col, ok
+
+
+@triton.jit
+def _gemv_prefetch_l2(
+    plane_ptr, plane_stride, k_begin, k_end, pid_n, n, BITS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ITERS: tl.constexpr,
+):  # fmt: skip
+    """Ask L2 for the packed words of one plane that this program reads (its ITERS chunks
+    from k_begin, its BLOCK_N columns): one `prefetch.global.L2` per 128-byte line
+    (`_gemv_l2_lines`), nothing loaded into registers. Lines that are not the program's
+    prefetch the plane's first line instead (an address that is surely mapped)."""
     for it in tl.static_range(ITERS):
-        r0 = k_begin + it * BLOCK_K
-        ok = (r0 + word * RPW < k_end) & (col < n)
-        ptrs = plane_ptr + (r0 // RPW + word) * plane_stride + col
-        ptrs = tl.where(ok, ptrs, plane_ptr)
+        offsets, ok = _gemv_l2_lines(
+            plane_stride, k_begin + it * BLOCK_K, k_end, pid_n, n, BITS, BLOCK_K, BLOCK_N
+        )
+        ptrs = plane_ptr + tl.where(ok, offsets, 0)
         tl.inline_asm_elementwise(
             "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
             "=r,l",

@@ -49,6 +49,8 @@ def quant_matmul_rope(x: torch.Tensor, qw: QuantizedWeight, rope: RopeCacheWrite
     x2d = unit_col_stride(x)
     q = torch.empty((x2d.shape[0], rope.num_heads, rope.head_dim), dtype=x.dtype, device=x.device)
     with device_guard(x):
-        sums, slots = launch_gemv_to_slots(x2d, qw, add_bias=False)
-        launch_slot_sum_rope(sums, slots, rope, q, bias=qw.bias)
+        # The bias in split 0's partial, as the unfused GEMV adds it (not after the sum, as
+        # the folded norm must): the same float32 additions, so the same bits.
+        sums, slots = launch_gemv_to_slots(x2d, qw)
+        launch_slot_sum_rope(sums, slots, rope, q)
     return q

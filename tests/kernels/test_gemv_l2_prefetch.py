@@ -5,7 +5,9 @@ the kernels before it finish.
 
 Compiled here for sm_90 without a GPU, in a child process (the suite's kernels run
 interpreted, where the inline PTX does not exist): with the setting the PTX holds one
-prefetch per thread and chunk, all before the wait, and none without it. On a GPU: the
+prefetch per thread and chunk, all before the wait, and none without it. Through the
+interpreter: the lines each program prefetches are exactly the lines its chunks read. On a
+GPU: the
 GEMV's sums are bit for bit the same with and without it (a prefetch moves no data into
 registers)."""
 
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from helpers.quant_weights import make_weight
 from kernels.quant_matmul import gemv
@@ -93,3 +97,58 @@ def test_the_prefetch_leaves_the_sums_bit_for_bit(monkeypatch: pytest.MonkeyPatc
         gemv.launch_gemv(x, qw, y)
         results.append(y)
     assert torch.equal(results[0], results[1])
+
+
+@triton.jit
+def _lines_kernel(
+    out_ptr, plane_stride, seg_rows, rows_per_split, n, BITS: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ITERS: tl.constexpr,
+):  # fmt: skip
+    """Every program's prefetched line offsets (-1 where not its line), as the GEMV's
+    programs compute them: out [n_tiles, splits, ITERS, W, BLOCK_N / 32]."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    k_begin = pid_k * rows_per_split
+    k_end = tl.minimum(k_begin + rows_per_split, seg_rows)
+    W: tl.constexpr = BLOCK_K // (32 // BITS)
+    LINES: tl.constexpr = BLOCK_N // 32
+    cell = (tl.arange(0, W)[:, None] * LINES + tl.arange(0, LINES)[None, :]).to(tl.int64)
+    program = (pid_n * tl.num_programs(1) + pid_k).to(tl.int64) * ITERS * W * LINES
+    for it in tl.static_range(ITERS):
+        offsets, ok = gemv._gemv_l2_lines(
+            plane_stride, k_begin + it * BLOCK_K, k_end, pid_n, n, BITS, BLOCK_K, BLOCK_N
+        )
+        tl.store(out_ptr + program + it * W * LINES + cell, tl.where(ok, offsets, -1))
+
+
+@pytest.mark.parametrize(
+    ("bits", "seg_rows", "n"), [(4, 1024, 2048), (2, 928, 1536), (8, 200, 640)]
+)
+def test_the_prefetched_lines_are_the_lines_the_gemv_reads(bits: int, seg_rows: int, n: int):
+    """Every program prefetches exactly the 128-byte lines of packed words that its chunks
+    read (`_gemv_plane_words`: word rows of its split before the segment's end, its columns
+    before n), a plane stride of whole lines; uneven splits and a partial last column tile
+    included. Through the interpreter (the offsets, not the PTX)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the line arithmetic through the Triton interpreter")
+    block_k, block_n, iters = 32, 1024, 4
+    rpw, stride = 32 // bits, n
+    rows_per_split = iters * block_k
+    tiles, splits = triton.cdiv(n, block_n), triton.cdiv(seg_rows, rows_per_split)
+    words, lines = block_k // rpw, block_n // 32
+    out = torch.empty(tiles, splits, iters, words, lines, dtype=torch.int64)
+    _lines_kernel[(tiles, splits)](
+        out, stride, seg_rows, rows_per_split, n, BITS=bits, BLOCK_K=block_k, BLOCK_N=block_n,
+        ITERS=iters,
+    )  # fmt: skip
+    for tile in range(tiles):
+        for split in range(splits):
+            got = {int(o) // 32 for o in out[tile, split].flatten() if o >= 0}
+            k_begin = split * rows_per_split
+            k_end = min(k_begin + rows_per_split, seg_rows)
+            cols = range(tile * block_n, min((tile + 1) * block_n, n))
+            read = {
+                (row * stride + c) // 32
+                for row in range(k_begin // rpw, -(-k_end // rpw))
+                for c in cols
+            }
+            assert got == read, (tile, split)

@@ -102,3 +102,36 @@ def test_what_it_does_not_take_is_refused(device) -> None:
         quant_matmul_rope(x, qw, narrow)
     with pytest.raises(ValueError, match="in_features"):
         quant_matmul_rope(x[:, :-1], qw, rope)
+
+
+def test_a_large_bias_is_added_where_the_unfused_gemv_adds_it(device) -> None:
+    """The bias goes into split 0's partial, as the unfused GEMV adds it, not after the
+    sum (as the folded norm must): with a bias the size of Qwen2's k/v biases and many
+    split-K slots, adding it last rounds some sums differently."""
+    require_triton(device)
+    hq, hk, d, k = 8, 2, 64, 1024
+    x = seeded_randn((2, k), torch.float16, device, seed=0)
+    qw = make_weight(k, (hq + 2 * hk) * d, [4], device=device, seed=30, bias=True, perm=False)
+    assert qw.bias is not None
+    qw.bias.mul_(100.0)
+    angles = torch.arange(MAX_POS, dtype=torch.float32)[:, None] * (
+        1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    )
+    slots = torch.tensor([3, 9], dtype=torch.int32, device=device)
+    # Position 0 rotates by nothing (cos 1, sin 0): every rounding of the sums shows.
+    positions = torch.tensor([0, 0], device=device)
+    caches = [torch.zeros(CACHE_SLOTS, hk, d, dtype=torch.float16, device=device) for _ in "kv"]
+    rope = RopeCacheWrite(
+        positions, slots, angles.cos().to(device), angles.sin().to(device), caches[0], caches[1],
+        hq, hk, d,
+    )  # fmt: skip
+    qkv = quant_matmul_triton(x, qw, path="gemv")
+    q, kk, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    k_want, v_want = caches[0].clone(), caches[1].clone()
+    q_want = apply_rope_write_triton(
+        q.view(2, hq, d), kk.view(2, hk, d), v.view(2, hk, d), positions, rope.cos, rope.sin,
+        k_want, v_want, slots,
+    )  # fmt: skip
+    got = quant_matmul_rope(x, qw, rope)
+    assert torch.equal(got, q_want)
+    assert torch.equal(rope.k_cache, k_want) and torch.equal(rope.v_cache, v_want)
