@@ -246,13 +246,18 @@ class Attention(FusesKernels):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
     ) -> torch.Tensor:
+        out: torch.Tensor = self.o_proj(self.attend_rows(x, batch, cache, rotary), batch.lora)
+        return out
+
+    def attend_rows(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
+    ) -> torch.Tensor:
+        """The attention of the rows x, before o_proj: [T, Hq * D]. Where the qkv GEMV's slot
+        sum can rotate q and k and write the cache (`project_rotated`), it does."""
         q_rotated = self.project_rotated(x, batch, cache, rotary)
         if q_rotated is not None:
-            attended = self.attend_cached(q_rotated, batch, cache)
-        else:
-            attended = self.attend(*self.project(x, batch.lora), batch, cache, rotary)
-        out: torch.Tensor = self.o_proj(attended, batch.lora)
-        return out
+            return self.attend_cached(q_rotated, batch, cache)
+        return self.attend(*self.project(x, batch.lora), batch, cache, rotary)
 
     def project_rotated(
         self, x: torch.Tensor, batch: ForwardBatch, cache: PagedKVCache, rotary: Rotary
@@ -262,13 +267,16 @@ class Attention(FusesKernels):
         projection and apply_rope_write), where that applies: a decode step without LoRA,
         a plain quantized fused qkv_proj (engine.norm_fold.projection_rotates) and a cache
         write that fuses (rope_cache_write). None: project and attend as usual."""
-        if batch.lora is not None or not self.spec.fused_qkv:
+        s = self.spec
+        if batch.lora is not None or not s.fused_qkv:
+            return None
+        # The weight first: on the CPU and for prompts it refuses before any set-up.
+        width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        weight = projection_rotates(x, self.qkv_proj, width)
+        if weight is None:
             return None
         rope = self.rope_cache_write(batch, cache, rotary, x.dtype)
         if rope is None:
-            return None
-        weight = projection_rotates(x, self.qkv_proj, rope.width)
-        if weight is None:
             return None
         return quant_matmul_rope(x, weight, rope)
 
@@ -574,12 +582,7 @@ class DecoderLayer(nn.Module):
                 normed, h = norm_in(x), x
             else:
                 normed, h = norm_in.forward_add(x, residual)
-            q_rotated = attn.project_rotated(normed, batch, cache, rotary)
-            if q_rotated is not None:  # RoPE and the cache write in qkv's slot sum, no norm
-                out = attn.attend_cached(q_rotated, batch, cache)
-            else:
-                qkv = attn.qkv_proj(normed, None)
-                out = attn.attend(*attn.split_qkv(qkv), batch, cache, rotary)
+            out = attn.attend_rows(normed, batch, cache, rotary)
         gate_up, down = folded_weight(mlp.gate_up_proj), folded_weight(mlp.down_proj)
         silu = mlp.act_name == "silu"
         # gate_up's input, and down's where gate_up's slot sum makes it (silu), are stored

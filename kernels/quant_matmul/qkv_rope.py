@@ -26,11 +26,10 @@ from kernels.quant_matmul.split_k import unit_col_stride
 def qkv_rope_applies(x: torch.Tensor, qw: QuantizedWeight, rope_width: int) -> bool:
     """Whether `quant_matmul_rope` takes x [T, k] @ W: the decode GEMV's rows (at most
     GEMV_MAX_M), float16/bfloat16 x, and W's out_features the heads' width (no padding)."""
-    rows = x.numel() // max(x.shape[-1], 1)
     return (
         x.dim() == 2
         and x.dtype in (torch.float16, torch.bfloat16)
-        and 0 < rows <= GEMV_MAX_M
+        and 0 < x.shape[0] <= GEMV_MAX_M
         and qw.out_features == rope_width
     )
 

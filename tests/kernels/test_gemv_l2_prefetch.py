@@ -14,11 +14,7 @@ registers)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,11 +22,10 @@ import triton
 import triton.language as tl
 
 from helpers.quant_weights import make_weight
+from helpers.sm90_compile import compiled_facts
 from kernels.quant_matmul import gemv
 
 pytest.importorskip("triton")
-
-ROOT = Path(__file__).resolve().parents[2]
 
 _COMPILE = """
 import importlib, inspect, json, sys
@@ -58,19 +53,7 @@ print(json.dumps({"total": ptx.count("prefetch.global.L2"),
 
 
 def _prefetches(l2: bool, planes: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(int(l2)), str(planes)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.fail(f"sm_90 compile of the GEMV failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return compiled_facts(_COMPILE, str(int(l2)), str(planes), what="the GEMV")
 
 
 @pytest.mark.parametrize("planes", [1, 2])

@@ -27,34 +27,39 @@ MAX_POS = 64
 CACHE_SLOTS = 24
 
 
+def _tables(rotary_dim: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos, sin [MAX_POS, R/2] as engine.rope builds them (base 10000)."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    angles = torch.arange(MAX_POS, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos().to(device), angles.sin().to(device)
+
+
 def _case(M: int, dtype: torch.dtype, device: str, rotary_dim: int, bias: bool, perm: bool):
     x = seeded_randn((M, HIDDEN), dtype, device, seed=6)
     qw = make_weight(HIDDEN, (HQ + 2 * HK) * D, [4, 3], device=device, seed=2, bias=bias, perm=perm)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-    angles = torch.arange(MAX_POS, dtype=torch.float32)[:, None] * inv_freq[None, :]
     gen = torch.Generator().manual_seed(11)
     positions = torch.randint(1, MAX_POS, (M,), generator=gen).to(device)
     slots = torch.randperm(CACHE_SLOTS, generator=gen)[:M].to(torch.int32).to(device)
     k_cache = seeded_randn((CACHE_SLOTS, HK, D), dtype, device, seed=12)
     v_cache = seeded_randn((CACHE_SLOTS, HK, D), dtype, device, seed=13)
-    rope = RopeCacheWrite(
-        positions, slots, angles.cos().to(device), angles.sin().to(device), k_cache, v_cache,
-        HQ, HK, D,
-    )  # fmt: skip
+    cos, sin = _tables(rotary_dim, device)
+    rope = RopeCacheWrite(positions, slots, cos, sin, k_cache, v_cache, HQ, HK, D)
     return x, qw, rope
 
 
 def _unfused(x, qw, rope: RopeCacheWrite):
-    """The decode GEMV's quant_matmul, then apply_rope_write into copies of the caches."""
+    """The decode GEMV's quant_matmul, then apply_rope_write into copies of the caches:
+    (rotated q, k cache, v cache, q before the rotation)."""
+    hq, hk, d = rope.num_heads, rope.num_kv_heads, rope.head_dim
     qkv = quant_matmul_triton(x, qw, path="gemv")
-    q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
     M = qkv.shape[0]
     k_cache, v_cache = rope.k_cache.clone(), rope.v_cache.clone()
     q_rot = apply_rope_write_triton(
-        q.view(M, HQ, D), k.view(M, HK, D), v.view(M, HK, D), rope.positions, rope.cos,
+        q.view(M, hq, d), k.view(M, hk, d), v.view(M, hk, d), rope.positions, rope.cos,
         rope.sin, k_cache, v_cache, rope.slots,
     )  # fmt: skip
-    return q_rot, k_cache, v_cache, q.view(M, HQ, D)
+    return q_rot, k_cache, v_cache, q.view(M, hq, d)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -114,24 +119,13 @@ def test_a_large_bias_is_added_where_the_unfused_gemv_adds_it(device) -> None:
     qw = make_weight(k, (hq + 2 * hk) * d, [4], device=device, seed=30, bias=True, perm=False)
     assert qw.bias is not None
     qw.bias.mul_(100.0)
-    angles = torch.arange(MAX_POS, dtype=torch.float32)[:, None] * (
-        1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    )
     slots = torch.tensor([3, 9], dtype=torch.int32, device=device)
     # Position 0 rotates by nothing (cos 1, sin 0): every rounding of the sums shows.
     positions = torch.tensor([0, 0], device=device)
     caches = [torch.zeros(CACHE_SLOTS, hk, d, dtype=torch.float16, device=device) for _ in "kv"]
-    rope = RopeCacheWrite(
-        positions, slots, angles.cos().to(device), angles.sin().to(device), caches[0], caches[1],
-        hq, hk, d,
-    )  # fmt: skip
-    qkv = quant_matmul_triton(x, qw, path="gemv")
-    q, kk, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-    k_want, v_want = caches[0].clone(), caches[1].clone()
-    q_want = apply_rope_write_triton(
-        q.view(2, hq, d), kk.view(2, hk, d), v.view(2, hk, d), positions, rope.cos, rope.sin,
-        k_want, v_want, slots,
-    )  # fmt: skip
+    cos, sin = _tables(d, device)
+    rope = RopeCacheWrite(positions, slots, cos, sin, caches[0], caches[1], hq, hk, d)
+    q_want, k_want, v_want, _ = _unfused(x, qw, rope)
     got = quant_matmul_rope(x, qw, rope)
     assert torch.equal(got, q_want)
     assert torch.equal(rope.k_cache, k_want) and torch.equal(rope.v_cache, v_want)

@@ -10,17 +10,11 @@ the counts are the generated code's, not a timing."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-pytest.importorskip("triton")
+from helpers.sm90_compile import compiled_facts
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("triton")
 
 _COMPILE = """
 import importlib, inspect, json, sys
@@ -39,19 +33,7 @@ print(json.dumps({"adds": ptx.count("add.f32"), "shuffles": ptx.count("shfl")}))
 
 
 def _counts(block_d: int) -> dict[str, int]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT)
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, str(block_d)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.fail(f"sm_90 compile of rms_norm failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return compiled_facts(_COMPILE, str(block_d), what="rms_norm")
 
 
 @pytest.mark.parametrize("block_d", [4096, 8192])
