@@ -21,8 +21,10 @@ PY
 }
 case "${1:-}" in
 one)
-    timeout 60 python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemv_l2_prefetch.py \
-        tests/kernels/test_qkv_rope.py > $OUT/pytest.txt 2>&1
+    # Session 26 changed these after its last GPU run (CPU-checked only): run them first.
+    timeout 240 python -m pytest -q -m "gpu or not gpu" -p no:cacheprovider \
+        tests/kernels/test_gemv_l2_prefetch.py tests/kernels/test_qkv_rope.py \
+        tests/kernels/test_slot_sum_rope.py tests/engine/test_norm_fold_engine.py > $OUT/pytest.txt 2>&1
     echo "gpu tests rc=$? $(tail -1 $OUT/pytest.txt) t=$((SECONDS-S))" >> $L
     for job in "llama3-8b gptq" "llama3-8b exl2" "llama3-70b gptq"; do
         set -- $job
@@ -35,6 +37,9 @@ one)
     done
     ;;
 tp)
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_multigpu.py \
+        > $OUT/pytest_multigpu.txt 2>&1
+    echo "test_multigpu rc=$? $(tail -1 $OUT/pytest_multigpu.txt) t=$((SECONDS-S))" >> $L
     for shape in llama3-70b llama3-8b; do
         timeout 200 python tools/multigpu_check.py --shape $shape --format gptq --modes single \
             --work /tmp/k --out $OUT/mg > /tmp/mg.txt 2>&1
