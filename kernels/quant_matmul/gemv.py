@@ -16,7 +16,6 @@ any x, and its slot sum scales each output by rstd once and adds the bias after
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -68,11 +67,6 @@ class GemvConfig:
         1, every load of a chunk (words, x, scales) is issued `stages - 1` chunks ahead by
         cp.async into shared memory, so the bytes in flight need no registers; 1 is the
         plain loop. Only where it pays (`_gemv_stages`).
-    l2_prefetch: before its programmatic-dependent-launch wait, each program asks L2 for
-        every packed word of its split (`_gemv_prefetch_l2`: one prefetch per 128-byte
-        line, no registers held), so that the weight's reads run while the kernels before
-        it (slot sums, attention, a tensor-parallel all-reduce) finish, when DRAM is
-        otherwise idle. Only on a GPU (inline PTX).
     """
 
     num_warps: int = 2
@@ -81,7 +75,6 @@ class GemvConfig:
     max_iters: int = 4
     prefetch: bool = False
     stages: int = 1
-    l2_prefetch: bool = False
 
 
 # tools/tune_gemv.py on an H100 (8B GPTQ shapes, every layer's weight in turn): 4 warps,
@@ -104,8 +97,6 @@ _GEMV_CONFIG = GemvConfig(
     max_iters=4,
     prefetch=True,
     stages=3,
-    # Not measured yet (issues 28 and 33): KESTREL_GEMV_L2_PREFETCH=1 turns it on for A/Bs.
-    l2_prefetch=os.environ.get("KESTREL_GEMV_L2_PREFETCH", "0") == "1",
 )
 
 
@@ -181,48 +172,6 @@ def _gemv_plane_words(
         # Whole chunks only: one uniform test (the prefetch past a split's last chunk).
         return tl.load(ptrs, mask=(r0 < k_end) & col_ok[None, None, :], other=0)
     return tl.load(ptrs, mask=(r0 + word * RPW < k_end) & col_ok[None, None, :], other=0)
-
-
-@triton.jit
-def _gemv_l2_lines(
-    plane_stride, r0, k_end, pid_n, n, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """(offsets, ok) [W, BLOCK_N / 32]: the first word of every 128-byte line (32 words of a
-    word row) of one plane that the chunk of rows [r0, r0 + BLOCK_K) of column tile pid_n
-    reads (`_gemv_plane_words`'s words), relative to the plane's base, and whether the
-    line is the chunk's (rows before k_end, columns before n)."""
-    RPW: tl.constexpr = 32 // BITS
-    W: tl.constexpr = BLOCK_K // RPW
-    LINES: tl.constexpr = BLOCK_N // 32
-    word = tl.arange(0, W)[:, None]
-    col = pid_n * BLOCK_N + tl.arange(0, LINES)[None, :] * 32
-    ok = (r0 + word * RPW < k_end) & (col < n)
-    return (r0 // RPW + word) * plane_stride + col, ok
-
-
-@triton.jit
-def _gemv_prefetch_l2(
-    plane_ptr, plane_stride, k_begin, k_end, pid_n, n, BITS: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, ITERS: tl.constexpr,
-):  # fmt: skip
-    """Ask L2 for the packed words of one plane that this program reads (its ITERS chunks
-    from k_begin, its BLOCK_N columns): one `prefetch.global.L2` per 128-byte line
-    (`_gemv_l2_lines`), nothing loaded into registers. Lines that are not the program's
-    prefetch the plane's first line instead (an address that is surely mapped)."""
-    for it in tl.static_range(ITERS):
-        offsets, ok = _gemv_l2_lines(
-            plane_stride, k_begin + it * BLOCK_K, k_end, pid_n, n, BITS, BLOCK_K, BLOCK_N
-        )
-        ptrs = plane_ptr + tl.where(ok, offsets, 0)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-            "=r,l",
-            [ptrs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
 
 @triton.jit
@@ -457,7 +406,6 @@ def _gemv_kernel(
     VEC_X: tl.constexpr,  # x read once per chunk in 8-byte words (_gemv_x_chunk)
     PTX: tl.constexpr,  # compiled for a GPU (inline PTX), not run by the interpreter
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels.backend)
-    L2_PREFETCH: tl.constexpr = False,  # GemvConfig.l2_prefetch (a GPU's PTX only)
 ):
     pdl_launch_dependents(USE_PDL)
     pid_n = tl.program_id(0)
@@ -492,14 +440,6 @@ def _gemv_kernel(
         if NUM_PLANES == 2:
             next1 = _gemv_plane_words(
                 p1_ptr, p1_stride, k_begin, k_end, cols, col_ok, P1_BITS, BLOCK_K, EVEN_K
-            )
-    if L2_PREFETCH:  # the rest of the split's words, into L2 only (GemvConfig.l2_prefetch)
-        _gemv_prefetch_l2(
-            p0_ptr, p0_stride, k_begin, k_end, pid_n, n, P0_BITS, BLOCK_K, BLOCK_N, ITERS
-        )
-        if NUM_PLANES == 2:
-            _gemv_prefetch_l2(
-                p1_ptr, p1_stride, k_begin, k_end, pid_n, n, P1_BITS, BLOCK_K, BLOCK_N, ITERS
             )
     # Weights are never written by a kernel: their first loads above may fly while the
     # previous kernel finishes; x and the workspace only after it has.
@@ -710,7 +650,6 @@ class GemvTiling:
     num_warps: int
     prefetch: bool
     stages: int = 1
-    l2_prefetch: bool = False
 
 
 def gemv_tiling(
@@ -750,7 +689,6 @@ def gemv_tiling(
         config.num_warps,
         config.prefetch,
         stages,
-        config.l2_prefetch,
     )
 
 
@@ -866,7 +804,6 @@ def launch_gemv_partials(
             VEC_X=vec_x,
             PTX=x2d.is_cuda,
             USE_PDL=pdl,
-            L2_PREFETCH=t.l2_prefetch and x2d.is_cuda,
             num_warps=t.num_warps,
             launch_pdl=pdl,
         )
