@@ -38,6 +38,7 @@ from engine.sampling import Sampler
 from engine.sampling_settings import SamplingSettings, SamplingSettingsError
 from engine.stops import StopMatcher
 from engine.tokenizer import IncrementalDecoder, Tokenizer
+from kernels.argmax import argmax_rows
 
 
 @dataclass
@@ -213,12 +214,12 @@ def draw_jobs(
         logits = apply_position_bans(logits, bans)
     plain = [i for i, job in enumerate(jobs) if job.plain_greedy]
     if len(plain) == len(jobs):
-        out = logits.argmax(dim=-1)
+        out = argmax_rows(logits)
     else:
         out = torch.empty(len(jobs), dtype=torch.int64, device=device)
         if plain:
             index = host_to_device(torch.tensor(plain), device)
-            out[index] = logits[index].argmax(dim=-1)
+            out[index] = argmax_rows(logits[index])
         done = set(plain)
         together = [i for i, job in enumerate(jobs) if i not in done and job.batchable]
         if together:

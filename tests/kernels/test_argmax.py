@@ -1,0 +1,82 @@
+"""kernels/argmax.py: the two-kernel argmax gives torch's `argmax(dim=-1)` exactly: ties to
+the first index, NaN above everything (the first NaN), a row of -inf answers 0, rows whose
+length is no multiple of a part, float32/16/bfloat16. Run by the Triton interpreter here,
+compiled on a GPU (`gpu` marks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.argmax import argmax_rows
+
+VOCAB = 5000  # three parts of 2048 tokens, the last one partly past the row's end
+
+
+def _rows() -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, VOCAB, generator=g)
+    x[0, :] = float("-inf")  # nothing allowed: index 0
+    x[1, [100, 2047, 2048, 4999]] = 50.0  # a tie across parts: the first wins
+    x[2, [4999]] = 50.0  # the last token, in the part that runs past the end
+    x[3, [3000, 10]] = float("inf")  # +inf twice: the first
+    x[4, [4100, 4200]] = float("nan")  # a NaN outranks the larger +inf before it
+    x[4, 5] = float("inf")
+    x[5, [2500, 700]] = float("nan")  # two NaNs in different parts: the first
+    x[6, 1024:] = float("-inf")  # the maximum in the first part's first block
+    x[6, 3] = x[6, :1024].max()  # tied within one block
+    x[7, :] = 0.0  # all equal: index 0
+    x[7, 4096] = -0.0
+    x[8, 2049] = -float("inf")
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype) -> None:
+    logits = _rows().to(dtype)
+    got = argmax_rows(logits, backend="triton")
+    assert got.dtype == torch.int64
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1024, 2048, 2049])
+def test_argmax_rows_short_and_boundary_rows(vocab: int) -> None:
+    logits = _rows()[:, :vocab].contiguous()
+    logits[1, vocab - 1] = 1e4  # the row's last token
+    assert argmax_rows(logits, backend="triton").tolist() == logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits, backend="triton")[1].item() == vocab - 1
+
+
+def test_argmax_rows_of_a_strided_batch() -> None:
+    big = _rows()
+    view = big[::2]  # rows apart by two rows' stride, each contiguous
+    assert argmax_rows(view, backend="triton").tolist() == view.argmax(dim=-1).tolist()
+
+
+def test_argmax_rows_errors_and_empty() -> None:
+    assert argmax_rows(torch.empty(0, 10), backend="triton").shape == (0,)
+    with pytest.raises(ValueError, match="V = 0"):
+        argmax_rows(torch.empty(2, 0), backend="triton")
+    with pytest.raises(ValueError, match=r"\[N, V\] float"):
+        argmax_rows(torch.zeros(4, dtype=torch.float32), backend="triton")
+    with pytest.raises(ValueError, match="contiguous"):
+        argmax_rows(torch.zeros(10, 3).t(), backend="triton")
+    # The CPU path is torch's own.
+    x = _rows()
+    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_argmax_rows_on_gpu_matches_torch(rows: int) -> None:
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = torch.randn(rows, 128256, device="cuda", generator=g)
+    logits[0, [70000, 90000]] = 40.0
+    if rows > 1:
+        logits[1, 127000] = float("nan")
+    got = argmax_rows(logits)
+    assert got.is_cuda
+    assert torch.equal(got, logits.argmax(dim=-1))
+    for _ in range(3):  # fp16 logits, as the head's slot sum writes them
+        half = torch.randn(rows, 128256, device="cuda", generator=g).half()
+        assert torch.equal(argmax_rows(half), half.argmax(dim=-1))
