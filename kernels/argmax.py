@@ -60,7 +60,7 @@ def _argmax_parts_kernel(
     # A part's answer starts at its first token: a part of -inf answers its first index.
     best = tl.full([], float("-inf"), tl.float32)
     where = start
-    seen_nan = False
+    seen_nan = best != best  # False, as a tensor: `~` on a Python bool is -1
     for off in tl.static_range(0, PART, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * row_stride + idx, mask=idx < vocab, other=float("-inf"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.sm90_compile import compiled_facts
 from kernels.argmax import argmax_rows
 
 VOCAB = 5000  # three parts of 2048 tokens, the last one partly past the row's end
@@ -64,6 +65,35 @@ def test_argmax_rows_errors_and_empty() -> None:
     # The CPU path is torch's own.
     x = _rows()
     assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+
+
+_COMPILE = """
+import importlib, inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+m = importlib.import_module("kernels.argmax")
+def ptx(kernel, types, consts):
+    names = inspect.signature(kernel.fn).parameters
+    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+parts = ptx(m._argmax_parts_kernel, {"x_ptr": "*" + sys.argv[1], "best_ptr": "*fp32",
+            "where_ptr": "*i32", "nan_ptr": "*i8"}, {"PART": 2048, "BLOCK": 1024})
+rows = ptx(m._argmax_rows_kernel, {"best_ptr": "*fp32", "where_ptr": "*i32",
+           "nan_ptr": "*i8", "out_ptr": "*i64"}, {"PARTS": 64})
+print(json.dumps({"unordered": parts.count("setp.nan") + parts.count("setp.neu"),
+                  "loads": parts.count("ld.global"), "row_stores": rows.count("st.global")}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_argmax_kernels_compile_for_sm90_with_the_nan_rule(dtype: str) -> None:
+    """Both kernels compile for a GPU (the interpreter above does not compile), and the NaN
+    test `x != x` compiled to unordered compares, the only kind true for a NaN."""
+    facts = compiled_facts(_COMPILE, dtype, what=f"argmax kernels ({dtype} logits)")
+    assert facts["unordered"] > 0, facts
+    assert facts["loads"] > 0 and facts["row_stores"] > 0, facts
 
 
 @pytest.mark.gpu
