@@ -3,7 +3,7 @@ several held-out domains at once.
 
     python tools/compare_converters.py --model models/SmolLM2-135M-Instruct-fp16 \
         --work /tmp/cmp --kestrel-bits 2.5 3 4 5 6 --rtn-bits 2.5 3 4 5 6 \
-        --exllamav2-bits 2.5 3 4 5 6 --calibrations default shared \
+        --exllamav2-bits 2.5 3 4 5 6 --exllamav2-runs 3 --calibrations default shared \
         --shared-text wiki.utf8 --json results.json
 
 Calibration settings (--calibrations, one or both):
@@ -24,7 +24,11 @@ through the kestrel loader (tools/perplexity.py), so exllamav2-written models ar
 measured by the same code as ours.
 
 Each converter measures once per calibration (`-om`) and reuses the measurement for every
-width. RTN uses Kestrel's measurement and allocation with round-to-nearest codes
+width. exllamav2's converter does not make the same file twice (its held-out perplexities
+moved by up to 8% between runs of one command on one GPU), so --exllamav2-runs N converts
+each of its rows N times from scratch (a measurement of its own each) and adds a row of
+their per-domain medians, the figure to compare with; Kestrel's converter is deterministic.
+RTN uses Kestrel's measurement and allocation with round-to-nearest codes
 (convert.py --rtn), so the GPTQ-versus-RTN gap is the error feedback alone. Finished
 outputs are kept in --work and skipped on a rerun; --json is merged into, so a long table
 can be made over several runs. exllamav2 needs a CUDA GPU and the exllamav2 package.
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -171,6 +176,28 @@ def _bpw(model_dir: Path) -> float | None:
 RECORDED_KEYS = ("hessian_shrink", "hessian_shrink_heldout_ppl")
 
 
+def median_row(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per-domain medians of several runs' perplexities (every run must score the same
+    domains): the middle run's figure, or the mean of the two middle ones."""
+    if not runs:
+        raise ValueError("no runs to take a median of")
+    domains = list(runs[0])
+    if any(list(r) != domains for r in runs):
+        raise ValueError(f"runs score different domains: {[list(r) for r in runs]}")
+    return {d: statistics.median(r[d] for r in runs) for d in domains}
+
+
+def _exllamav2_run_names(calib: str, bits: float, runs: int) -> list[tuple[str, str, str]]:
+    """(row label, output folder, measurement file stem) of each exllamav2 run: the first
+    run keeps the one-run names, so a one-run table's rows and folders are reused."""
+    label, name = f"exllamav2 {calib} {bits:g}", f"exllamav2-{calib}-{bits:g}"
+    meas = f"exllamav2-{calib}-measurement"
+    if runs == 1:
+        return [(label, name, meas)]
+    return [(f"{label} run {r}", name if r == 1 else f"{name}-run{r}",
+             meas if r == 1 else f"{meas}-run{r}") for r in range(1, runs + 1)]  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--model", required=True, help="FP16/BF16 model directory")
@@ -178,6 +205,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kestrel-bits", type=float, nargs="*", default=[3.0, 4.0])
     p.add_argument("--rtn-bits", type=float, nargs="*", default=[])
     p.add_argument("--exllamav2-bits", type=float, nargs="*", default=[])
+    p.add_argument(
+        "--exllamav2-runs",
+        type=int,
+        default=1,
+        help="convert each exllamav2 row this many times (its converter is not deterministic) "
+        "and add a row of their medians",
+    )
     p.add_argument("--calibrations", nargs="+", choices=CALIBRATIONS, default=["default"])
     p.add_argument("--shared-text", help="UTF-8 text whose head is the shared calibration")
     p.add_argument("--cal-fraction", type=float, default=0.6)
@@ -217,6 +251,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if "shared" in a.calibrations and not a.shared_text:
         p.error("--calibrations shared needs --shared-text")
+    if a.exllamav2_runs < 1:
+        p.error(f"--exllamav2-runs must be 1 or more, got {a.exllamav2_runs}")
     return a
 
 
@@ -267,7 +303,6 @@ def main(argv: list[str] | None = None) -> int:
         k_cal = k_shared if calib == "shared" else None
         e_cal = shared_pq if calib == "shared" else None
         kmeas = work / f"kestrel-{calib}-measurement.json"
-        emeas = work / f"exllamav2-{calib}-measurement.json"
         for bits in a.kestrel_bits:
             out = work / f"kestrel-{calib}-{bits:g}"
             record(f"kestrel {calib} {bits:g}", out, _kestrel(src, out, bits, kmeas, k_cal, a))
@@ -276,8 +311,16 @@ def main(argv: list[str] | None = None) -> int:
             seconds = _kestrel(src, out, bits, kmeas, k_cal, a, rtn=True)
             record(f"rtn {calib} {bits:g}", out, seconds)
         for bits in a.exllamav2_bits:
-            out = work / f"exllamav2-{calib}-{bits:g}"
-            record(f"exllamav2 {calib} {bits:g}", out, _exllamav2(src, out, bits, emeas, e_cal, a))
+            names = _exllamav2_run_names(calib, bits, a.exllamav2_runs)
+            for label, name, meas in names:
+                out, emeas = work / name, work / f"{meas}.json"
+                record(label, out, _exllamav2(src, out, bits, emeas, e_cal, a))
+            if len(names) > 1:
+                median = f"exllamav2 {calib} {bits:g} median"
+                rows[median] = {"ppl": median_row([rows[n[0]]["ppl"] for n in names]),
+                                "bpw": bits, "runs": [n[0] for n in names]}  # fmt: skip
+                if a.json:
+                    Path(a.json).write_text(json.dumps(results, indent=1))
     print(f"\n{a.windows} windows of {a.window} tokens a domain, {bos_words(None)}\n")
     print(domain_table({label: row["ppl"] for label, row in rows.items()}))
     return 0

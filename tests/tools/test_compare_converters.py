@@ -12,7 +12,13 @@ import pytest
 from safetensors.torch import load_file
 
 from helpers.model_factory import CORPUS, make_tiny_llama
-from tools.compare_converters import _kestrel_shared_file, main
+from tools.compare_converters import (
+    _exllamav2_run_names,
+    _kestrel_shared_file,
+    main,
+    median_row,
+    parse_args,
+)
 
 SMALL = ["--rows", "2", "--length", "64", "--measure-rows", "2", "--measure-length", "64"]
 
@@ -26,6 +32,38 @@ def test_shared_file_is_the_text_unless_parquet_is_asked(tmp_path: Path) -> None
         _kestrel_shared_file("parquet", txt, pq)  # the parquet could not be written
     pq.write_bytes(b"PAR1")
     assert _kestrel_shared_file("parquet", txt, pq) == pq
+
+
+def test_median_row_of_exllamav2_runs() -> None:
+    # Session 27's four runs of exllamav2's shared SmolLM2 4.0 conversion (H200), two domains.
+    runs = [
+        {"code": 6.955, "multilingual": 43.974},
+        {"code": 7.493, "multilingual": 44.740},
+        {"code": 6.996, "multilingual": 45.433},
+        {"code": 7.092, "multilingual": 46.456},
+    ]
+    got = median_row(runs)
+    assert got == pytest.approx(
+        {"code": (6.996 + 7.092) / 2, "multilingual": (44.740 + 45.433) / 2}
+    )
+    assert median_row(runs[:3]) == {"code": 6.996, "multilingual": 44.740}
+    with pytest.raises(ValueError, match="different domains"):
+        median_row([{"code": 1.0}, {"wiki": 1.0}])
+    with pytest.raises(ValueError, match="no runs"):
+        median_row([])
+
+
+def test_exllamav2_runs_keep_the_one_run_names_first() -> None:
+    one = _exllamav2_run_names("shared", 4.0, 1)
+    assert one == [("exllamav2 shared 4", "exllamav2-shared-4", "exllamav2-shared-measurement")]
+    three = _exllamav2_run_names("shared", 4.0, 3)
+    assert [n[1] for n in three] == [
+        "exllamav2-shared-4", "exllamav2-shared-4-run2", "exllamav2-shared-4-run3"]  # fmt: skip
+    assert [n[2] for n in three][1:] == [
+        "exllamav2-shared-measurement-run2", "exllamav2-shared-measurement-run3"]  # fmt: skip
+    assert len({n[0] for n in three}) == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--work", "w", "--exllamav2-runs", "0"])
 
 
 def _linear_weights(model_dir: Path) -> dict:
