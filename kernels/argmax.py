@@ -63,7 +63,10 @@ def _argmax_parts_kernel(
     seen_nan = best != best  # False, as a tensor: `~` on a Python bool is -1
     for off in tl.static_range(0, PART, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * row_stride + idx, mask=idx < vocab, other=float("-inf"))
+        # int64 row offsets: a batch of long rows (or a strided view) passes 2^31 elements.
+        x = tl.load(
+            x_ptr + row.to(tl.int64) * row_stride + idx, mask=idx < vocab, other=float("-inf")
+        )
         b, w, n = _first_best(x.to(tl.float32), idx, BIG)
         # Blocks come in index order, so only a strictly larger value (or a first NaN)
         # moves the answer: ties keep the earlier index.
@@ -71,7 +74,7 @@ def _argmax_parts_kernel(
         best = tl.where(take, b, best)
         where = tl.where(take, w, where)
         seen_nan = seen_nan | n
-    out = row * parts + part
+    out = row.to(tl.int64) * parts + part
     tl.store(best_ptr + out, best)
     tl.store(where_ptr + out, where)
     tl.store(nan_ptr + out, seen_nan.to(tl.int8))
@@ -85,9 +88,10 @@ def _argmax_rows_kernel(
     BIG: tl.constexpr = 2**31 - 1
     p = tl.arange(0, PARTS)
     ok = p < parts
-    best = tl.load(best_ptr + row * parts + p, mask=ok, other=float("-inf"))
-    where = tl.load(where_ptr + row * parts + p, mask=ok, other=BIG)
-    nan = tl.load(nan_ptr + row * parts + p, mask=ok, other=0) != 0
+    first = row.to(tl.int64) * parts
+    best = tl.load(best_ptr + first + p, mask=ok, other=float("-inf"))
+    where = tl.load(where_ptr + first + p, mask=ok, other=BIG)
+    nan = tl.load(nan_ptr + first + p, mask=ok, other=0) != 0
     any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
     first_nan = tl.min(tl.where(nan, where, BIG), axis=0)
     top = tl.max(best, axis=0)
@@ -125,5 +129,4 @@ def argmax_rows(logits: torch.Tensor, *, backend: Backend = "auto") -> torch.Ten
     path = resolve_backend(backend, logits)
     if path == "triton" and (backend == "triton" or logits.stride(-1) == 1):
         return argmax_rows_triton(logits)
-    _check_args(logits)
     return logits.argmax(dim=-1)

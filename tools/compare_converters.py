@@ -122,7 +122,7 @@ def _kestrel(src: Path, out: Path, bits: float, meas: Path, cal: Path | None,
         measuring = [*cmd[:6], "-om", str(meas), *cmd[6:], *a.kestrel_measure_args]
         seconds += _run(measuring, out.parent / f"{meas.stem}.log")
     quantizing = [*cmd, "-m", str(meas), *(["--rtn"] if rtn else []), *a.kestrel_quantize_args]
-    seconds += _run(quantizing, out.with_suffix(".log"))
+    seconds += _run(quantizing, out.parent / f"{out.name}.log")
     return seconds
 
 
@@ -142,7 +142,7 @@ def _exllamav2(src: Path, out: Path, bits: float, meas: Path, cal: Path | None,
                         out.parent / f"{meas.stem}.log")  # fmt: skip
     seconds += _run(
         [*base, "-o", str(work), "-cf", str(out), "-b", str(bits), "-m", str(meas), "-nr"],
-        out.with_suffix(".log"),
+        out.parent / f"{out.name}.log",
     )
     from_exllamav2(out)  # back to the text-only names Kestrel reads (others: unchanged)
     return seconds
@@ -182,20 +182,18 @@ def median_row(runs: list[dict[str, float]]) -> dict[str, float]:
     if not runs:
         raise ValueError("no runs to take a median of")
     domains = list(runs[0])
-    if any(list(r) != domains for r in runs):
-        raise ValueError(f"runs score different domains: {[list(r) for r in runs]}")
+    if any(set(r) != set(domains) for r in runs):
+        raise ValueError(f"runs score different domains: {[sorted(r) for r in runs]}")
     return {d: statistics.median(r[d] for r in runs) for d in domains}
 
 
 def _exllamav2_run_names(calib: str, bits: float, runs: int) -> list[tuple[str, str, str]]:
     """(row label, output folder, measurement file stem) of each exllamav2 run: the first
-    run keeps the one-run names, so a one-run table's rows and folders are reused."""
+    run's are the one-run names, so a one-run table's row and folder are its first run."""
     label, name = f"exllamav2 {calib} {bits:g}", f"exllamav2-{calib}-{bits:g}"
     meas = f"exllamav2-{calib}-measurement"
-    if runs == 1:
-        return [(label, name, meas)]
-    return [(f"{label} run {r}", name if r == 1 else f"{name}-run{r}",
-             meas if r == 1 else f"{meas}-run{r}") for r in range(1, runs + 1)]  # fmt: skip
+    return [(label, name, meas)] + [(f"{label} run {r}", f"{name}-run{r}", f"{meas}-run{r}")
+                                    for r in range(2, runs + 1)]  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -273,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         ppl = _perplexities(model_dir, texts, a)
         q = _quantization_config(model_dir) if (model_dir / "config.json").is_file() else {}
         rows[label] = {"ppl": ppl, "bpw": _bpw(model_dir), "dir": model_dir.name,
-                       "convert_seconds": seconds,
+                       "convert_seconds": seconds, "scored": [a.window, a.windows],
                        **{k: q[k] for k in RECORDED_KEYS if k in q}}  # fmt: skip
         shown = "  ".join(f"{d} {v:.3f}" for d, v in ppl.items())
         print(f"{label:28s} {shown}  ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -303,22 +301,32 @@ def main(argv: list[str] | None = None) -> int:
         k_cal = k_shared if calib == "shared" else None
         e_cal = shared_pq if calib == "shared" else None
         kmeas = work / f"kestrel-{calib}-measurement.json"
+        # A row the JSON holds already is not converted again (its folder may be gone).
         for bits in a.kestrel_bits:
-            out = work / f"kestrel-{calib}-{bits:g}"
-            record(f"kestrel {calib} {bits:g}", out, _kestrel(src, out, bits, kmeas, k_cal, a))
+            label, out = f"kestrel {calib} {bits:g}", work / f"kestrel-{calib}-{bits:g}"
+            if label not in rows:
+                record(label, out, _kestrel(src, out, bits, kmeas, k_cal, a))
         for bits in a.rtn_bits:
-            out = work / f"rtn-{calib}-{bits:g}"
-            seconds = _kestrel(src, out, bits, kmeas, k_cal, a, rtn=True)
-            record(f"rtn {calib} {bits:g}", out, seconds)
+            label, out = f"rtn {calib} {bits:g}", work / f"rtn-{calib}-{bits:g}"
+            if label not in rows:
+                record(label, out, _kestrel(src, out, bits, kmeas, k_cal, a, rtn=True))
         for bits in a.exllamav2_bits:
             names = _exllamav2_run_names(calib, bits, a.exllamav2_runs)
             for label, name, meas in names:
                 out, emeas = work / name, work / f"{meas}.json"
-                record(label, out, _exllamav2(src, out, bits, emeas, e_cal, a))
+                if label not in rows:
+                    record(label, out, _exllamav2(src, out, bits, emeas, e_cal, a))
             if len(names) > 1:
-                median = f"exllamav2 {calib} {bits:g} median"
-                rows[median] = {"ppl": median_row([rows[n[0]]["ppl"] for n in names]),
-                                "bpw": bits, "runs": [n[0] for n in names]}  # fmt: skip
+                runs = [rows[n[0]] for n in names]
+                if len({str(r.get("scored")) for r in runs}) > 1:  # rows of earlier calls
+                    raise SystemExit(f"exllamav2 {calib} {bits:g}: its runs were scored with "
+                                     "different --window/--windows; score them again")  # fmt: skip
+                achieved = [r["bpw"] for r in runs if r.get("bpw") is not None]
+                rows[f"exllamav2 {calib} {bits:g} median"] = {
+                    "ppl": median_row([r["ppl"] for r in runs]),
+                    "bpw": statistics.median(achieved) if achieved else None,
+                    "runs": [n[0] for n in names],
+                }
                 if a.json:
                     Path(a.json).write_text(json.dumps(results, indent=1))
     print(f"\n{a.windows} windows of {a.window} tokens a domain, {bos_words(None)}\n")

@@ -5,9 +5,15 @@ compiled on a GPU (`gpu` marks)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from engine import generator
+from engine.sampling_settings import SamplingSettings
+from engine.tokenizer import Tokenizer
+from helpers.model_factory import write_tokenizer
 from helpers.sm90_compile import compiled_facts
 from kernels.argmax import argmax_rows
 
@@ -28,7 +34,9 @@ def _rows() -> torch.Tensor:
     x[6, 3] = x[6, :1024].max()  # tied within one block
     x[7, :] = 0.0  # all equal: index 0
     x[7, 4096] = -0.0
-    x[8, 2049] = -float("inf")
+    x[8, 10] = 100.0  # a NaN in a later block of the same part beats an earlier larger value
+    x[8, 1500] = float("nan")
+    x[8, 3000] = 200.0  # and a larger value in a later part
     return x
 
 
@@ -40,9 +48,10 @@ def test_argmax_rows_is_torchs_argmax(dtype: torch.dtype) -> None:
     assert got.tolist() == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1, 7, 1024, 2048, 2049])
-def test_argmax_rows_short_and_boundary_rows(vocab: int) -> None:
-    logits = _rows()[:, :vocab].contiguous()
+def test_argmax_rows_short_and_boundary_rows(vocab: int, dtype: torch.dtype) -> None:
+    logits = _rows()[:, :vocab].to(dtype).contiguous()
     logits[1, vocab - 1] = 1e4  # the row's last token
     assert argmax_rows(logits, backend="triton").tolist() == logits.argmax(dim=-1).tolist()
     assert argmax_rows(logits, backend="triton")[1].item() == vocab - 1
@@ -62,9 +71,40 @@ def test_argmax_rows_errors_and_empty() -> None:
         argmax_rows(torch.zeros(4, dtype=torch.float32), backend="triton")
     with pytest.raises(ValueError, match="contiguous"):
         argmax_rows(torch.zeros(10, 3).t(), backend="triton")
-    # The CPU path is torch's own.
-    x = _rows()
-    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+
+
+def test_draw_jobs_draws_plain_greedy_rows_through_the_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The greedy draw (engine/generator.py draw_jobs) through the Triton path, as on a GPU:
+    all rows plain greedy (one argmax of the batch) and plain rows among sampled ones (the
+    argmax of the rows picked out)."""
+    write_tokenizer(tmp_path)
+    tok = Tokenizer.from_dir(tmp_path)
+    seen: list[int] = []
+
+    def through_the_kernel(logits: torch.Tensor) -> torch.Tensor:
+        seen.append(logits.shape[0])
+        return argmax_rows(logits, backend="triton")
+
+    monkeypatch.setattr(generator, "argmax_rows", through_the_kernel)
+    greedy = SamplingSettings.from_any({"temperature": 0})
+    sampled = SamplingSettings.from_any({"temperature": 0.8, "seed": 3})
+    logits = _rows()[:, :384].contiguous()
+
+    def jobs(settings: list[SamplingSettings]) -> list[generator.JobSampler]:
+        return [generator.JobSampler(s, tok, torch.device("cpu"), [11, 12], 4) for s in settings]
+
+    drawn = generator.draw_jobs(jobs([greedy] * 9), logits)
+    assert drawn.tolist() == logits.argmax(dim=-1).tolist()
+    mixed = [greedy, sampled, greedy, greedy, sampled, greedy, greedy, greedy, sampled]
+    finite = logits.clone()
+    for i in (1, 4, 8):  # the sampled rows: finite, as a sampler needs them
+        finite[i] = finite[i].nan_to_num(nan=0.0, posinf=60.0)
+    drawn = generator.draw_jobs(jobs(mixed), finite)
+    plain = [i for i, s in enumerate(mixed) if s is greedy]
+    assert [drawn[i].item() for i in plain] == [finite[i].argmax().item() for i in plain]
+    assert seen == [9, len(plain)]  # one argmax of the batch, then one of the plain rows
 
 
 _COMPILE = """
@@ -110,3 +150,16 @@ def test_argmax_rows_on_gpu_matches_torch(rows: int) -> None:
     for _ in range(3):  # fp16 logits, as the head's slot sum writes them
         half = torch.randn(rows, 128256, device="cuda", generator=g).half()
         assert torch.equal(argmax_rows(half), half.argmax(dim=-1))
+
+
+@pytest.mark.gpu
+def test_argmax_rows_past_two_to_the_31_elements_on_gpu() -> None:
+    """Rows whose offset passes 2^31 elements (16,800 rows of 128,256: 4.3 GB of fp16):
+    the kernels address rows in 64 bits."""
+    logits = torch.zeros(16800, 128256, dtype=torch.float16, device="cuda")
+    rows = torch.tensor([0, 16743, 16744, 16799], device="cuda")
+    cols = torch.tensor([5, 128255, 77, 100000], device="cuda")
+    logits[rows, cols] = 1.0
+    got = argmax_rows(logits)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[rows].tolist() == cols.tolist()

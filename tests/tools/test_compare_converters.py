@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from helpers.model_factory import CORPUS, make_tiny_llama
+from tools import compare_converters
 from tools.compare_converters import (
     _exllamav2_run_names,
     _kestrel_shared_file,
@@ -57,6 +58,7 @@ def test_exllamav2_runs_keep_the_one_run_names_first() -> None:
     one = _exllamav2_run_names("shared", 4.0, 1)
     assert one == [("exllamav2 shared 4", "exllamav2-shared-4", "exllamav2-shared-measurement")]
     three = _exllamav2_run_names("shared", 4.0, 3)
+    assert three[0] == one[0]  # a one-run table's row and folder are the first run
     assert [n[1] for n in three] == [
         "exllamav2-shared-4", "exllamav2-shared-4-run2", "exllamav2-shared-4-run3"]  # fmt: skip
     assert [n[2] for n in three][1:] == [
@@ -116,3 +118,51 @@ def test_kestrel_run_writes_the_table_and_routes_quantize_flags(tmp_path: Path) 
     before = table.read_text()
     assert main(argv) == 0
     assert json.loads(table.read_text())["rows"] == json.loads(before)["rows"]
+
+
+def test_exllamav2_runs_make_rows_and_a_median_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--exllamav2-runs with Kestrel's converter standing in for exllamav2's (which needs
+    CUDA): each run converts from scratch into a folder and measurement of its own, a
+    one-run table's row is the first run, a rerun converts nothing it has scored, and the
+    median row takes the runs' figures; runs scored with other windows are refused."""
+    model = tmp_path / "fp"
+    make_tiny_llama(model)
+    shared = tmp_path / "wiki.txt"
+    shared.write_text("\n\n".join(CORPUS * 4), encoding="utf-8")
+    converted: list[tuple[str, str]] = []
+
+    def convert(src: Path, out: Path, bits: float, meas: Path, cal: Path | None, a) -> float | None:
+        converted.append((out.name, meas.name))
+        assert cal is not None and cal.name == "shared-calibration.parquet"
+        text = cal.with_suffix(".txt")  # the same text (no pyarrow here to write the parquet)
+        return compare_converters._kestrel(src, out, bits, meas, text, a)
+
+    monkeypatch.setattr(compare_converters, "_exllamav2", convert)
+    table, work = tmp_path / "runs.json", tmp_path / "work"
+    common = ["--model", str(model), "--kestrel-bits", "--exllamav2-bits", "4",
+              "--calibrations", "shared", "--shared-text", str(shared), "--cal-fraction", "1.0",
+              "--window", "32", "--domains", "wiki", "code", "--device", "cpu", *SMALL,
+              "--work", str(work), "--json", str(table)]  # fmt: skip
+    assert main([*common, "--windows", "1"]) == 0
+    assert converted == [("exllamav2-shared-4", "exllamav2-shared-measurement.json")]
+    assert main([*common, "--windows", "1", "--exllamav2-runs", "3"]) == 0
+    assert converted[1:] == [
+        ("exllamav2-shared-4-run2", "exllamav2-shared-measurement-run2.json"),
+        ("exllamav2-shared-4-run3", "exllamav2-shared-measurement-run3.json"),
+    ]
+    rows = json.loads(table.read_text())["rows"]
+    labels = ["exllamav2 shared 4", "exllamav2 shared 4 run 2", "exllamav2 shared 4 run 3"]
+    assert set(rows) == {"fp16", *labels, "exllamav2 shared 4 median"}
+    median = rows["exllamav2 shared 4 median"]
+    assert median["runs"] == labels
+    for domain in ("wiki", "code"):
+        figures = sorted(rows[label]["ppl"][domain] for label in labels)
+        assert median["ppl"][domain] == figures[1]
+    assert median["bpw"] == sorted(rows[label]["bpw"] for label in labels)[1]
+
+    assert main([*common, "--windows", "1", "--exllamav2-runs", "3"]) == 0
+    assert len(converted) == 3  # every run scored already: nothing converted again
+    with pytest.raises(SystemExit, match="different --window/--windows"):
+        main([*common, "--windows", "2", "--exllamav2-runs", "4"])
