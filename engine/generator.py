@@ -27,6 +27,7 @@ tokens with theirs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,6 @@ from engine.sampling import Sampler
 from engine.sampling_settings import SamplingSettings, SamplingSettingsError
 from engine.stops import StopMatcher
 from engine.tokenizer import IncrementalDecoder, Tokenizer
-from kernels.argmax import argmax_rows
 
 
 @dataclass
@@ -169,13 +169,25 @@ class JobSampler:
         self._length = length
 
 
+# Each row's greedy token, int64 [N]: the runner's (engine/step.py `Runner.greedy_tokens`,
+# a kernel on a GPU) where the scheduler draws; torch's argmax elsewhere.
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+
+
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 def sample_jobs(
-    jobs: list[JobSampler], logits: torch.Tensor, bans: list[list[int]] | None = None
+    jobs: list[JobSampler],
+    logits: torch.Tensor,
+    bans: list[list[int]] | None = None,
+    argmax: Argmax = torch_argmax,
 ) -> tuple[list[int], list[list[TokenLogprob] | None]]:
     """One token per row of logits [N, V], row i drawn by jobs[i]; with logprobs where asked.
     `bans[i]`: token ids row i must not take here (banned strings' rewinds). One host sync
     for the whole batch (see `draw_jobs`)."""
-    out = draw_jobs(jobs, logits, bans)
+    out = draw_jobs(jobs, logits, bans, argmax)
     return out.tolist(), logprobs_for(jobs, logits, out)
 
 
@@ -201,7 +213,10 @@ class TokenReadback:
 
 
 def draw_jobs(
-    jobs: list[JobSampler], logits: torch.Tensor, bans: list[list[int]] | None = None
+    jobs: list[JobSampler],
+    logits: torch.Tensor,
+    bans: list[list[int]] | None = None,
+    argmax: Argmax = torch_argmax,
 ) -> torch.Tensor:
     """`sample_jobs`' tokens as int64 [N] on the logits' device, without a host sync (the
     scheduler's lookahead feeds them to the next step before reading them).
@@ -214,12 +229,12 @@ def draw_jobs(
         logits = apply_position_bans(logits, bans)
     plain = [i for i, job in enumerate(jobs) if job.plain_greedy]
     if len(plain) == len(jobs):
-        out = argmax_rows(logits)
+        out = argmax(logits)
     else:
         out = torch.empty(len(jobs), dtype=torch.int64, device=device)
         if plain:
             index = host_to_device(torch.tensor(plain), device)
-            out[index] = argmax_rows(logits[index])
+            out[index] = argmax(logits[index])
         done = set(plain)
         together = [i for i, job in enumerate(jobs) if i not in done and job.batchable]
         if together:

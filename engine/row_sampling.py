@@ -16,12 +16,14 @@ import torch
 
 from engine.constraints import ApplyMask, mask_logits
 from engine.generator import (
+    Argmax,
     TokenLogprob,
     TokenReadback,
     draw_jobs,
     logprob_entries,
     sample_jobs,
     token_logprobs,
+    torch_argmax,
 )
 from engine.jobs import DECODE, GENERATE, Drawn, Job, Row
 from engine.samplers.batched import host_to_device
@@ -49,18 +51,20 @@ def constraints(job: Job, positions: int = 1) -> list[list[int]]:
     return [job.bans.at(start + j) for j in range(positions)]
 
 
-def draw_rows(jobs: list[Job], logits: torch.Tensor, apply_mask: ApplyMask) -> Drawn:
+def draw_rows(
+    jobs: list[Job], logits: torch.Tensor, apply_mask: ApplyMask, argmax: Argmax = torch_argmax
+) -> Drawn:
     """One token per job (logits [len(jobs), vocab]) on the device, no host sync; their
-    copy to the host starts now, ahead of whatever is queued next. `apply_mask`: the
-    runner's, for the grammar masks of constrained jobs."""
+    copy to the host starts now, ahead of whatever is queued next. `apply_mask` and
+    `argmax`: the runner's, for the grammar masks of constrained jobs and greedy rows."""
     logits = mask_logits([(job, n, ()) for n, job in enumerate(jobs)], logits, apply_mask)
     bans = [constraints(job)[0] for job in jobs]
-    tokens = draw_jobs([job.sampling for job in jobs], logits, bans if any(bans) else None)
+    tokens = draw_jobs([job.sampling for job in jobs], logits, bans if any(bans) else None, argmax)
     return Drawn(jobs, tokens, TokenReadback(tokens))
 
 
 def sample_rows(
-    rows: list[Row], logits: torch.Tensor, apply_mask: ApplyMask
+    rows: list[Row], logits: torch.Tensor, apply_mask: ApplyMask, argmax: Argmax = torch_argmax
 ) -> tuple[list[RowTokens], SampleCounts]:
     """New tokens (and logprobs) per row: none for a prefill chunk that does not reach
     the end or a logits job, one for a plain row, the accepted drafts and one more for a
@@ -91,7 +95,7 @@ def sample_rows(
         jobs = [rows[n].job for n in plain]
         bans = [constraints(job)[0] for job in jobs]
         tokens, logprobs = sample_jobs(
-            [job.sampling for job in jobs], logits[index], bans if any(bans) else None
+            [job.sampling for job in jobs], logits[index], bans if any(bans) else None, argmax
         )
         for n, token, lp in zip(plain, tokens, logprobs, strict=True):
             results[n] = ([token], [lp[0] if lp else None])

@@ -709,7 +709,9 @@ class Scheduler:
                     row.drafts = drafts
             self._take_logits(rows, logits)
             if self._drawable(rows):
-                self._drawn = draw_rows(batch, logits, self.runner.apply_token_bitmask)
+                self._drawn = draw_rows(
+                    batch, logits, self.runner.apply_token_bitmask, self.runner.greedy_tokens
+                )
                 return []
             results = self._sample(rows, logits)
         except BaseException as error:
@@ -912,7 +914,9 @@ class Scheduler:
                 if len(keep) < len(ahead):
                     logits = logits[host_to_device(torch.tensor(keep), logits.device)]
                 try:
-                    self._drawn = draw_rows(going, logits, self.runner.apply_token_bitmask)
+                    self._drawn = draw_rows(
+                        going, logits, self.runner.apply_token_bitmask, self.runner.greedy_tokens
+                    )
                 except BaseException as error:
                     if not queue:  # the events made above must not be lost with the step
                         requeue(events, jobs)
@@ -1145,7 +1149,9 @@ class Scheduler:
 
     def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[RowTokens]:
         """Each row's new tokens (engine/row_sampling.py), counted in `stats()`."""
-        results, counts = sample_rows(rows, logits, self.runner.apply_token_bitmask)
+        results, counts = sample_rows(
+            rows, logits, self.runner.apply_token_bitmask, self.runner.greedy_tokens
+        )
         self._decode_rows += counts.decode_rows
         self._decode_tokens += counts.decode_tokens
         self._drafted += counts.drafted

@@ -78,3 +78,8 @@ class Runner(Protocol):
         """Grammar masks (engine/constraints) applied to `logits` rows `rows`, in place:
         a token whose bit is 0 gets -inf."""
         ...
+
+    def greedy_tokens(self, logits: Tensor) -> Tensor:
+        """Each row's argmax (int64 [N]) of logits [N, vocab], as torch's argmax gives it:
+        what plain greedy rows draw."""
+        ...

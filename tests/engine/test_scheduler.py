@@ -91,6 +91,30 @@ def test_batched_equals_single_greedy(model_dir: Path):
     assert _ids(list(generate(engine, PROMPTS[6], settings))) == ref[6][0]
 
 
+def test_greedy_rows_draw_through_the_runners_argmax(model_dir: Path, monkeypatch):
+    """The scheduler's greedy rows take the runner's `greedy_tokens` (kernels/argmax.py on
+    a GPU; here its Triton kernels run in the interpreter), in the lookahead draw and the
+    plain one, and give the tokens of the single-job loop's torch argmax."""
+    from kernels.argmax import argmax_rows
+
+    engine = _engine(model_dir)
+    settings = {"temperature": 0, "max_new_tokens": 5}  # plain greedy: no ban, no bias
+    ref = [_single(engine, p, settings)[0] for p in PROMPTS[:4]]
+    rows_seen: list[int] = []
+
+    def through_the_kernel(logits: torch.Tensor) -> torch.Tensor:
+        rows_seen.append(logits.shape[0])
+        return argmax_rows(logits, backend="triton")
+
+    monkeypatch.setattr(engine.runner, "greedy_tokens", through_the_kernel)
+    sched = engine.scheduler
+    jobs = [sched.submit(p, settings) for p in PROMPTS[:4]]
+    by_job = _collect(list(sched.stream_many(jobs)))
+    assert [_ids(by_job[job.id]) for job in jobs] == ref
+    # Every token of every job came from it (rows of a step drawn together).
+    assert sum(rows_seen) == sum(len(ids) for ids in ref)
+
+
 def test_batched_equals_single_seeded_sampling(model_dir: Path):
     engine = _engine(model_dir)
     settings = [

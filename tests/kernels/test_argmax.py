@@ -73,12 +73,10 @@ def test_argmax_rows_errors_and_empty() -> None:
         argmax_rows(torch.zeros(10, 3).t(), backend="triton")
 
 
-def test_draw_jobs_draws_plain_greedy_rows_through_the_kernel(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The greedy draw (engine/generator.py draw_jobs) through the Triton path, as on a GPU:
-    all rows plain greedy (one argmax of the batch) and plain rows among sampled ones (the
-    argmax of the rows picked out)."""
+def test_draw_jobs_draws_plain_greedy_rows_through_the_kernel(tmp_path: Path) -> None:
+    """The greedy draw (engine/generator.py draw_jobs) with the kernel as its argmax, as the
+    runner gives it on a GPU: all rows plain greedy (one argmax of the batch) and plain rows
+    among sampled ones (the argmax of the rows picked out)."""
     write_tokenizer(tmp_path)
     tok = Tokenizer.from_dir(tmp_path)
     seen: list[int] = []
@@ -87,7 +85,6 @@ def test_draw_jobs_draws_plain_greedy_rows_through_the_kernel(
         seen.append(logits.shape[0])
         return argmax_rows(logits, backend="triton")
 
-    monkeypatch.setattr(generator, "argmax_rows", through_the_kernel)
     greedy = SamplingSettings.from_any({"temperature": 0})
     sampled = SamplingSettings.from_any({"temperature": 0.8, "seed": 3})
     logits = _rows()[:, :384].contiguous()
@@ -95,13 +92,13 @@ def test_draw_jobs_draws_plain_greedy_rows_through_the_kernel(
     def jobs(settings: list[SamplingSettings]) -> list[generator.JobSampler]:
         return [generator.JobSampler(s, tok, torch.device("cpu"), [11, 12], 4) for s in settings]
 
-    drawn = generator.draw_jobs(jobs([greedy] * 9), logits)
+    drawn = generator.draw_jobs(jobs([greedy] * 9), logits, argmax=through_the_kernel)
     assert drawn.tolist() == logits.argmax(dim=-1).tolist()
     mixed = [greedy, sampled, greedy, greedy, sampled, greedy, greedy, greedy, sampled]
     finite = logits.clone()
     for i in (1, 4, 8):  # the sampled rows: finite, as a sampler needs them
         finite[i] = finite[i].nan_to_num(nan=0.0, posinf=60.0)
-    drawn = generator.draw_jobs(jobs(mixed), finite)
+    drawn = generator.draw_jobs(jobs(mixed), finite, argmax=through_the_kernel)
     plain = [i for i, s in enumerate(mixed) if s is greedy]
     assert [drawn[i].item() for i in plain] == [finite[i].argmax().item() for i in plain]
     assert seen == [9, len(plain)]  # one argmax of the batch, then one of the plain rows
