@@ -107,6 +107,7 @@ def _random_quantized(
     gen: torch.Generator,
     perm: torch.Tensor | None = None,
     dev: str = "cuda",
+    head_bits: int = 6,
 ) -> dict:
     if fmt == "gptq":
         # Codes 1..15 around the zero point 8: weights of mean zero. With 0..15 every weight
@@ -127,7 +128,7 @@ def _random_quantized(
             ).half(),
             "g_idx": (torch.arange(k, device=dev, dtype=torch.int32) // 128),
         }
-    bits = 6 if head else 4
+    bits = head_bits if head else 4
     groups = -(-k // 128)
     # Around EXL2's implicit zero of 2^(bits-1), of mean zero as for GPTQ above.
     codes = torch.randint(1, 1 << bits, (k, n), device=dev, generator=gen, dtype=torch.int32)
@@ -159,13 +160,19 @@ def model_from_arguments(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def build_model(
-    path: Path, shape_name: str, fmt: str, device: str = "cuda", layers: int | None = None
+    path: Path,
+    shape_name: str,
+    fmt: str,
+    device: str = "cuda",
+    layers: int | None = None,
+    exl2_head_bits: int = 6,
 ) -> Path:
-    """Write a random-weight model of `shape_name` in `fmt` (gptq: 4-bit g128; exl2: 4-bit
-    with a 6-bit head) with a word-level tokenizer; skipped if already there. `device` is
-    where the codes are drawn and packed (the CPU serves tests with a tiny shape). `layers`:
-    this many decoder layers instead of the shape's (a profile of a few layers of a 70B
-    builds and loads in seconds)."""
+    """Write a random-weight model of `shape_name` in `fmt` (gptq: 4-bit g128, its head
+    too; exl2: 4-bit with a head of `exl2_head_bits`, 6 as exllamav2's converter makes it)
+    with a word-level tokenizer; skipped if already there. `device` is where the codes are
+    drawn and packed (the CPU serves tests with a tiny shape). `layers`: this many decoder
+    layers instead of the shape's (a profile of a few layers of a 70B builds and loads in
+    seconds)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models
 
@@ -208,7 +215,9 @@ def build_model(
         group = group.replace("up_proj", "gate_proj")
         if group not in shared:
             shared = {group: torch.randperm(k, device=device, generator=gen).to(torch.int32)}
-        quantized = _random_quantized(fmt, k, o, name == "lm_head", gen, shared[group], device)
+        quantized = _random_quantized(
+            fmt, k, o, name == "lm_head", gen, shared[group], device, exl2_head_bits
+        )
         for key, t in quantized.items():
             tensors[f"{name}.{key}"] = t
             shard_bytes += t.numel() * t.element_size()
@@ -825,6 +834,14 @@ def main() -> int:
     parser.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
     parser.add_argument("--format", default="gptq", choices=["gptq", "exl2"])
     parser.add_argument("--prompts", type=int, nargs="+", default=[512])
+    parser.add_argument(
+        "--exl2-head-bits",
+        type=int,
+        default=6,
+        choices=[4, 6, 8],
+        help="bits of the EXL2 model's head (6, exllamav2's default; 4 compares EXL2 with "
+        "GPTQ, whose head is 4-bit, at the same bits)",
+    )
     parser.add_argument("--work", default="/tmp/kestrel-bench")
     parser.add_argument(
         "--engines", nargs="+", default=["kestrel", "exllamav2"], choices=list(ENGINES)
@@ -857,7 +874,12 @@ def main() -> int:
     args = parser.parse_args()
     import triton
 
-    path = build_model(Path(args.work) / f"{args.shape}-{args.format}", args.shape, args.format)
+    # Another head width is another model: its own folder (the default keeps the old name).
+    head = args.exl2_head_bits if args.format == "exl2" else None
+    name = f"{args.shape}-{args.format}" + (f"-head{head}" if head not in (None, 6) else "")
+    path = build_model(
+        Path(args.work) / name, args.shape, args.format, exl2_head_bits=args.exl2_head_bits
+    )
     shape = SHAPES[args.shape]
     quantized_bytes = weight_bytes_per_token(model_tensor_bytes(path), shape["vocab_size"])
     bandwidth = None
@@ -874,6 +896,7 @@ def main() -> int:
         "shape": args.shape,
         "model_shape": shape,
         "format": args.format,
+        "exl2_head_bits": head,
         "new_tokens": NEW_TOKENS,
         "read_bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None,
         "quantized_weight_bytes_per_token": quantized_bytes,

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Next GPU session's calls (issues 28, 33), in order; each names its kind, carry and timeout.
-#   1. bash .devdata/s27/argmax.sh  (nvidia-h200, carry .devdata/s11/w, timeout 200):
+#   1. bash .devdata/s27/argmax.sh  (nvidia-h200, carry .devdata/s11/w, timeout 300):
 #      the argmax kernels' GPU tests (incl. 2^31 rows) and the 8B decode against this
-#      session's 466.3 / 483.3 tok/s (sync / scheduler) with torch's argmax.
+#      session's 466.3 / 483.3 tok/s (sync / scheduler) with torch's argmax; EXL2, 4-bit head.
 #   2. bash .devdata/s25/v28.sh 8b then 70b (same warm machine): issue 28's table with exllamav2.
 #   3. bash .devdata/s27/next.sh tp4  (nvidia-h200-x4, carry .devdata/s11/w, timeout 595): the
 #      70B TP=4 critical path (80 layers), for issue 33's 2.4x gap.

@@ -232,6 +232,24 @@ def test_random_weights_have_mean_zero(fmt: str) -> None:
     assert abs(float(w.mean())) < 3 * float(w.std()) / w.numel() ** 0.5
 
 
+@pytest.mark.parametrize("head_bits", [4, 6])
+def test_exl2_head_bits_reach_the_written_head(tmp_path, head_bits: int) -> None:
+    """--exl2-head-bits: the EXL2 model's head has those bits in every group (4 compares it
+    with GPTQ's 4-bit head at the same bits), its layers stay 4-bit."""
+    from safetensors.torch import load_file
+
+    path = bench.build_model(tmp_path / "m", "tiny", "exl2", device="cpu", exl2_head_bits=head_bits)
+    tensors: dict = {}
+    for shard in path.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+
+    def bits(name: str) -> set[int]:
+        return set(tensors[f"{name}.q_groups"][0::2].tolist())
+
+    assert bits("lm_head") == {head_bits}
+    assert bits("model.layers.0.mlp.down_proj") == {4}
+
+
 def test_constrained_bench_runs_on_a_tiny_model(tmp_path, monkeypatch):
     """tools/bench.py --constrained's measurement, on the CPU with a tiny random model and
     SmolLM2's tokenizer: every number is there and the constrained jobs produced tokens."""
