@@ -27,7 +27,7 @@ Each converter measures once per calibration (`-om`) and reuses the measurement 
 width. exllamav2's converter does not make the same file twice (its held-out perplexities
 moved by up to 8% between runs of one command on one GPU), so --exllamav2-runs N converts
 each of its rows N times from scratch (a measurement of its own each) and adds a row of
-their per-domain medians, the figure to compare with; Kestrel's converter is deterministic.
+their per-domain medians, the figure to compare with; Kestrel's figures repeat run to run.
 RTN uses Kestrel's measurement and allocation with round-to-nearest codes
 (convert.py --rtn), so the GPTQ-versus-RTN gap is the error feedback alone. Finished
 outputs are kept in --work and skipped on a rerun; --json is merged into, so a long table
