@@ -38,7 +38,8 @@ def _check_args(logits: torch.Tensor) -> None:
 def _first_best(x, idx, BIG: tl.constexpr):
     """(best, where, any_nan) of one block: its largest value and the first index holding
     it, or, where the block holds a NaN, the first NaN's index (torch's argmax ranks NaN
-    above everything). Masked-out lanes carry -inf and index BIG."""
+    above everything). Lanes outside the data carry -inf and an index past every real
+    one. Both kernels reduce with it: a block of a row, and a row's parts."""
     nan = x != x
     any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
     first_nan = tl.min(tl.where(nan, idx, BIG), axis=0)
@@ -70,7 +71,7 @@ def _argmax_parts_kernel(
         b, w, n = _first_best(x.to(tl.float32), idx, BIG)
         # Blocks come in index order, so only a strictly larger value (or a first NaN)
         # moves the answer: ties keep the earlier index.
-        take = (n & ~seen_nan) | (~seen_nan & ~n & (b > best))
+        take = ~seen_nan & (n | (b > best))
         best = tl.where(take, b, best)
         where = tl.where(take, w, where)
         seen_nan = seen_nan | n
@@ -92,13 +93,11 @@ def _argmax_rows_kernel(
     best = tl.load(best_ptr + first + p, mask=ok, other=float("-inf"))
     where = tl.load(where_ptr + first + p, mask=ok, other=BIG)
     nan = tl.load(nan_ptr + first + p, mask=ok, other=0) != 0
-    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
-    first_nan = tl.min(tl.where(nan, where, BIG), axis=0)
-    top = tl.max(best, axis=0)
-    # Parts hold disjoint, ascending index ranges: the smallest index among the parts that
-    # reach the maximum is the row's first maximum (a row of -inf: part 0's first index).
-    first_top = tl.min(tl.where(ok & (best == top), where, BIG), axis=0)
-    tl.store(out_ptr + row, tl.where(any_nan, first_nan, first_top).to(tl.int64))
+    # A part that saw a NaN holds its first NaN's index: as a NaN it outranks the others.
+    # Parts hold disjoint, ascending index ranges, so the first best part's index is the
+    # row's first maximum (a row of -inf: part 0's first index).
+    _, where_best, _ = _first_best(tl.where(nan, float("nan"), best), where, BIG)
+    tl.store(out_ptr + row, where_best.to(tl.int64))
 
 
 def argmax_rows_triton(logits: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -264,9 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         results = json.loads(Path(a.json).read_text())
     rows = results.setdefault("rows", {})
 
-    def record(label: str, model_dir: Path, seconds: float | None = None) -> None:
+    def record(
+        label: str, model_dir: Path, convert: Callable[[], float | None] | None = None
+    ) -> None:
+        """Convert (`convert`: the seconds it took, None when its output was there) and
+        score `label`'s row, unless the JSON holds it already (its folder may be gone)."""
         if label in rows:
             return
+        seconds = convert() if convert is not None else None
         started = time.perf_counter()
         ppl = _perplexities(model_dir, texts, a)
         q = _quantization_config(model_dir) if (model_dir / "config.json").is_file() else {}
@@ -301,21 +308,19 @@ def main(argv: list[str] | None = None) -> int:
         k_cal = k_shared if calib == "shared" else None
         e_cal = shared_pq if calib == "shared" else None
         kmeas = work / f"kestrel-{calib}-measurement.json"
-        # A row the JSON holds already is not converted again (its folder may be gone).
         for bits in a.kestrel_bits:
-            label, out = f"kestrel {calib} {bits:g}", work / f"kestrel-{calib}-{bits:g}"
-            if label not in rows:
-                record(label, out, _kestrel(src, out, bits, kmeas, k_cal, a))
+            out = work / f"kestrel-{calib}-{bits:g}"
+            record(f"kestrel {calib} {bits:g}", out,
+                   partial(_kestrel, src, out, bits, kmeas, k_cal, a))  # fmt: skip
         for bits in a.rtn_bits:
-            label, out = f"rtn {calib} {bits:g}", work / f"rtn-{calib}-{bits:g}"
-            if label not in rows:
-                record(label, out, _kestrel(src, out, bits, kmeas, k_cal, a, rtn=True))
+            out = work / f"rtn-{calib}-{bits:g}"
+            record(f"rtn {calib} {bits:g}", out,
+                   partial(_kestrel, src, out, bits, kmeas, k_cal, a, rtn=True))  # fmt: skip
         for bits in a.exllamav2_bits:
             names = _exllamav2_run_names(calib, bits, a.exllamav2_runs)
             for label, name, meas in names:
                 out, emeas = work / name, work / f"{meas}.json"
-                if label not in rows:
-                    record(label, out, _exllamav2(src, out, bits, emeas, e_cal, a))
+                record(label, out, partial(_exllamav2, src, out, bits, emeas, e_cal, a))
             if len(names) > 1:
                 runs = [rows[n[0]] for n in names]
                 if len({str(r.get("scored")) for r in runs}) > 1:  # rows of earlier calls
