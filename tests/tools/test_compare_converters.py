@@ -141,21 +141,21 @@ def test_exllamav2_runs_make_rows_and_a_median_row(
 
     monkeypatch.setattr(compare_converters, "_exllamav2", convert)
     table, work = tmp_path / "runs.json", tmp_path / "work"
-    common = ["--model", str(model), "--kestrel-bits", "--exllamav2-bits", "4",
+    common = ["--model", str(model), "--kestrel-bits", "--exllamav2-bits", "3.5",
               "--calibrations", "shared", "--shared-text", str(shared), "--cal-fraction", "1.0",
               "--window", "32", "--domains", "wiki", "code", "--device", "cpu", *SMALL,
               "--work", str(work), "--json", str(table)]  # fmt: skip
     assert main([*common, "--windows", "1"]) == 0
-    assert converted == [("exllamav2-shared-4", "exllamav2-shared-measurement.json")]
+    assert converted == [("exllamav2-shared-3.5", "exllamav2-shared-measurement.json")]
     assert main([*common, "--windows", "1", "--exllamav2-runs", "3"]) == 0
     assert converted[1:] == [
-        ("exllamav2-shared-4-run2", "exllamav2-shared-measurement-run2.json"),
-        ("exllamav2-shared-4-run3", "exllamav2-shared-measurement-run3.json"),
+        ("exllamav2-shared-3.5-run2", "exllamav2-shared-measurement-run2.json"),
+        ("exllamav2-shared-3.5-run3", "exllamav2-shared-measurement-run3.json"),
     ]
     rows = json.loads(table.read_text())["rows"]
-    labels = ["exllamav2 shared 4", "exllamav2 shared 4 run 2", "exllamav2 shared 4 run 3"]
-    assert set(rows) == {"fp16", *labels, "exllamav2 shared 4 median"}
-    median = rows["exllamav2 shared 4 median"]
+    labels = ["exllamav2 shared 3.5", "exllamav2 shared 3.5 run 2", "exllamav2 shared 3.5 run 3"]
+    assert set(rows) == {"fp16", *labels, "exllamav2 shared 3.5 median"}
+    median = rows["exllamav2 shared 3.5 median"]
     assert median["runs"] == labels
     for domain in ("wiki", "code"):
         figures = sorted(rows[label]["ppl"][domain] for label in labels)
@@ -164,5 +164,8 @@ def test_exllamav2_runs_make_rows_and_a_median_row(
 
     assert main([*common, "--windows", "1", "--exllamav2-runs", "3"]) == 0
     assert len(converted) == 3  # every run scored already: nothing converted again
+    # A width's log is named after its folder (not "exllamav2-shared-3.log" for 3.5).
+    assert (work / "exllamav2-shared-3.5-run2.log").is_file()
+    assert (work / "exllamav2-shared-3.5.log").is_file()
     with pytest.raises(SystemExit, match="different --window/--windows"):
         main([*common, "--windows", "2", "--exllamav2-runs", "4"])
