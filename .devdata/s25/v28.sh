@@ -22,7 +22,8 @@ case "${1:-}" in
 8b)
     for f in gptq exl2; do
         left=$((580 - (SECONDS - S))); [ $left -lt 60 ] && break
-        timeout $left python3 tools/bench.py --format $f --prompts 512 8192 \
+        hb=""; [ $f = exl2 ] && hb="--exl2-head-bits 4"
+        timeout $left python3 tools/bench.py --format $f $hb --prompts 512 8192 \
             --engines kestrel exllamav2 --json $OUT/bench-8b-$f.json > $OUT/bench-8b-$f.txt 2>&1
         echo "bench $f rc=$? t=$((SECONDS - S))"; tail -6 $OUT/bench-8b-$f.txt
     done
