@@ -27,14 +27,19 @@ tokens with theirs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from engine.banned_strings import BannedStrings
-from engine.samplers.batched import batchable, host_to_device, sample_batched
+from engine.samplers.batched import (
+    Argmax,
+    batchable,
+    host_to_device,
+    sample_batched,
+    torch_argmax,
+)
 from engine.sampling import Sampler
 from engine.sampling_settings import SamplingSettings, SamplingSettingsError
 from engine.stops import StopMatcher
@@ -169,15 +174,6 @@ class JobSampler:
         self._length = length
 
 
-# Each row's greedy token, int64 [N]: the runner's (engine/step.py `Runner.greedy_tokens`,
-# a kernel on a GPU) where the scheduler draws; torch's argmax elsewhere.
-Argmax = Callable[[torch.Tensor], torch.Tensor]
-
-
-def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
-
-
 def sample_jobs(
     jobs: list[JobSampler],
     logits: torch.Tensor,
@@ -228,18 +224,20 @@ def draw_jobs(
     if bans and any(bans):
         logits = apply_position_bans(logits, bans)
     plain = [i for i, job in enumerate(jobs) if job.plain_greedy]
+    done = set(plain)
+    together = [i for i, job in enumerate(jobs) if i not in done and job.batchable]
     if len(plain) == len(jobs):
         out = argmax(logits)
+    elif len(together) == len(jobs):  # no index to gather and scatter through
+        out = sample_batched([job.sampler for job in jobs], logits, argmax)
     else:
         out = torch.empty(len(jobs), dtype=torch.int64, device=device)
         if plain:
             index = host_to_device(torch.tensor(plain), device)
             out[index] = argmax(logits[index])
-        done = set(plain)
-        together = [i for i, job in enumerate(jobs) if i not in done and job.batchable]
         if together:
             index = host_to_device(torch.tensor(together), device)
-            out[index] = sample_batched([jobs[i].sampler for i in together], logits[index])
+            out[index] = sample_batched([jobs[i].sampler for i in together], logits[index], argmax)
         for i, job in enumerate(jobs):
             if i not in done and not job.batchable:
                 out[i : i + 1] = job.sampler.sample_batch(logits[i : i + 1], job.context())

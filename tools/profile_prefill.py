@@ -1,14 +1,19 @@
 """Where a prompt's prefill spends its time, on a GPU.
 
     python tools/profile_prefill.py --shape llama3-8b --format gptq --prompts 512 2048 --out DIR
+    python tools/profile_prefill.py --shape llama3-8b --mode tp --prompts 512 --out DIR
 
-Builds (or reuses) tools/bench.py's random-weight model and reports, per prompt length:
+Builds (or reuses) tools/bench.py's random-weight model, loads it on one GPU or (`--mode tp`,
+`tp4`) with tensor parallelism over 2 or 4 (as tools/multigpu_check.py loads it; rank 0 runs
+in this process and is the one profiled: the other ranks' lateness shows in its all-reduces)
+and reports, per prompt length:
   - prefill tokens/s (engine.runner.prefill, median of 5, as tools/bench.py measures it);
   - the kernels of one prefill (torch.profiler): time, count and share per kernel name;
-  - the quantized linears' two parts on their own, summed over the model: dequantizing
+  - the quantized linears' two parts on their own, summed over the model (rank 0's shard
+    under TP): dequantizing
     every weight to fp16 (`dequantize_triton`) and the fp16 matmuls at M = prompt rows,
     so the fixed per-chunk cost of dequantization can be told from the matmul work.
-Writes prefill.json (and each profiler table as prefill-P.txt) to --out.
+Writes prefill.json (prefill-tp.json, ...; each profiler table as prefill[-tp]-P.txt) to --out.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,12 +33,13 @@ from engine.engine import Engine, EngineOptions
 from engine.quantized_linear import QuantizedLinear
 from kernels.quant_matmul import dequantize_triton
 from tools.bench import add_model_arguments, model_from_arguments
+from tools.multigpu_check import TP_WORLD, load_engine
 from tools.profile_decode import kernel_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _cuda_seconds(fn, reps: int = 5) -> float:
+def _cuda_seconds(fn: Callable[[], object], reps: int = 5) -> float:
     """Median wall seconds of fn() between two device syncs."""
     times = []
     for _ in range(reps):
@@ -64,11 +72,39 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(parser)
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument(
+        "--mode", default="single", choices=["single", *TP_WORLD], help="one GPU, or TP over 2/4"
+    )
     args = parser.parse_args()
     path, out = model_from_arguments(args)
-    engine = Engine.load(
-        path, EngineOptions(device="cuda", dtype="float16", max_seq_len=max(args.prompts) + 16)
-    )
+    max_seq_len = max(args.prompts) + 16
+    if args.mode == "single":
+        engine = Engine.load(
+            path, EngineOptions(device="cuda", dtype="float16", max_seq_len=max_seq_len)
+        )
+    else:
+        engine = load_engine(args.mode, path, max_seq_len)
+    try:
+        results = _profile_prompts(engine, args, out)
+    finally:
+        if engine.tp_world_size > 1:
+            engine.abort()  # the rank processes
+    suffix = "" if args.mode == "single" else f"-{args.mode}"
+    info = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "format": args.format,
+        "mode": args.mode,
+        "prefill_chunk": engine.options.prefill_chunk,
+        "prompts": results,
+    }
+    (out / f"prefill{suffix}.json").write_text(json.dumps(info, indent=1))
+    return 0
+
+
+def _profile_prompts(engine: Engine, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    suffix = "" if args.mode == "single" else f"-{args.mode}"
     vocab = engine.config.vocab_size
     results = []
     for prompt_len in args.prompts:
@@ -86,7 +122,7 @@ def main() -> int:
             for _ in range(2):
                 run()
             torch.cuda.synchronize()
-        (out / f"prefill-{prompt_len}.txt").write_text(
+        (out / f"prefill{suffix}-{prompt_len}.txt").write_text(
             prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
         )
         kernels = kernel_table(prof, 2)
@@ -103,16 +139,7 @@ def main() -> int:
         print(json.dumps({k: v for k, v in entry.items() if k != "kernels"}), flush=True)
         for k in kernels[:15]:
             print(f"{k['us']:10.1f} us  x{k['count']:6.0f}  {k['name']}", flush=True)
-    info = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "shape": args.shape,
-        "format": args.format,
-        "prefill_chunk": engine.options.prefill_chunk,
-        "prompts": results,
-    }
-    (out / "prefill.json").write_text(json.dumps(info, indent=1))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

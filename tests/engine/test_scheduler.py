@@ -91,14 +91,26 @@ def test_batched_equals_single_greedy(model_dir: Path):
     assert _ids(list(generate(engine, PROMPTS[6], settings))) == ref[6][0]
 
 
-def test_greedy_rows_draw_through_the_runners_argmax(model_dir: Path, monkeypatch):
-    """The scheduler's greedy rows take the runner's `greedy_tokens` (kernels/argmax.py on
-    a GPU; here its Triton kernels run in the interpreter), in the lookahead draw and the
-    plain one, and give the tokens of the single-job loop's torch argmax."""
+@pytest.mark.parametrize(
+    ("settings", "argmaxes_per_token"),
+    [
+        ({"temperature": 0, "max_new_tokens": 5}, 1),  # plain greedy: no ban, no bias
+        # Greedy with a ban (as tools/bench.py runs) and a seeded draw come through
+        # sample_batched: its best allowed token, and for a draw the noisy argmax too.
+        ({"temperature": 0, "max_new_tokens": 5, "ban_eos_token": True}, 1),
+        ({"temperature": 0.8, "top_k": 20, "max_new_tokens": 5, "seed": 7}, 2),
+    ],
+    ids=["plain-greedy", "greedy-ban-eos", "seeded-draw"],
+)
+def test_rows_draw_through_the_runners_argmax(
+    model_dir: Path, monkeypatch, settings: dict, argmaxes_per_token: int
+):
+    """The scheduler's rows take the runner's `greedy_tokens` (kernels/argmax.py on a GPU;
+    here its Triton kernels run in the interpreter) for every argmax of a draw, in the
+    lookahead draw and the plain one, and give the single-job loop's tokens (torch's argmax)."""
     from kernels.argmax import argmax_rows
 
     engine = _engine(model_dir)
-    settings = {"temperature": 0, "max_new_tokens": 5}  # plain greedy: no ban, no bias
     ref = [_single(engine, p, settings)[0] for p in PROMPTS[:4]]
     rows_seen: list[int] = []
 
@@ -112,7 +124,7 @@ def test_greedy_rows_draw_through_the_runners_argmax(model_dir: Path, monkeypatc
     by_job = _collect(list(sched.stream_many(jobs)))
     assert [_ids(by_job[job.id]) for job in jobs] == ref
     # Every token of every job came from it (rows of a step drawn together).
-    assert sum(rows_seen) == sum(len(ids) for ids in ref)
+    assert sum(rows_seen) == argmaxes_per_token * sum(len(ids) for ids in ref)
 
 
 def test_batched_equals_single_seeded_sampling(model_dir: Path):

@@ -76,7 +76,7 @@ def test_argmax_rows_errors_and_empty() -> None:
 def test_draw_jobs_draws_plain_greedy_rows_through_the_kernel(tmp_path: Path) -> None:
     """The greedy draw (engine/generator.py draw_jobs) with the kernel as its argmax, as the
     runner gives it on a GPU: all rows plain greedy (one argmax of the batch) and plain rows
-    among sampled ones (the argmax of the rows picked out)."""
+    among sampled ones (the argmax of the rows picked out; the sampled rows' argmaxes too)."""
     write_tokenizer(tmp_path)
     tok = Tokenizer.from_dir(tmp_path)
     seen: list[int] = []
@@ -101,7 +101,10 @@ def test_draw_jobs_draws_plain_greedy_rows_through_the_kernel(tmp_path: Path) ->
     drawn = generator.draw_jobs(jobs(mixed), finite, argmax=through_the_kernel)
     plain = [i for i, s in enumerate(mixed) if s is greedy]
     assert [drawn[i].item() for i in plain] == [finite[i].argmax().item() for i in plain]
-    assert seen == [9, len(plain)]  # one argmax of the batch, then one of the plain rows
+    # One argmax of the batch; then one of the plain rows, and the sampled rows' two in
+    # sample_batched (the best allowed token, the noisy draw).
+    sampled_rows = len(mixed) - len(plain)
+    assert seen == [9, len(plain), sampled_rows, sampled_rows]
 
 
 _COMPILE = """
