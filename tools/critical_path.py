@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-STEP_MARK = "ArgMax"  # the sampler's reduce kernel: one per decode step
+# The last kernel of a step's argmax, one per decode step: kernels/argmax.py's row kernel
+# where the runner's argmax draws, torch's reduce elsewhere. A trace has one kind or the other.
+STEP_MARKS = ("_argmax_rows_kernel", "ArgMax")
 
 
 @dataclass
@@ -84,7 +86,8 @@ def event_key(event: dict[str, Any], by_grid: bool) -> str:
 
 def attribute(events: list[dict[str, Any]], skip: int = 3, by_grid: bool = False) -> Attribution:
     """Charge every event between consecutive step marks (see the module docstring)."""
-    marks = [i for i, e in enumerate(events) if STEP_MARK in e["name"]]
+    mark = next((m for m in STEP_MARKS if any(m in e["name"] for e in events)), STEP_MARKS[0])
+    marks = [i for i, e in enumerate(events) if mark in e["name"]]
     result = Attribution()
     for first, last in zip(marks[skip:], marks[skip + 1 :], strict=False):
         step = events[first : last + 1]
@@ -100,8 +103,8 @@ def attribute(events: list[dict[str, Any]], skip: int = 3, by_grid: bool = False
         result.steps += 1
     if result.steps == 0:
         raise ValueError(
-            f"fewer than {skip + 2} '{STEP_MARK}' kernels in the trace: no decode step to "
-            "attribute (lower --skip, or profile more steps)"
+            f"fewer than {skip + 2} {' or '.join(STEP_MARKS)} kernels in the trace: no decode "
+            "step to attribute (lower --skip, or profile more steps)"
         )
     return result
 

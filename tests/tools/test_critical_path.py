@@ -17,7 +17,7 @@ def _kernel(name: str, ts: float, dur: float) -> dict:
     return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
 
 
-def _step(t0: float) -> list[dict]:
+def _step(t0: float, argmax: str = "void at::native::reduce_kernel<ArgMax>") -> list[dict]:
     """One decode step after the previous step's argmax (which ends at t0), 19 µs long:
     a 4 µs gap (the host), a GEMV 10 µs, an all-reduce launched early under PDL that ends
     3 µs after the GEMV, a norm wholly inside the all-reduce, the argmax 2 µs."""
@@ -25,15 +25,15 @@ def _step(t0: float) -> list[dict]:
         _kernel("_gemv_kernel", t0 + 4, 10),  # ends t0+14
         _kernel("_tp_push_all_reduce_kernel", t0 + 9, 8),  # ends t0+17: charged 3
         _kernel("_rms_norm_kernel", t0 + 10, 2),  # inside: charged 0
-        _kernel("void at::native::reduce_kernel<ArgMax>", t0 + 17, 2),  # ends t0+19
+        _kernel(argmax, t0 + 17, 2),  # ends t0+19
     ]
 
 
-def _trace(steps: int) -> dict:
-    events = [_kernel("argmax ArgMax start", 0, 1)]
+def _trace(steps: int, argmax: str = "void at::native::reduce_kernel<ArgMax>") -> dict:
+    events = [_kernel(argmax, 0, 1)]
     t = 1.0
     for _ in range(steps):
-        events += _step(t)
+        events += _step(t, argmax)
         t += 19  # the step's argmax ends 19 µs after the previous one
     # Host-side events and instant events are not GPU work: ignored.
     events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 3, "dur": 50})
@@ -41,8 +41,21 @@ def _trace(steps: int) -> dict:
     return {"traceEvents": events}
 
 
-def test_an_overlapped_kernel_is_charged_only_what_it_adds() -> None:
-    result = attribute(device_events(_trace(5)), skip=1)
+@pytest.mark.parametrize(
+    "argmax", ["void at::native::reduce_kernel<ArgMax>", "_argmax_parts_kernel|_argmax_rows_kernel"]
+)
+def test_an_overlapped_kernel_is_charged_only_what_it_adds(argmax: str) -> None:
+    """Steps end at torch's argmax reduce, or at kernels/argmax.py's row kernel."""
+    if "|" in argmax:  # the two-kernel argmax: its part kernel runs first in the step
+        parts, argmax = argmax.split("|")
+        trace = _trace(5, argmax)
+        for e in trace["traceEvents"]:
+            if e["name"] == argmax and e["ts"] > 0:
+                trace["traceEvents"].append(_kernel(parts, e["ts"] - 0.5, 0.5))
+        trace["traceEvents"].sort(key=lambda e: e.get("ts", 0))
+    else:
+        trace = _trace(5, argmax)
+    result = attribute(device_events(trace), skip=1)
     assert result.steps == 4
     assert result.step_us == [19.0] * 4
     rows = {r["kernel"]: r for r in result.rows(10)}
