@@ -16,17 +16,15 @@ import torch
 
 from engine.constraints import ApplyMask, mask_logits
 from engine.generator import (
-    Argmax,
     TokenLogprob,
     TokenReadback,
     draw_jobs,
     logprob_entries,
     sample_jobs,
     token_logprobs,
-    torch_argmax,
 )
 from engine.jobs import DECODE, GENERATE, Drawn, Job, Row
-from engine.samplers.batched import host_to_device
+from engine.samplers.batched import Argmax, host_to_device, torch_argmax
 from engine.speculative import verify
 
 RowTokens = tuple[list[int], list[TokenLogprob | None]]  # a row's new tokens, their logprobs
