@@ -54,7 +54,8 @@ def draw_rows(
 ) -> Drawn:
     """One token per job (logits [len(jobs), vocab]) on the device, no host sync; their
     copy to the host starts now, ahead of whatever is queued next. `apply_mask` and
-    `argmax`: the runner's, for the grammar masks of constrained jobs and greedy rows."""
+    `argmax`: the runner's, for the grammar masks of constrained jobs and every argmax of
+    the draw (plain greedy rows, the batched draw's)."""
     logits = mask_logits([(job, n, ()) for n, job in enumerate(jobs)], logits, apply_mask)
     bans = [constraints(job)[0] for job in jobs]
     tokens = draw_jobs([job.sampling for job in jobs], logits, bans if any(bans) else None, argmax)

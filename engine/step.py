@@ -80,6 +80,7 @@ class Runner(Protocol):
         ...
 
     def greedy_tokens(self, logits: Tensor) -> Tensor:
-        """Each row's argmax (int64 [N]) of logits [N, vocab], as torch's argmax gives it:
-        what plain greedy rows draw."""
+        """Each row's argmax (int64 [N]) of logits [N, vocab], exactly as torch's argmax
+        gives it (first index on ties, NaN above all): every argmax of a draw, plain greedy
+        rows' and the batched draw's (engine/samplers/batched.py)."""
         ...

@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-# The last kernel of a step's argmax, one per decode step: kernels/argmax.py's row kernel
-# where the runner's argmax draws, torch's reduce elsewhere. A trace has one kind or the other.
+# The last kernel of a step's argmax: kernels/argmax.py's row kernel where the runner's
+# argmax draws, torch's reduce elsewhere (a trace has one kind or the other). A greedy job's
+# step runs it once; a sampled row's draw runs it twice, which would split its steps in two,
+# so profile greedy jobs (tools/profile_tp_decode.py does).
 STEP_MARKS = ("_argmax_rows_kernel", "ArgMax")
 
 

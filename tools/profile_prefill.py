@@ -23,6 +23,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,10 @@ def linear_parts(model: torch.nn.Module, rows: int) -> dict[str, float]:
         if not isinstance(mod, QuantizedLinear):
             continue
         qw = mod.qweight
-        dequant_s += _cuda_seconds(lambda qw=qw: dequantize_triton(qw, dtype=torch.float16))
+        dequant_s += _cuda_seconds(partial(dequantize_triton, qw, dtype=torch.float16))
         w = dequantize_triton(qw, dtype=torch.float16)
         x = torch.randn(rows, mod.in_features, device="cuda", dtype=torch.float16)
-        matmul_s += _cuda_seconds(lambda x=x, w=w: x @ w)
+        matmul_s += _cuda_seconds(partial(torch.matmul, x, w))
         del w, x
     return {"dequantize_ms": dequant_s * 1e3, "fp16_matmul_ms": matmul_s * 1e3}
 
@@ -73,9 +74,16 @@ def main() -> int:
     add_model_arguments(parser)
     parser.add_argument("--prompts", type=int, nargs="+", default=[512, 2048])
     parser.add_argument(
-        "--mode", default="single", choices=["single", *TP_WORLD], help="one GPU, or TP over 2/4"
+        "--mode",
+        default="single",
+        choices=["single", *TP_WORLD],
+        help="one GPU, or tensor parallel (tools/multigpu_check.py's modes: tp and tp_eager "
+        "over 2 GPUs, tp4 over 4)",
     )
     args = parser.parse_args()
+    need = TP_WORLD.get(args.mode, 1)
+    if torch.cuda.device_count() < need:
+        parser.error(f"--mode {args.mode} needs {need} CUDA GPU(s)")
     path, out = model_from_arguments(args)
     max_seq_len = max(args.prompts) + 16
     if args.mode == "single":
@@ -84,12 +92,12 @@ def main() -> int:
         )
     else:
         engine = load_engine(args.mode, path, max_seq_len)
+    suffix = "" if args.mode == "single" else f"-{args.mode}"
     try:
-        results = _profile_prompts(engine, args, out)
+        results = _profile_prompts(engine, args.prompts, out, suffix)
     finally:
         if engine.tp_world_size > 1:
             engine.abort()  # the rank processes
-    suffix = "" if args.mode == "single" else f"-{args.mode}"
     info = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -103,11 +111,14 @@ def main() -> int:
     return 0
 
 
-def _profile_prompts(engine: Engine, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
-    suffix = "" if args.mode == "single" else f"-{args.mode}"
+def _profile_prompts(
+    engine: Engine, prompts: list[int], out: Path, suffix: str
+) -> list[dict[str, Any]]:
+    """Per prompt length: prefill time, the profiled kernels (written as
+    prefill<suffix>-<length>.txt) and the linears' two parts."""
     vocab = engine.config.vocab_size
     results = []
-    for prompt_len in args.prompts:
+    for prompt_len in prompts:
         prompt = torch.randint(2, vocab, (prompt_len,)).tolist()
 
         def run(prompt: list[int] = prompt) -> None:

@@ -74,9 +74,11 @@ def sample_batched(
     samplers: list[Sampler], logits: Tensor, argmax: Argmax = torch_argmax
 ) -> Tensor:
     """One token per row of logits [B, V], row i drawn by samplers[i] (all `batchable`).
-    `argmax` takes both argmaxes (the best allowed token, the noisy draw): torch's reduces
-    a row of a 128k vocabulary in one thread block, 29 us of an 8B decode step on an H200,
-    and a job with ban_eos_token or a temperature comes here, not to the plain greedy path.
+    `argmax` takes the best allowed token and, where a row draws, the noisy draw's argmax;
+    it must give exactly torch's argmax (first index on ties, NaN above all). torch's
+    reduces a row of a 128k vocabulary in one thread block, 29 us of an 8B decode step on an
+    H200, and a job with ban_eos_token or a temperature comes here, not to the plain greedy
+    path.
 
     Advances each sampler's `generated` count, as its own `sample_batch` would."""
     device = logits.device

@@ -73,10 +73,11 @@ def test_argmax_rows_errors_and_empty() -> None:
         argmax_rows(torch.zeros(10, 3).t(), backend="triton")
 
 
-def test_draw_jobs_draws_plain_greedy_rows_through_the_kernel(tmp_path: Path) -> None:
-    """The greedy draw (engine/generator.py draw_jobs) with the kernel as its argmax, as the
-    runner gives it on a GPU: all rows plain greedy (one argmax of the batch) and plain rows
-    among sampled ones (the argmax of the rows picked out; the sampled rows' argmaxes too)."""
+def test_draw_jobs_takes_every_argmax_through_the_kernel(tmp_path: Path) -> None:
+    """The draw (engine/generator.py draw_jobs) with the kernel as its argmax, as the runner
+    gives it on a GPU: all rows plain greedy (one argmax of the batch), plain rows among
+    sampled ones (the argmax of the rows picked out, then the sampled rows' two), and all
+    rows sampled (two argmaxes of the whole batch); every token as torch's argmax draws it."""
     write_tokenizer(tmp_path)
     tok = Tokenizer.from_dir(tmp_path)
     seen: list[int] = []
@@ -101,10 +102,17 @@ def test_draw_jobs_draws_plain_greedy_rows_through_the_kernel(tmp_path: Path) ->
     drawn = generator.draw_jobs(jobs(mixed), finite, argmax=through_the_kernel)
     plain = [i for i, s in enumerate(mixed) if s is greedy]
     assert [drawn[i].item() for i in plain] == [finite[i].argmax().item() for i in plain]
+    # The same seeds drawn with torch's argmax give the same tokens, sampled rows included.
+    assert torch.equal(drawn, generator.draw_jobs(jobs(mixed), finite))
     # One argmax of the batch; then one of the plain rows, and the sampled rows' two in
     # sample_batched (the best allowed token, the noisy draw).
     sampled_rows = len(mixed) - len(plain)
     assert seen == [9, len(plain), sampled_rows, sampled_rows]
+    seen.clear()
+    every = finite.nan_to_num(nan=0.0, posinf=60.0)
+    drawn = generator.draw_jobs(jobs([sampled] * 9), every, argmax=through_the_kernel)
+    assert torch.equal(drawn, generator.draw_jobs(jobs([sampled] * 9), every))
+    assert seen == [9, 9]  # the whole batch drawn together: no rows picked out
 
 
 _COMPILE = """

@@ -49,10 +49,14 @@ def test_an_overlapped_kernel_is_charged_only_what_it_adds(argmax: str) -> None:
     if "|" in argmax:  # the two-kernel argmax: its part kernel runs first in the step
         parts, argmax = argmax.split("|")
         trace = _trace(5, argmax)
-        for e in trace["traceEvents"]:
-            if e["name"] == argmax and e["ts"] > 0:
-                trace["traceEvents"].append(_kernel(parts, e["ts"] - 0.5, 0.5))
-        trace["traceEvents"].sort(key=lambda e: e.get("ts", 0))
+        part_kernels = [
+            _kernel(parts, e["ts"] - 0.5, 0.5)
+            for e in trace["traceEvents"]
+            if e["name"] == argmax and e["ts"] > 0
+        ]
+        trace["traceEvents"] = sorted(
+            trace["traceEvents"] + part_kernels, key=lambda e: e.get("ts", 0)
+        )
     else:
         trace = _trace(5, argmax)
     result = attribute(device_events(trace), skip=1)
