@@ -4,8 +4,11 @@ the residual add + RMSNorm that follows it.
 Every rank holds one buffer that every rank can address (torch's symmetric memory over
 NVLink on GPUs; plain CPU tensors in the tests), laid out as `SiteBuffers` says:
 
-    data:  [sites, site_floats] float32   one slice per all-reduce site (each o_proj and
-                                          down_proj of each layer: 2 per layer)
+    data:  [sites, site_elements]         one slice per all-reduce site (each o_proj and
+                                          down_proj of each layer: 2 per layer), float32
+                                          for the decode GEMVs' partials; for prompt rows
+                                          two slices in the activation dtype, the sites
+                                          taking them in turn (`site % 2`: PROMPT_SLOTS)
     flags: [sites, world, max_rows] int32 flags[s, q, row]: rank q's partial of site s is
                                           complete up to its call number flags[s, q, row]
 and, local to each rank, `epochs` [sites, max_rows] int32: how many calls of site s
@@ -78,8 +81,9 @@ class SiteBuffers:
 
     data_bases / flag_bases: int64 [world] on the rank's device, every rank's data and flag
     region as this rank addresses it (peer pointers). epochs: int32 [sites, max_rows], this
-    rank's own, zero at first. `data` is this rank's data region as a tensor: the GEMVs
-    write their partials into its slices (`site_slice`)."""
+    rank's own, zero at first. `data` is this rank's data region as a tensor (float32, or
+    float16/bfloat16 for prompt rows): the partials are written into its slices
+    (`site_slice`), `site_elements` of data's dtype each."""
 
     data: torch.Tensor
     data_bases: torch.Tensor
@@ -88,16 +92,16 @@ class SiteBuffers:
     rank: int
     world: int
     sites: int
-    site_floats: int
+    site_elements: int
     max_rows: int
 
     def site_slice(self, site: int, rows: int, hidden: int) -> torch.Tensor:
-        """This rank's float32 [rows, hidden] slice of `site` for the partial."""
-        start = site * self.site_floats
+        """This rank's [rows, hidden] slice of `site` (data's dtype) for the partial."""
+        start = site * self.site_elements
         return self.data[start : start + rows * hidden].view(rows, hidden)
 
     def fits(self, rows: int, hidden: int) -> bool:
-        return 0 < rows <= self.max_rows and rows * hidden <= self.site_floats
+        return 0 < rows <= self.max_rows and rows * hidden <= self.site_elements
 
 
 # How long the engine's all-reduce waits for a peer before it stops its GPU with an error.
@@ -223,7 +227,7 @@ def store_reduced(
 
 @triton.jit
 def _tp_all_reduce_kernel(
-    data_bases_ptr,  # int64 [WORLD]: every rank's data region (float32)
+    data_bases_ptr,  # int64 [WORLD]: every rank's data region (DATA_KIND's dtype)
     flag_bases_ptr,  # int64 [WORLD]: every rank's flags (int32)
     epoch_ptr,  # int32 [sites, MAX_ROWS]: this rank's call counts
     residual_ptr,  # ADD_NORM: the residual stream; else unused (out)
@@ -234,7 +238,7 @@ def _tp_all_reduce_kernel(
     rank,
     D,
     eps,
-    site_offset,  # site * site_floats: where the site's slice starts in each data region
+    site_offset,  # site * site_elements: where the site's slice starts in each data region
     out_row_stride,
     residual_row_stride,
     residual_out_row_stride,
@@ -247,6 +251,7 @@ def _tp_all_reduce_kernel(
     USE_PDL: tl.constexpr,
     MAX_SPINS: tl.constexpr,  # 0 in the engine; tests bound the waits (wait_flag)
     TIMEOUT_NS: tl.constexpr,  # the engine's bound on GPUs (peer_timeout_ns)
+    DATA_KIND: tl.constexpr,  # the partials' dtype (DATA_KINDS): float32, float16, bfloat16
 ):
     # The next kernel may launch now (it loads its weights while this one waits for the
     # peers); then wait for the GEMV that wrote this rank's partial.
@@ -279,9 +284,18 @@ def _tp_all_reduce_kernel(
     for q in tl.static_range(WORLD):
         # Regions start on 16 bytes (SiteAllReduce.build checks): whole 16-byte loads where
         # the offset allows, not 4 floats one by one (the address came from memory).
-        data = tl.multiple_of(tl.load(data_bases_ptr + q).to(tl.pointer_type(tl.float32)), 16)
+        base = tl.load(data_bases_ptr + q)
+        if DATA_KIND == 0:
+            data = tl.multiple_of(base.to(tl.pointer_type(tl.float32)), 16)
+        elif DATA_KIND == 1:
+            data = tl.multiple_of(base.to(tl.pointer_type(tl.float16)), 16)
+        else:
+            data = tl.multiple_of(base.to(tl.pointer_type(tl.bfloat16)), 16)
         # .cv: fetched again each call, never an L1 copy of the previous call's partial.
+        # Half-precision partials are summed in float32 too: two ranks' sum rounds once,
+        # as NCCL's half-precision add does.
         part = tl.load(data + offset + cols, mask=mask, other=0.0, cache_modifier=".cv")
+        part = part.to(tl.float32)
         if q == 0:
             acc = part  # rank 0's partial as it is: the same sum as the unfused p0 + p1
         else:
@@ -310,6 +324,10 @@ def _tp_all_reduce_kernel(
 
 # Triton 3.6's interpreter truncates float32 -> bfloat16: see kernels.backend.cast_rtne.
 _INTERPRETED = is_interpreted(_tp_all_reduce_kernel)
+
+
+# The partials' dtypes the kernel reads (DATA_KIND is the index).
+DATA_KINDS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_site_call(sites: SiteBuffers, site: int, rows: int, hidden: int) -> None:
@@ -380,7 +398,7 @@ def _launch(
             sites.rank,
             hidden,
             float(eps),
-            site * sites.site_floats,
+            site * sites.site_elements,
             out.stride(0),
             residual.stride(0),
             residual_out.stride(0),
@@ -393,6 +411,7 @@ def _launch(
             USE_PDL=pdl,
             MAX_SPINS=max_spins,
             TIMEOUT_NS=peer_timeout_ns(_INTERPRETED),
+            DATA_KIND=DATA_KINDS.index(sites.data.dtype),
             num_warps=norm_num_warps(block_d),
             launch_pdl=pdl,
         )

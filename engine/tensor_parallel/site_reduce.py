@@ -22,6 +22,10 @@ memory). Both sum in rank order and give the same bits. KESTREL_TP_SITE_KERNEL p
 (default `push`: 3.1 against 7.5 µs per all-reduce on 2 H100s, and the whole multi-GPU
 suite passes with it on 2 H200s; `flags` stays as the fallback to compare against).
 
+Prompt rows (more than a site holds) at the same linears take two more slices in the
+activation dtype (`build_prompt`, PROMPT_SLOTS): the product is copied in and the `flags`
+kernel sums it, in place of NCCL's ring.
+
 Set up once per rank, after the process group, at the same point on every rank (a
 collective: symmetric memory). KESTREL_TP_FUSED=0 keeps torch's one-shot path (for
 comparisons); KESTREL_TP_ALLREDUCE=nccl turns all of symmetric memory off.
@@ -61,6 +65,16 @@ log = logging.getLogger(__name__)
 SITE_BYTES = 256 << 10
 # Rows the flags and epochs are kept for (the most a site slice holds at hidden >= 1024).
 MAX_SITE_ROWS = 64
+# Prompt rows (a prefill chunk: more rows than a site holds) take the `flags` kernel over
+# two slices in the activation dtype, the sites using them in turn (site % PROMPT_SLOTS):
+# NCCL's ring took 35 us for an 8B's 512 x 4096 float16 sum on 2 H200s, 2.3 of a TP
+# prefill's 13.1 ms (bench/results/multigpu/2026-11-29-2xh200-tp-8b-profiles-s28.json).
+# Two slices keep kernels/tp_all_reduce.py's argument: a rank writes a slice again only
+# after a call on the other slice has waited for every peer, whose kernel of the call
+# before, the one that read the slice, has then completed. Rows up to a default prefill
+# chunk: 2 x 2048 x 8192 x 2 bytes = 64 MiB a rank for a 70B, 32 MiB for an 8B.
+PROMPT_SLOTS = 2
+PROMPT_MAX_ROWS = 2048
 
 
 SITE_KERNELS = ("flags", "push")
@@ -141,11 +155,15 @@ class SiteAllReduce:
         kernel: str | None = None,
         *,
         enabled: bool = True,
+        data_dtype: torch.dtype = torch.float32,
+        max_rows: int | None = None,
     ) -> SiteAllReduce | None:
         """The rank's site buffers for `sites` sites of `hidden` outputs, or None where the
         kernel can't be used here or on a peer rank (logged): every rank gets buffers or
         every rank None. A collective: every rank calls it at one point, with the same
-        `kernel` (`flags` or `push`; None: site_kernel()), or all of them raise."""
+        `kernel` (`flags` or `push`; None: site_kernel()), or all of them raise.
+        `data_dtype` and `max_rows`: the partials' dtype and the rows a site holds (default:
+        float32 decode partials, as many rows as SITE_BYTES hold, at most MAX_SITE_ROWS)."""
         if hidden > MAX_FUSED_D or sites < 2:  # the same on every rank (one model)
             return None
         try:
@@ -154,8 +172,13 @@ class SiteAllReduce:
             refused: ValueError | None = error
         else:
             refused = None
-        site_floats = SITE_BYTES // 4
-        max_rows = min(MAX_SITE_ROWS, site_floats // hidden)
+        if max_rows is None:
+            max_rows = min(MAX_SITE_ROWS, SITE_BYTES // 4 // hidden)
+            site_elements = SITE_BYTES // data_dtype.itemsize
+        else:
+            site_elements = max_rows * hidden
+        # The data region in float32 words, on 16 bytes (the flags follow it).
+        data_words = -(-sites * site_elements * data_dtype.itemsize // 16) * 4
         world_group = group if group is not None else dist.group.WORLD
         assert world_group is not None
         # Each rank's own steps may fail where its peers' succeed (its environment, its
@@ -170,17 +193,16 @@ class SiteAllReduce:
                 import torch.distributed._symmetric_memory as symm_mem
 
                 world = dist.get_world_size(world_group)
-                data_floats = sites * site_floats
                 flag_ints = sites * world * max_rows
                 recv_ints = recv_words(world, max_rows, hidden) if kernel == "push" else 0
-                words = data_floats + flag_ints + 4 + recv_ints
+                words = data_words + flag_ints + 4 + recv_ints
                 buffer = symmetric_empty(words, torch.float32, device)
                 # The receive region on a 16-byte boundary: the kernel stores 4 words at a time.
-                flags_end = -(-(data_floats + flag_ints) // 4) * 4
+                flags_end = -(-(data_words + flag_ints) // 4) * 4
                 # Zero the flags (and fill the receive cells with SENTINEL) before any peer can
                 # write into them: the barrier below orders this before every peer's first
                 # kernel (stream order).
-                buffer[data_floats:flags_end].view(torch.int32).zero_()
+                buffer[data_words:flags_end].view(torch.int32).zero_()
                 recv = buffer[flags_end : flags_end + recv_ints].view(torch.int32)
                 recv.fill_(SENTINEL)
             except Exception as error:  # no symmetric memory in this torch, no room
@@ -229,22 +251,49 @@ class SiteAllReduce:
             )
         return cls(
             SiteBuffers(
-                data=buffer[:data_floats],
+                data=buffer[:data_words].view(data_dtype)[: sites * site_elements],
                 data_bases=data_bases,
-                flag_bases=data_bases + data_floats * 4,
+                flag_bases=data_bases + data_words * 4,
                 epochs=torch.zeros(sites, max_rows, dtype=torch.int32, device=device),
                 rank=handle.rank,
                 world=handle.world_size,
                 sites=sites,
-                site_floats=site_floats,
+                site_elements=site_elements,
                 max_rows=max_rows,
             ),
             push,
         )
 
+    @classmethod
+    def build_prompt(
+        cls,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        hidden: int,
+        dtype: torch.dtype,
+        *,
+        enabled: bool = True,
+    ) -> SiteAllReduce | None:
+        """The prompt rows' all-reduce (see PROMPT_SLOTS): PROMPT_SLOTS slices of
+        PROMPT_MAX_ROWS x `hidden` partials in `dtype` (the activations'), the `flags`
+        kernel. A collective, as `build`."""
+        if dtype not in (torch.float16, torch.bfloat16):
+            return None  # the same on every rank (one model)
+        return cls.build(
+            group,
+            device,
+            PROMPT_SLOTS,
+            hidden,
+            "flags",
+            enabled=enabled,
+            data_dtype=dtype,
+            max_rows=PROMPT_MAX_ROWS,
+        )
+
     def staging(self, site: int, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """The site's float32 slice viewed as `shape` ([..., hidden]) for the GEMV's partial,
-        or None where these rows don't fit (the caller takes another path)."""
+        """The site's slice (float32, or the prompt slices' dtype) viewed as `shape`
+        ([..., hidden]) for the partial, or None where these rows don't fit (the caller takes
+        another path)."""
         hidden = shape[-1]
         rows = math.prod(shape[:-1])
         if not self.buffers.fits(rows, hidden):

@@ -51,7 +51,7 @@ from engine.tensor_parallel.shard import (
     shard_rows_dense,
     shard_rows_quantized,
 )
-from engine.tensor_parallel.site_reduce import SiteAllReduce, fused_enabled
+from engine.tensor_parallel.site_reduce import PROMPT_SLOTS, SiteAllReduce, fused_enabled
 from engine.tensor_parallel.vocab import LoadedVocab, VocabParallelEmbedding, shard_vocab
 from kernels.quant_matmul import quant_matmul
 
@@ -71,7 +71,8 @@ class AllReduceLinear(FusesKernels):
     Decode rows on a GPU with symmetric memory go to the site all-reduce (site_reduce.py,
     set by fused_sites.use_site_all_reduce): the sum and its cast in one kernel, or, where
     `defer_sum` is set and fused kernels are on, the partial handed to the next norm,
-    which sums, adds and normalizes in one kernel."""
+    which sums, adds and normalizes in one kernel. Prompt rows there go to the prompt
+    slices (`prompt_sites`, SiteAllReduce.build_prompt) in the activation dtype."""
 
     def __init__(self, inner: nn.Module, group: dist.ProcessGroup | None) -> None:
         super().__init__()
@@ -82,6 +83,7 @@ class AllReduceLinear(FusesKernels):
         self.sites: SiteAllReduce | None = None
         self.site = -1
         self.defer_sum = False
+        self.prompt_sites: SiteAllReduce | None = None
 
     def _sum(self, y: torch.Tensor) -> torch.Tensor:
         if self.reduce is not None:
@@ -123,7 +125,16 @@ class AllReduceLinear(FusesKernels):
             # The CPU's QuantizedLinear keeps a float32 copy of the weight: take that path.
             y32: torch.Tensor = inner(x.float()).contiguous()
             return self._sum(y32).to(x.dtype)
-        return self._sum(inner(x).contiguous())
+        y = inner(x)
+        prompt = self.prompt_sites
+        if prompt is not None and y.dtype == prompt.buffers.data.dtype:
+            # The sites take the two slices in turn (site_reduce.PROMPT_SLOTS says why).
+            slot = self.site % PROMPT_SLOTS
+            staged = prompt.staging(slot, tuple(y.shape))
+            if staged is not None:
+                staged.copy_(y)
+                return prompt.sum(slot, staged, y.dtype)
+        return self._sum(y.contiguous())
 
 
 def use_all_reduce(model: nn.Module, reduce: GroupAllReduce) -> None:
@@ -156,17 +167,25 @@ def _use_sites(
     widths = {linear.out_features for linear in linears}
     if len(linears) < 2 or len(widths) != 1:
         return
-    sites = SiteAllReduce.build(reduce.group, device, len(linears), widths.pop(), enabled=enabled)
+    width = widths.pop()
+    sites = SiteAllReduce.build(reduce.group, device, len(linears), width, enabled=enabled)
     if sites is None:
         return
+    # After the decode sites, at the same point on every rank (a collective).
+    prompt = SiteAllReduce.build_prompt(
+        reduce.group, device, width, model.embed_dtype, enabled=enabled
+    )
     for linear in linears:
         linear.fuse_kernels = model.fuse_kernels  # set_kernel_fusion switches both
     deferred = wire_sites(model.model.layers, linears, sites)
+    for linear in linears:
+        linear.prompt_sites = prompt
     log.info(
         "tensor parallel: %d decode all-reduces on the site kernel, %d of them fused with "
-        "the next residual add + norm",
+        "the next residual add + norm; prompt rows on %s",
         len(linears),
         deferred,
+        "the site kernel" if prompt is not None else "NCCL",
     )
 
 

@@ -200,6 +200,34 @@ def test_tensor_parallel_over_nccl_matches_one_gpu(model_dir: Path, reference, c
         m.unload()
 
 
+def test_tensor_parallel_prompt_rows_take_the_prompt_slices(model_dir: Path):
+    """A prompt longer than the decode sites' rows: its quantized row-parallel products are
+    summed by the flags kernel over the prompt slices (site_reduce.PROMPT_SLOTS), not NCCL,
+    and the logits are one GPU's up to the summation order."""
+    from engine.tensor_parallel.transform import AllReduceLinear
+
+    ids = torch.randint(3, 384, (200,), generator=torch.Generator().manual_seed(12)).tolist()
+    one = loader.load(model_dir, "kestrel", device="cuda:0", dtype="float16")
+    try:
+        expected = one.logits(ids)
+    finally:
+        one.unload()
+    m = loader.load(model_dir, "kestrel", dtype="float16", tp=2)
+    try:
+        linears = [
+            x
+            for x in m.engine.model.modules()
+            if isinstance(x, AllReduceLinear) and x.prompt_sites is not None
+        ]
+        assert linears, "no prompt slices on these GPUs (symmetric memory refused?)"
+        epochs = linears[0].prompt_sites.buffers.epochs
+        before = epochs[:, 0].clone()
+        _close(m.logits(ids), expected)
+        assert bool((epochs[:, 0] > before).all())  # both slices took calls
+    finally:
+        m.unload()
+
+
 def test_tensor_parallel_with_a_quantized_cache_matches_one_gpu(model_dir: Path, reference):
     """Each rank keeps its KV heads' q8 rows: one GPU's q8 logits up to the cache's own
     quantization noise (the ranks sum in another order, and a value near a rounding boundary

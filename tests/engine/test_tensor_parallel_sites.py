@@ -20,7 +20,7 @@ import loader
 from engine.fusion import set_kernel_fusion
 from engine.quantized_linear import QuantizedLinear
 from engine.tensor_parallel.fused_sites import ReducingRMSNorm, wire_sites
-from engine.tensor_parallel.site_reduce import SiteAllReduce
+from engine.tensor_parallel.site_reduce import PROMPT_SLOTS, SiteAllReduce
 from engine.tensor_parallel.transform import AllReduceLinear, shard_model
 from helpers.mixed_model import build_mixed_model
 from kernels.tp_all_reduce import SiteBuffers
@@ -60,10 +60,32 @@ def _cpu_sites(sites: int, hidden: int, max_rows: int, kernel: str = "flags") ->
             rank=0,
             world=1,
             sites=sites,
-            site_floats=site_floats,
+            site_elements=site_floats,
             max_rows=max_rows,
         ),
         push,
+    )
+
+
+def _cpu_prompt_slices(hidden: int, max_rows: int, dtype: torch.dtype) -> SiteAllReduce:
+    """One rank's prompt slices on the CPU (as SiteAllReduce.build_prompt lays them out):
+    PROMPT_SLOTS slices of max_rows x hidden partials in `dtype`, the flags kernel."""
+    elements = max_rows * hidden
+    data_words = PROMPT_SLOTS * elements * dtype.itemsize // 4
+    buffer = torch.zeros(data_words + PROMPT_SLOTS * max_rows)
+    bases = torch.tensor([buffer.data_ptr()], dtype=torch.int64)
+    return SiteAllReduce(
+        SiteBuffers(
+            data=buffer[:data_words].view(dtype),
+            data_bases=bases,
+            flag_bases=bases + data_words * 4,
+            epochs=torch.zeros(PROMPT_SLOTS, max_rows, dtype=torch.int32),
+            rank=0,
+            world=1,
+            sites=PROMPT_SLOTS,
+            site_elements=elements,
+            max_rows=max_rows,
+        )
     )
 
 
@@ -137,6 +159,46 @@ def test_deferred_sums_reach_their_norms_and_match_the_unsharded_model(
             assert [n % RECV_SLOTS for n in ran] == [sum(quantized) % RECV_SLOTS]
         else:
             assert [bool(n) for n in ran] == quantized
+    finally:
+        model.unload()
+
+
+def test_prompt_rows_take_the_prompt_slices_in_turn(tmp_path: Path, one_rank_group: None) -> None:
+    """Rows past FLOAT32_REDUCE_MAX_ROWS (a prompt) at the quantized sites: each product is
+    copied into the prompt slice of its site's parity and summed by the flags kernel in
+    float16, and the logits are the unsharded model's; shorter prompts and dense layers keep
+    their paths."""
+    path = build_mixed_model(tmp_path / "mixed")
+    ids = torch.randint(3, 384, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    model = loader.load(path, "kestrel", device="cpu", dtype="float16")
+    try:
+        expected = model.logits(ids)
+        causal = model.engine.model
+        shard_model(causal, rank=0, world=1)
+        quantized = [
+            m
+            for m in causal.modules()
+            if isinstance(m, AllReduceLinear) and isinstance(m.inner, QuantizedLinear)
+        ]
+        hidden = quantized[0].out_features
+        sites = _cpu_sites(len(quantized), hidden, max_rows=16)
+        wire_sites(causal.model.layers, quantized, sites)
+        prompt = _cpu_prompt_slices(hidden, 96, torch.float16)
+        for linear in quantized:
+            linear.prompt_sites = prompt
+        logits = model.logits(ids)
+        torch.testing.assert_close(logits, expected, rtol=2e-2, atol=2e-2)
+        assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+        # One call of 80 rows per quantized site, on the slice of its site's parity.
+        per_slot = [len(quantized[s::PROMPT_SLOTS]) for s in range(PROMPT_SLOTS)]
+        epochs = prompt.buffers.epochs
+        assert epochs[:, 0].tolist() == per_slot and min(per_slot) > 0
+        assert bool((epochs[:, :80] == epochs[:, :1]).all()) and int(epochs[:, 80:].sum()) == 0
+        assert int(sites.buffers.epochs.abs().sum()) == 0  # no decode site ran
+        # A short prompt (decode-sized rows) takes the decode sites, not the prompt slices.
+        model.logits(ids[:12])
+        assert epochs[:, 0].tolist() == per_slot
+        assert int(sites.buffers.epochs[:, 0].sum()) == len(quantized)
     finally:
         model.unload()
 

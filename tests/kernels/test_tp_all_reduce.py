@@ -34,23 +34,26 @@ pytestmark = pytest.mark.skipif(
 SITES, SITE_FLOATS, MAX_ROWS = 3, 4 * 96, 4
 
 
-def _ranks(world: int) -> tuple[list[SiteBuffers], list[torch.Tensor]]:
-    """Every rank's SiteBuffers over CPU buffers, and every rank's flags [sites, world, rows]."""
-    data_floats = SITES * SITE_FLOATS
+def _ranks(
+    world: int, data_dtype: torch.dtype = torch.float32
+) -> tuple[list[SiteBuffers], list[torch.Tensor]]:
+    """Every rank's SiteBuffers over CPU buffers, and every rank's flags [sites, world, rows].
+    `data_dtype`: the partials' (float32 for decode sites; the prompt slices' half types)."""
+    data_floats = SITES * SITE_FLOATS * data_dtype.itemsize // 4  # float32 words
     flag_ints = SITES * world * MAX_ROWS
     buffers = [torch.zeros(data_floats + flag_ints) for _ in range(world)]
     data_bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     flag_bases = data_bases + data_floats * 4
     ranks = [
         SiteBuffers(
-            data=b[:data_floats],
+            data=b[:data_floats].view(data_dtype),
             data_bases=data_bases,
             flag_bases=flag_bases,
             epochs=torch.zeros(SITES, MAX_ROWS, dtype=torch.int32),
             rank=r,
             world=world,
             sites=SITES,
-            site_floats=SITE_FLOATS,
+            site_elements=SITE_FLOATS,
             max_rows=MAX_ROWS,
         )
         for r, b in enumerate(buffers)
@@ -98,6 +101,31 @@ def test_sum_in_rank_order_same_bits_on_every_rank(world: int, dtype: torch.dtyp
         swapped = (parts[2] + parts[1] + parts[0]).to(dtype)
         assert float(expected[0, 0]) == 1.0 and float(swapped[0, 0]) > 1.0
         assert not torch.equal(swapped, expected)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_partials_sum_in_float32_rank_order(world: int, dtype: torch.dtype) -> None:
+    """The prompt slices hold the partials in the activation dtype: the kernel sums them in
+    float32 in rank order and rounds once; for two ranks that is the half-precision add
+    NCCL makes (one correctly rounded sum), the same bits on every rank."""
+    ranks, flags = _ranks(world, dtype)
+    rows, hidden = 3, 96
+    for call, site in ((1, 0), (1, 1), (2, 0), (2, 1)):  # two slices taken in turn
+        parts = [p.to(dtype) for p in order_sensitive_partials(world, rows, hidden, call, dtype)]
+        for r, sites in enumerate(ranks):
+            sites.site_slice(site, rows, hidden).copy_(parts[r])
+        _publish_later_ranks(flags, site, rows, call)
+        outs = [site_all_reduce(s, site, rows, hidden, dtype, max_spins=SPINS) for s in ranks]
+        expected = rank_order_sum([p.float() for p in parts]).to(dtype)
+        for out in outs:
+            assert out.dtype == dtype
+            assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+        if world == 2:
+            assert torch.equal(expected.view(torch.int16), (parts[0] + parts[1]).view(torch.int16))
+        for sites in ranks:
+            assert sites.epochs[site, :rows].tolist() == [call] * rows
+    assert int(ranks[0].epochs[2].abs().sum()) == 0  # the third site never called
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -61,7 +61,7 @@ def _ranks(world: int) -> tuple[list[SiteBuffers], list[PushBuffers]]:
                 rank=rank,
                 world=world,
                 sites=SITES,
-                site_floats=SITE_FLOATS,
+                site_elements=SITE_FLOATS,
                 max_rows=MAX_ROWS,
             )
         )
