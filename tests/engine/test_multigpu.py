@@ -187,23 +187,11 @@ def test_autosplit_and_cpu_offload_run(model_dir: Path, reference):
         m.unload()
 
 
-@pytest.mark.parametrize("cuda_graphs", [True, False])
-def test_tensor_parallel_over_nccl_matches_one_gpu(model_dir: Path, reference, cuda_graphs: bool):
-    m = loader.load(model_dir, "kestrel", dtype="float16", tp=2, cuda_graphs=cuda_graphs)
-    try:
-        info = m.info()
-        assert info["placement"]["ranks"] == ["cuda:0", "cuda:1"]
-        assert info["cuda_graphs"] == cuda_graphs
-        _close(m.logits(_ids()), reference[0])
-        assert m.generate(_ids()[:10], GREEDY) == reference[1]
-    finally:
-        m.unload()
-
-
 def test_tensor_parallel_prompt_rows_take_the_prompt_slices(model_dir: Path):
     """A prompt longer than the decode sites' rows: its quantized row-parallel products are
     summed by the flags kernel over the prompt slices (site_reduce.PROMPT_SLOTS), not NCCL,
-    and the logits are one GPU's up to the summation order."""
+    and the logits are one GPU's up to the summation order. First of this file's TP tests:
+    a process sets up symmetric memory for its first TP launch only (all_reduce.py)."""
     from engine.tensor_parallel.transform import AllReduceLinear
 
     ids = torch.randint(3, 384, (200,), generator=torch.Generator().manual_seed(12)).tolist()
@@ -214,16 +202,28 @@ def test_tensor_parallel_prompt_rows_take_the_prompt_slices(model_dir: Path):
         one.unload()
     m = loader.load(model_dir, "kestrel", dtype="float16", tp=2)
     try:
-        linears = [
-            x
-            for x in m.engine.model.modules()
-            if isinstance(x, AllReduceLinear) and x.prompt_sites is not None
-        ]
-        assert linears, "no prompt slices on these GPUs (symmetric memory refused?)"
+        row_parallel = [x for x in m.engine.model.modules() if isinstance(x, AllReduceLinear)]
+        if not any(x.sites is not None for x in row_parallel):
+            pytest.skip("no symmetric memory in this process (an earlier TP launch took it)")
+        linears = [x for x in row_parallel if x.prompt_sites is not None]
+        assert linears, "decode sites but no prompt slices"
         epochs = linears[0].prompt_sites.buffers.epochs
         before = epochs[:, 0].clone()
         _close(m.logits(ids), expected)
         assert bool((epochs[:, 0] > before).all())  # both slices took calls
+    finally:
+        m.unload()
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_tensor_parallel_over_nccl_matches_one_gpu(model_dir: Path, reference, cuda_graphs: bool):
+    m = loader.load(model_dir, "kestrel", dtype="float16", tp=2, cuda_graphs=cuda_graphs)
+    try:
+        info = m.info()
+        assert info["placement"]["ranks"] == ["cuda:0", "cuda:1"]
+        assert info["cuda_graphs"] == cuda_graphs
+        _close(m.logits(_ids()), reference[0])
+        assert m.generate(_ids()[:10], GREEDY) == reference[1]
     finally:
         m.unload()
 
