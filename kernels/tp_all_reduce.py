@@ -46,7 +46,11 @@ every rank has completed the calls before c, every rank reaches call c, publishe
 so every wait of call c ends. A waiting program waits for the peer's program of the same
 row only; whatever it waits for runs on another GPU. With PDL the next kernel launches
 only once every program of this one has started (launch_dependents), so the programs
-this kernel waits on are never kept from running by its successors.
+this kernel waits on are never kept from running by its successors. A prompt's call has
+more rows (up to site_reduce.PROMPT_MAX_ROWS) than a GPU may hold programs at once: then
+progress rests on each GPU starting a grid's programs in increasing order, as NVIDIA GPUs
+do (the lowest row not yet done is then running on every rank); a rank that waits past
+KESTREL_TP_PEER_TIMEOUT_S stops its GPU with an error rather than hang.
 
 Not for CPU/gloo runs: the engine uses it only on CUDA with symmetric memory; on the CPU
 it runs under TRITON_INTERPRET=1 for the tests, which simulate the ranks in one process.

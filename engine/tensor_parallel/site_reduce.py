@@ -71,8 +71,12 @@ MAX_SITE_ROWS = 64
 # prefill's 13.1 ms (bench/results/multigpu/2026-11-29-2xh200-tp-8b-profiles-s28.json).
 # Two slices keep kernels/tp_all_reduce.py's argument: a rank writes a slice again only
 # after a call on the other slice has waited for every peer, whose kernel of the call
-# before, the one that read the slice, has then completed. Rows up to a default prefill
-# chunk: 2 x 2048 x 8192 x 2 bytes = 64 MiB a rank for a 70B, 32 MiB for an 8B.
+# before, the one that read the slice, has then completed. That needs consecutive prompt
+# calls on alternate slices: the sites are numbered in module order, which is call order
+# (as for the decode sites), and a forward has an even number of them (transform.py's
+# _use_sites builds the slices only then), so a forward's last call and the next one's
+# first differ too. Rows up to a default prefill chunk (more go to NCCL): 2 x 2048 x 8192 x
+# 2 bytes = 64 MiB a rank for a 70B, 32 MiB for an 8B.
 PROMPT_SLOTS = 2
 PROMPT_MAX_ROWS = 2048
 
@@ -125,14 +129,14 @@ def sites_agreed(
     return bool(votes[0])
 
 
-def _log_unavailable(problem: Exception | None) -> None:
+def _log_unavailable(problem: Exception | None, fallback: str) -> None:
     reason = (
         f"{type(problem).__name__}: {problem}" if problem else "a peer rank could not set it up"
     )
     log.warning(
-        "tensor parallel: the fused site all-reduce is not available (%s); decode "
-        "all-reduces use torch's one-shot kernel",
+        "tensor parallel: the fused site all-reduce is not available (%s); %s",
         reason,
+        fallback,
     )
 
 
@@ -166,6 +170,11 @@ class SiteAllReduce:
         float32 decode partials, as many rows as SITE_BYTES hold, at most MAX_SITE_ROWS)."""
         if hidden > MAX_FUSED_D or sites < 2:  # the same on every rank (one model)
             return None
+        fallback = (
+            "decode all-reduces use torch's one-shot kernel"
+            if data_dtype == torch.float32
+            else "prompt rows' all-reduces use NCCL"
+        )
         try:
             kernel = site_kernel(kernel)
         except ValueError as error:
@@ -173,8 +182,8 @@ class SiteAllReduce:
         else:
             refused = None
         if max_rows is None:
-            max_rows = min(MAX_SITE_ROWS, SITE_BYTES // 4 // hidden)
             site_elements = SITE_BYTES // data_dtype.itemsize
+            max_rows = min(MAX_SITE_ROWS, site_elements // hidden)
         else:
             site_elements = max_rows * hidden
         # The data region in float32 words, on 16 bytes (the flags follow it).
@@ -216,7 +225,7 @@ class SiteAllReduce:
             raise (refused or disagreement) from (disagreement if refused else None)
         if not agreed:
             if enabled:
-                _log_unavailable(problem)
+                _log_unavailable(problem, fallback)
             else:
                 log.info("tensor parallel: the fused site all-reduce is off (KESTREL_TP_FUSED=0)")
             return None
@@ -235,7 +244,7 @@ class SiteAllReduce:
         except Exception as error:  # no P2P between these GPUs
             problem = error
         if not sites_agreed(world_group, device, problem is None, kernel):
-            _log_unavailable(problem)
+            _log_unavailable(problem, fallback)
             return None
         handle.barrier()
         push = None

@@ -171,10 +171,14 @@ def _use_sites(
     sites = SiteAllReduce.build(reduce.group, device, len(linears), width, enabled=enabled)
     if sites is None:
         return
-    # After the decode sites, at the same point on every rank (a collective).
-    prompt = SiteAllReduce.build_prompt(
-        reduce.group, device, width, model.embed_dtype, enabled=enabled
-    )
+    # After the decode sites, at the same point on every rank (a collective). An even
+    # number of sites, so that consecutive calls take alternate slices across forwards too
+    # (site_reduce.PROMPT_SLOTS); the same on every rank (one model).
+    prompt = None
+    if len(linears) % PROMPT_SLOTS == 0:
+        prompt = SiteAllReduce.build_prompt(
+            reduce.group, device, width, model.embed_dtype, enabled=enabled
+        )
     for linear in linears:
         linear.fuse_kernels = model.fuse_kernels  # set_kernel_fusion switches both
     deferred = wire_sites(model.model.layers, linears, sites)

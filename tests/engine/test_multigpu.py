@@ -187,11 +187,13 @@ def test_autosplit_and_cpu_offload_run(model_dir: Path, reference):
         m.unload()
 
 
-def test_tensor_parallel_prompt_rows_take_the_prompt_slices(model_dir: Path):
+def test_tensor_parallel_prompt_rows_take_the_prompt_slices(model_dir: Path, reference):
     """A prompt longer than the decode sites' rows: its quantized row-parallel products are
     summed by the flags kernel over the prompt slices (site_reduce.PROMPT_SLOTS), not NCCL,
-    and the logits are one GPU's up to the summation order. First of this file's TP tests:
-    a process sets up symmetric memory for its first TP launch only (all_reduce.py)."""
+    and the logits are one GPU's up to the summation order; then greedy decode through the
+    decode sites and their CUDA graphs gives one GPU's text. First of this file's TP tests:
+    a process sets up symmetric memory for its first TP launch only (all_reduce.py), so
+    the decode sites run here and the later TP tests take NCCL."""
     from engine.tensor_parallel.transform import AllReduceLinear
 
     ids = torch.randint(3, 384, (200,), generator=torch.Generator().manual_seed(12)).tolist()
@@ -211,6 +213,20 @@ def test_tensor_parallel_prompt_rows_take_the_prompt_slices(model_dir: Path):
         before = epochs[:, 0].clone()
         _close(m.logits(ids), expected)
         assert bool((epochs[:, 0] > before).all())  # both slices took calls
+        # Decode rows take the decode sites (one instance for every linear and norm): count
+        # the calls that launch their kernels (a CUDA graph's replays relaunch its capture).
+        sites = linears[0].sites
+        calls: list[str] = []
+        for name in ("sum", "add_rms_norm"):
+            method = getattr(sites, name)
+
+            def counted(*args, _method=method, _name=name, **kwargs):
+                calls.append(_name)
+                return _method(*args, **kwargs)
+
+            setattr(sites, name, counted)
+        assert m.generate(_ids()[:10], GREEDY) == reference[1]
+        assert "add_rms_norm" in calls  # the fused sum + residual add + norm ran
     finally:
         m.unload()
 

@@ -186,14 +186,27 @@ def test_prompt_rows_take_the_prompt_slices_in_turn(tmp_path: Path, one_rank_gro
         prompt = _cpu_prompt_slices(hidden, 96, torch.float16)
         for linear in quantized:
             linear.prompt_sites = prompt
+        slots: list[int] = []  # in call order: consecutive calls must take alternate slices
+        summed = prompt.sum
+
+        def recording(site: int, staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            slots.append(site)
+            return summed(site, staged, dtype)
+
+        prompt.sum = recording  # type: ignore[method-assign]
         logits = model.logits(ids)
+        model.logits(ids[:70])  # a second forward: its first call follows the last one's
+        assert len(slots) == 2 * len(quantized) and len(quantized) % PROMPT_SLOTS == 0
+        assert all(a != b for a, b in zip(slots, slots[1:], strict=False)), slots
         torch.testing.assert_close(logits, expected, rtol=2e-2, atol=2e-2)
         assert torch.equal(logits.argmax(-1), expected.argmax(-1))
-        # One call of 80 rows per quantized site, on the slice of its site's parity.
-        per_slot = [len(quantized[s::PROMPT_SLOTS]) for s in range(PROMPT_SLOTS)]
+        # One call of 80 rows per quantized site and forward (two forwards), on the slice
+        # of its site's parity.
+        per_slot = [2 * len(quantized[s::PROMPT_SLOTS]) for s in range(PROMPT_SLOTS)]
         epochs = prompt.buffers.epochs
         assert epochs[:, 0].tolist() == per_slot and min(per_slot) > 0
-        assert bool((epochs[:, :80] == epochs[:, :1]).all()) and int(epochs[:, 80:].sum()) == 0
+        assert bool((epochs[:, :70] == epochs[:, :1]).all()) and int(epochs[:, 80:].sum()) == 0
+        assert bool((epochs[:, 70:80] * 2 == epochs[:, :1]).all())  # the 80-row forward only
         assert int(sites.buffers.epochs.abs().sum()) == 0  # no decode site ran
         # A short prompt (decode-sized rows) takes the decode sites, not the prompt slices.
         model.logits(ids[:12])
