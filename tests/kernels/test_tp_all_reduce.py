@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from helpers.rank_partials import order_sensitive_partials, rank_order_sum
+from helpers.sm90_compile import compiled_facts
 from kernels.rms_norm import add_rms_norm
 from kernels.tp_all_reduce import (
     SiteBuffers,
@@ -126,6 +127,39 @@ def test_half_partials_sum_in_float32_rank_order(world: int, dtype: torch.dtype)
         for sites in ranks:
             assert sites.epochs[site, :rows].tolist() == [call] * rows
     assert int(ranks[0].epochs[2].abs().sum()) == 0  # the third site never called
+
+
+_COMPILE = """
+import inspect, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.tp_all_reduce import _tp_all_reduce_kernel as kernel
+consts = {"WORLD": 2, "MAX_ROWS": 2048, "ADD_NORM": False, "UNIT_OFFSET": False,
+          "BLOCK_D": 4096, "EMULATE_BF16": False, "USE_PDL": True, "MAX_SPINS": 0,
+          "TIMEOUT_NS": 0, "DATA_KIND": int(sys.argv[1])}
+types = {"data_bases_ptr": "*i64", "flag_bases_ptr": "*i64", "epoch_ptr": "*i32", "eps": "fp32"}
+params = inspect.signature(kernel.fn).parameters
+signature = {n: "constexpr" if n in consts else
+             types.get(n, "*fp16" if n.endswith("_ptr") else "i32") for n in params}
+ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+print(json.dumps({"b16_loads": len(re.findall(r"ld\\.global[.a-z]*\\.b16", ptx)),
+                  "b32_loads": len(re.findall(r"ld\\.global[.a-z0-9]*\\.b32", ptx))}))
+"""
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_the_kernel_compiles_for_each_partial_dtype(kind: int) -> None:
+    """The GPU build (sm_90, no GPU needed) for float32, float16 and bfloat16 partials
+    (DATA_KIND): the interpreter accepts what the compiler may not (a pointer whose type
+    depends on a branch). Each thread of 8 warps loads 16 of a 4096-wide row per rank: the
+    half kinds as 16-bit words, float32 as 32-bit ones."""
+    facts = compiled_facts(_COMPILE, str(kind), what=f"the flags kernel, DATA_KIND {kind}")
+    if kind == 0:
+        assert facts["b16_loads"] == 0 and facts["b32_loads"] >= 32, facts
+    else:
+        assert facts["b16_loads"] == 32, facts
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

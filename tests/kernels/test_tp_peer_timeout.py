@@ -37,7 +37,7 @@ types = {"recv_bases_ptr": "*i64", "data_bases_ptr": "*i64", "flag_bases_ptr": "
          "slot_ptr": "*i32", "epoch_ptr": "*i32", "partial_ptr": "*fp32", "eps": "fp32"}
 consts = {"WORLD": 2, "MAX_ROWS": 16, "SLOTS": 3, "ADD_NORM": True, "UNIT_OFFSET": False,
           "BLOCK_D": 4096, "EMULATE_BF16": False, "USE_PDL": True, "MAX_SPINS": 0,
-          "TIMEOUT_NS": timeout_ns}
+          "TIMEOUT_NS": timeout_ns, "DATA_KIND": 0}
 params = inspect.signature(kernel.fn).parameters
 consts = {n: v for n, v in consts.items() if n in params}
 default = {True: "*fp16", False: "i32"}
