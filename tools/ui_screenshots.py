@@ -3,7 +3,9 @@
     python tools/ui_screenshots.py [--out docs/screenshots] [-- ui.py flags...]
 
 Starts `ui.py` on a free loopback port (by default with the default model and a scratch
-user-data folder), asks the chat one question, and saves chat.png, notebook.png,
+user-data folder), waits until it has loaded its model (on a first run it serves the page
+while it prepares the default model, and a question then only gets "Preparing..."), asks the
+chat one question, and saves chat.png, notebook.png,
 parameters.png and model.png, and chat-phone.png (the same chat on a 390 px wide phone
 screen). Needs Chromium at /usr/bin/chromium and playwright.
 """
@@ -11,17 +13,32 @@ screen). Needs Chromium at /usr/bin/chromium and playwright.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--no-first-run", "--disable-sync"]  # fmt: skip
+
+
+LOADED = "[kestrel ui] loaded "  # what ui.py prints once its model is loaded
+
+
+def _echo_until_loaded(stream: IO[str], loaded: threading.Event) -> None:
+    """Pass ui.py's output through (the pipe must keep draining) and set `loaded` at the
+    line that says the model is loaded."""
+    for line in stream:
+        sys.stdout.write(line)
+        if line.startswith(LOADED):
+            loaded.set()
 
 
 def _free_port() -> int:
@@ -42,9 +59,25 @@ def main() -> int:
     port = _free_port()
     with tempfile.TemporaryDirectory() as user_data:
         command = [sys.executable, "ui.py", "--port", str(port), "--user-data-dir", user_data]
-        server = subprocess.Popen([*command, *args.ui_args], cwd=ROOT)
+        server = subprocess.Popen(
+            [*command, *args.ui_args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # each line as it is printed
+        )
+        loaded = threading.Event()
+        assert server.stdout is not None
+        threading.Thread(
+            target=_echo_until_loaded, args=(server.stdout, loaded), daemon=True
+        ).start()
         try:
-            deadline = time.monotonic() + 600
+            # A first run downloads and converts the default model: minutes on a small CPU.
+            deadline = time.monotonic() + 1800
+            while not loaded.wait(timeout=1):
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("ui.py did not load its model")
             while True:
                 try:
                     socket.create_connection(("127.0.0.1", port), timeout=1).close()
