@@ -33,11 +33,19 @@ pytestmark = pytest.mark.skipif(
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ban_eos_token": True}
 
 
-def _cpu_sites(sites: int, hidden: int, max_rows: int, kernel: str = "flags") -> SiteAllReduce:
-    """One rank's site buffers on the CPU, the rank alone in its group."""
-    site_floats = max_rows * hidden
-    buffer = torch.zeros(sites * site_floats + sites * max_rows)
-    data_floats = sites * site_floats
+def _cpu_sites(
+    sites: int,
+    hidden: int,
+    max_rows: int,
+    kernel: str = "flags",
+    dtype: torch.dtype = torch.float32,
+) -> SiteAllReduce:
+    """One rank's site buffers on the CPU, the rank alone in its group: float32 decode
+    sites, or (`dtype` half, sites=PROMPT_SLOTS) the prompt slices as
+    SiteAllReduce.build_prompt lays them out."""
+    elements = max_rows * hidden
+    data_words = sites * elements * dtype.itemsize // 4
+    buffer = torch.zeros(data_words + sites * max_rows)
     bases = torch.tensor([buffer.data_ptr()], dtype=torch.int64)
     push = None
     if kernel == "push":
@@ -53,39 +61,17 @@ def _cpu_sites(sites: int, hidden: int, max_rows: int, kernel: str = "flags") ->
         )
     return SiteAllReduce(
         SiteBuffers(
-            data=buffer[:data_floats],
+            data=buffer[:data_words].view(dtype),
             data_bases=bases,
-            flag_bases=bases + data_floats * 4,
+            flag_bases=bases + data_words * 4,
             epochs=torch.zeros(sites, max_rows, dtype=torch.int32),
             rank=0,
             world=1,
             sites=sites,
-            site_elements=site_floats,
+            site_elements=elements,
             max_rows=max_rows,
         ),
         push,
-    )
-
-
-def _cpu_prompt_slices(hidden: int, max_rows: int, dtype: torch.dtype) -> SiteAllReduce:
-    """One rank's prompt slices on the CPU (as SiteAllReduce.build_prompt lays them out):
-    PROMPT_SLOTS slices of max_rows x hidden partials in `dtype`, the flags kernel."""
-    elements = max_rows * hidden
-    data_words = PROMPT_SLOTS * elements * dtype.itemsize // 4
-    buffer = torch.zeros(data_words + PROMPT_SLOTS * max_rows)
-    bases = torch.tensor([buffer.data_ptr()], dtype=torch.int64)
-    return SiteAllReduce(
-        SiteBuffers(
-            data=buffer[:data_words].view(dtype),
-            data_bases=bases,
-            flag_bases=bases + data_words * 4,
-            epochs=torch.zeros(PROMPT_SLOTS, max_rows, dtype=torch.int32),
-            rank=0,
-            world=1,
-            sites=PROMPT_SLOTS,
-            site_elements=elements,
-            max_rows=max_rows,
-        )
     )
 
 
@@ -183,7 +169,7 @@ def test_prompt_rows_take_the_prompt_slices_in_turn(tmp_path: Path, one_rank_gro
         hidden = quantized[0].out_features
         sites = _cpu_sites(len(quantized), hidden, max_rows=16)
         wire_sites(causal.model.layers, quantized, sites)
-        prompt = _cpu_prompt_slices(hidden, 96, torch.float16)
+        prompt = _cpu_sites(PROMPT_SLOTS, hidden, 96, dtype=torch.float16)
         for linear in quantized:
             linear.prompt_sites = prompt
         slots: list[int] = []  # in call order: consecutive calls must take alternate slices
