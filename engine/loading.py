@@ -26,6 +26,7 @@ from engine.architectures import ARCHITECTURES, CausalLM, architecture_class
 from engine.build_plan import plan_build
 from engine.config import ModelConfig
 from engine.placement.plan import Placement
+from engine.read_ahead import read_ahead
 from engine.weights import WeightError, WeightStore
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ class WeightCuts(Protocol):
         """Decide the parts, from `model` (built on the meta device) and the store's small
         tensors, before any weight is read."""
 
-    def quantized(
+    def read_quantized(
         self,
         store: WeightStore,
         name: str,
@@ -127,8 +128,10 @@ class WeightCuts(Protocol):
         out_features: int,
         device: torch.device,
         quantization_config: dict[str, Any] | None,
-    ) -> nn.Module | None:
-        """This rank's part of quantized linear `name`, or None: the whole linear."""
+    ) -> Callable[[], nn.Module] | None:
+        """Read this rank's part of quantized linear `name` now and return what repacks and
+        cuts it when called (on the load's thread: it reads the next linear meanwhile), or
+        None: the whole linear."""
 
     def dense(
         self,
@@ -338,11 +341,11 @@ def _load_quantized_linears(
     A fused linear (`sources`) is its parts loaded one by one and concatenated."""
     from engine.fusion import concat_linears
     from engine.modules import Linear
-    from engine.quantized_linear import linear_format, load_quantized_linear
+    from engine.quantized_linear import linear_format, read_quantized_linear
 
-    def load(name: str, in_features: int, out_features: int) -> nn.Module:
+    def read(name: str, in_features: int, out_features: int) -> Callable[[], nn.Module]:
         if cuts is not None:
-            part = cuts.quantized(
+            build = cuts.read_quantized(
                 store,
                 name,
                 in_features=in_features,
@@ -350,9 +353,9 @@ def _load_quantized_linears(
                 device=device_of(name),
                 quantization_config=config.quantization_config,
             )
-            if part is not None:
-                return part
-        return load_quantized_linear(
+            if build is not None:
+                return build
+        return read_quantized_linear(
             store,
             name,
             in_features=in_features,
@@ -368,11 +371,18 @@ def _load_quantized_linears(
         return sources[name][0][0] if name in sources else name
 
     stored = [(n, m) for n, m in linears if linear_format(store, first_part(n)) != "dense"]
-    for done, (name, module) in enumerate(stored, start=1):
+
+    def read_linear(entry: tuple[str, Linear]) -> list[Callable[[], nn.Module]]:
+        name, module = entry
+        if name in sources:  # each part read against its own width, as the module was built
+            return [read(part, module.in_features, w) for part, w in sources[name]]
+        return [read(name, module.in_features, module.out_features)]
+
+    def build_linear(entry: tuple[str, Linear], builds: list[Callable[[], nn.Module]]) -> None:
+        name, _ = entry
+        parts = [build() for build in builds]
         if name in sources:
-            # The plan checked that the parts' layouts allow it (engine/build_plan.py); each
-            # part is read and checked against its own width, as the module was built.
-            parts = [load(part, module.in_features, w) for part, w in sources[name]]
+            # The plan checked that the parts' layouts allow it (engine/build_plan.py).
             replacement = concat_linears(parts)
             if replacement is None:
                 names = ", ".join(part for part, _ in sources[name])
@@ -381,13 +391,17 @@ def _load_quantized_linears(
                     "differ): load with fuse_projections=False"
                 )
         else:
-            replacement = load(name, module.in_features, module.out_features)
+            replacement = parts[0]
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, replacement)
         quantized.add(name)
         if progress:
-            fraction = QUANTIZED_SHARE * done / len(stored)
-            progress(fraction, f"quantized linears {done}/{len(stored)}")
+            fraction = QUANTIZED_SHARE * len(quantized) / len(stored)
+            progress(fraction, f"quantized linears {len(quantized)}/{len(stored)}")
+
+    # Linear i+1 is read while linear i is repacked (engine/read_ahead.py); the store is
+    # this thread's again once it returns.
+    read_ahead(stored, read_linear, build_linear)
     if quantized and torch.cuda.is_available():
         # Repacking (and fusing) on the GPU left its temporaries in the allocator's cache:
         # hand them back, so that nvidia-smi and other processes see what the model holds,

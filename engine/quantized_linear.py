@@ -8,7 +8,7 @@ time into the runtime layout of docs/quant_layout.md and runs through
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -139,6 +139,38 @@ def load_quantized_linear(
         torch.device("cpu"),
         tensors,
     )
+
+
+def read_quantized_linear(
+    store: WeightStore,
+    name: str,
+    *,
+    in_features: int,
+    out_features: int,
+    device: torch.device,
+    quantization_config: dict[str, Any] | None,
+) -> Callable[[], QuantizedLinear]:
+    """Read quantized linear `name`'s tensors into host memory now; the function returned
+    validates and repacks them onto `device` (load_quantized_linear) when called. A load
+    reads one linear while it repacks the one before (engine/read_ahead.py)."""
+    fmt = linear_format(store, name)
+    if fmt == "dense":
+        raise ValueError(f"'{name}' is not quantized")
+    names = EXL2_TENSORS if fmt == "exl2" else GPTQ_TENSORS
+    tensors = {n: store.get(f"{name}.{n}") for n in names if f"{name}.{n}" in store}
+
+    def build() -> QuantizedLinear:
+        return load_quantized_linear(
+            store,
+            name,
+            in_features=in_features,
+            out_features=out_features,
+            device=device,
+            quantization_config=quantization_config,
+            tensors=tensors,
+        )
+
+    return build
 
 
 def _load_quantized_linear(

@@ -272,7 +272,7 @@ class RankCuts:
 
     # --- reading the parts ------------------------------------------------------------------
 
-    def quantized(
+    def read_quantized(
         self,
         store: WeightStore,
         name: str,
@@ -281,7 +281,7 @@ class RankCuts:
         out_features: int,
         device: torch.device,
         quantization_config: dict[str, Any] | None,
-    ) -> nn.Module | None:
+    ) -> Callable[[], nn.Module] | None:
         cut = self.cuts.get(name)
         if cut is None:
             return None
@@ -311,27 +311,41 @@ class RankCuts:
                 )
             else:
                 tensors, runs = self._exl2_columns(store, name, cut.cols, device)
-            piece = load(tensors, in_features, sum(b - a for a, b in runs))
+            width = sum(b - a for a, b in runs)
             local = local_index(cut.cols, runs)
-            if local.numel() == piece.qweight.out_features and bool(
-                (local == torch.arange(local.numel())).all()
-            ):
-                return piece  # the piece is the part, in order: nothing left to cut (or copy)
-            return self._timed_cut(lambda: shard_columns(piece, local))
-        assert cut.rows is not None
+            in_order = local.numel() == width and bool((local == torch.arange(width)).all())
+
+            def build_columns() -> nn.Module:
+                piece = load(tensors, in_features, width)
+                if in_order:
+                    return piece  # the piece is the part, in order: nothing left to cut
+                return self._timed_cut(lambda: shard_columns(piece, local))
+
+            return build_columns
+        rows_cut = cut
+        assert rows_cut.rows is not None
         if fmt == "gptq":
             tensors, rows = self._gptq_rows(
-                store, name, cut.rows, in_features, quantization_config, device
+                store, name, rows_cut.rows, in_features, quantization_config, device
             )
-            piece = load(tensors, tensors["g_idx"].numel(), out_features)
-            if piece.qweight.perm is not None:  # rows of the piece, in its runtime order
-                rows = torch.argsort(piece.qweight.perm.long().cpu())[rows]
+            k = tensors["g_idx"].numel()
         else:
-            tensors, rows = self._exl2_rows(store, name, cut.rows, in_features, device)
-            piece = load(tensors, tensors["q_invperm"].numel(), out_features)
-        return self._timed_cut(
-            lambda: shard_rows_quantized(piece, rows, cut.perm, keep_bias=cut.keep_bias)
-        )
+            tensors, rows = self._exl2_rows(store, name, rows_cut.rows, in_features, device)
+            k = tensors["q_invperm"].numel()
+
+        def build_rows() -> nn.Module:
+            piece = load(tensors, k, out_features)
+            kept = rows
+            if fmt == "gptq" and piece.qweight.perm is not None:
+                # rows of the piece, in its runtime order
+                kept = torch.argsort(piece.qweight.perm.long().cpu())[rows]
+            return self._timed_cut(
+                lambda: shard_rows_quantized(
+                    piece, kept, rows_cut.perm, keep_bias=rows_cut.keep_bias
+                )
+            )
+
+        return build_rows
 
     def _timed_cut(self, cut: Callable[[], nn.Module]) -> nn.Module:
         started = time.perf_counter()
