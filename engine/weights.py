@@ -81,6 +81,11 @@ class WeightStore:
         # Part reads: threads, reused staging buffers, asynchronous copies to a GPU.
         self.reader = StagedReader()
         self.place_seconds = 0.0
+        # Of the two above, the seconds spent by a load's read-ahead worker (in parallel with
+        # the load's thread, engine/read_ahead.py), and how long the load's thread waited
+        # for that worker's reads.
+        self.ahead_seconds = 0.0
+        self.ahead_wait_seconds = 0.0
         for file in self._files():
             for name, info in _read_header(file).items():
                 if name in self._tensors:
