@@ -23,7 +23,8 @@ if isinstance(ph, list) and ph:
         spans = {s[0]: round(s[2] - s[1], 2) for s in p.get("spans", [])}
         out[f"rank{r}"] = {"read_and_cut": spans.get("read and cut shard"),
                            **{k: p.get(k) for k in ("read_s", "repack_s", "cut_s",
-                                                     "read_cut_other_s", "stage_wait_s")}}
+                                                     "read_cut_other_s", "stage_wait_s",
+                                                     "ahead_s", "ahead_wait_s")}}
 print(json.dumps(out))
 PY
 }
@@ -55,5 +56,23 @@ check)
         tests/engine/test_multigpu.py > $OUT/tests.txt 2>&1
     echo "tests rc=$? t=$((SECONDS-S))"; tail -5 $OUT/tests.txt
     ;;
-*) echo "usage: load.sh ab|check"; exit 2 ;;
+verify)  # after the review's changes: two TP loads, one single, the GPU tests of the load
+    timeout 200 python tools/multigpu_check.py --shape llama3-70b --format gptq --modes \
+        --work /tmp/k70 --out /tmp/mgb > /tmp/build.txt 2>&1
+    echo "build rc=$? t=$((SECONDS-S))"
+    for i in 1 2; do
+        timeout 80 python tools/profile_tp_load.py $M --mode tp --prestart --t0 $(date +%s.%N) \
+            --json $OUT/v-tp-$i.json > $OUT/v-tp-$i.txt 2>&1
+        echo "tp #$i rc=$? t=$((SECONDS-S)) $(brief $OUT/v-tp-$i.json)"
+    done
+    timeout 60 python tools/profile_tp_load.py $M --mode single --t0 $(date +%s.%N) \
+        --json $OUT/v-single.json > $OUT/v-single.txt 2>&1
+    echo "single rc=$? t=$((SECONDS-S)) $(brief $OUT/v-single.json)"
+    timeout 300 python -m pytest -q -m gpu -p no:cacheprovider -rs tests/engine/test_tensor_parallel.py \
+        tests/engine/test_tensor_parallel_cut_load.py tests/engine/test_tensor_parallel_load.py \
+        tests/engine/test_tensor_parallel_memory.py tests/loader/test_load_progress.py \
+        tests/engine/test_multigpu.py > $OUT/tests.txt 2>&1
+    echo "tests rc=$? t=$((SECONDS-S))"; tail -5 $OUT/tests.txt
+    ;;
+*) echo "usage: load.sh ab|check|verify"; exit 2 ;;
 esac
