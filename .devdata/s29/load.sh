@@ -71,7 +71,7 @@ verify)  # after the review's changes: two TP loads, one single, the GPU tests o
     timeout 300 python -m pytest -q -m gpu -p no:cacheprovider -rs tests/engine/test_tensor_parallel.py \
         tests/engine/test_tensor_parallel_cut_load.py tests/engine/test_tensor_parallel_load.py \
         tests/engine/test_tensor_parallel_memory.py tests/loader/test_load_progress.py \
-        tests/engine/test_multigpu.py > $OUT/tests.txt 2>&1
+        tests/engine/test_multigpu.py tests/engine/test_read_ahead.py > $OUT/tests.txt 2>&1
     echo "tests rc=$? t=$((SECONDS-S))"; tail -5 $OUT/tests.txt
     ;;
 *) echo "usage: load.sh ab|check|verify"; exit 2 ;;

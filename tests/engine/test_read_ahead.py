@@ -210,17 +210,22 @@ def _tensors(obj: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]
             yield from _tensors(value, f"{prefix}[{i}]")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_load_gives_the_same_model_with_and_without_it(
-    tiny_gptq: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_gptq: Path, monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
-    cpu = torch.device("cpu")
-    ahead = dict(_tensors(load_causal_lm(tiny_gptq, device=cpu, dtype=torch.float32)))
+    """On a GPU the pieces are read to the host ahead and repacked there by the load's
+    thread, on the stream the worker was given."""
+    where = torch.device(device)
+    ahead = dict(_tensors(load_causal_lm(tiny_gptq, device=where, dtype=torch.float16)))
     monkeypatch.setenv("KESTREL_LOAD_READ_AHEAD", "0")
-    plain = dict(_tensors(load_causal_lm(tiny_gptq, device=cpu, dtype=torch.float32)))
+    plain = dict(_tensors(load_causal_lm(tiny_gptq, device=where, dtype=torch.float16)))
     assert ahead.keys() == plain.keys()
     planes = [k for k in ahead if ".packed" in k]
     assert planes, "no quantized weight reached: the comparison would be vacuous"
     for name in ahead:
+        if ".packed" in name:
+            assert ahead[name].device.type == device, name
         assert torch.equal(ahead[name], plain[name]), name
 
 
