@@ -74,5 +74,21 @@ verify)  # after the review's changes: two TP loads, one single, the GPU tests o
         tests/engine/test_multigpu.py tests/engine/test_read_ahead.py > $OUT/tests.txt 2>&1
     echo "tests rc=$? t=$((SECONDS-S))"; tail -5 $OUT/tests.txt
     ;;
-*) echo "usage: load.sh ab|check|verify"; exit 2 ;;
+p2048)  # the 70B at prompt 2048, one GPU and TP=2 (the prompt slices take rows up to 2048)
+    for m in single tp; do
+        timeout 240 python tools/multigpu_check.py --shape llama3-70b --format gptq --modes $m \
+            --prompt 2048 --greedy 8 --work /tmp/k70 --out $OUT/mg2048 > $OUT/mg2048-$m.txt 2>&1
+        echo "70b P2048 $m rc=$? t=$((SECONDS-S))"
+    done
+    python - <<'PY'
+import json, os
+out = os.environ["OUT"] + "/mg2048"
+s, t = (json.load(open(f"{out}/llama3-70b-gptq-{m}.json")) for m in ("single", "tp"))
+for k in ("decode_tok_s", "decode_sync_tok_s", "prefill_tok_s", "load_s"):
+    a, b = s.get(k), t.get(k)
+    print(k, a, b, round(b / a, 3) if a and b else None)
+print("greedy equal:", s.get("greedy_tokens") == t.get("greedy_tokens"), s.get("error"), t.get("error"))
+PY
+    ;;
+*) echo "usage: load.sh ab|check|verify|p2048"; exit 2 ;;
 esac
