@@ -33,23 +33,27 @@ class SiteLinear(Protocol):
 
 
 class ReducingRMSNorm(RMSNorm):
-    """An RMSNorm whose residual add may receive a deferred site partial: then the sum over
-    the ranks, the add and the norm are one kernel; anything else goes to RMSNorm's."""
+    """An RMSNorm whose residual add may receive a deferred site partial, a decode row's
+    (`sites`) or a prompt row's (`prompt_sites`, the half-precision prompt slices, set once
+    they are built): then the sum over the ranks, the add and the norm are one kernel;
+    anything else goes to RMSNorm's."""
 
     def __init__(self, norm: RMSNorm, sites: SiteAllReduce) -> None:
         super().__init__(norm.weight.shape[0], norm.eps, unit_offset=norm.unit_offset)
         self.weight = norm.weight
         self.sites = sites
+        self.prompt_sites: SiteAllReduce | None = None
 
     def forward_add(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        site = self.sites.take(x)
-        if site is None:
-            return super().forward_add(x, residual)
-        return self.sites.add_rms_norm(
-            site, residual, self.weight, self.eps, unit_offset=self.unit_offset
-        )
+        for sites in (self.sites, self.prompt_sites):
+            site = sites.take(x) if sites is not None else None
+            if sites is not None and site is not None:
+                return sites.add_rms_norm(
+                    site, residual, self.weight, self.eps, unit_offset=self.unit_offset
+                )
+        return super().forward_add(x, residual)
 
 
 def _known_layer(layer: nn.Module) -> bool:

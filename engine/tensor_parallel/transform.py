@@ -44,7 +44,7 @@ from engine.modules import Attention, FusedGatedMLP, FusesKernels, GatedMLP, Lin
 from engine.quantized_linear import QuantizedLinear
 from engine.tensor_parallel.all_reduce import GroupAllReduce
 from engine.tensor_parallel.errors import TensorParallelError
-from engine.tensor_parallel.fused_sites import wire_sites
+from engine.tensor_parallel.fused_sites import ReducingRMSNorm, wire_sites
 from engine.tensor_parallel.shard import (
     rows_of_inputs,
     shard_columns,
@@ -133,6 +133,10 @@ class AllReduceLinear(FusesKernels):
             staged = prompt.staging(slot, tuple(y.shape))
             if staged is not None:
                 staged.copy_(y)
+                if self.defer_sum and self.fuse_kernels:
+                    # Summed inside the next norm's add, as a decode row's partial is: one
+                    # pass over the sum fewer (fused_sites.ReducingRMSNorm).
+                    return prompt.defer(slot, staged)
                 return prompt.sum(slot, staged, y.dtype)
         return self._sum(y.contiguous())
 
@@ -184,6 +188,9 @@ def _use_sites(
     deferred = wire_sites(model.model.layers, linears, sites)
     for linear in linears:
         linear.prompt_sites = prompt
+    for norm in model.modules():
+        if isinstance(norm, ReducingRMSNorm):
+            norm.prompt_sites = prompt
     log.info(
         "tensor parallel: %d decode all-reduces on the site kernel, %d of them fused with "
         "the next residual add + norm; prompt rows on %s",

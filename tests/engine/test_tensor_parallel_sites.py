@@ -152,8 +152,8 @@ def test_deferred_sums_reach_their_norms_and_match_the_unsharded_model(
 def test_prompt_rows_take_the_prompt_slices_in_turn(tmp_path: Path, one_rank_group: None) -> None:
     """Rows past FLOAT32_REDUCE_MAX_ROWS (a prompt) at the quantized sites: each product is
     copied into the prompt slice of its site's parity and summed by the flags kernel in
-    float16, and the logits are the unsharded model's; shorter prompts and dense layers keep
-    their paths."""
+    float16, inside the next norm where the decode sum would be deferred too, and the
+    logits are the unsharded model's; shorter prompts and dense layers keep their paths."""
     path = build_mixed_model(tmp_path / "mixed")
     ids = torch.randint(3, 384, (80,), generator=torch.Generator().manual_seed(5)).tolist()
     model = loader.load(path, "kestrel", device="cpu", dtype="float16")
@@ -168,22 +168,36 @@ def test_prompt_rows_take_the_prompt_slices_in_turn(tmp_path: Path, one_rank_gro
         ]
         hidden = quantized[0].out_features
         sites = _cpu_sites(len(quantized), hidden, max_rows=16)
-        wire_sites(causal.model.layers, quantized, sites)
+        deferred = wire_sites(causal.model.layers, quantized, sites)
         prompt = _cpu_sites(PROMPT_SLOTS, hidden, 96, dtype=torch.float16)
         for linear in quantized:
             linear.prompt_sites = prompt
-        slots: list[int] = []  # in call order: consecutive calls must take alternate slices
-        summed = prompt.sum
+        norms = [m for m in causal.modules() if isinstance(m, ReducingRMSNorm)]
+        for norm in norms:
+            norm.prompt_sites = prompt
+        # In call order, consecutive calls must take alternate slices; the deferred sums
+        # run inside their norms (sum + residual add + norm, one kernel).
+        slots: list[tuple[str, int]] = []
+        summed, normed = prompt.sum, prompt.add_rms_norm
 
-        def recording(site: int, staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            slots.append(site)
+        def recording_sum(site: int, staged: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            slots.append(("sum", site))
             return summed(site, staged, dtype)
 
-        prompt.sum = recording  # type: ignore[method-assign]
+        def recording_norm(site: int, *args: object, **kwargs: object) -> object:
+            slots.append(("norm", site))
+            return normed(site, *args, **kwargs)  # type: ignore[arg-type]
+
+        prompt.sum = recording_sum  # type: ignore[method-assign]
+        prompt.add_rms_norm = recording_norm  # type: ignore[method-assign,assignment]
         logits = model.logits(ids)
         model.logits(ids[:70])  # a second forward: its first call follows the last one's
         assert len(slots) == 2 * len(quantized) and len(quantized) % PROMPT_SLOTS == 0
-        assert all(a != b for a, b in zip(slots, slots[1:], strict=False)), slots
+        order = [site for _, site in slots]
+        assert all(a != b for a, b in zip(order, order[1:], strict=False)), slots
+        assert deferred > 0 and len(norms) == deferred
+        assert sum(kind == "norm" for kind, _ in slots) == 2 * deferred, slots
+        assert sum(kind == "sum" for kind, _ in slots) == 2 * (len(quantized) - deferred)
         torch.testing.assert_close(logits, expected, rtol=2e-2, atol=2e-2)
         assert torch.equal(logits.argmax(-1), expected.argmax(-1))
         # One call of 80 rows per quantized site and forward (two forwards), on the slice
@@ -198,6 +212,12 @@ def test_prompt_rows_take_the_prompt_slices_in_turn(tmp_path: Path, one_rank_gro
         model.logits(ids[:12])
         assert epochs[:, 0].tolist() == per_slot
         assert int(sites.buffers.epochs[:, 0].sum()) == len(quantized)
+        # Deferred or not, the same logits to the bit: the fused kernel rounds the sum to
+        # the activations' dtype before the residual add, as the sum and the norm apart do.
+        for linear in quantized:
+            linear.defer_sum = False
+        assert torch.equal(model.logits(ids), logits)
+        assert sum(kind == "norm" for kind, _ in slots) == 2 * deferred  # none since
     finally:
         model.unload()
 

@@ -135,7 +135,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.tp_all_reduce import _tp_all_reduce_kernel as kernel
-consts = {"WORLD": 2, "MAX_ROWS": 2048, "ADD_NORM": False, "UNIT_OFFSET": False,
+consts = {"WORLD": 2, "MAX_ROWS": 2048, "ADD_NORM": sys.argv[2] == "1", "UNIT_OFFSET": False,
           "BLOCK_D": 4096, "EMULATE_BF16": False, "USE_PDL": True, "MAX_SPINS": 0,
           "TIMEOUT_NS": 0, "DATA_KIND": int(sys.argv[1])}
 types = {"data_bases_ptr": "*i64", "flag_bases_ptr": "*i64", "epoch_ptr": "*i32", "eps": "fp32"}
@@ -149,17 +149,28 @@ print(json.dumps({"b16_loads": len(re.findall(r"ld\\.global[.a-z]*\\.b16", ptx))
 """
 
 
+@pytest.mark.parametrize("add_norm", [False, True])
 @pytest.mark.parametrize("kind", [0, 1, 2])
-def test_the_kernel_compiles_for_each_partial_dtype(kind: int) -> None:
+def test_the_kernel_compiles_for_each_partial_dtype(kind: int, add_norm: bool) -> None:
     """The GPU build (sm_90, no GPU needed) for float32, float16 and bfloat16 partials
-    (DATA_KIND): the interpreter accepts what the compiler may not (a pointer whose type
-    depends on a branch). Each thread of 8 warps loads 16 of a 4096-wide row per rank: the
-    half kinds as 16-bit words, float32 as 32-bit ones."""
-    facts = compiled_facts(_COMPILE, str(kind), what=f"the flags kernel, DATA_KIND {kind}")
+    (DATA_KIND), summed alone or with the residual add and norm (ADD_NORM: decode rows, and
+    prompt rows in the half kinds): the interpreter accepts what the compiler may not (a
+    pointer whose type depends on a branch). Each thread of 8 warps loads 16 of a 4096-wide
+    row per rank: the half kinds as 16-bit words, float32 as 32-bit ones; the norm adds
+    loads of the residual and the weight (16-bit)."""
+    facts = compiled_facts(
+        _COMPILE,
+        str(kind),
+        str(int(add_norm)),
+        what=f"the flags kernel, DATA_KIND {kind}, ADD_NORM {add_norm}",
+    )
+    partial_b16 = 0 if kind == 0 else 32
     if kind == 0:
-        assert facts["b16_loads"] == 0 and facts["b32_loads"] >= 32, facts
+        assert facts["b32_loads"] >= 32, facts
+    if add_norm:  # the residual's and the weight's 16 values a thread, beside the partials'
+        assert facts["b16_loads"] >= partial_b16 + 32, facts
     else:
-        assert facts["b16_loads"] == 32, facts
+        assert facts["b16_loads"] == partial_b16, facts
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
