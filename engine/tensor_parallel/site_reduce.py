@@ -24,7 +24,9 @@ suite passes with it on 2 H200s; `flags` stays as the fallback to compare agains
 
 Prompt rows (more than a site holds) at the same linears take two more slices in the
 activation dtype (`build_prompt`, PROMPT_SLOTS): the product is copied in and the `flags`
-kernel sums it, in place of NCCL's ring.
+kernel sums it, in place of NCCL's ring; where a decode row's sum is deferred into the next
+norm, so is a prompt row's (fused_sites.py: the copy at the linear, the kernel with the
+residual add and norm at the norm, nothing between them, so the slices' call order holds).
 
 Set up once per rank, after the process group, at the same point on every rank (a
 collective: symmetric memory). KESTREL_TP_FUSED=0 keeps torch's one-shot path (for
