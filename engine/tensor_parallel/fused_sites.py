@@ -53,6 +53,13 @@ class ReducingRMSNorm(RMSNorm):
                 return sites.add_rms_norm(
                     site, residual, self.weight, self.eps, unit_offset=self.unit_offset
                 )
+            if sites is not None and sites.pending:
+                # The deferred partial is not the tensor this norm got (something between
+                # them made a new one): adding x would add this rank's part alone.
+                raise RuntimeError(
+                    "tensor parallel: a deferred row-parallel partial did not reach its norm "
+                    "(the layer changed its output on the way)"
+                )
         return super().forward_add(x, residual)
 
 

@@ -334,6 +334,11 @@ class SiteAllReduce:
         self._pending = _Pending(staged, site)
         return staged
 
+    @property
+    def pending(self) -> bool:
+        """Whether a deferred partial waits for its norm."""
+        return self._pending is not None
+
     def take(self, x: torch.Tensor) -> int | None:
         """The site whose deferred partial `x` is (and it is no longer pending), else None."""
         pending = self._pending

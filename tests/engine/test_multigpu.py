@@ -209,10 +209,20 @@ def test_tensor_parallel_prompt_rows_take_the_prompt_slices(model_dir: Path, ref
             pytest.skip("no symmetric memory in this process (an earlier TP launch took it)")
         linears = [x for x in row_parallel if x.prompt_sites is not None]
         assert linears, "decode sites but no prompt slices"
-        epochs = linears[0].prompt_sites.buffers.epochs
+        prompt = linears[0].prompt_sites
+        epochs = prompt.buffers.epochs
         before = epochs[:, 0].clone()
+        deferred: list[int] = []  # prompt sums run inside their norms (fused_sites.py)
+        normed = prompt.add_rms_norm
+
+        def counted_norm(site, *args, **kwargs):
+            deferred.append(site)
+            return normed(site, *args, **kwargs)
+
+        prompt.add_rms_norm = counted_norm
         _close(m.logits(ids), expected)
         assert bool((epochs[:, 0] > before).all())  # both slices took calls
+        assert sorted(set(deferred)) == [0, 1], deferred
         # Decode rows take the decode sites (one instance for every linear and norm): count
         # the calls that launch their kernels (a CUDA graph's replays relaunch its capture).
         sites = linears[0].sites

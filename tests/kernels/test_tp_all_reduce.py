@@ -140,8 +140,9 @@ consts = {"WORLD": 2, "MAX_ROWS": 2048, "ADD_NORM": sys.argv[2] == "1", "UNIT_OF
           "TIMEOUT_NS": 0, "DATA_KIND": int(sys.argv[1])}
 types = {"data_bases_ptr": "*i64", "flag_bases_ptr": "*i64", "epoch_ptr": "*i32", "eps": "fp32"}
 params = inspect.signature(kernel.fn).parameters
+half = "*bf16" if consts["DATA_KIND"] == 2 else "*fp16"  # the activations' dtype
 signature = {n: "constexpr" if n in consts else
-             types.get(n, "*fp16" if n.endswith("_ptr") else "i32") for n in params}
+             types.get(n, half if n.endswith("_ptr") else "i32") for n in params}
 ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts),
                      target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
 print(json.dumps({"b16_loads": len(re.findall(r"ld\\.global[.a-z]*\\.b16", ptx)),
@@ -173,15 +174,22 @@ def test_the_kernel_compiles_for_each_partial_dtype(kind: int, add_norm: bool) -
         assert facts["b16_loads"] == partial_b16, facts
 
 
+@pytest.mark.parametrize("half_partials", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("unit_offset", [False, True])
-def test_fused_add_rms_norm_matches_the_separate_ops(dtype: torch.dtype, unit_offset: bool) -> None:
-    ranks, flags = _ranks(2)
+def test_fused_add_rms_norm_matches_the_separate_ops(
+    dtype: torch.dtype, unit_offset: bool, half_partials: bool
+) -> None:
+    """Float32 partials (decode sites) or partials in the activations' dtype (the prompt
+    slices, whose sums that feed a norm are deferred into it too)."""
+    ranks, flags = _ranks(2, dtype if half_partials else torch.float32)
     rows, hidden, site, eps = 4, 80, 2, 1e-5
     g = torch.Generator().manual_seed(7)
     weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
     for call in (1, 2):
         parts = [torch.randn(rows, hidden, generator=g) * 3 for _ in ranks]
+        if half_partials:
+            parts = [p.to(dtype) for p in parts]
         residual = (torch.randn(rows, hidden, generator=g) * 4).to(dtype)
         for r, sites in enumerate(ranks):
             sites.site_slice(site, rows, hidden).copy_(parts[r])
@@ -192,7 +200,7 @@ def test_fused_add_rms_norm_matches_the_separate_ops(dtype: torch.dtype, unit_of
             )
             for s in ranks
         ]
-        summed = (parts[0] + parts[1]).to(dtype)
+        summed = (parts[0].float() + parts[1].float()).to(dtype)  # float32, in rank order
         normed_ref, residual_ref = add_rms_norm(
             summed, residual, weight, eps, unit_offset=unit_offset, backend="triton"
         )
