@@ -26,7 +26,7 @@ from engine.architectures import ARCHITECTURES, CausalLM, architecture_class
 from engine.build_plan import plan_build
 from engine.config import ModelConfig
 from engine.placement.plan import Placement
-from engine.read_ahead import read_ahead, read_ahead_enabled
+from engine.read_ahead import read_ahead
 from engine.weights import WeightError, WeightStore
 
 log = logging.getLogger(__name__)
@@ -400,16 +400,16 @@ def _load_quantized_linears(
             progress(fraction, f"quantized linears {len(quantized)}/{len(stored)}")
 
     # Linear i+1 is read while linear i is repacked (engine/read_ahead.py); the store is
-    # this thread's again once it returns. Every read between these two points is the
-    # worker's: the builds read nothing (the pieces come with their tensors).
+    # this thread's again once it returns. Every read between these two points is made for
+    # read_ahead's `read` (the builds read nothing: the pieces come with their tensors), and
+    # what they cost this thread is what `waited` hears.
     before = store.read_seconds + store.place_seconds
 
     def waited(seconds: float) -> None:
         store.ahead_wait_seconds += seconds
 
     read_ahead(stored, read_linear, build_linear, waited=waited)
-    if read_ahead_enabled() and len(stored) > 1:
-        store.ahead_seconds += store.read_seconds + store.place_seconds - before
+    store.ahead_seconds += store.read_seconds + store.place_seconds - before
     if quantized and torch.cuda.is_available():
         # Repacking (and fusing) on the GPU left its temporaries in the allocator's cache:
         # hand them back, so that nvidia-smi and other processes see what the model holds,

@@ -9,6 +9,7 @@ time into the runtime layout of docs/quant_layout.md and runs through
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -158,19 +159,16 @@ def read_quantized_linear(
         raise ValueError(f"'{name}' is not quantized")
     names = EXL2_TENSORS if fmt == "exl2" else GPTQ_TENSORS
     tensors = {n: store.get(f"{name}.{n}") for n in names if f"{name}.{n}" in store}
-
-    def build() -> QuantizedLinear:
-        return load_quantized_linear(
-            store,
-            name,
-            in_features=in_features,
-            out_features=out_features,
-            device=device,
-            quantization_config=quantization_config,
-            tensors=tensors,
-        )
-
-    return build
+    return partial(
+        load_quantized_linear,
+        store,
+        name,
+        in_features=in_features,
+        out_features=out_features,
+        device=device,
+        quantization_config=quantization_config,
+        tensors=tensors,
+    )
 
 
 def _load_quantized_linear(

@@ -57,11 +57,18 @@ def read_ahead(
     reads and is raised here: the one of the earliest item, build(i)'s before read(i + 1)'s.
     A read that runs out of GPU memory while the item before it is built is read again on
     this thread once that build is done and its read's tensors are let go. `waited(s)`
-    hears the seconds this thread waited for each read made ahead."""
-    if len(items) < 2 or not read_ahead_enabled():
-        return [build(item, read(item)) for item in items]
-    device, stream = _current_cuda_stream()
+    hears, for each item, the seconds this thread spent before it could build it: waiting
+    for the worker's read, or (read-ahead off, or one item) reading it itself."""
     results: list[Built] = []
+    if len(items) < 2 or not read_ahead_enabled():
+        for item in items:
+            started = time.perf_counter()
+            data = read(item)
+            if waited is not None:
+                waited(time.perf_counter() - started)
+            results.append(build(item, data))
+        return results
+    device, stream = _current_cuda_stream()
     with ThreadPoolExecutor(
         1,
         thread_name_prefix="kestrel-read-ahead",

@@ -81,9 +81,9 @@ class WeightStore:
         # Part reads: threads, reused staging buffers, asynchronous copies to a GPU.
         self.reader = StagedReader()
         self.place_seconds = 0.0
-        # Of the two above, the seconds spent by a load's read-ahead worker (in parallel with
-        # the load's thread, engine/read_ahead.py), and how long the load's thread waited
-        # for that worker's reads.
+        # Of the two above, the seconds spent on a load's quantized linears' reads (by its
+        # read-ahead worker, beside the load's thread: engine/read_ahead.py), and what those
+        # reads cost the load's thread (waiting for the worker, or reading itself).
         self.ahead_seconds = 0.0
         self.ahead_wait_seconds = 0.0
         for file in self._files():

@@ -28,32 +28,37 @@ class SiteLinear(Protocol):
     """What wire_sites sets on a row-parallel linear (transform.AllReduceLinear)."""
 
     sites: SiteAllReduce | None
+    prompt_sites: SiteAllReduce | None
     site: int
     defer_sum: bool
 
 
 class ReducingRMSNorm(RMSNorm):
     """An RMSNorm whose residual add may receive a deferred site partial, a decode row's
-    (`sites`) or a prompt row's (`prompt_sites`, the half-precision prompt slices, set once
-    they are built): then the sum over the ranks, the add and the norm are one kernel;
-    anything else goes to RMSNorm's."""
+    (`sites`) or a prompt row's (`prompt_sites`, the half-precision prompt slices, where
+    they exist): then the sum over the ranks, the add and the norm are one kernel; anything
+    else goes to RMSNorm's."""
 
-    def __init__(self, norm: RMSNorm, sites: SiteAllReduce) -> None:
+    def __init__(
+        self, norm: RMSNorm, sites: SiteAllReduce, prompt_sites: SiteAllReduce | None
+    ) -> None:
         super().__init__(norm.weight.shape[0], norm.eps, unit_offset=norm.unit_offset)
         self.weight = norm.weight
         self.sites = sites
-        self.prompt_sites: SiteAllReduce | None = None
+        self.prompt_sites = prompt_sites
 
     def forward_add(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         for sites in (self.sites, self.prompt_sites):
-            site = sites.take(x) if sites is not None else None
-            if sites is not None and site is not None:
+            if sites is None:
+                continue
+            site = sites.take(x)
+            if site is not None:
                 return sites.add_rms_norm(
                     site, residual, self.weight, self.eps, unit_offset=self.unit_offset
                 )
-            if sites is not None and sites.pending:
+            if sites.pending:
                 # The deferred partial is not the tensor this norm got (something between
                 # them made a new one): adding x would add this rank's part alone.
                 raise RuntimeError(
@@ -79,12 +84,24 @@ def _known_layer(layer: nn.Module) -> bool:
     )
 
 
-def wire_sites(layers: nn.ModuleList, linears: Sequence[SiteLinear], sites: SiteAllReduce) -> int:
-    """Give each row-parallel linear its site (in `linears`' order, the same on every rank)
-    and the site all-reduce; defer the sums that go straight into a norm and replace those
-    norms. Returns how many sums are deferred."""
+def wire_sites(
+    layers: nn.ModuleList,
+    linears: Sequence[SiteLinear],
+    sites: SiteAllReduce,
+    prompt_sites: SiteAllReduce | None = None,
+) -> int:
+    """Give each row-parallel linear its site (in `linears`' order, the same on every rank),
+    the site all-reduce and the prompt slices (None: prompt rows take NCCL); defer the sums
+    that go straight into a norm and replace those norms. Returns how many sums are
+    deferred."""
     for index, linear in enumerate(linears):
         linear.sites, linear.site, linear.defer_sum = sites, index, False
+        linear.prompt_sites = prompt_sites
+
+    def reducing(norm: nn.Module) -> ReducingRMSNorm:
+        assert isinstance(norm, RMSNorm)  # _known_layer checked it
+        return ReducingRMSNorm(norm, sites, prompt_sites)
+
     ours = {id(linear): linear for linear in linears}
     decoders = [layer if _known_layer(layer) else None for layer in layers]
     deferred = 0
@@ -94,12 +111,12 @@ def wire_sites(layers: nn.ModuleList, linears: Sequence[SiteLinear], sites: Site
         o_proj = ours.get(id(layer.self_attn.o_proj))
         if o_proj is not None:
             o_proj.defer_sum = True
-            layer.post_attention_layernorm = ReducingRMSNorm(layer.post_attention_layernorm, sites)
+            layer.post_attention_layernorm = reducing(layer.post_attention_layernorm)
             deferred += 1
         down = ours.get(id(getattr(layer, layer.mlp_name).down_proj))
         following = decoders[i + 1] if i + 1 < len(decoders) else None
         if down is not None and isinstance(following, DecoderLayer):
             down.defer_sum = True
-            following.input_layernorm = ReducingRMSNorm(following.input_layernorm, sites)
+            following.input_layernorm = reducing(following.input_layernorm)
             deferred += 1
     return deferred

@@ -13,11 +13,11 @@ Counts beside the spans (rank.load_rank): the weight files' bytes and read calls
 tensors), cut_plan_s, cut_s, repack_s (load_quantized_linear on the pieces read: the
 move to the device of a piece read elsewhere, validation, repacking, the syncs those
 force), shard_s, stage_buffers and stage_wait_s (engine/staged_reads.py), ahead_s (the
-part of read_s and place_s a read-ahead worker spent beside the load's thread,
-engine/read_ahead.py) and ahead_wait_s (the load's thread waiting for those reads), and
-read_cut_other_s: the rest of the read-and-cut phase (the worker's reads counted as the
-wait for them), which ends with a device sync so that the copies and kernels it queued
-are its own. A 70B TP=2 load had ~18 s of that
+part of read_s and place_s spent on the quantized linears, by the read-ahead worker beside
+the load's thread: engine/read_ahead.py) and ahead_wait_s (what those reads cost the load's
+thread: its waits for them), and read_cut_other_s: the rest of the read-and-cut phase (the
+quantized reads counted as ahead_wait_s), which ends with a device sync so that the copies
+and kernels it queued are its own. A 70B TP=2 load had ~18 s of that
 phase outside every counter: the quantized pieces' pageable copies to the GPU in
 load_quantized_linear were timed by none (issue 33).
 

@@ -169,8 +169,8 @@ def load_rank(
         if device.type == "cuda":
             # The copies and kernels the load queued belong to this phase, not the next.
             torch.cuda.synchronize(device)
-    # The reads a read-ahead worker made ran beside the counters below: what they cost this
-    # thread is the time it waited for them (engine/read_ahead.py).
+    # The quantized linears' reads ran on a read-ahead worker beside the counters below:
+    # what they cost this thread is the time it waited for them (engine/read_ahead.py).
     counted = store.read_seconds + store.place_seconds - store.ahead_seconds
     counted += store.ahead_wait_seconds
     phases.counts.update(

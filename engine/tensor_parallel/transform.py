@@ -44,7 +44,7 @@ from engine.modules import Attention, FusedGatedMLP, FusesKernels, GatedMLP, Lin
 from engine.quantized_linear import QuantizedLinear
 from engine.tensor_parallel.all_reduce import GroupAllReduce
 from engine.tensor_parallel.errors import TensorParallelError
-from engine.tensor_parallel.fused_sites import ReducingRMSNorm, wire_sites
+from engine.tensor_parallel.fused_sites import wire_sites
 from engine.tensor_parallel.shard import (
     rows_of_inputs,
     shard_columns,
@@ -185,12 +185,7 @@ def _use_sites(
         )
     for linear in linears:
         linear.fuse_kernels = model.fuse_kernels  # set_kernel_fusion switches both
-    deferred = wire_sites(model.model.layers, linears, sites)
-    for linear in linears:
-        linear.prompt_sites = prompt
-    for norm in model.modules():
-        if isinstance(norm, ReducingRMSNorm):
-            norm.prompt_sites = prompt
+    deferred = wire_sites(model.model.layers, linears, sites, prompt)
     log.info(
         "tensor parallel: %d decode all-reduces on the site kernel, %d of them fused with "
         "the next residual add + norm; prompt rows on %s",

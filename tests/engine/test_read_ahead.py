@@ -106,9 +106,11 @@ def test_turned_off_it_reads_and_builds_on_this_thread(monkeypatch: pytest.Monke
         order.append(("build", i, threading.current_thread().name))
         return data
 
-    assert read_ahead([0, 1, 2], read, build) == [0, 1, 2]
+    waits: list[float] = []
+    assert read_ahead([0, 1, 2], read, build, waited=waits.append) == [0, 1, 2]
     me = threading.current_thread().name
     assert order == [(step, i, me) for i in range(3) for step in ("read", "build")]
+    assert len(waits) == 3  # the reads made on this thread are what it waited for
 
 
 @pytest.mark.parametrize("value", ["0", "false", "OFF", "no"])
@@ -229,7 +231,10 @@ def test_a_load_gives_the_same_model_with_and_without_it(
         assert torch.equal(ahead[name], plain[name]), name
 
 
-def test_a_ranks_load_phases_count_the_workers_reads_once(tiny_gptq: Path) -> None:
+@pytest.mark.parametrize("ahead", ["1", "0"])
+def test_a_ranks_load_phases_count_the_workers_reads_once(
+    tiny_gptq: Path, monkeypatch: pytest.MonkeyPatch, ahead: str
+) -> None:
     """A TP rank's read-and-cut remainder is its wall time less what its own thread did: the
     worker's reads run beside the repacks and count as the time waited for them, so the
     remainder cannot go below zero (it read -3.2 s on 2x H200 when they were added twice)."""
@@ -241,10 +246,11 @@ def test_a_ranks_load_phases_count_the_workers_reads_once(tiny_gptq: Path) -> No
         cache_type="fp16", max_seq_len=64, cache_pages=4, page_size=16, rope_alpha=1.0,
         cuda_graphs=False, init_method="unused://",  # load_rank joins no group
     )  # fmt: skip
+    monkeypatch.setenv("KESTREL_LOAD_READ_AHEAD", ahead)
     phases = LoadPhases()
     load_rank(spec, 1, phases)
     counts = phases.counts
-    assert counts["ahead_s"] > 0.0, "the rank's quantized reads did not go through the worker"
+    assert counts["ahead_s"] > 0.0, "the rank's quantized reads were not counted as read_ahead's"
     assert counts["ahead_s"] <= counts["read_s"] + counts["place_s"] + 0.002
     assert counts["ahead_wait_s"] >= 0.0
     assert counts["read_cut_other_s"] >= -0.005  # the counts are rounded to the millisecond

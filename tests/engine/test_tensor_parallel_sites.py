@@ -173,13 +173,10 @@ def test_prompt_rows_take_the_prompt_slices_in_turn(
         ]
         hidden = quantized[0].out_features
         sites = _cpu_sites(len(quantized), hidden, max_rows=16)
-        deferred = wire_sites(causal.model.layers, quantized, sites)
         prompt = _cpu_sites(PROMPT_SLOTS, hidden, 96, dtype=torch.float16)
-        for linear in quantized:
-            linear.prompt_sites = prompt
+        deferred = wire_sites(causal.model.layers, quantized, sites, prompt)
         norms = [m for m in causal.modules() if isinstance(m, ReducingRMSNorm)]
-        for norm in norms:
-            norm.prompt_sites = prompt
+        assert all(m.prompt_sites is prompt for m in [*quantized, *norms])
         # In call order, consecutive calls must take alternate slices, and a slice is
         # written (the product copied in) only right before its own call: the deferred sums
         # run inside their norms (sum + residual add + norm, one kernel), with nothing
